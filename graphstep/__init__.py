@@ -1,0 +1,1 @@
+"""graphstep (being assembled)."""

@@ -1,0 +1,259 @@
+"""OptimizerConfig: every knob of the optimizer step, validated in one place.
+
+Field names follow Megatron-Core's ``OptimizerConfig`` where one exists, so a Megatron user can carry a
+config over; graphstep's own fields (``capture``, ``kernel``, ...) are marked as such. The dataclass is
+frozen: a config is a value, and anything that changes while training (lr, weight decay, betas) changes in
+the optimizer's ``param_groups``, not here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+OPTIMIZERS = ("adam", "sgd")
+CAPTURE_MODES = ("auto", "graph", "eager")
+KERNELS = ("fused", "reference")
+INVALIDATION_POLICIES = ("recapture", "raise")
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    # ---- general -------------------------------------------------------------------------------------
+    optimizer: str = "adam"
+    """Update rule: "adam" (Adam/AdamW, see ``decoupled_weight_decay``) or "sgd" (with momentum)."""
+
+    lr: float = 1e-3
+    """Peak learning rate; the initial ``lr`` of every param group without an override."""
+
+    min_lr: Optional[float] = None
+    """Floor of graphstep's LR schedules (``graphstep.scheduler``); None means 0."""
+
+    decoupled_lr: Optional[float] = None
+    """Learning rate for params marked ``is_embedding_or_output_parameter`` (standard overrides)."""
+
+    decoupled_min_lr: Optional[float] = None
+    """Schedule floor for the ``decoupled_lr`` params; None means ``min_lr``."""
+
+    weight_decay: float = 0.01
+    """Weight-decay coefficient; per group it is multiplied by the group's ``wd_mult``."""
+
+    decoupled_weight_decay: bool = True
+    """Adam only: True applies decay to the params directly (AdamW), False adds it to the gradient (L2)."""
+
+    # ---- Adam / SGD ----------------------------------------------------------------------------------
+    adam_beta1: float = 0.9
+    """Adam's first-moment decay, in [0, 1)."""
+
+    adam_beta2: float = 0.999
+    """Adam's second-moment decay, in [0, 1)."""
+
+    adam_eps: float = 1e-8
+    """Adam's denominator term, > 0."""
+
+    sgd_momentum: float = 0.9
+    """SGD momentum in [0, 1); 0 turns the momentum buffer off (no state is allocated)."""
+
+    sgd_nesterov: bool = False
+    """SGD: use Nesterov momentum (needs ``sgd_momentum`` > 0)."""
+
+    # ---- precision -----------------------------------------------------------------------------------
+    fp16: bool = False
+    """Model params in float16 with fp32 main params; turns on dynamic loss scaling unless ``loss_scale``."""
+
+    bf16: bool = False
+    """Model params in bfloat16 with fp32 main params; no loss scaling unless ``loss_scale`` is set."""
+
+    params_dtype: Optional[torch.dtype] = None
+    """dtype of the model params in ``param_flat``. None: bfloat16 with ``bf16``, float16 with ``fp16``,
+    else the model's own dtype. A model built in fp32 is cast once at build; its fp32 values seed the
+    main params, so nothing is lost to the cast."""
+
+    main_params_dtype: torch.dtype = torch.float32
+    """dtype of the main params the update runs on (float32 or float64)."""
+
+    main_grads_dtype: torch.dtype = torch.float32
+    """dtype grads accumulate in. float32 with half params accumulates every backward into an fp32
+    main-grad buffer; the params' dtype accumulates into ``grad_flat`` directly."""
+
+    exp_avg_dtype: torch.dtype = torch.float32
+    """dtype of Adam's first moment (float32 only for now: the fused kernels need it)."""
+
+    exp_avg_sq_dtype: torch.dtype = torch.float32
+    """dtype of Adam's second moment (float32 only for now: the fused kernels need it)."""
+
+    # ---- loss scaling --------------------------------------------------------------------------------
+    loss_scale: Optional[float] = None
+    """A constant loss scale. None: dynamic scaling when ``fp16``, no scaling otherwise."""
+
+    initial_loss_scale: float = 2.0**32
+    """Dynamic scaling: the scale it starts from."""
+
+    min_loss_scale: float = 1.0
+    """Dynamic scaling: the scale never backs off below this."""
+
+    loss_scale_window: int = 1000
+    """Dynamic scaling: clean steps in a row before the scale doubles (the growth interval)."""
+
+    hysteresis: int = 2
+    """Dynamic scaling: non-finite steps tolerated before the scale backs off."""
+
+    # ---- gradient pipeline ---------------------------------------------------------------------------
+    clip_grad: float = 1.0
+    """Global L2 grad-norm clip threshold; 0 turns clipping off (the norm is still reported)."""
+
+    grad_norm_skip_threshold: float = math.inf
+    """Skip the step (decided on device) when the grad norm exceeds this."""
+
+    log_num_zeros_in_grad: bool = False
+    """Count zero grad elements on device into ``StepResult.num_zeros``."""
+
+    # ---- distributed ---------------------------------------------------------------------------------
+    use_distributed_optimizer: bool = False
+    """Shard fp32 main params and optimizer state across the data-parallel ranks (ZeRO-1/2 style)."""
+
+    bucket_size: Optional[int] = None
+    """Elements per communication bucket; None means max(40M, 1M x data-parallel size)."""
+
+    overlap_grad_reduce: bool = False
+    """Start each bucket's reduce-scatter from backward hooks as soon as its grads are complete."""
+
+    overlap_param_gather: bool = False
+    """Defer each bucket's param all-gather to a forward pre-hook of the next iteration."""
+
+    distributed_timeout_s: float = 300.0
+    """graphstep's own: a collective that has not finished after this many seconds raises, naming it."""
+
+    # ---- capture (graphstep's own) -------------------------------------------------------------------
+    capture: str = "auto"
+    """"graph": capture the step after the warm-up (CUDA graph on CUDA, the replay backend on CPU) and
+    raise if it cannot be captured. "auto": capture on CUDA when the step passes the capture check, else
+    run eagerly and say why once. "eager": the debugging mode, stage by stage."""
+
+    capture_warmup_steps: int = 3
+    """Eager steps before capture (lets lazily built state and allocator pools settle)."""
+
+    capture_invalidation: str = "recapture"
+    """What a replay does when the captured step went stale (params replaced, group added, state loaded by
+    replacing tensors, a baked hyperparameter changed): "recapture" it, or "raise"."""
+
+    kernel: str = "fused"
+    """graphstep's own: update math. "fused": torch's fused multi-tensor kernels (lr is a device tensor;
+    betas, eps and weight decay are floats baked into a capture and guarded). "reference": plain tensor
+    ops with every hyperparameter a device tensor (the test oracle; slower)."""
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def replace(self, **changes) -> "OptimizerConfig":
+        """A copy with ``changes`` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def model_dtype(self) -> Optional[torch.dtype]:
+        """The dtype params are cast to at build, or None to keep the model's own."""
+        if self.params_dtype is not None:
+            return self.params_dtype
+        if self.bf16:
+            return torch.bfloat16
+        if self.fp16:
+            return torch.float16
+        return None
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self.loss_scale is None and self.fp16
+
+
+def _fail(field: str, value, allowed: str) -> None:
+    raise ValueError(f"OptimizerConfig.{field}={value!r}: {allowed}")
+
+
+def _check_choice(config: OptimizerConfig, field: str, choices: tuple) -> None:
+    value = getattr(config, field)
+    if value not in choices:
+        _fail(field, value, "must be one of " + ", ".join(repr(c) for c in choices))
+
+
+def _check_number(config: OptimizerConfig, field: str, *, low: float, low_open: bool, high: float = math.inf,
+                  high_open: bool = True, optional: bool = False) -> None:
+    value = getattr(config, field)
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        _fail(field, value, "must be a number")
+    too_low = value <= low if low_open else value < low
+    too_high = value >= high if high_open else value > high
+    if too_low or too_high:
+        left = "(" if low_open else "["
+        right = ")" if high_open else "]"
+        _fail(field, value, f"must lie in {left}{low}, {high}{right}")
+
+
+def validate(config: OptimizerConfig) -> None:
+    """Raise ValueError naming the first field that is out of range or inconsistent with another."""
+    _check_choice(config, "optimizer", OPTIMIZERS)
+    _check_choice(config, "capture", CAPTURE_MODES)
+    _check_choice(config, "kernel", KERNELS)
+    _check_choice(config, "capture_invalidation", INVALIDATION_POLICIES)
+
+    _check_number(config, "lr", low=0.0, low_open=False)
+    for field in ("min_lr", "decoupled_lr", "decoupled_min_lr"):
+        _check_number(config, field, low=0.0, low_open=False, optional=True)
+    if config.min_lr is not None and config.min_lr > config.lr:
+        _fail("min_lr", config.min_lr, f"must not exceed lr={config.lr}")
+    _check_number(config, "weight_decay", low=0.0, low_open=False)
+    _check_number(config, "adam_beta1", low=0.0, low_open=False, high=1.0)
+    _check_number(config, "adam_beta2", low=0.0, low_open=False, high=1.0)
+    _check_number(config, "adam_eps", low=0.0, low_open=True)
+    _check_number(config, "sgd_momentum", low=0.0, low_open=False, high=1.0)
+    if config.sgd_nesterov and config.sgd_momentum == 0:
+        _fail("sgd_nesterov", True, "needs sgd_momentum > 0")
+
+    if config.fp16 and config.bf16:
+        _fail("bf16", True, "fp16 and bf16 are exclusive; set one")
+    for field in ("params_dtype", "main_params_dtype", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        value = getattr(config, field)
+        if value is None and field == "params_dtype":
+            continue
+        if value not in _FLOAT_DTYPES:
+            _fail(field, value, "must be a torch floating dtype (float32, bfloat16, float16, float64)")
+    if config.main_params_dtype not in (torch.float32, torch.float64):
+        _fail("main_params_dtype", config.main_params_dtype, "must be torch.float32 or torch.float64")
+    for field in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(config, field) != config.main_params_dtype:
+            _fail(field, getattr(config, field), f"must equal main_params_dtype ({config.main_params_dtype}): "
+                  "the fused kernels update state in the main params' dtype")
+    half = (torch.float16, torch.bfloat16)
+    if config.fp16 and config.params_dtype not in (None, torch.float16):
+        _fail("params_dtype", config.params_dtype, "must be torch.float16 (or None) with fp16=True")
+    if config.bf16 and config.params_dtype not in (None, torch.bfloat16):
+        _fail("params_dtype", config.params_dtype, "must be torch.bfloat16 (or None) with bf16=True")
+    if config.params_dtype in half and not (config.fp16 or config.bf16):
+        _fail("params_dtype", config.params_dtype, "half params need fp16=True or bf16=True")
+
+    _check_number(config, "loss_scale", low=0.0, low_open=True, optional=True)
+    _check_number(config, "initial_loss_scale", low=0.0, low_open=True)
+    _check_number(config, "min_loss_scale", low=0.0, low_open=True)
+    if config.min_loss_scale > config.initial_loss_scale:
+        _fail("min_loss_scale", config.min_loss_scale,
+              f"must not exceed initial_loss_scale={config.initial_loss_scale}")
+    for field in ("loss_scale_window", "hysteresis", "capture_warmup_steps"):
+        value = getattr(config, field)
+        minimum = 0 if field == "capture_warmup_steps" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            _fail(field, value, f"must be an integer >= {minimum}")
+
+    _check_number(config, "clip_grad", low=0.0, low_open=False)
+    _check_number(config, "grad_norm_skip_threshold", low=0.0, low_open=True, high=math.inf, high_open=False)
+    if config.bucket_size is not None and (not isinstance(config.bucket_size, int) or config.bucket_size < 1):
+        _fail("bucket_size", config.bucket_size, "must be a positive integer number of elements, or None")
+    if (config.overlap_grad_reduce or config.overlap_param_gather) and not config.use_distributed_optimizer:
+        field = "overlap_grad_reduce" if config.overlap_grad_reduce else "overlap_param_gather"
+        _fail(field, True, "needs use_distributed_optimizer=True")
+    _check_number(config, "distributed_timeout_s", low=0.0, low_open=True)
