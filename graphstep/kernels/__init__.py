@@ -1,0 +1,31 @@
+"""The update math over lists of flat views, with interchangeable implementations of one signature.
+
+Every implementation module provides::
+
+    adam(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, weight_decay, eps,
+         decoupled, grad_scale, found_inf) -> None
+    sgd(params, grads, momentum_buffers, *, lr, weight_decay, momentum, nesterov,
+        grad_scale, found_inf) -> None
+    LIVE_FIELDS: frozenset of the hyperparameters it reads from device tensors
+
+All updates are in place. ``grad_scale`` (0-d fp32) divides the grads: it folds loss-scale unscaling and
+the clip coefficient into the update, so no separate pass rewrites the grads. Like torch's fused kernels,
+every implementation leaves the grads divided by ``grad_scale`` on an applied step (untouched on a
+skipped one): the step consumes them. ``found_inf`` (0-d fp32, 1.0 = skip)
+leaves params and state bitwise unchanged. Hyperparameters in ``LIVE_FIELDS`` are 0-d device tensors;
+the others are Python floats, which a capture bakes in (the engine guards them and recaptures on change).
+``momentum_buffers`` is empty when momentum is 0.
+"""
+
+from types import ModuleType
+
+from . import fused, reference
+
+IMPLEMENTATIONS = {"fused": fused, "reference": reference}
+
+
+def get_kernels(name: str) -> ModuleType:
+    try:
+        return IMPLEMENTATIONS[name]
+    except KeyError:
+        raise ValueError(f"kernel={name!r}: must be one of {', '.join(map(repr, IMPLEMENTATIONS))}") from None

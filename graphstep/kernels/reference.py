@@ -1,0 +1,51 @@
+"""Reference update math: plain tensor ops, every hyperparameter a device tensor, skip by ``torch.where``.
+
+The test oracle for the fused kernels, and the implementation that never bakes a hyperparameter into a
+capture. It follows the operation order of torch.optim's single-tensor Adam/SGD.
+"""
+
+import torch
+
+LIVE_FIELDS = frozenset({"lr", "weight_decay", "beta1", "beta2", "eps", "momentum"})
+
+
+def _unscale(grad, grad_scale, keep):
+    # Like torch's fused kernels, leave the grads divided by grad_scale when the step is applied.
+    unscaled = grad / grad_scale
+    grad.copy_(torch.where(keep, unscaled, grad))
+    return unscaled
+
+
+def adam(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, weight_decay, eps, decoupled,
+         grad_scale, found_inf):
+    keep = found_inf == 0
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2_sqrt = (1 - beta2 ** step).sqrt()
+    step_size = lr / bias_correction1
+    for param, grad_in, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs):
+        grad = _unscale(grad_in, grad_scale, keep)
+        if decoupled:
+            new_param = param * (1 - lr * weight_decay)
+        else:
+            grad = grad + weight_decay * param
+            new_param = param
+        new_exp_avg = exp_avg.lerp(grad, 1 - beta1)
+        new_exp_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * grad * grad
+        denom = new_exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
+        new_param = new_param - step_size * new_exp_avg / denom
+        param.copy_(torch.where(keep, new_param, param))
+        exp_avg.copy_(torch.where(keep, new_exp_avg, exp_avg))
+        exp_avg_sq.copy_(torch.where(keep, new_exp_avg_sq, exp_avg_sq))
+
+
+def sgd(params, grads, momentum_buffers, *, lr, weight_decay, momentum, nesterov, grad_scale, found_inf):
+    keep = found_inf == 0
+    buffers = momentum_buffers if momentum_buffers else [None] * len(params)
+    for param, grad_in, buf in zip(params, grads, buffers):
+        grad = _unscale(grad_in, grad_scale, keep) + weight_decay * param
+        if buf is not None:
+            # Buffers start at zero, so the first step gives buf = grad, as torch's clone-on-first-step does.
+            new_buf = buf * momentum + grad
+            grad = grad + momentum * new_buf if nesterov else new_buf
+            buf.copy_(torch.where(keep, new_buf, buf))
+        param.copy_(torch.where(keep, param - lr * grad, param))

@@ -1,0 +1,121 @@
+"""Update kernels: fused against the reference, the reference against torch.optim, skips bitwise."""
+
+import pytest
+import torch
+
+from graphstep.kernels import fused, get_kernels, reference
+
+SIZES = [129, 1000, 64]
+
+
+def make_state(seed, n_state):
+    g = torch.Generator().manual_seed(seed)
+    flat = lambda: torch.randn(sum(SIZES), generator=g)
+    params, grads = flat(), flat()
+    states = [flat().abs() for _ in range(n_state)]
+    return params, grads, states
+
+
+def views(flat):
+    out, start = [], 0
+    for n in SIZES:
+        out.append(flat[start:start + n])
+        start += n
+    return out
+
+
+def run_adam(kernels, params, grads, states, *, steps, decoupled, found_inf=0.0, grad_scale=2.0):
+    step = torch.zeros(())
+    live = kernels.LIVE_FIELDS
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8)
+    args = {k: torch.tensor(v, dtype=torch.float64) if k in live else v for k, v in hp.items()}
+    for _ in range(steps):
+        step += 1 - found_inf
+        kernels.adam(views(params), views(grads.clone()), views(states[0]), views(states[1]), step=step, decoupled=decoupled,
+                     grad_scale=torch.tensor(grad_scale), found_inf=torch.tensor(found_inf), **args)
+
+
+def run_sgd(kernels, params, grads, states, *, steps, nesterov, found_inf=0.0, grad_scale=2.0):
+    live = kernels.LIVE_FIELDS
+    momentum = 0.9 if states else 0.0
+    hp = dict(lr=1e-2, weight_decay=0.1, momentum=momentum)
+    args = {k: torch.tensor(v, dtype=torch.float64) if k in live else v for k, v in hp.items()}
+    for _ in range(steps):
+        kernels.sgd(views(params), views(grads.clone()), [v for s in states for v in views(s)], nesterov=nesterov,
+                    grad_scale=torch.tensor(grad_scale), found_inf=torch.tensor(found_inf), **args)
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_fused_adam_matches_reference(decoupled):
+    p1, g, s1 = make_state(0, 2)
+    p2, s2 = p1.clone(), [s.clone() for s in s1]
+    run_adam(fused, p1, g, s1, steps=5, decoupled=decoupled)
+    run_adam(reference, p2, g, s2, steps=5, decoupled=decoupled)
+    assert rel(p1, p2) < 1e-6
+    assert rel(s1[0], s2[0]) < 1e-6 and rel(s1[1], s2[1]) < 1e-6
+
+
+@pytest.mark.parametrize("nesterov, momentum", [(False, True), (True, True), (False, False)])
+def test_fused_sgd_matches_reference(nesterov, momentum):
+    p1, g, s1 = make_state(1, 1 if momentum else 0)
+    s1 = [torch.zeros_like(s) for s in s1]
+    p2, s2 = p1.clone(), [s.clone() for s in s1]
+    run_sgd(fused, p1, g, s1, steps=5, nesterov=nesterov)
+    run_sgd(reference, p2, g, s2, steps=5, nesterov=nesterov)
+    assert rel(p1, p2) < 1e-6
+
+
+def test_reference_adam_matches_torch_adamw():
+    p, g, _ = make_state(2, 0)
+    states = [torch.zeros_like(p), torch.zeros_like(p)]
+    ours = p.clone()
+    param = torch.nn.Parameter(p.clone())
+    opt = torch.optim.AdamW([param], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8, foreach=False)
+    for _ in range(5):
+        param.grad = g / 2.0
+        opt.step()
+    run_adam(reference, ours, g, states, steps=5, decoupled=True)
+    assert rel(ours, param.detach()) < 1e-6
+
+
+@pytest.mark.parametrize("kernels", [fused, reference], ids=["fused", "reference"])
+@pytest.mark.parametrize("rule", ["adam", "sgd"])
+def test_skip_leaves_everything_bitwise_unchanged(kernels, rule):
+    params, grads, states = make_state(3, 2 if rule == "adam" else 1)
+    grads[5] = float("inf")
+    before = [params.clone()] + [s.clone() for s in states]
+    if rule == "adam":
+        run_adam(kernels, params, grads, states, steps=3, decoupled=True, found_inf=1.0)
+    else:
+        run_sgd(kernels, params, grads, states, steps=3, nesterov=False, found_inf=1.0)
+    for a, b in zip(before, [params] + states):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kernels", [fused, reference], ids=["fused", "reference"])
+@pytest.mark.parametrize("found_inf", [0.0, 1.0])
+def test_grads_left_unscaled_only_on_applied_steps(kernels, found_inf):
+    params, grads, states = make_state(5, 2)
+    before = grads.clone()
+    kernels.adam(views(params), views(grads), views(states[0]), views(states[1]), step=torch.ones(()),
+                 lr=torch.tensor(1e-3, dtype=torch.float64), beta1=0.9, beta2=0.99, weight_decay=0.0, eps=1e-8,
+                 decoupled=True, grad_scale=torch.tensor(4.0), found_inf=torch.tensor(found_inf))
+    assert torch.equal(grads, before if found_inf else before / 4.0)
+
+
+def test_fused_kernel_refuses_tensor_betas():
+    params, grads, states = make_state(4, 2)
+    with pytest.raises(TypeError, match="beta1 must be a Python float"):
+        fused.adam(views(params), views(grads), views(states[0]), views(states[1]), step=torch.ones(()),
+                   lr=torch.tensor(1e-3), beta1=torch.tensor(0.9), beta2=0.99, weight_decay=0.0, eps=1e-8,
+                   decoupled=True, grad_scale=torch.ones(()), found_inf=torch.zeros(()))
+
+
+def test_get_kernels_names_choices():
+    assert get_kernels("fused") is fused
+    with pytest.raises(ValueError, match="'fused', 'reference'"):
+        get_kernels("triton")
