@@ -30,9 +30,11 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, weight
             grad = grad + weight_decay * param
             new_param = param
         new_exp_avg = exp_avg.lerp(grad, 1 - beta1)
-        new_exp_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * grad * grad
+        # addcmul/addcdiv with the scalar folded into one factor round exactly as torch's mul_/addcmul_/
+        # addcdiv_(value=...) chain does, while the scalars stay device tensors.
+        new_exp_avg_sq = torch.addcmul(exp_avg_sq * beta2, (1 - beta2) * grad, grad)
         denom = new_exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
-        new_param = new_param - step_size * new_exp_avg / denom
+        new_param = torch.addcdiv(new_param, -step_size * new_exp_avg, denom)
         param.copy_(torch.where(keep, new_param, param))
         exp_avg.copy_(torch.where(keep, new_exp_avg, exp_avg))
         exp_avg_sq.copy_(torch.where(keep, new_exp_avg_sq, exp_avg_sq))

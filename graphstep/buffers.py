@@ -1,0 +1,158 @@
+"""Allocate a Layout once, as StaticBuffers, and rebind the model's params and grads to views of it.
+
+After ``allocate`` nothing here is ever replaced (DESIGN.md law 2): ``zero_grad`` zeroes in place and
+checkpoint loading copies in place, so a captured step can keep reading the same addresses forever.
+
+Per buffer key (param dtype, grad dtype) of the layout:
+- ``param_flat``  model dtype, every model param is a view of it;
+- ``grad_flat``   grad dtype; a param's ``.grad`` is a view of it when grads accumulate in the param's
+  dtype, else backward accumulates into an fp32 view ``param.main_grad`` through a hook;
+- ``main_shard``  fp32 main params, this rank's shard; an alias of ``param_flat`` when one rank updates
+  fp32 params in place (no copy, no copy-back);
+- ``grad_shard``  the grads the update reads: ``grad_flat`` itself with one rank, the reduce-scatter
+  output with several;
+- ``state[name]`` optimizer state shards (``exp_avg``, ``exp_avg_sq`` or ``momentum_buffer``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .layout import Layout, Segment
+
+
+@dataclass
+class StaticBuffers:
+    layout: Layout
+    rank: int
+    param_flat: list[torch.Tensor]
+    grad_flat: list[torch.Tensor]
+    main_shard: list[torch.Tensor]
+    grad_shard: list[torch.Tensor]
+    state: dict[str, list[torch.Tensor]]
+    params: list[torch.nn.Parameter]  # in layout (input) order
+    main_grad_hooks: list = field(default_factory=list)
+
+    @property
+    def main_is_param(self) -> list[bool]:
+        """Per buffer: the main params are the model params themselves (updated in place)."""
+        return [m.data_ptr() == p.data_ptr() and m.dtype == p.dtype
+                for m, p in zip(self.main_shard, self.param_flat)]
+
+    def param_view(self, index: int) -> torch.Tensor:
+        place = self.layout.params[index]
+        return self.param_flat[place.buffer][place.start:place.end].view(place.shape)
+
+    def grad_view(self, index: int) -> torch.Tensor:
+        place = self.layout.params[index]
+        return self.grad_flat[place.buffer][place.start:place.end].view(place.shape)
+
+    def grads_in_param_dtype(self, index: int) -> bool:
+        return self.grad_flat[self.layout.params[index].buffer].dtype == self.params[index].dtype
+
+    def bind_grads(self) -> None:
+        """Point every param's grad back at its ``grad_flat`` view, keeping any values written elsewhere.
+
+        Cheap host-side work, run before each step: a user's ``model.zero_grad()`` (set_to_none) or a
+        ``p.grad = ...`` assignment must not make the step read stale memory.
+        """
+        for i, p in enumerate(self.params):
+            if not self.grads_in_param_dtype(i):
+                continue  # main-grad params: the hook moves .grad into main_grad during backward
+            view = self.grad_view(i)
+            if p.grad is None:
+                p.grad = view
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+                p.grad = view
+
+    def zero_grad(self) -> None:
+        for grad in self.grad_flat:
+            grad.zero_()
+        for grad_shard, grad in zip(self.grad_shard, self.grad_flat):
+            if grad_shard.data_ptr() != grad.data_ptr():
+                grad_shard.zero_()
+        self.bind_grads()
+
+    def segment_views(self, tensors: Sequence[torch.Tensor], segments: Sequence[Segment], *,
+                      flat: bool) -> list[torch.Tensor]:
+        """Views of per-buffer ``tensors`` for ``segments``, in full-buffer or shard coordinates."""
+        if flat:
+            return [tensors[s.buffer][s.flat_start:s.flat_end] for s in segments]
+        return [tensors[s.buffer][s.shard_start:s.shard_end] for s in segments]
+
+    def addresses(self) -> dict[str, torch.Tensor]:
+        """Every static tensor by name: what a capture guards before each replay."""
+        named = {}
+        for kind in ("param_flat", "grad_flat", "main_shard", "grad_shard"):
+            for b, tensor in enumerate(getattr(self, kind)):
+                named[f"{kind}[{b}]"] = tensor
+        for name, tensors in self.state.items():
+            for b, tensor in enumerate(tensors):
+                named[f"{name}[{b}]"] = tensor
+        for i, p in enumerate(self.params):
+            named[f"param '{self.layout.params[i].name}'"] = p
+        return named
+
+
+def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int, device: torch.device,
+             main_dtype: torch.dtype, state_names: Sequence[str]) -> StaticBuffers:
+    """Allocate ``layout`` and make ``params`` (in layout order) views of it, values preserved.
+
+    The main params are seeded from the params' values *before* any cast to the model dtype, so a model
+    built in fp32 and trained in bf16 keeps its fp32 initialisation in the main params.
+    """
+    if len(params) != len(layout.params):
+        raise ValueError(f"allocate: {len(params)} params for a layout of {len(layout.params)}")
+    originals = [p.detach().clone() for p in params]
+    dp_size = layout.dp_size
+
+    param_flat, grad_flat, main_shard, grad_shard = [], [], [], []
+    for buf in layout.buffers:
+        param_flat.append(torch.zeros(buf.numel, dtype=buf.param_dtype, device=device))
+        grad_flat.append(torch.zeros(buf.numel, dtype=buf.grad_dtype, device=device))
+        if dp_size == 1 and buf.param_dtype == main_dtype:
+            main_shard.append(param_flat[-1])
+        else:
+            main_shard.append(torch.zeros(buf.shard_numel, dtype=main_dtype, device=device))
+        if dp_size == 1:
+            grad_shard.append(grad_flat[-1])
+        else:
+            grad_shard.append(torch.zeros(buf.shard_numel, dtype=buf.grad_dtype, device=device))
+    state = {name: [torch.zeros(buf.shard_numel, dtype=main_dtype, device=device) for buf in layout.buffers]
+             for name in state_names}
+
+    buffers = StaticBuffers(layout, rank, param_flat, grad_flat, main_shard, grad_shard, state, list(params))
+    for i, p in enumerate(params):
+        place = layout.params[i]
+        if tuple(p.shape) != place.shape:
+            raise ValueError(f"param '{place.name}': shape {tuple(p.shape)} does not match the layout's "
+                             f"{place.shape}")
+        view = buffers.param_view(i)
+        view.copy_(originals[i])
+        p.data = view
+        p.grad = None
+    for owned in layout.owned_ranges(rank):
+        buf = layout.params[owned.param].buffer
+        if main_shard[buf].data_ptr() == param_flat[buf].data_ptr():
+            continue  # fp32 on one rank: main params are the params
+        size = owned.param_end - owned.param_start
+        source = originals[owned.param].reshape(-1)[owned.param_start:owned.param_end]
+        main_shard[buf][owned.shard_start:owned.shard_start + size].copy_(source)
+
+    for i, p in enumerate(params):
+        p.main_grad = buffers.grad_view(i)
+        if not buffers.grads_in_param_dtype(i):
+            buffers.main_grad_hooks.append(p.register_post_accumulate_grad_hook(_accumulate_into_main_grad))
+    buffers.bind_grads()
+    return buffers
+
+
+def _accumulate_into_main_grad(param: torch.nn.Parameter) -> None:
+    # Backward has just written this micro-batch's grad in the param's (half) dtype; fold it into the fp32
+    # main grad and drop it, so the next micro-batch starts a fresh half grad and accumulation is in fp32.
+    param.main_grad.add_(param.grad)
+    param.grad = None

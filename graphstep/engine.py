@@ -1,0 +1,270 @@
+"""The optimizer object users hold: ``get_optimizer`` builds it, ``step`` runs the chain of stages.
+
+It is a ``torch.optim.Optimizer`` as far as torch's LR schedulers, ``param_groups`` and ``state_dict``
+are concerned. Everything else about it is static: the layout is planned once, the buffers are allocated
+once, and ``step`` only refreshes the hyperparameter tensors (host side) and applies the stage chain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import overrides as overrides_mod
+from .buffers import StaticBuffers, allocate
+from .config import OptimizerConfig
+from .distributed import Collectives
+from .hyperparams import HyperParams
+from .kernels import get_kernels
+from .layout import Layout, ParamSpec, plan_layout
+from .scaler import scaler_from_config
+from .stages import Stage, StepTensors, chain, clip, scale, unscale, update, zeros
+
+STATE_DICT_FORMAT = "graphstep/1"
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a step reports, as device tensors (no host sync). They are static and overwritten by the
+    next step: clone what you keep, read ``.item()`` only where you want the sync."""
+
+    update_successful: torch.Tensor  # bool
+    grad_norm: torch.Tensor  # fp32, unscaled global L2 norm before clipping
+    num_zeros: Optional[torch.Tensor]  # int64 count of zero grads, or None
+    loss_scale: torch.Tensor  # fp32, the scale the next backward uses
+
+
+@dataclass
+class StepContext:
+    """What the stage factories build from: one object, so a stage's inputs are explicit."""
+
+    config: OptimizerConfig
+    layout: Layout
+    buffers: StaticBuffers
+    hyper: HyperParams
+    kernels: object
+    tensors: StepTensors
+    scaler: object
+    comm: Collectives
+    rank: int
+
+
+def get_optimizer(config: OptimizerConfig, model_chunks, config_overrides=None, process_group=None,
+                  model_parallel_group=None) -> "GraphstepOptimizer":
+    """Build the engine over ``model_chunks`` (an nn.Module or a list of them).
+
+    ``config_overrides``: None applies the standard overrides (no weight decay on biases and 1-D params,
+    ``decoupled_lr`` for embedding/output params); ``{}`` applies none. ``process_group``: the
+    data-parallel group (default WORLD when torch.distributed is initialised and the distributed optimizer
+    is on). ``model_parallel_group``: summed over as well for the grad norm and the non-finite check.
+    """
+    return GraphstepOptimizer(config, model_chunks, config_overrides, process_group, model_parallel_group)
+
+
+def _named_trainable_params(model_chunks) -> list[tuple[str, torch.nn.Parameter]]:
+    chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+    if not chunks or not all(isinstance(c, torch.nn.Module) for c in chunks):
+        raise TypeError("get_optimizer: model_chunks must be an nn.Module or a non-empty list of them")
+    named, seen = [], set()
+    for c, chunk in enumerate(chunks):
+        for name, p in chunk.named_parameters():
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            named.append((name if len(chunks) == 1 else f"{c}.{name}", p))
+    if not named:
+        raise ValueError("get_optimizer: the model has no trainable parameters")
+    return named
+
+
+def _defaults(config: OptimizerConfig) -> dict:
+    # torch's OneCycleLR cycles 'betas' or 'momentum' only when the optimizer's defaults have them.
+    if config.optimizer == "adam":
+        return {"lr": config.lr, "weight_decay": config.weight_decay, "eps": config.adam_eps,
+                "betas": (config.adam_beta1, config.adam_beta2)}
+    return {"lr": config.lr, "weight_decay": config.weight_decay, "momentum": config.sgd_momentum,
+            "nesterov": config.sgd_nesterov}
+
+
+def _data_parallel(config: OptimizerConfig, process_group) -> tuple[Optional[dist.ProcessGroup], int, int]:
+    """(group, rank, size) the state is sharded over; size 1 without the distributed optimizer."""
+    if not config.use_distributed_optimizer:
+        if process_group is not None and dist.get_world_size(process_group) > 1:
+            raise ValueError("process_group has several ranks but use_distributed_optimizer=False: graphstep "
+                             "reduces grads only with the distributed optimizer; set it True")
+        return None, 0, 1
+    if process_group is None:
+        if not dist.is_initialized():
+            return None, 0, 1
+        process_group = dist.group.WORLD
+    return process_group, dist.get_rank(process_group), dist.get_world_size(process_group)
+
+
+class GraphstepOptimizer(torch.optim.Optimizer):
+    def __init__(self, config: OptimizerConfig, model_chunks, config_overrides=None, process_group=None,
+                 model_parallel_group=None):
+        if not isinstance(config, OptimizerConfig):
+            raise TypeError(f"get_optimizer: config must be an OptimizerConfig, got {type(config).__name__}")
+        self.config = config
+        named = _named_trainable_params(model_chunks)
+        if config_overrides is not None:
+            overrides_mod.check_config_overrides_consistency(config, config_overrides)
+        groups = overrides_mod.build_param_groups(named, config, config_overrides)
+        self._building = True
+        super().__init__(groups, _defaults(config))
+        self._building = False
+
+        params = [p for _, p in named]
+        device = params[0].device
+        for name, p in named:
+            if p.device != device:
+                raise ValueError(f"param '{name}' is on {p.device}, others on {device}: put the model on one "
+                                 "device before get_optimizer")
+        group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
+        specs = [self._param_spec(name, p, group_of[id(p)]) for name, p in named]
+
+        dp_group, rank, dp_size = _data_parallel(config, process_group)
+        self.layout = plan_layout(specs, dp_size, config.bucket_size)
+        self.rank = rank
+        self.device = device
+        self.buffers = allocate(self.layout, params, rank=rank, device=device,
+                                main_dtype=config.main_params_dtype, state_names=self._state_names())
+        self.hyper = HyperParams(len(self.param_groups), device)
+        self.scaler = scaler_from_config(config, device)
+        self.tensors = StepTensors.allocate(device, getattr(self.scaler, "scale", None),
+                                            getattr(self.scaler, "inv_scale", None), config.log_num_zeros_in_grad)
+        self.clip_grad = config.clip_grad
+        """Clip threshold, refreshed into a device tensor before each step: may change between steps."""
+        self.grad_norm_skip_threshold = config.grad_norm_skip_threshold
+        """Norm above which a step is skipped, refreshed like ``clip_grad``."""
+        self.comm = Collectives(dp_group, dp_size, model_parallel_group)
+        self._ctx = StepContext(config, self.layout, self.buffers, self.hyper, get_kernels(config.kernel),
+                                self.tensors, self.scaler, self.comm, rank)
+        self.stages = self._build_stages()
+        self._step_fn = chain(self.stages)
+        self._publish_fn = chain([update.build_copy_back(self._ctx)])
+        self.result = StepResult(self.tensors.update_successful, self.tensors.grad_norm, self.tensors.num_zeros,
+                                 self.tensors.loss_scale)
+
+    # ---- build -----------------------------------------------------------------------------------------
+    def _param_spec(self, name: str, p: torch.nn.Parameter, group: int) -> ParamSpec:
+        dtype = self.config.model_dtype or p.dtype
+        if not dtype.is_floating_point:
+            raise ValueError(f"param '{name}' has dtype {dtype}: only floating-point params can be trained")
+        grad_dtype = self.config.main_grads_dtype if dtype in _HALF else dtype
+        return ParamSpec(name, tuple(p.shape), dtype, grad_dtype, group)
+
+    def _state_names(self) -> tuple[str, ...]:
+        if self.config.optimizer == "adam":
+            return ("exp_avg", "exp_avg_sq")
+        return ("momentum_buffer",) if self.config.sgd_momentum > 0 else ()
+
+    def _build_stages(self) -> list[Stage]:
+        ctx = self._ctx
+        stages = [unscale.build(ctx)]
+        if self.config.log_num_zeros_in_grad:
+            stages.append(zeros.build(ctx))
+        stages += [clip.build(ctx), update.build(ctx), update.build_copy_back(ctx), scale.build(ctx)]
+        return stages
+
+    def add_param_group(self, param_group: dict) -> None:
+        if not self._building:
+            raise RuntimeError("graphstep lays params out once, at get_optimizer: build a new optimizer over "
+                               "the model to add params")
+        super().add_param_group(param_group)
+
+    # ---- the training-loop API -------------------------------------------------------------------------
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the current loss scale, on device; the loss itself without a scaler."""
+        return loss if self.scaler is None else loss * self.tensors.loss_scale
+
+    @property
+    def loss_scale(self) -> torch.Tensor:
+        return self.tensors.loss_scale
+
+    def _prepare(self) -> None:
+        """Host-side work before the device step: rebind grads, refresh the hyperparameter tensors."""
+        self.buffers.bind_grads()
+        self.hyper.refresh(self.param_groups, {"clip_grad": self.clip_grad,
+                                               "grad_norm_skip_threshold": self.grad_norm_skip_threshold})
+
+    @torch.no_grad()
+    def step(self, closure=None) -> StepResult:
+        """Apply one optimizer step; returns the (static, device-side) StepResult. No host sync."""
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        self._prepare()
+        self._step_fn()
+        return self.result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero every grad in place (``set_to_none`` is ignored: the grad buffers are static)."""
+        self.buffers.zero_grad()
+
+    # ---- checkpoints -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        groups = []
+        index = {id(p): i for i, p in enumerate(self.buffers.params)}
+        for group in self.param_groups:
+            saved = {k: v for k, v in group.items() if k != "params"}
+            saved["params"] = [index[id(p)] for p in group["params"]]
+            groups.append(saved)
+        return {
+            "format": STATE_DICT_FORMAT,
+            "layout": self.layout.fingerprint(),
+            "rank": self.rank,
+            "step": self.tensors.step.clone(),
+            "main_params": [m.clone() for m in self.buffers.main_shard],
+            "state": {name: [t.clone() for t in tensors] for name, tensors in self.buffers.state.items()},
+            "param_groups": groups,
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "clip_grad": self.clip_grad,
+            "grad_norm_skip_threshold": self.grad_norm_skip_threshold,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load by copying into the existing buffers (addresses never change), then refresh model params."""
+        if state_dict.get("format") != STATE_DICT_FORMAT:
+            raise ValueError(f"load_state_dict: format {state_dict.get('format')!r} is not {STATE_DICT_FORMAT!r}")
+        if state_dict["layout"] != self.layout.fingerprint():
+            raise ValueError("load_state_dict: the checkpoint was saved for a different layout (other params, "
+                             "groups, dtypes or data-parallel size); build the optimizer over the same model "
+                             "and config")
+        if state_dict["rank"] != self.rank:
+            raise ValueError(f"load_state_dict: checkpoint of rank {state_dict['rank']} loaded on rank {self.rank}")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"load_state_dict: {len(saved_groups)} param groups saved, {len(self.param_groups)} here")
+        for g, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            if saved.get("param_names") != group.get("param_names"):
+                raise ValueError(f"load_state_dict: param group {g} holds other params than the checkpoint's")
+        if set(state_dict["state"]) != set(self.buffers.state):
+            raise ValueError(f"load_state_dict: state {sorted(state_dict['state'])} does not match this "
+                             f"optimizer's {sorted(self.buffers.state)}")
+
+        def copy_all(targets, sources, what):
+            for b, (target, source) in enumerate(zip(targets, sources, strict=True)):
+                if target.shape != source.shape:
+                    raise ValueError(f"load_state_dict: {what}[{b}] has shape {tuple(source.shape)}, "
+                                     f"expected {tuple(target.shape)}")
+                target.copy_(source)
+
+        copy_all(self.buffers.main_shard, state_dict["main_params"], "main_params")
+        for name, tensors in self.buffers.state.items():
+            copy_all(tensors, state_dict["state"][name], name)
+        self.tensors.step.copy_(state_dict["step"])
+        if self.scaler is not None:
+            if state_dict["scaler"] is None:
+                raise ValueError("load_state_dict: the checkpoint has no loss-scaler state, this optimizer scales")
+            self.scaler.load_state_dict(state_dict["scaler"])
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.clip_grad = state_dict["clip_grad"]
+        self.grad_norm_skip_threshold = state_dict["grad_norm_skip_threshold"]
+        self._publish_fn()

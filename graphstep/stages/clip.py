@@ -1,0 +1,27 @@
+"""Clip coefficient, norm-based skip, and the grad scale the update divides the grads by.
+
+``coef = min(1, clip_grad / (norm + 1e-6))`` (Megatron-Core's and torch's clip_grad_norm_ rule) when
+``clip_grad > 0``, else 1; both thresholds are device tensors, so a schedule may change them. The kernel
+divides grads by ``loss_scale / coef``: unscaling and clipping happen inside the update's single pass.
+"""
+
+import torch
+
+from . import Stage
+
+
+def build(ctx) -> Stage:
+    t = ctx.tensors
+    clip_grad = ctx.hyper.tensor("clip_grad")
+    skip_threshold = ctx.hyper.tensor("grad_norm_skip_threshold")
+    inv_loss_scale = t.inv_loss_scale
+
+    def apply() -> None:
+        clip = clip_grad.to(torch.float32)
+        coef = (clip / (t.grad_norm + 1e-6)).clamp(max=1.0)
+        t.clip_coef.copy_(torch.where(clip > 0, coef, torch.ones_like(coef)))
+        too_large = t.grad_norm > skip_threshold.to(torch.float32)
+        t.found_inf.copy_(torch.maximum(t.found_inf, too_large.to(torch.float32)))
+        t.grad_scale.copy_(1.0 / (inv_loss_scale * t.clip_coef))
+
+    return Stage("clip", apply)
