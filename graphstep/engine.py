@@ -21,7 +21,7 @@ from .hyperparams import HyperParams
 from .kernels import get_kernels
 from .layout import Layout, ParamSpec, plan_layout
 from .scaler import scaler_from_config
-from .stages import Stage, StepTensors, chain, clip, scale, unscale, update, zeros
+from .stages import Stage, StepTensors, chain, clip, gather, reduce, scale, unscale, update, zeros
 
 STATE_DICT_FORMAT = "graphstep/1"
 _HALF = (torch.float16, torch.bfloat16)
@@ -146,7 +146,10 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                                 self.tensors, self.scaler, self.comm, rank)
         self.stages = self._build_stages()
         self._step_fn = chain(self.stages)
-        self._publish_fn = chain([update.build_copy_back(self._ctx)])
+        publish = [update.build_copy_back(self._ctx)]
+        if self.layout.dp_size > 1:
+            publish.append(gather.build(self._ctx))
+        self._publish_fn = chain(publish)
         self.result = StepResult(self.tensors.update_successful, self.tensors.grad_norm, self.tensors.num_zeros,
                                  self.tensors.loss_scale)
 
@@ -165,10 +168,15 @@ class GraphstepOptimizer(torch.optim.Optimizer):
 
     def _build_stages(self) -> list[Stage]:
         ctx = self._ctx
-        stages = [unscale.build(ctx)]
+        sharded = self.layout.dp_size > 1
+        stages = [reduce.build(ctx)] if sharded else []
+        stages.append(unscale.build(ctx))
         if self.config.log_num_zeros_in_grad:
             stages.append(zeros.build(ctx))
-        stages += [clip.build(ctx), update.build(ctx), update.build_copy_back(ctx), scale.build(ctx)]
+        stages += [clip.build(ctx), update.build(ctx), update.build_copy_back(ctx)]
+        if sharded:
+            stages.append(gather.build(ctx))
+        stages.append(scale.build(ctx))
         return stages
 
     def add_param_group(self, param_group: dict) -> None:
