@@ -35,6 +35,46 @@ class StaticBuffers:
     state: dict[str, list[torch.Tensor]]
     params: list[torch.nn.Parameter]  # in layout (input) order
     main_grad_hooks: list = field(default_factory=list)
+    _param_ptrs: list = field(default_factory=list)
+    _grad_ptrs: list = field(default_factory=list)
+    _originals: dict = field(default_factory=dict)
+
+    def record_bindings(self) -> None:
+        """Remember what every param, grad and buffer slot points at now (right after allocation)."""
+        self._param_ptrs = [self.param_view(i).data_ptr() for i in range(len(self.params))]
+        self._grad_ptrs = [self.grad_view(i).data_ptr() if self.grads_in_param_dtype(i) else None
+                           for i in range(len(self.params))]
+        self._originals = {(kind, b): t for kind, tensors in self._slots() for b, t in enumerate(tensors)}
+
+    def _slots(self):
+        yield from (("param_flat", self.param_flat), ("grad_flat", self.grad_flat),
+                    ("main_shard", self.main_shard), ("grad_shard", self.grad_shard))
+        yield from self.state.items()
+
+    def bindings_intact(self) -> bool:
+        """One cheap pass per step: every param still a view of ``param_flat``, every grad of ``grad_flat``."""
+        for p, ptr, grad_ptr in zip(self.params, self._param_ptrs, self._grad_ptrs):
+            if p.data_ptr() != ptr:
+                return False
+            if grad_ptr is not None and (p.grad is None or p.grad.data_ptr() != grad_ptr):
+                return False
+        return True
+
+    def restore_replaced_buffers(self) -> list[str]:
+        """Copy the values of any buffer or state tensor that was replaced in its list (e.g. a checkpoint
+        loaded by assignment) into the original static tensor and put that back. Returns their names."""
+        restored = []
+        for kind, tensors in self._slots():
+            for b, tensor in enumerate(tensors):
+                original = self._originals[(kind, b)]
+                if tensor is not original:
+                    if tensor.shape != original.shape:
+                        raise ValueError(f"{kind}[{b}] was replaced by a tensor of shape {tuple(tensor.shape)}, "
+                                         f"not {tuple(original.shape)}")
+                    original.copy_(tensor)
+                    tensors[b] = original
+                    restored.append(f"{kind}[{b}]")
+        return restored
 
     @property
     def main_is_param(self) -> list[bool]:
@@ -69,6 +109,31 @@ class StaticBuffers:
                 view.copy_(p.grad)
                 p.grad = view
 
+    def readopt_params(self) -> list[str]:
+        """Take back params whose tensor was replaced (``p.data = new``): copy the new values into the flat
+        buffer and this rank's main params, then make the param a view again. Returns their names."""
+        adopted = []
+        for i, p in enumerate(self.params):
+            view = self.param_view(i)
+            if p.data_ptr() == view.data_ptr() and p.dtype == view.dtype and p.shape == view.shape:
+                continue
+            place = self.layout.params[i]
+            if tuple(p.shape) != place.shape:
+                raise ValueError(f"param '{place.name}' was replaced by a tensor of shape {tuple(p.shape)}, "
+                                 f"not {place.shape}: build a new optimizer for a new model")
+            values = p.detach()
+            view.copy_(values)
+            if not self.main_is_param[place.buffer]:
+                for owned in self.layout.owned_ranges(self.rank):
+                    if owned.param == i:
+                        size = owned.param_end - owned.param_start
+                        self.main_shard[place.buffer][owned.shard_start:owned.shard_start + size].copy_(
+                            values.reshape(-1)[owned.param_start:owned.param_end])
+            p.data = view
+            adopted.append(place.name)
+        self.bind_grads()
+        return adopted
+
     def zero_grad(self) -> None:
         for grad in self.grad_flat:
             grad.zero_()
@@ -85,7 +150,8 @@ class StaticBuffers:
         return [tensors[s.buffer][s.shard_start:s.shard_end] for s in segments]
 
     def addresses(self) -> dict[str, torch.Tensor]:
-        """Every static tensor by name: what a capture guards before each replay."""
+        """Every static buffer by name: what a capture guards before each replay. (Params are checked by
+        ``bindings_intact`` instead, in one pass with the grads.)"""
         named = {}
         for kind in ("param_flat", "grad_flat", "main_shard", "grad_shard"):
             for b, tensor in enumerate(getattr(self, kind)):
@@ -93,8 +159,6 @@ class StaticBuffers:
         for name, tensors in self.state.items():
             for b, tensor in enumerate(tensors):
                 named[f"{name}[{b}]"] = tensor
-        for i, p in enumerate(self.params):
-            named[f"param '{self.layout.params[i].name}'"] = p
         return named
 
 
@@ -148,6 +212,7 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
         if not buffers.grads_in_param_dtype(i):
             buffers.main_grad_hooks.append(p.register_post_accumulate_grad_hook(_accumulate_into_main_grad))
     buffers.bind_grads()
+    buffers.record_bindings()
     return buffers
 
 

@@ -16,10 +16,12 @@ import torch.distributed as dist
 from . import overrides as overrides_mod
 from .buffers import StaticBuffers, allocate
 from .config import OptimizerConfig
+from .debug import StepReport, run_debug_step
 from .distributed import Collectives
 from .hyperparams import HyperParams
 from .kernels import get_kernels
 from .layout import Layout, ParamSpec, plan_layout
+from .runner import StepRunner, baked_values
 from .scaler import scaler_from_config
 from .stages import Stage, StepTensors, chain, clip, gather, reduce, scale, unscale, update, zeros
 
@@ -146,6 +148,11 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                                 self.tensors, self.scaler, self.comm, rank)
         self.stages = self._build_stages()
         self._step_fn = chain(self.stages)
+        self._runner = StepRunner(
+            step_fn=self._step_fn, mode=config.capture, device=device, warmup_steps=config.capture_warmup_steps,
+            invalidation=config.capture_invalidation, static_inputs=self._static_inputs,
+            baked_values=lambda: baked_values(self.hyper, self._ctx.kernels.LIVE_FIELDS,
+                                              update.used_fields(config.optimizer)))
         publish = [update.build_copy_back(self._ctx)]
         if self.layout.dp_size > 1:
             publish.append(gather.build(self._ctx))
@@ -195,8 +202,12 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         return self.tensors.loss_scale
 
     def _prepare(self) -> None:
-        """Host-side work before the device step: rebind grads, refresh the hyperparameter tensors."""
-        self.buffers.bind_grads()
+        """Host-side work before the device step: keep the static bindings, refresh the hyperparameters."""
+        replaced = self.buffers.restore_replaced_buffers()
+        if not self.buffers.bindings_intact():
+            replaced += self.buffers.readopt_params()  # also rebinds grads a user set to None
+        if replaced:
+            self._runner.on_replaced(replaced)
         self.hyper.refresh(self.param_groups, {"clip_grad": self.clip_grad,
                                                "grad_norm_skip_threshold": self.grad_norm_skip_threshold})
 
@@ -207,8 +218,46 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 closure()
         self._prepare()
-        self._step_fn()
+        self._runner.run()
         return self.result
+
+    # ---- capture -------------------------------------------------------------------------------------
+    @property
+    def captured(self) -> bool:
+        """Whether the step is captured now (later steps replay it)."""
+        return self._runner.captured
+
+    @property
+    def capture_backend(self) -> str:
+        """"cuda", "replay" or "eager": what runs the step."""
+        return self._runner.backend
+
+    def recapture(self) -> None:
+        """Adopt replaced params and buffers back into the static buffers; capture anew at the next step."""
+        self.buffers.restore_replaced_buffers()
+        self.buffers.readopt_params()
+        self._runner.invalidate()
+
+    def _static_inputs(self) -> dict:
+        named = self.buffers.addresses()
+        named["hyperparameters"] = self.hyper.values
+        for field in ("step", "found_inf", "grad_norm", "clip_coef", "grad_scale", "update_successful",
+                      "loss_scale", "inv_loss_scale"):
+            named[field] = getattr(self.tensors, field)
+        return named
+
+    def debug_step(self, closure=None) -> "StepReport":
+        """One step run stage by stage, eagerly, with host-read per-stage stats and NaN provenance.
+
+        Syncs with the device after every stage: for debugging, not for training speed. It applies a
+        real step (the same stage functions a capture records), so it can stand in for ``step()``.
+        """
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        with torch.no_grad():
+            self._prepare()
+            return run_debug_step(self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero every grad in place (``set_to_none`` is ignored: the grad buffers are static)."""

@@ -15,6 +15,11 @@ _ADAM_FIELDS = (("lr", "lr"), ("beta1", "beta1"), ("beta2", "beta2"), ("weight_d
 _SGD_FIELDS = (("lr", "lr"), ("weight_decay", "weight_decay"), ("momentum", "momentum"))
 
 
+def used_fields(optimizer: str) -> tuple[str, ...]:
+    """The hyperparameter fields the update of ``optimizer`` reads."""
+    return tuple(field for _, field in (_ADAM_FIELDS if optimizer == "adam" else _SGD_FIELDS))
+
+
 def build(ctx) -> Stage:
     buffers, hyper, kernels, t = ctx.buffers, ctx.hyper, ctx.kernels, ctx.tensors
     is_adam = ctx.config.optimizer == "adam"

@@ -1,0 +1,91 @@
+"""The debugging step: the same stage functions, run one at a time, with host-read stats.
+
+``opt.debug_step()`` syncs after each stage to time it and read the step's scalars, and finds where a
+non-finite value first appeared: which param, which tensor (grad, param, main param, optimizer state)
+and after which stage ("backward" when the grads arrived that way). Everything here reads device values
+on the host on purpose; none of it is part of the step that ``step()`` runs or a capture records.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+SCALARS = ("found_inf", "grad_norm", "clip_coef", "grad_scale", "loss_scale", "step")
+
+
+@dataclass(frozen=True)
+class StageStats:
+    name: str
+    ms: float
+    scalars: dict  # the step's scalars after this stage, as floats
+
+
+@dataclass(frozen=True)
+class NanOrigin:
+    stage: str  # "backward" when the grads were non-finite before the step began
+    param: str
+    tensor: str  # "grad", "param", "main_param" or a state name such as "exp_avg"
+
+    def __str__(self) -> str:
+        return f"first non-finite value: {self.tensor} of '{self.param}' (after {self.stage})"
+
+
+@dataclass(frozen=True)
+class StepReport:
+    stages: tuple[StageStats, ...]
+    nan_origin: Optional[NanOrigin]
+    update_successful: bool
+
+    def table(self) -> str:
+        """The per-stage stats as a fixed-width text table."""
+        header = f"{'stage':<10} {'ms':>8} " + " ".join(f"{s:>12}" for s in SCALARS)
+        rows = [header] + [f"{st.name:<10} {st.ms:>8.3f} " + " ".join(f"{st.scalars[s]:>12.5g}" for s in SCALARS)
+                           for st in self.stages]
+        if self.nan_origin is not None:
+            rows.append(str(self.nan_origin))
+        return "\n".join(rows)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu" and hasattr(torch, "accelerator"):
+        torch.accelerator.synchronize(device)
+
+
+def _first_non_finite(opt, stage: str, *, grads_only: bool) -> Optional[NanOrigin]:
+    buffers, layout = opt.buffers, opt.layout
+    owned = {r.param: r for r in layout.owned_ranges(opt.rank)}
+    for i, place in enumerate(layout.params):
+        views = [("grad", buffers.grad_view(i))]
+        if not grads_only:
+            views.append(("param", buffers.param_view(i)))
+            r = owned.get(i)
+            if r is not None:
+                size = r.param_end - r.param_start
+                if not buffers.main_is_param[place.buffer]:
+                    views.append(("main_param", buffers.main_shard[place.buffer][r.shard_start:r.shard_start + size]))
+                for name, tensors in buffers.state.items():
+                    views.append((name, tensors[place.buffer][r.shard_start:r.shard_start + size]))
+        for tensor_name, view in views:
+            if not bool(torch.isfinite(view).all()):  # host read: this is the debugger
+                return NanOrigin(stage, place.name, tensor_name)
+    return None
+
+
+def run_debug_step(opt) -> StepReport:
+    origin = _first_non_finite(opt, "backward", grads_only=True)
+    stats = []
+    for stage in opt.stages:
+        _synchronize(opt.device)
+        start = time.perf_counter()
+        stage.apply()
+        _synchronize(opt.device)
+        ms = (time.perf_counter() - start) * 1e3
+        scalars = {name: float(getattr(opt.tensors, name)) for name in SCALARS}
+        stats.append(StageStats(stage.name, ms, scalars))
+        if origin is None:
+            origin = _first_non_finite(opt, stage.name, grads_only=False)
+    return StepReport(tuple(stats), origin, bool(opt.tensors.update_successful))

@@ -1,0 +1,196 @@
+"""The engine captured (CPU replay backend) against the engine eager: bitwise, with everything moving."""
+
+import logging
+
+import pytest
+import torch
+
+import capture
+import graphstep as gs
+from toy import loss_fn, tiny_transformer
+
+PRECISIONS = {"fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True, "initial_loss_scale": 2.0**12,
+                                                           "loss_scale_window": 7}}
+INF_STEPS = {13, 14, 40, 77}
+
+
+def run(mode, rule, precision, steps=100, kernel="fused"):
+    model = tiny_transformer()
+    opt = gs.get_optimizer(gs.OptimizerConfig(optimizer=rule, lr=2e-3, weight_decay=0.05, clip_grad=0.5,
+                                              capture=mode, capture_warmup_steps=2, kernel=kernel,
+                                              **PRECISIONS[precision]), model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.05 * s))  # lr changes every step
+    names = [n for n, _ in model.named_parameters()]
+    flags = []
+    for step in range(steps):
+        if step % 10 == 0:  # a weight-decay schedule: changes every 10 steps
+            opt.param_groups[0]["weight_decay"] = 0.05 * (1 + step // 10)
+        opt.zero_grad()
+        opt.scale_loss(loss_fn(model, step)).backward()
+        if step in INF_STEPS:
+            victim = dict(model.named_parameters())[names[step % len(names)]]
+            victim.main_grad.view(-1)[0] = float("inf") if step % 2 else float("nan")
+        result = opt.step()
+        flags.append(bool(result.update_successful))
+        sched.step()
+    return model, opt, flags
+
+
+@pytest.mark.parametrize("rule", ["adam", "sgd"])
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_replay_is_bitwise_equal_to_eager_over_100_steps(rule, precision):
+    eager_model, eager_opt, eager_flags = run("eager", rule, precision)
+    graph_model, graph_opt, graph_flags = run("graph", rule, precision)
+    assert graph_opt.captured and graph_opt.capture_backend == "replay"
+    assert not eager_opt.captured
+    assert eager_flags == graph_flags and not all(eager_flags)
+    for a, b in zip(eager_model.parameters(), graph_model.parameters()):
+        assert torch.equal(a, b)
+    for name in eager_opt.buffers.state:
+        for a, b in zip(eager_opt.buffers.state[name], graph_opt.buffers.state[name]):
+            assert torch.equal(a, b)
+    for a, b in zip(eager_opt.buffers.main_shard, graph_opt.buffers.main_shard):
+        assert torch.equal(a, b)
+    assert torch.equal(eager_opt.loss_scale, graph_opt.loss_scale)
+    assert torch.equal(eager_opt.tensors.step, graph_opt.tensors.step)
+    # The fused kernel bakes weight decay: its schedule made the step recapture, never freeze.
+    assert graph_opt._runner.recaptures == 9
+
+
+def test_reference_kernel_keeps_every_hyperparameter_live_without_recapture():
+    eager_model, _, _ = run("eager", "adam", "fp32", steps=30, kernel="reference")
+    graph_model, graph_opt, _ = run("graph", "adam", "fp32", steps=30, kernel="reference")
+    assert graph_opt._runner.recaptures == 0
+    for a, b in zip(eager_model.parameters(), graph_model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_python_float_lr_read_at_capture_freezes_and_graphsteps_lr_does_not():
+    # A hand-written step that reads lr as a Python float: replay keeps the value it was captured with.
+    param = torch.zeros(4)
+    grad = torch.ones(4)
+    holder = {"lr": 1.0}
+    frozen = capture.graph(lambda: param.sub_(grad * holder["lr"]), warmup=1, backend="replay")
+    frozen()
+    frozen()  # captured with lr = 1
+    holder["lr"] = 0.0
+    frozen()
+    assert torch.equal(param, torch.full((4,), -3.0))  # still moved: lr 0 never reached the replay
+
+    # graphstep's captured step: lr set to 0 after capture stops the params.
+    model = tiny_transformer()
+    opt = gs.get_optimizer(gs.OptimizerConfig(capture="graph", capture_warmup_steps=1, clip_grad=0.0), model)
+    for step in range(3):
+        opt.zero_grad()
+        loss_fn(model, step).backward()
+        opt.step()
+    assert opt.captured
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    loss_fn(model, 3).backward()
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert opt._runner.recaptures == 0  # lr is a device tensor: no recapture needed
+
+
+def captured_engine(**config):
+    model = tiny_transformer()
+    opt = gs.get_optimizer(gs.OptimizerConfig(capture="graph", capture_warmup_steps=1, **config), model)
+    for step in range(3):
+        opt.zero_grad()
+        loss_fn(model, step).backward()
+        opt.step()
+    assert opt.captured
+    return model, opt
+
+
+def test_a_replaced_param_is_detected_and_adopted_before_the_next_replay():
+    model, opt = captured_engine()
+    weight = model[3].weight
+    new_values = torch.randn_like(weight)
+    weight.data = new_values.clone()  # the user replaces a param's tensor after capture
+    opt.zero_grad()
+    loss_fn(model, 3).backward()
+    opt.step()
+    assert opt._runner.recaptures == 1
+    flat = opt.buffers.param_flat[0]
+    assert flat.data_ptr() <= weight.data_ptr() < flat.data_ptr() + flat.numel() * flat.element_size()
+    assert not torch.equal(weight.detach(), new_values)  # adopted, then updated by the step from new values
+
+
+def test_a_replaced_param_raises_when_asked_to():
+    model, opt = captured_engine(capture_invalidation="raise")
+    model[3].weight.data = torch.randn_like(model[3].weight)
+    with pytest.raises(capture.StaleInputError, match="param"):
+        opt.step()
+
+
+def test_state_replaced_by_assignment_is_copied_back():
+    model, opt = captured_engine()
+    saved = [t.clone() + 1.0 for t in opt.buffers.state["exp_avg"]]
+    original = opt.buffers.state["exp_avg"][0]
+    opt.buffers.state["exp_avg"][0] = saved[0]  # a checkpoint "loaded" by replacing the tensor
+    opt.step()
+    assert opt.buffers.state["exp_avg"][0] is original
+    assert opt._runner.recaptures == 1
+
+
+def test_auto_runs_eagerly_on_cpu_and_says_why_once(caplog):
+    model = tiny_transformer()
+    with caplog.at_level(logging.INFO, logger="graphstep"):
+        opt = gs.get_optimizer(gs.OptimizerConfig(capture="auto"), model)
+        for step in range(5):
+            opt.zero_grad()
+            loss_fn(model, step).backward()
+            opt.step()
+    assert not opt.captured and opt.capture_backend == "eager"
+    messages = [r.getMessage() for r in caplog.records if "capture='auto'" in r.getMessage()]
+    assert len(messages) == 1 and "CUDA graphs need a GPU" in messages[0]
+
+
+def test_a_betas_schedule_every_step_recaptures_with_a_warning():
+    model = tiny_transformer()
+    opt = gs.get_optimizer(gs.OptimizerConfig(capture="graph", capture_warmup_steps=1), model)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=20)  # cycles beta1 every step
+    with pytest.warns(RuntimeWarning, match="recaptured on each of the last"):
+        for step in range(8):
+            opt.zero_grad()
+            loss_fn(model, step).backward()
+            opt.step()
+            sched.step()
+
+
+def test_debug_step_reports_stages_and_the_origin_of_a_nan():
+    model = tiny_transformer()
+    opt = gs.get_optimizer(gs.OptimizerConfig(capture="eager"), model)
+    opt.zero_grad()
+    loss_fn(model, 0).backward()
+    report = opt.debug_step()
+    assert [s.name for s in report.stages] == [s.name for s in opt.stages]
+    assert report.update_successful and report.nan_origin is None
+    assert report.stages[0].scalars["grad_norm"] > 0
+    assert "unscale" in report.table()
+
+    opt.zero_grad()
+    loss_fn(model, 1).backward()
+    victim = model[1].linear1.weight
+    victim.main_grad[0, 0] = float("nan")
+    report = opt.debug_step()
+    assert not report.update_successful
+    assert (report.nan_origin.stage, report.nan_origin.param, report.nan_origin.tensor) == \
+        ("backward", "1.linear1.weight", "grad")
+
+
+def test_debug_step_names_the_stage_that_first_made_a_nan():
+    # eps = 0 and a param whose grad is exactly zero: Adam's update computes 0 / 0 in that param.
+    model = tiny_transformer()
+    opt = gs.get_optimizer(gs.OptimizerConfig(capture="eager", kernel="reference", clip_grad=0.0), model)
+    opt.param_groups[0]["eps"] = 0.0
+    opt.zero_grad()
+    loss_fn(model, 0).backward()
+    model[0].weight.main_grad.zero_()
+    report = opt.debug_step()
+    assert report.nan_origin is not None
+    assert (report.nan_origin.stage, report.nan_origin.param) == ("update", "0.weight")
