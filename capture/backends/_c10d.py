@@ -1,0 +1,88 @@
+"""What the replay backend needs to know about torch.distributed's c10d ops.
+
+With torch 2.13, `dist.all_reduce(t)` and friends dispatch as ops such as
+`c10d.allreduce_.default(tensors, process_group, reduce_op, ...)` that return
+`(tensors, Work)`, where Work is a ScriptObject (`__torch__.torch.classes.c10d.Work`).
+The replay backend bakes the ProcessGroup / ReduceOp ScriptObjects by reference and,
+whenever an op hands back a Work, waits on it at once.
+
+Why wait at once: gloo finishes some collectives inside `Work.wait()` by dispatching
+ordinary aten ops (reduce_scatter_tensor ends with `split` + `copy_` from an internal
+buffer into the output). Those ops arrive at the dispatch mode as if the user had
+called them, naming a buffer that belongs to that one Work. Recorded, they would copy
+the capture step's stale result into the output at every replay. So the recorder
+ignores every op dispatched while a `Work.wait()` runs. There is no per-object hook for
+that: `hide_ops_inside_wait()` wraps `Work.wait` for the duration of a recording only
+and restores it afterwards; the flag it sets is per thread.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator
+
+import torch
+
+_WORK_TYPE = "__torch__.torch.classes.c10d.Work"
+_state = threading.local()
+_patch_lock = threading.Lock()
+_patch_users = 0
+_original_wait = None
+
+
+def _work_class():
+    if not torch.distributed.is_available():
+        return None
+    return torch._C._distributed_c10d.Work
+
+
+def is_work(x: Any) -> bool:
+    """True for the Work ScriptObject a c10d op returns."""
+    if not isinstance(x, torch.ScriptObject):
+        return False
+    try:
+        return x._type().qualified_name() == _WORK_TYPE
+    except RuntimeError:
+        return False
+
+
+def wait(work: Any) -> None:
+    """Block until a c10d op's Work (a ScriptObject) is complete."""
+    _work_class().unbox(work).wait()
+
+
+def inside_wait() -> bool:
+    """True while this thread is inside Work.wait() (during a recording)."""
+    return getattr(_state, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def hide_ops_inside_wait() -> Iterator[None]:
+    """Make `inside_wait()` report Work.wait() calls for the duration of the block."""
+    global _patch_users, _original_wait
+    cls = _work_class()
+    if cls is None:
+        yield
+        return
+    with _patch_lock:
+        if _patch_users == 0:
+            original = cls.wait
+
+            def wait_marked(self, *args, **kwargs):
+                _state.depth = getattr(_state, "depth", 0) + 1
+                try:
+                    return original(self, *args, **kwargs)
+                finally:
+                    _state.depth -= 1
+
+            _original_wait = original
+            cls.wait = wait_marked
+        _patch_users += 1
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
+                cls.wait = _original_wait
+                _original_wait = None

@@ -1,0 +1,244 @@
+"""The CPU replay backend: CUDA-graph semantics without a GPU, so CI tests capture.
+
+Recording: one call of fn runs under a TorchDispatchMode that appends every aten op
+(below autograd, after Python decompositions) to a program. Replay: that op list runs
+again on the same storages, and Python is not re-run. This reproduces what a CUDA
+graph would do to a step:
+
+* Python scalars in op arguments are baked in. `p.add_(g, alpha=-lr)` with a Python
+  float lr keeps the capture-time lr forever; a 0-d tensor lr filled in place between
+  replays is read live. Same for `torch.tensor(...)` made inside the step: it becomes a
+  constant (it arrives through `aten.lift_fresh` as a tensor no recorded op produced).
+* Tensors that existed before the capture (closed-over params, buffers, constants) are
+  referenced by the program; tensors produced by recorded ops (temporaries, views,
+  slices, list outputs of foreach ops) are placeholders, recomputed at each replay.
+  In-place and out= ops return their input, so they map to that same tensor.
+* Host syncs (`.item()`, `if t:`, `.tolist()`, nonzero, boolean masks, ...) raise
+  CaptureError while recording, naming the op and the user's file:line. The list of
+  unsafe ops is `capture.unsafe`, shared with `capture.check`.
+* c10d collectives (`c10d.allreduce_`, `c10d._reduce_scatter_base_`, ...) are replayed;
+  the ProcessGroup and ReduceOp objects are baked by reference, and every Work an op
+  returns is waited on at once, at recording and at replay (a stronger sync than an
+  async caller's, always safe). See `_c10d.py` for why ops inside Work.wait() are not
+  recorded.
+* fn's return value at capture is graph-owned: each replay copies its fresh tensors'
+  new values into those same objects. Outputs are graph-owned: clone what you keep.
+
+What differs from a CUDA graph:
+* Recording executes the ops, so the capture call is a real step (the CUDA backend
+  replays right after capturing so that both count the capture call as one step).
+* Temporaries are allocated anew at each replay (no private memory pool); a tensor
+  made inside the step and stored somewhere (an escaping tensor, see capture.check)
+  keeps its capture-time value here, where a CUDA graph would overwrite it.
+* Ops run one by one through the dispatcher: it saves Python, not kernel launches.
+* Effects Python performs without an aten op (rebinding `.data`, `.grad`, attributes,
+  printing) happen at capture only. RNG ops draw fresh numbers at each replay.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from .. import _location
+from ..errors import DEVICE_TO_HOST, HOST_SYNC, CaptureError, Finding
+from ..unsafe import HostReadMode, classify, op_name
+from . import _c10d
+
+# Kinds the recorder refuses: a replay would reuse the value the host read at capture.
+_REFUSED = (HOST_SYNC, DEVICE_TO_HOST)
+
+
+@dataclass
+class _Instr:
+    """One recorded op call.
+
+    leaves/spec: the flattened (args, kwargs) with tensors that existed before capture
+    and every non-tensor baked in; `subs` lists (leaf position, slot) for tensors that
+    recorded ops produce. `binds` lists (output leaf position, slot) for fresh outputs.
+    `release` lists slots whose last use is this op (freed right after it).
+    """
+
+    func: Any
+    spec: Any
+    leaves: list
+    subs: tuple
+    binds: tuple
+    works: tuple
+    release: tuple = ()
+    baked: Optional[tuple] = None  # (args, kwargs) when no placeholder is involved
+
+
+class _Recorder(TorchDispatchMode):
+    """Runs each op and appends it to the program; refuses host syncs."""
+
+    def __init__(self, label: str) -> None:
+        super().__init__()
+        self.label = label
+        self.instrs: list[_Instr] = []
+        self.slot_of: dict[int, int] = {}
+        # Every tensor a recorded op produced stays alive until recording ends, so an
+        # id() can never be reused by another tensor and confuse slot_of.
+        self.keepalive: list[torch.Tensor] = []
+        self.refusal: Optional[CaptureError] = None
+
+    def refuse(self, kind: str, func: Any) -> CaptureError:
+        filename, lineno, line = _location.user_location()
+        finding = Finding(kind, op_name(func), filename, lineno, line)
+        err = CaptureError(
+            f"cannot capture {self.label!r}: it reads device data on the host, so a replay "
+            "would reuse the value read at capture. Compute the decision on device "
+            "(torch.where, masks, found_inf tensors) instead",
+            [finding],
+        )
+        # Kept even if fn swallows the exception: the capture must still fail.
+        self.refusal = self.refusal or err
+        return err
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _c10d.inside_wait():
+            # gloo completing a collective inside Work.wait(): part of the c10d op we
+            # already recorded (and waited on); replaying it would copy stale buffers.
+            return func(*args, **kwargs)
+        kind = classify(func, args, kwargs)
+        if kind in _REFUSED:
+            raise self.refuse(kind, func)
+
+        leaves, spec = tree_flatten((args, kwargs))
+        subs = []
+        input_ids = set()
+        for pos, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor):
+                input_ids.add(id(x))
+                slot = self.slot_of.get(id(x))
+                if slot is not None:
+                    subs.append((pos, slot))
+                    leaves[pos] = None  # filled from the environment at replay
+        out = func(*args, **kwargs)
+
+        binds, works = [], []
+        for pos, y in enumerate(tree_flatten(out)[0]):
+            if isinstance(y, torch.Tensor):
+                if id(y) not in input_ids:  # in-place / out= results are their input
+                    slot = len(self.keepalive)
+                    self.keepalive.append(y)
+                    self.slot_of[id(y)] = slot
+                    binds.append((pos, slot))
+            elif _c10d.is_work(y):
+                works.append(pos)
+                _c10d.wait(y)
+        self.instrs.append(_Instr(func, spec, leaves, tuple(subs), tuple(binds), tuple(works)))
+        return out
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
+
+
+class _Program:
+    """A recorded op list plus how fn's outputs map onto its placeholders."""
+
+    def __init__(self, rec: _Recorder, outputs: Any) -> None:
+        self.instrs = rec.instrs
+        self.num_slots = len(rec.keepalive)
+        # Outputs produced by recorded ops: refreshed by copy at every replay.
+        self.out_binds = [
+            (t, rec.slot_of[id(t)])
+            for t in tree_leaves(outputs)
+            if isinstance(t, torch.Tensor) and id(t) in rec.slot_of
+        ]
+        self._plan_lifetimes()
+
+    def _plan_lifetimes(self) -> None:
+        keep = {slot for _, slot in self.out_binds}
+        last_use: dict[int, int] = {}
+        for i, ins in enumerate(self.instrs):
+            for _, slot in ins.binds:
+                last_use[slot] = i  # a never-read output dies right after its op
+            for _, slot in ins.subs:
+                last_use[slot] = i
+            if not ins.subs:
+                ins.baked = tree_unflatten(ins.leaves, ins.spec)
+        release: dict[int, list[int]] = {}
+        for slot, i in last_use.items():
+            if slot not in keep:
+                release.setdefault(i, []).append(slot)
+        for i, slots in release.items():
+            self.instrs[i].release = tuple(slots)
+
+    def run(self) -> None:
+        env: list[Any] = [None] * self.num_slots
+        # Below-autograd ops are replayed through the full dispatcher; no_grad keeps
+        # autograd from recording them or refusing in-place updates of leaf params.
+        with torch.no_grad():
+            for ins in self.instrs:
+                if ins.baked is not None:
+                    args, kwargs = ins.baked
+                else:
+                    leaves = list(ins.leaves)
+                    for pos, slot in ins.subs:
+                        leaves[pos] = env[slot]
+                    args, kwargs = tree_unflatten(leaves, ins.spec)
+                out = ins.func(*args, **kwargs)
+                if ins.binds or ins.works:
+                    out_leaves = tree_flatten(out)[0]
+                    for pos, slot in ins.binds:
+                        env[slot] = out_leaves[pos]
+                    for pos in ins.works:
+                        _c10d.wait(out_leaves[pos])
+                for slot in ins.release:
+                    env[slot] = None
+            for captured, slot in self.out_binds:
+                fresh = env[slot]
+                if not _same_memory(captured, fresh):  # views of static memory are live
+                    captured.copy_(fresh)
+
+
+class ReplayBackend:
+    """Record once, replay the aten op list. See the module docstring."""
+
+    name: ClassVar[str] = "replay"
+
+    def __init__(self, *, pool: Any = None, label: str = "step") -> None:
+        # `pool` is accepted for interface parity; the replay backend has no pool.
+        self._label = label
+        self._program: Optional[_Program] = None
+        self._outputs: Any = None
+
+    @staticmethod
+    def usable(tensors) -> bool:
+        return True
+
+    def warmup(self, fn: Callable[[], Any]) -> Any:
+        return fn()
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        rec = _Recorder(self._label)
+
+        def refuse_host_read(func: Any) -> None:
+            raise rec.refuse(HOST_SYNC, func)
+
+        host_reads = HostReadMode(refuse_host_read)
+        with _c10d.hide_ops_inside_wait(), host_reads, rec:
+            outputs = fn()
+        if rec.refusal is not None:
+            raise rec.refusal
+        self._program = _Program(rec, outputs)
+        self._outputs = outputs
+        return outputs
+
+    def replay(self) -> Any:
+        assert self._program is not None, "replay() before capture()"
+        self._program.run()
+        return self._outputs
+
+    def reset(self) -> None:
+        self._program = None
+        self._outputs = None
+
+    def close(self) -> None:
+        self.reset()

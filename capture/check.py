@@ -1,0 +1,106 @@
+"""capture.check(fn): list everything that makes `fn` unsafe to capture.
+
+It runs `fn` ONCE, for real (its side effects happen: a step is taken), under a
+TorchDispatchMode that looks at every aten op and a TorchFunctionMode that looks at
+host reads that dispatch nothing (`.tolist()`, `.numpy()` on CPU tensors). Nothing is
+refused: each op runs normally so one run finds every problem, not just the first.
+
+Findings:
+  host_sync        the host waits for a device value (`.item()`, `if t:`, nonzero, ...)
+  device_to_host   a copy whose destination is the CPU and whose source is not
+  rng              an op that draws from the RNG: a graph replays the draw pattern,
+                   eager code draws anew; both are fine only if you meant it
+  escaping_tensor  a tensor allocated inside the step and still alive after it returns
+                   without being part of its return value (stored on an object, a
+                   list, a .grad): in a graph it would be memory the next replay
+                   overwrites, in the replay backend a value frozen at capture
+"""
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_leaves
+
+from ._location import user_location
+from .errors import ESCAPING_TENSOR, HOST_SYNC, Finding
+from .unsafe import HostReadMode, classify, op_name
+
+__all__ = ["check"]
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensors without storage
+        return 0
+
+
+def _finding(kind: str, func: Any) -> Finding:
+    filename, lineno, line = user_location()
+    return Finding(kind, op_name(func), filename, lineno, line)
+
+
+class _CheckMode(TorchDispatchMode):
+    """Notes unsafe ops and keeps weak references to every tensor an op allocated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.findings: list[Finding] = []
+        # (weakref to an op output, the Finding to report if it escapes)
+        self.fresh: list[tuple[weakref.ref, Finding]] = []
+        # Storages allocated by ops inside fn. Views of memory that existed before
+        # the step (params, buffers) are not escaping allocations.
+        self.fresh_storages: set[int] = set()
+
+    def note(self, kind: str, func: Any) -> None:
+        self.findings.append(_finding(kind, func))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind = classify(func, args, kwargs)
+        if kind is not None:
+            self.note(kind, func)
+        out = func(*args, **kwargs)
+        inputs = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        input_ids = {id(x) for x in inputs}
+        input_storages = {_storage_key(x) for x in inputs}
+        for y in tree_flatten(out)[0]:
+            if isinstance(y, torch.Tensor) and id(y) not in input_ids:
+                key = _storage_key(y)
+                if key and key not in input_storages:
+                    self.fresh_storages.add(key)
+                self.fresh.append((weakref.ref(y), _finding(ESCAPING_TENSOR, func)))
+        return out
+
+
+def check(fn: Callable[[], Any]) -> list[Finding]:
+    """Run `fn()` once and return every Finding that makes it unsafe to capture.
+
+    `fn` really runs (an optimizer step is taken). The return value of `fn` is allowed
+    to hold tensors allocated inside it: those become the graph-owned outputs.
+    """
+    mode = _CheckMode()
+    host_reads = HostReadMode(lambda func: mode.note(HOST_SYNC, func))
+    with host_reads, mode:
+        result = fn()
+    returned = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
+    returned_ids = {id(t) for t in returned}
+    returned_storages = {_storage_key(t) for t in returned}
+    del result, returned
+    gc.collect()
+    findings = list(mode.findings)
+    reported: set[int] = set()  # one finding per escaping allocation, not per view
+    for ref, finding in mode.fresh:
+        t = ref()
+        if t is None or id(t) in returned_ids:
+            continue
+        key = _storage_key(t)
+        if key in mode.fresh_storages and key not in returned_storages and key not in reported:
+            reported.add(key)
+            findings.append(finding)
+        del t
+    return findings

@@ -1,0 +1,144 @@
+"""capture.graph(fn): warm up, capture once, then replay — one object per step.
+
+    g = capture.graph(step, warmup=1, static_inputs=lambda: {"grad_flat": grad_flat})
+    for batch in data:
+        ...
+        out = g()      # calls 1..warmup: eager; next: capture; then: replay
+
+Every call applies fn's effects exactly once, the capture call included, on every
+backend. The value returned is what fn returned at capture, as graph-owned tensors
+that each replay updates in place: outputs are graph-owned; clone what you keep.
+
+Each Graph owns its backend (and through it its CUDA graph, pool and stream); there is
+no module- or class-level state, so several graphs can coexist and be closed
+independently.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from .backends import make_backend, resolve
+from .backends.eager import EagerBackend
+from .guards import StaticInputGuard, StaticInputs
+
+__all__ = ["Graph", "graph"]
+
+
+class Graph:
+    """A captured step. See the module docstring; build one with `capture.graph`."""
+
+    def __init__(
+        self,
+        fn: Callable[[], Any],
+        *,
+        warmup: int = 1,
+        backend: str = "auto",
+        static_inputs: Optional[StaticInputs] = None,
+        pool: Any = None,
+        name: str = "step",
+        stale_hint: Optional[str] = None,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"capture.graph needs a callable, got {type(fn).__name__}")
+        if not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"warmup must be a non-negative int, got {warmup!r}")
+        self._fn = fn
+        self._warmup = warmup
+        self.name = name
+        self._guard = (
+            StaticInputGuard(static_inputs, stale_hint=stale_hint) if static_inputs is not None else None
+        )
+        tensors = self._guard.tensors().values() if self._guard is not None else ()
+        resolve(backend, ())  # reject unknown names before touching any device
+        self._backend = make_backend(backend, tensors, pool=pool, label=name)
+        self._captured = False
+        self._closed = False
+        self.num_calls = 0
+        self.num_replays = 0
+
+    # -- state ---------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        """"cuda" | "replay" | "eager"."""
+        return self._backend.name
+
+    @property
+    def captured(self) -> bool:
+        """True once a capture has succeeded (and until invalidate() or close())."""
+        return self._captured
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- calls ---------------------------------------------------------------------
+    def __call__(self) -> Any:
+        if self._closed:
+            raise RuntimeError(f"graph {self.name!r} is closed")
+        if isinstance(self._backend, EagerBackend):
+            out = self._backend.warmup(self._fn)
+        elif self._captured:
+            if self._guard is not None:
+                self._guard.verify()  # before touching any memory
+            out = self._backend.replay()
+            self.num_replays += 1
+        elif self.num_calls < self._warmup:
+            out = self._backend.warmup(self._fn)
+        else:
+            if self._guard is not None:
+                self._guard.record()
+            out = self._backend.capture(self._fn)
+            self._captured = True
+        self.num_calls += 1
+        return out
+
+    def invalidate(self) -> None:
+        """Drop the capture; the next call captures anew (without a new warm-up)."""
+        self._backend.reset()
+        if self._guard is not None:
+            self._guard.clear()
+        self._captured = False
+
+    def close(self) -> None:
+        """Free the graph, pool and stream. Later calls raise. Idempotent."""
+        if not self._closed:
+            self._backend.close()
+            self._captured = False
+            self._closed = True
+
+    def __enter__(self) -> "Graph":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("captured" if self._captured else "not captured")
+        return f"<capture.Graph {self.name!r} backend={self.backend} {state} calls={self.num_calls}>"
+
+
+def graph(
+    fn: Callable[[], Any],
+    *,
+    warmup: int = 1,
+    backend: str = "auto",
+    static_inputs: Optional[StaticInputs] = None,
+    pool: Any = None,
+    name: str = "step",
+    stale_hint: Optional[str] = None,
+) -> Graph:
+    """Wrap a zero-argument step `fn` (closing over static tensors) as a Graph.
+
+    warmup:        eager calls before the capture (lazy state, allocator warm-up)
+    backend:       "auto" (CUDA graph when a GPU holds the inputs, else "replay"),
+                   "cuda", "replay" or "eager" (always runs fn)
+    static_inputs: Mapping[str, Tensor] or zero-arg callable returning one; checked
+                   before every replay, StaleInputError if any moved or changed
+    pool:          CUDA graph memory pool to share (torch.cuda.graph_pool_handle())
+    name:          used in messages
+    stale_hint:    replaces "call invalidate() ..." at the end of StaleInputError
+    """
+    return Graph(
+        fn, warmup=warmup, backend=backend, static_inputs=static_inputs, pool=pool, name=name,
+        stale_hint=stale_hint,
+    )

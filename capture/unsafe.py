@@ -1,0 +1,117 @@
+"""The one list of operations that make a step unsafe to capture.
+
+`check()` reports them and the replay backend refuses them while recording, so both
+read this module. Two levels are needed:
+
+* aten ops, seen by a TorchDispatchMode: `.item()`, `bool(t)`, `float(t)` and `if t:`
+  all end up as `aten._local_scalar_dense`; `nonzero`, `masked_select`, boolean-mask
+  indexing have data-dependent shapes (their results would need the host to size an
+  allocation); `.cpu()` on a device tensor is a `_to_copy` to the CPU.
+* Tensor methods that read memory without dispatching anything: on a CPU tensor
+  `.tolist()`, `.numpy()` and `np.asarray(t)` go straight to the storage, so only a
+  TorchFunctionMode sees them. In a CUDA graph they would read whatever the memory
+  held at capture time.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from .errors import DEVICE_TO_HOST, HOST_SYNC, RNG
+
+_aten = torch.ops.aten
+
+# Ops that return a host value computed from device data. Most carry
+# Tag.data_dependent_output; listing them by name as well keeps us honest if the
+# tags move between torch versions.
+_HOST_SYNC_PACKETS = frozenset(
+    {_aten._local_scalar_dense, _aten.item, _aten.is_nonzero, _aten.equal}
+)
+
+# Ops whose data-dependence depends on the index dtype: integer indexing is fine in a
+# graph, boolean masks are a hidden nonzero().
+_MASK_INDEX_PACKETS = frozenset({_aten.index, _aten.index_put, _aten.index_put_, _aten._index_put_impl_})
+
+# Copies that may move device memory to the host (the destination decides).
+_COPY_PACKETS = frozenset({_aten.copy_, _aten.copy, _aten._copy_from, _aten._copy_from_and_resize})
+
+# Tensor methods that read storage on the host without any aten op.
+_HOST_READ_METHODS = frozenset({"tolist", "numpy", "__array__"})
+
+
+def _has_bool_index(indices: Any) -> bool:
+    return any(
+        isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8)
+        for t in tree_leaves(indices)
+    )
+
+
+def _is_host(device: Any) -> bool:
+    return device is not None and torch.device(device).type == "cpu"
+
+
+def _device_to_host(func: Any, args: tuple, kwargs: dict) -> bool:
+    packet = func.overloadpacket
+    if packet is _aten._to_copy:
+        src = args[0]
+        dst = kwargs.get("device")
+        return isinstance(src, torch.Tensor) and _is_host(dst) and not _is_host(src.device)
+    if packet in _COPY_PACKETS and len(args) >= 2:
+        if packet is _aten.copy_:
+            dst, src = args[0], args[1]
+        elif packet is _aten.copy:
+            return False  # functional copy: result lives on self's device, no host read
+        else:  # _copy_from(self=src, dst)
+            src, dst = args[0], args[1]
+        return (
+            isinstance(src, torch.Tensor)
+            and isinstance(dst, torch.Tensor)
+            and _is_host(dst.device)
+            and not _is_host(src.device)
+        )
+    return False
+
+
+def classify(func: Any, args: tuple, kwargs: dict) -> Optional[str]:
+    """The Finding kind of one aten op call, or None when it is capture-safe."""
+    tags = getattr(func, "tags", ())
+    packet = getattr(func, "overloadpacket", None)
+    if packet in _HOST_SYNC_PACKETS or torch.Tag.data_dependent_output in tags:
+        return HOST_SYNC
+    if packet in _MASK_INDEX_PACKETS:
+        if _has_bool_index(args[1:2]) or _has_bool_index(kwargs.get("indices")):
+            return HOST_SYNC
+    elif torch.Tag.dynamic_output_shape in tags:
+        return HOST_SYNC
+    if packet is not None and _device_to_host(func, args, kwargs):
+        return DEVICE_TO_HOST
+    if torch.Tag.nondeterministic_seeded in tags:
+        return RNG
+    return None
+
+
+def op_name(func: Any) -> str:
+    """'aten.add_.Tensor' for an OpOverload, 'Tensor.tolist' for a Tensor method."""
+    if hasattr(func, "overloadpacket"):
+        return str(func)
+    return f"Tensor.{getattr(func, '__name__', repr(func))}"
+
+
+class HostReadMode(TorchFunctionMode):
+    """Calls `on_host_read(func)` for Tensor methods that read storage on the host.
+
+    The callback may raise (the replay recorder does) or just note it (check does); if
+    it returns, the method runs normally.
+    """
+
+    def __init__(self, on_host_read: Callable[[Any], None]):
+        super().__init__()
+        self._on_host_read = on_host_read
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in _HOST_READ_METHODS:
+            self._on_host_read(func)
+        return func(*args, **(kwargs or {}))
