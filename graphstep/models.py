@@ -128,11 +128,14 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig, seed: int = 0):
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.d_model)
-        self.wpe = nn.Embedding(config.seq_len, config.d_model)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.ln_f = nn.LayerNorm(config.d_model)
-        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        # The layers' default init draws from the global RNG; it is overwritten below, so keep the
+        # global stream as the caller left it.
+        with torch.random.fork_rng(devices=[]):
+            self.wte = nn.Embedding(config.vocab_size, config.d_model)
+            self.wpe = nn.Embedding(config.seq_len, config.d_model)
+            self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+            self.ln_f = nn.LayerNorm(config.d_model)
+            self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         for p in (self.wte.weight, self.wpe.weight, self.head.weight):
             p.is_embedding_or_output_parameter = True
         self.reset_parameters(seed)
