@@ -1,0 +1,315 @@
+"""The optimizer step, side by side in one process, on GPT-2 small's parameter shapes.
+
+What each row runs over the same ~124M fp32 params in 148 tensors, with the same random fp32 grads:
+
+- memory stream: ``x.mul_(1.0001)`` over one buffer of the same numel: this machine's in-place
+  bandwidth (8 bytes per element, read + write), the context for every GB/s below;
+- ``torch._fused_adamw_`` once over one flat buffer: the floor an Adam step can reach (DESIGN.md §6);
+- ``torch.optim.AdamW(fused=True)`` and ``AdamW(foreach=True)`` with two param groups (decay and
+  no-decay, the standard overrides), and ``AdamW(fused=True)`` after ``clip_grad_norm_``;
+- graphstep's step: update only (``clip_grad=0``, no loss scaling) and the full step (``clip_grad=1.0``:
+  norm, non-finite check, clip folded into the update), eager, and the full step captured (CPU replay
+  backend, or a CUDA graph on a GPU).
+
+Bytes per param: Adam over fp32 must read param, grad, m, v and write param, m, v (28 B); the full step
+also reads the grads once for the norm (32 B) — DESIGN.md §6. GB/s is those bytes over the median time:
+how close each row comes to the machine's stream bandwidth for the work it has to do.
+
+One pipeline is built at a time and freed before the next (each holds ~2 GB at GPT-2 small).
+
+    python perf/bench_step.py [--quick] [--steps 20] [--warmup 3] [--json out.json] [--only fused,graphstep]
+    graphstep bench [same flags]    # from a checkout
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+# perf/ is no package: find shapes.py next to this file, and graphstep in the checkout above it.
+_HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(_HERE), str(_HERE.parent)]
+import shapes as shape_sets  # noqa: E402
+
+LR, WEIGHT_DECAY, BETAS, EPS = 3e-4, 0.1, (0.9, 0.95), 1e-8
+ADAM_BYTES, NORM_BYTES, STREAM_BYTES = 28, 4, 8
+
+
+@dataclass
+class Row:
+    key: str
+    label: str
+    kind: str  # "stream" | "update" | "full": what the ratio column compares against
+    bytes_per_elem: int
+    median_ms: float = math.nan
+    p10_ms: float = math.nan
+    p90_ms: float = math.nan
+    gbps: float = math.nan
+    vs_graphstep: float = math.nan
+    vs_floor: float = math.nan
+    error: Optional[str] = None
+    times_ms: list = field(default_factory=list)
+
+
+# ---- timing ----------------------------------------------------------------------------------------------
+def time_steps(step: Callable[[], object], device: torch.device, warmup: int, steps: int) -> list[float]:
+    """ms per call of ``step``, ``steps`` timed calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+        for start, end in events:
+            start.record()
+            step()
+            end.record()
+        torch.cuda.synchronize(device)  # the one sync: after all timed steps
+        return [start.elapsed_time(end) for start, end in events]
+    times = []
+    for _ in range(steps):  # CPU kernels run synchronously: wall time is the step's time
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+# ---- the shared inputs -----------------------------------------------------------------------------------
+class Inputs:
+    """One flat fp32 source of initial params and one of grads; every pipeline copies from them."""
+
+    def __init__(self, shapes: shape_sets.Shapes, device: torch.device, seed: int):
+        self.shapes = shapes
+        self.numel = shape_sets.numel(shapes)
+        generator = torch.Generator(device=device).manual_seed(seed)
+        self.param_flat = torch.randn(self.numel, generator=generator, device=device).mul_(0.02)
+        self.grad_flat = torch.randn(self.numel, generator=generator, device=device).mul_(1e-3)
+        self.device = device
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        out, start = [], 0
+        for _, shape in self.shapes:
+            n = math.prod(shape)
+            out.append(flat[start:start + n].view(shape))
+            start += n
+        return out
+
+    def new_params(self) -> list[torch.nn.Parameter]:
+        return [torch.nn.Parameter(v.clone()) for v in self.views(self.param_flat)]
+
+    def decay_groups(self, params) -> list[dict]:
+        decay = [p for (name, shape), p in zip(self.shapes, params) if not shape_sets.is_no_decay(name, shape)]
+        no_decay = [p for (name, shape), p in zip(self.shapes, params) if shape_sets.is_no_decay(name, shape)]
+        return [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def module_of(inputs: Inputs, params: list[torch.nn.Parameter]) -> torch.nn.Module:
+    """An nn.Module whose named_parameters() carry the shape set's names (``h.0.attn.c_attn.weight``)."""
+    root = torch.nn.Module()
+    for (name, _), p in zip(inputs.shapes, params):
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, p)
+        if name in ("wte", "wpe"):
+            p.is_embedding_or_output_parameter = True
+    return root
+
+
+# ---- the pipelines: each returns a step callable; the objects it closes over are freed after timing ------
+def build_stream(inputs: Inputs):
+    x = inputs.param_flat.clone()
+    return lambda: x.mul_(1.0001)
+
+
+def build_fused_floor(inputs: Inputs):
+    param = inputs.param_flat.clone()
+    grad = inputs.grad_flat.clone()
+    exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
+    step_t = torch.zeros((), dtype=torch.float32, device=param.device)
+
+    def step():
+        step_t.add_(1)
+        torch._fused_adamw_([param], [grad], [exp_avg], [exp_avg_sq], [], [step_t], lr=LR, beta1=BETAS[0],
+                            beta2=BETAS[1], weight_decay=WEIGHT_DECAY, eps=EPS, amsgrad=False, maximize=False)
+    return step
+
+
+def build_torch_adamw(inputs: Inputs, *, fused: bool, clip: bool = False):
+    params = inputs.new_params()
+    grad_flat = inputs.grad_flat.clone()  # own copy: clip_grad_norm_ scales grads in place
+    for p, g in zip(params, inputs.views(grad_flat)):
+        p.grad = g
+    kwargs = {"fused": True} if fused else {"foreach": True}
+    opt = torch.optim.AdamW(inputs.decay_groups(params), lr=LR, betas=BETAS, eps=EPS, **kwargs)
+
+    def step():
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+    return step
+
+
+def build_graphstep(inputs: Inputs, *, clip_grad: float, capture: str):
+    import graphstep as gs
+
+    params = inputs.new_params()
+    model = module_of(inputs, params)
+    config = gs.OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
+                                adam_beta2=BETAS[1], adam_eps=EPS, clip_grad=clip_grad, capture=capture)
+    opt = gs.get_optimizer(config, model)
+    with torch.no_grad():
+        for p, g in zip(params, inputs.views(inputs.grad_flat)):
+            p.main_grad.copy_(g)  # a view of the engine's flat grad buffer (is p.grad too, for fp32 params)
+    return opt.step
+
+
+PIPELINES = {
+    "stream": ("memory stream: x.mul_(1.0001), same numel", "stream", STREAM_BYTES, build_stream),
+    "fused-floor": ("torch._fused_adamw_, one flat buffer (floor)", "update", ADAM_BYTES, build_fused_floor),
+    "adamw-fused": ("torch AdamW(fused=True)", "update", ADAM_BYTES,
+                    lambda i: build_torch_adamw(i, fused=True)),
+    "adamw-foreach": ("torch AdamW(foreach=True)", "update", ADAM_BYTES,
+                      lambda i: build_torch_adamw(i, fused=False)),
+    "graphstep-update": ("graphstep, update only (eager, clip_grad=0)", "update", ADAM_BYTES,
+                         lambda i: build_graphstep(i, clip_grad=0.0, capture="eager")),
+    "adamw-fused-clip": ("torch clip_grad_norm_ + AdamW(fused=True)", "full", ADAM_BYTES + NORM_BYTES,
+                         lambda i: build_torch_adamw(i, fused=True, clip=True)),
+    "graphstep-full": ("graphstep, full step (eager, clip_grad=1.0)", "full", ADAM_BYTES + NORM_BYTES,
+                       lambda i: build_graphstep(i, clip_grad=1.0, capture="eager")),
+    "graphstep-full-graph": ("graphstep, full step (capture='graph')", "full", ADAM_BYTES + NORM_BYTES,
+                             lambda i: build_graphstep(i, clip_grad=1.0, capture="graph")),
+}
+
+
+def run_pipeline(key: str, inputs: Inputs, warmup: int, steps: int) -> Row:
+    label, kind, nbytes, build = PIPELINES[key]
+    row = Row(key, label, kind, nbytes)
+    try:
+        step = build(inputs)
+        times = time_steps(step, inputs.device, warmup, steps)
+    except Exception as error:  # a broken row must not lose the others
+        row.error = f"{type(error).__name__}: {error}"
+        return row
+    finally:
+        step = None
+        gc.collect()
+        if inputs.device.type == "cuda":
+            torch.cuda.empty_cache()
+    ordered = sorted(times)
+    row.times_ms = times
+    row.median_ms = statistics.median(times)
+    row.p10_ms, row.p90_ms = _percentile(ordered, 0.1), _percentile(ordered, 0.9)
+    row.gbps = nbytes * inputs.numel / (row.median_ms * 1e-3) / 1e9
+    return row
+
+
+def add_ratios(rows: list[Row]) -> None:
+    by_key = {r.key: r for r in rows}
+    floor = by_key.get("fused-floor")
+    engine = {"update": by_key.get("graphstep-update"), "full": by_key.get("graphstep-full")}
+    for r in rows:
+        if r.kind == "stream":
+            continue
+        if floor is not None:
+            r.vs_floor = r.median_ms / floor.median_ms
+        if engine.get(r.kind) is not None:
+            r.vs_graphstep = r.median_ms / engine[r.kind].median_ms
+
+
+def _fmt(value: float, spec: str) -> str:
+    return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def markdown(rows: list[Row], meta: dict) -> str:
+    lines = [
+        f"{meta['shapes']}: {meta['numel'] / 1e6:.1f}M fp32 params in {meta['tensors']} tensors, "
+        f"{meta['device']}, {meta['threads']} threads, torch {meta['torch']}; "
+        f"{meta['steps']} timed steps after {meta['warmup']} warm-ups.",
+        "",
+        "| step | ms/step (median) | p10 | p90 | × graphstep | × fused floor | bytes/param | GB/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if r.error:
+            lines.append(f"| {r.label} | failed: {r.error} | | | | | | |")
+            continue
+        lines.append(f"| {r.label} | {r.median_ms:.1f} | {r.p10_ms:.1f} | {r.p90_ms:.1f} | "
+                     f"{_fmt(r.vs_graphstep, '.2f')} | {_fmt(r.vs_floor, '.2f')} | {r.bytes_per_elem} | "
+                     f"{r.gbps:.1f} |")
+    lines += ["", "× graphstep: time over graphstep's eager row of the same kind (update only or full step); "
+              "× fused floor: over the one-buffer `_fused_adamw_`. GB/s: bytes/param × params / median time "
+              "(28 = Adam's read p,g,m,v + write p,m,v; 32 = plus the norm's grad read; DESIGN.md §6)."]
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench_step", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", choices=sorted(shape_sets.SETS), default="gpt2-small",
+                        help="parameter-shape set (perf/shapes.py); default gpt2-small")
+    parser.add_argument("--quick", action="store_true", help="the small gpt2-quick set, 10 steps")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per row (default 20, quick 10)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before timing (default 3)")
+    parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1 ...")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated row keys to run, of: " + ", ".join(PIPELINES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.shapes = "gpt2-quick"
+    if args.steps is None:
+        args.steps = 10 if args.quick else 20
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be >= 1 and --warmup >= 0")
+    keys = list(PIPELINES) if args.only is None else [k.strip() for k in args.only.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in PIPELINES]
+    if unknown:
+        parser.error(f"--only: unknown row(s) {', '.join(unknown)}; choose from {', '.join(PIPELINES)}")
+    args.keys = keys
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    shapes = shape_sets.SETS[args.shapes]()
+    inputs = Inputs(shapes, device, args.seed)
+    meta = {"shapes": args.shapes, "numel": inputs.numel, "tensors": len(shapes),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "steps": args.steps,
+            "warmup": args.warmup}
+    rows = []
+    for key in args.keys:
+        print(f"running {key} ...", file=sys.stderr, flush=True)
+        rows.append(run_pipeline(key, inputs, args.warmup, args.steps))
+    add_ratios(rows)
+    print(markdown(rows, meta))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
