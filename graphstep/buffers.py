@@ -130,7 +130,7 @@ class StaticBuffers:
                         self.main_shard[place.buffer][owned.shard_start:owned.shard_start + size].copy_(
                             values.reshape(-1)[owned.param_start:owned.param_end])
             p.data = view
-            adopted.append(place.name)
+            adopted.append(f"param '{place.name}'")
         self.bind_grads()
         return adopted
 

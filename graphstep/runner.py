@@ -141,7 +141,7 @@ class StepRunner:
             return
         changed = _describe_change(self._baked_at_capture, now)
         if self._invalidation == "raise":
-            raise capture.CaptureError([], f"a hyperparameter baked into the captured step changed ({changed}); "
+            raise capture.CaptureError(f"a hyperparameter baked into the captured step changed ({changed}); "
                                            "call opt.recapture(), or use kernel='reference' to keep it live")
         self._count_recapture()
         self._graph.invalidate()

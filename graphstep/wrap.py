@@ -1,0 +1,181 @@
+"""graphstep.wrap: capture the step of a plain torch.optim optimizer (Adam, AdamW, SGD).
+
+What a capture would freeze in a torch optimizer, and what ``wrap`` does about it:
+- ``lr`` as a Python float: converted to a 0-d device tensor that torch's LR schedulers ``fill_`` in
+  place (fp64 on the CPU, where torch's scalar math is double, so the result stays bitwise equal).
+- the step count: the for-loop and foreach Adam read it on the host for the bias correction; only
+  ``fused=True`` (or ``capturable=True`` on a GPU) keeps it on device. Others are refused.
+- betas, eps, weight decay, momentum: floats that torch's kernels take as floats; recorded at capture
+  and guarded: a change recaptures the step, never freezes it.
+- grads: a user's ``zero_grad()`` (set_to_none) makes backward allocate new grad tensors; before each
+  step their values are copied into the captured grad tensors and the params pointed back at them.
+- state: created by torch on the first step, so at least one warm-up step runs eagerly.
+
+With a graphstep loss scaler (``scaler=``), the step checks the grads for inf/NaN on device, hands
+``grad_scale``/``found_inf`` to the fused kernel (torch's own AMP protocol, so a skipped step changes
+nothing) and updates the scale; without one, a plain bf16 or fp32 loop is captured as is.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .runner import StepRunner
+
+SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+# Settings each kernel takes as Python values: captured once, guarded before every replay.
+_BAKED_KEYS = ("betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "maximize", "amsgrad")
+
+
+def _refusals(optimizer: torch.optim.Optimizer) -> list[str]:
+    if not isinstance(optimizer, SUPPORTED):
+        return [f"{type(optimizer).__name__} is not one of Adam, AdamW, SGD"]
+    name = type(optimizer).__name__
+    reasons = []
+    for g, group in enumerate(optimizer.param_groups):
+        if group.get("differentiable"):
+            reasons.append(f"group {g}: differentiable=True builds an autograd graph through the step")
+        fused = bool(group.get("fused"))
+        capturable = bool(group.get("capturable"))
+        on_cpu = any(p.device.type == "cpu" for p in group["params"])
+        if isinstance(optimizer, torch.optim.SGD):
+            if not fused:
+                reasons.append(f"group {g}: {name} without fused=True multiplies by lr as a Python number "
+                               "(a tensor lr is read on the host), so lr would freeze; pass fused=True")
+        elif not (fused or (capturable and not on_cpu)):
+            reasons.append(f"group {g}: {name} without fused=True reads the step count on the host for the bias "
+                           "correction, so it would freeze at its capture value; pass fused=True"
+                           + ("" if on_cpu else " or capturable=True"))
+    return reasons
+
+
+class CapturedOptimizer(torch.optim.Optimizer):
+    """A torch optimizer whose ``step()`` is captured once and replayed; see ``wrap``.
+
+    It is a ``torch.optim.Optimizer`` over the very same param-group dicts and state as the wrapped one,
+    so torch's LR schedulers can drive either.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, warmup: int, scaler, capture_mode: str,
+                 invalidation: str):
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.param_groups = optimizer.param_groups  # the same dicts, the same list
+        self.state = optimizer.state
+        self.optimizer = optimizer
+        self.scaler = scaler
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        devices = {p.device for p in params}
+        if len(devices) != 1:
+            raise ValueError(f"graphstep.wrap: params on several devices {sorted(map(str, devices))}")
+        self.device = devices.pop()
+        self._params = params
+        lr_dtype = torch.float64 if self.device.type == "cpu" else torch.float32
+        for group in optimizer.param_groups:
+            if not isinstance(group["lr"], torch.Tensor):
+                group["lr"] = torch.tensor(float(group["lr"]), dtype=lr_dtype, device=self.device)
+        self._grads: Optional[list[torch.Tensor]] = None
+        self.found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.update_successful = torch.ones((), dtype=torch.bool, device=self.device)
+        self._runner = StepRunner(step_fn=self._device_step, mode=capture_mode, device=self.device,
+                                  warmup_steps=warmup, invalidation=invalidation,
+                                  static_inputs=self._static_inputs, baked_values=self._baked_values)
+
+    @property
+    def captured(self) -> bool:
+        return self._runner.captured
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads through torch, which replaces the state tensors: the next step recaptures."""
+        self.optimizer.load_state_dict(state_dict)
+        self._runner.invalidate()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.scaler is None else loss * self.scaler.scale
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the grads in place once they exist (``set_to_none`` is ignored: they are static)."""
+        for p in self._params:
+            if p.grad is not None:
+                p.grad.zero_()
+
+    def _bind_grads(self) -> None:
+        if self._grads is None:
+            if any(p.grad is None for p in self._params):
+                raise RuntimeError("graphstep.wrap: every param needs a grad before the first step "
+                                   "(run backward first; freeze unused params with requires_grad_(False))")
+            self._grads = [p.grad for p in self._params]
+            return
+        for i, p in enumerate(self._params):
+            static = self._grads[i]
+            if p.grad is None:
+                static.zero_()  # the user set it to None and no grad arrived since: a zero grad
+                p.grad = static
+            elif p.grad is not static:
+                static.copy_(p.grad)
+                p.grad = static
+
+    def _static_inputs(self) -> dict:
+        named = {f"param[{i}]": p for i, p in enumerate(self._params)}
+        named.update({f"grad[{i}]": g for i, g in enumerate(self._grads or [])})
+        for i, p in enumerate(self._params):
+            for key, value in self.optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    named[f"state[{i}].{key}"] = value
+        for g, group in enumerate(self.optimizer.param_groups):
+            named[f"lr[{g}]"] = group["lr"]
+        return named
+
+    def _baked_values(self) -> tuple:
+        return tuple((g, key, group.get(key)) for g, group in enumerate(self.optimizer.param_groups)
+                     for key in _BAKED_KEYS)
+
+    def _device_step(self) -> None:
+        if self.scaler is None:
+            self.optimizer.step()
+            return
+        norms = torch._foreach_norm(self._grads, 2)
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        self.found_inf.copy_(torch.logical_not(torch.isfinite(total)))
+        # torch's AMP protocol for fused optimizers: grads divided by grad_scale, step skipped on found_inf.
+        self.optimizer.grad_scale = self.scaler.scale
+        self.optimizer.found_inf = self.found_inf
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.grad_scale, self.optimizer.found_inf
+        self.scaler.update(self.found_inf)
+        self.update_successful.copy_(self.found_inf == 0)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        self._bind_grads()
+        self._runner.run()
+        return self.update_successful
+
+
+def wrap(optimizer: torch.optim.Optimizer, *, warmup: int = 1, scaler=None, capture: str = "graph",
+         capture_invalidation: str = "recapture") -> CapturedOptimizer:
+    """Capture ``optimizer.step()`` (Adam, AdamW or SGD with ``fused=True``) after ``warmup`` eager steps.
+
+    Settings that would freeze under capture are refused with a message naming them. ``scaler``: a
+    graphstep loss scaler (``graphstep.scaler``), for fp16 loops; ``scale_loss`` multiplies by it.
+    ``capture``: "graph" (CUDA graph on CUDA, the CPU replay backend elsewhere) or "eager".
+    """
+    reasons = _refusals(optimizer)
+    if reasons:
+        raise ValueError("graphstep.wrap cannot capture this optimizer without freezing something:\n  "
+                         + "\n  ".join(reasons))
+    if warmup < 1:
+        raise ValueError(f"graphstep.wrap: warmup={warmup}: at least 1, torch creates the state on the first step")
+    if capture not in ("graph", "eager"):
+        raise ValueError(f"graphstep.wrap: capture={capture!r}: must be 'graph' or 'eager'")
+    return CapturedOptimizer(optimizer, warmup=warmup, scaler=scaler, capture_mode=capture,
+                             invalidation=capture_invalidation)

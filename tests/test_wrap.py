@@ -1,0 +1,110 @@
+"""graphstep.wrap: a user's torch optimizer captured on the CPU replay backend, against it unwrapped."""
+
+import pytest
+import torch
+
+import capture
+import graphstep as gs
+from graphstep.scaler import DynamicLossScaler
+from toy import decay_groups, loss_fn, tiny_transformer
+
+
+def lambda_lr(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
+
+
+def train(model, opt, sched, steps=50):
+    for step in range(steps):
+        opt.zero_grad()
+        loss_fn(model, step).backward()
+        opt.step()
+        sched.step()
+
+
+def test_wrapped_fused_adamw_is_bitwise_equal_to_unwrapped_under_lambdalr():
+    plain_model, wrapped_model = tiny_transformer(), tiny_transformer()
+    plain = torch.optim.AdamW(decay_groups(plain_model, 0.1), lr=3e-3, fused=True)
+    wrapped = gs.wrap(torch.optim.AdamW(decay_groups(wrapped_model, 0.1), lr=3e-3, fused=True), warmup=2)
+    train(plain_model, plain, lambda_lr(plain))
+    train(wrapped_model, wrapped, lambda_lr(wrapped))
+    assert wrapped.captured
+    for a, b in zip(plain_model.parameters(), wrapped_model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_the_same_step_captured_with_a_float_lr_would_freeze():
+    plain_model, frozen_model = tiny_transformer(), tiny_transformer()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=3e-3, fused=True)
+    frozen = torch.optim.AdamW(frozen_model.parameters(), lr=3e-3, fused=True)
+    plain_sched, frozen_sched = lambda_lr(plain), lambda_lr(frozen)
+    graph = capture.graph(frozen.step, warmup=2, backend="replay")  # no lr conversion: a float lr
+    for step in range(20):
+        for model, opt, sched, run in ((plain_model, plain, plain_sched, plain.step),
+                                       (frozen_model, frozen, frozen_sched, graph)):
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.zero_()
+            loss_fn(model, step).backward()
+            run()
+            sched.step()
+    assert not all(torch.equal(a, b) for a, b in zip(plain_model.parameters(), frozen_model.parameters()))
+
+
+def test_wrapped_sgd_and_the_users_set_to_none_zero_grad():
+    plain_model, wrapped_model = tiny_transformer(), tiny_transformer()
+    plain = torch.optim.SGD(plain_model.parameters(), lr=0.05, momentum=0.9, fused=True)
+    wrapped = gs.wrap(torch.optim.SGD(wrapped_model.parameters(), lr=0.05, momentum=0.9, fused=True))
+    for step in range(20):
+        for model, opt in ((plain_model, plain), (wrapped_model, wrapped)):
+            model.zero_grad(set_to_none=True)  # new grad tensors every backward
+            loss_fn(model, step).backward()
+            opt.step()
+    assert wrapped.captured
+    for a, b in zip(plain_model.parameters(), wrapped_model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_weight_decay_change_recaptures_instead_of_freezing():
+    plain_model, wrapped_model = tiny_transformer(), tiny_transformer()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=3e-3, fused=True)
+    wrapped = gs.wrap(torch.optim.AdamW(wrapped_model.parameters(), lr=3e-3, fused=True))
+    for step in range(12):
+        for model, opt in ((plain_model, plain), (wrapped_model, wrapped)):
+            opt.param_groups[0]["weight_decay"] = 0.01 * (1 + step // 4)
+            opt.zero_grad()
+            loss_fn(model, step).backward()
+            opt.step()
+    assert wrapped._runner.recaptures == 2
+    for a, b in zip(plain_model.parameters(), wrapped_model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_graphsteps_scaler_skips_non_finite_steps_on_device():
+    model = tiny_transformer()
+    scaler = DynamicLossScaler(initial_scale=2.0**10, min_scale=1.0, growth_interval=100, hysteresis=1,
+                               device=torch.device("cpu"))
+    wrapped = gs.wrap(torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True), scaler=scaler, warmup=2)
+    for step in range(6):
+        wrapped.zero_grad()
+        wrapped.scale_loss(loss_fn(model, step)).backward()
+        if step == 4:
+            before = [p.detach().clone() for p in model.parameters()]
+            next(model.parameters()).grad[0, 0] = float("inf")
+        ok = wrapped.step()
+        if step == 4:
+            assert not ok.item()
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            assert scaler.scale.item() == 2.0**9
+    assert wrapped.captured
+    assert next(iter(wrapped.state.values()))["step"].item() == 5  # the skipped step did not count
+
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda ps: torch.optim.AdamW(ps, lr=1e-3), "reads the step count on the host"),
+    (lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=True), "reads the step count on the host"),
+    (lambda ps: torch.optim.SGD(ps, lr=1e-3), "lr would freeze"),
+    (lambda ps: torch.optim.Adagrad(ps, lr=1e-3), "not one of Adam, AdamW, SGD"),
+])
+def test_settings_that_would_freeze_are_refused(make, reason):
+    with pytest.raises(ValueError, match=reason):
+        gs.wrap(make(tiny_transformer().parameters()))
