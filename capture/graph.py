@@ -19,9 +19,15 @@ from typing import Any, Callable, Optional
 
 from .backends import make_backend, resolve
 from .backends.eager import EagerBackend
+from .errors import StaleInputError
 from .guards import StaticInputGuard, StaticInputs
 
 __all__ = ["Graph", "graph"]
+
+_REPLACED_DURING_CAPTURE = (
+    "the step replaced it while it was being captured; warm it up first (warmup >= 1) "
+    "so that lazily created tensors exist before the capture"
+)
 
 
 class Graph:
@@ -85,11 +91,24 @@ class Graph:
         elif self.num_calls < self._warmup:
             out = self._backend.warmup(self._fn)
         else:
-            if self._guard is not None:
-                self._guard.record()
-            out = self._backend.capture(self._fn)
-            self._captured = True
+            out = self._capture()
         self.num_calls += 1
+        return out
+
+    def _capture(self) -> Any:
+        if self._guard is None:
+            out = self._backend.capture(self._fn)
+        else:
+            self._guard.record()
+            out = self._backend.capture(self._fn)
+            # A step that allocates its state lazily replaces static inputs during
+            # its first run; captured then, the graph would hold the old tensors.
+            try:
+                self._guard.verify(hint=_REPLACED_DURING_CAPTURE)
+            except StaleInputError:
+                self._backend.reset()
+                raise
+        self._captured = True
         return out
 
     def invalidate(self) -> None:

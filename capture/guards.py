@@ -82,8 +82,11 @@ class StaticInputGuard:
     def clear(self) -> None:
         self._recorded = None
 
-    def verify(self) -> None:
-        """Raise StaleInputError naming every input that differs from the recording."""
+    def verify(self, *, hint: Optional[str] = None) -> None:
+        """Raise StaleInputError naming every input that differs from the recording.
+
+        `hint` replaces the advice at the end of the message for this one check.
+        """
         if self._recorded is None:
             return
         now = self.snapshot()
@@ -99,5 +102,5 @@ class StaticInputGuard:
             problems.append(f"static input {name!r} was not there at capture")
         if problems:
             raise StaleInputError(
-                "; ".join(problems) + f": the captured step would read the old memory; {self._hint}"
+                "; ".join(problems) + f": the captured step would read the old memory; {hint or self._hint}"
             )

@@ -109,3 +109,31 @@ def test_eager_backend_does_not_guard():
     holder["x"] = torch.zeros(2)
     graph()  # eager reads the current tensors: nothing can be stale
     assert holder["x"][0] == 1
+
+
+def _lazy_step():
+    holder = {"m": torch.empty(0)}
+
+    def step():
+        if holder["m"].numel() == 0:  # metadata, not a host sync: allowed
+            holder["m"] = torch.zeros(4)  # lazily created state, like an optimizer's
+        holder["m"].add_(1)
+
+    return step, holder
+
+
+def test_static_input_replaced_during_capture_asks_for_warmup():
+    step, holder = _lazy_step()
+    graph = capture.graph(step, warmup=0, backend="replay", static_inputs=lambda: dict(holder))
+    with pytest.raises(capture.StaleInputError, match=r"while it was being captured; warm it up first"):
+        graph()
+    assert not graph.captured
+
+
+def test_lazy_state_captures_fine_after_warmup():
+    step, holder = _lazy_step()
+    graph = capture.graph(step, warmup=1, backend="replay", static_inputs=lambda: dict(holder))
+    for _ in range(4):
+        graph()
+    assert graph.captured
+    assert torch.equal(holder["m"], torch.full((4,), 4.0))

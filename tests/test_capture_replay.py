@@ -331,3 +331,39 @@ def test_refusal_survives_a_swallowed_exception():
     with pytest.raises(capture.CaptureError):
         g()
     assert not g.captured
+
+
+def test_autocast_inside_step_replays_bitwise_and_outer_autocast_is_ignored():
+    def make():
+        w = torch.randn(8, 8)
+        x = torch.randn(4, 8)
+        acc = torch.zeros(4, 8)
+
+        def step():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = x @ w  # bf16 matmul: the casts are recorded ops
+            acc.add_(y.float())
+            w.mul_(0.999)
+            return y
+
+        return step, {"w": w, "acc": acc}
+
+    _run_both(make, 12)
+
+
+def test_replay_is_the_recorded_program_even_under_a_callers_autocast():
+    w, x = torch.randn(16, 16), torch.randn(4, 16)
+    out = torch.zeros(4, 16)
+
+    def step():
+        out.copy_(x @ w)  # recorded as an fp32 mm
+
+    g = capture.graph(step, warmup=0, backend="replay")
+    g()
+    expected = out.clone()
+    out.zero_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        g()  # autocast must not recast the recorded fp32 matmul to bf16
+    assert torch.equal(out, expected)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not torch.equal(step() or out, expected)  # what eager would do here

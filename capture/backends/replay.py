@@ -172,9 +172,11 @@ class _Program:
 
     def run(self) -> None:
         env: list[Any] = [None] * self.num_slots
-        # Below-autograd ops are replayed through the full dispatcher; no_grad keeps
-        # autograd from recording them or refusing in-place updates of leaf params.
-        with torch.no_grad():
+        # The recorded ops sit below autograd and autocast (their casts are already in
+        # the list), but replay enters the dispatcher from the top: no_grad keeps
+        # autograd from recording them or refusing in-place updates of leaf params, and
+        # autocast is disabled so a caller's autocast region cannot recast them.
+        with torch.no_grad(), torch._C._DisableAutocast():
             for ins in self.instrs:
                 if ins.baked is not None:
                     args, kwargs = ins.baked
