@@ -49,6 +49,7 @@ class _CheckMode(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
+        self.host_reads = HostReadMode(lambda func: self.note(HOST_SYNC, func))
         self.findings: list[Finding] = []
         # (weakref to an op output, the Finding to report if it escapes)
         self.fresh: list[tuple[weakref.ref, Finding]] = []
@@ -62,7 +63,7 @@ class _CheckMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         kind = classify(func, args, kwargs)
-        if kind is not None:
+        if kind is not None and not self.host_reads.inside:  # already reported as Tensor.*
             self.note(kind, func)
         out = func(*args, **kwargs)
         inputs = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
@@ -84,8 +85,7 @@ def check(fn: Callable[[], Any]) -> list[Finding]:
     to hold tensors allocated inside it: those become the graph-owned outputs.
     """
     mode = _CheckMode()
-    host_reads = HostReadMode(lambda func: mode.note(HOST_SYNC, func))
-    with host_reads, mode:
+    with mode.host_reads, mode:
         result = fn()
     returned = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
     returned_ids = {id(t) for t in returned}

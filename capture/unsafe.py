@@ -110,8 +110,16 @@ class HostReadMode(TorchFunctionMode):
     def __init__(self, on_host_read: Callable[[Any], None]):
         super().__init__()
         self._on_host_read = on_host_read
+        # True while a reported method runs: on a device tensor `.tolist()` dispatches
+        # a `_to_copy` to the CPU, the same event, which should not be reported twice.
+        self.inside = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", None) in _HOST_READ_METHODS:
-            self._on_host_read(func)
-        return func(*args, **(kwargs or {}))
+        if self.inside or getattr(func, "__name__", None) not in _HOST_READ_METHODS:
+            return func(*args, **(kwargs or {}))
+        self._on_host_read(func)
+        self.inside = True
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.inside = False

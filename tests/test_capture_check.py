@@ -1,6 +1,7 @@
 """capture.check: every kind of finding, located at the user's line, all in one run."""
 import os
 
+import pytest
 import torch
 
 import capture
@@ -160,3 +161,25 @@ def test_capture_error_lists_all_findings():
     assert err.findings == (f1, f2)
     assert str(f1) in str(err) and str(f2) in str(err)
     assert isinstance(capture.StaleInputError("x"), capture.CaptureError)
+
+
+def test_a_host_read_method_is_reported_once():
+    p = torch.arange(3.0)
+
+    def step():
+        p.tolist()  # CHECK-ONCE
+        p.numpy()
+
+    findings = capture.check(step)
+    assert [f.op for f in findings] == ["Tensor.tolist", "Tensor.numpy"]
+    assert findings[0].lineno == _line_of("CHECK-ONCE")
+
+
+def test_check_does_not_swallow_the_steps_exceptions():
+    def step():
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        capture.check(step)
+    # The modes were exited: ordinary code runs unobserved afterwards.
+    assert capture.check(lambda: torch.ones(2).add_(1)) == []
