@@ -1,0 +1,7 @@
+"""``python -m graphstep``: the same as the ``graphstep`` console script."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
