@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from . import overlap
 from . import overrides as overrides_mod
 from .buffers import StaticBuffers, allocate
 from .config import OptimizerConfig
@@ -93,7 +94,13 @@ def _defaults(config: OptimizerConfig) -> dict:
 
 
 def _data_parallel(config: OptimizerConfig, process_group) -> tuple[Optional[dist.ProcessGroup], int, int]:
-    """(group, rank, size) the state is sharded over; size 1 without the distributed optimizer."""
+    """(group, rank, size) the state is sharded over; size 1 without the distributed optimizer.
+
+    With several ranks the group is graphstep's own copy of ``process_group`` (same ranks and backend)
+    created with ``timeout=distributed_timeout_s``, so every collective of the step, eager or replayed,
+    fails within that timeout when a peer dies or stops answering (see distributed.py). Creating it is
+    collective over the group's members: all of them build the optimizer together.
+    """
     if not config.use_distributed_optimizer:
         if process_group is not None and dist.get_world_size(process_group) > 1:
             raise ValueError("process_group has several ranks but use_distributed_optimizer=False: graphstep "
@@ -103,7 +110,15 @@ def _data_parallel(config: OptimizerConfig, process_group) -> tuple[Optional[dis
         if not dist.is_initialized():
             return None, 0, 1
         process_group = dist.group.WORLD
-    return process_group, dist.get_rank(process_group), dist.get_world_size(process_group)
+    rank, size = dist.get_rank(process_group), dist.get_world_size(process_group)
+    if rank < 0:
+        raise ValueError("get_optimizer: this process is not a member of process_group; pass the "
+                         "data-parallel group this rank belongs to")
+    if size == 1:
+        return None, 0, 1
+    from .distributed import derive_group
+
+    return derive_group(process_group, config.distributed_timeout_s), rank, size
 
 
 class GraphstepOptimizer(torch.optim.Optimizer):
@@ -148,6 +163,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                                 self.tensors, self.scaler, self.comm, rank)
         self.stages = self._build_stages()
         self._step_fn = chain(self.stages)
+        self._overlap = overlap.install(self._ctx, self.config, model_chunks)
         self._runner = StepRunner(
             step_fn=self._step_fn, mode=config.capture, device=device, warmup_steps=config.capture_warmup_steps,
             invalidation=config.capture_invalidation, static_inputs=self._static_inputs,

@@ -1,0 +1,167 @@
+"""Overlap communication with backward and forward: hooks that launch and wait the step's collectives.
+
+``overlap_grad_reduce``: a post-accumulate-grad hook on every param counts the bucket's grads that have
+arrived in this backward; when the last one lands, the bucket's reduce-scatter is launched asynchronously
+(while backward goes on with earlier layers) and the step's reduce stage only waits on it.
+
+``overlap_param_gather``: the step's gather stage only launches the all-gathers; a forward pre-hook on
+every module that owns params waits on the buckets of its own params just before it runs, so the
+gathers overlap with the rest of the step, the data loading and the first layers of the next forward.
+The next step's reduce stage waits on whatever is still pending; call ``finish()`` before reading params
+outside a forward (e.g. ``model.state_dict()`` right after the last step).
+
+``enabled`` switches all of it off at once: hooks then do nothing and the stages run their collectives
+synchronously in the step. **It must be False while a capture records the step and while the captured
+step replays**: the collectives are part of the graph then, and a hook launching one outside it would
+pair up with nothing. (If a reduce was already launched when it is switched off, the step waits on it and
+runs it again, so a recording still holds every collective.)
+
+Grad accumulation: with several backwards per step, each complete backward launches a bucket's
+reduce-scatter; a later backward into the same bucket first waits on it and launches again when it is
+complete, so the step reduces the accumulated grads (correct, but the early reductions are wasted). Run
+the earlier micro-batches under ``no_sync()`` to launch only on the last. fp16 grads are pre-scaled in
+place before their SUM, so their buckets are never launched from hooks (see stages/reduce.py).
+
+All ranks must produce each bucket's grads in the same order (the same model and control flow, as with
+DDP): collectives pair up by launch order. A bucket whose param got no grad in this backward is not
+launched by a hook; the step launches it in bucket order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from .stages.reduce import bucket_reduces
+
+
+class Overlap:
+    """The hooks of one engine. ``enabled`` is what the engine (or a capture) flips; see the module doc."""
+
+    def __init__(self, ctx, config, model_chunks=None):
+        self._comm = ctx.comm
+        self._buffers = ctx.buffers
+        self.grad_reduce = bool(config.overlap_grad_reduce) and ctx.layout.dp_size > 1
+        self.param_gather = bool(config.overlap_param_gather) and ctx.layout.dp_size > 1
+        self._comm.defer_param_gather = self.param_gather
+        self._handles: list = []
+        self._no_sync = False
+        self.launched_reduces = 0  # reduce-scatters launched from backward hooks (for tests and stats)
+        self.waited_gathers = 0  # deferred all-gathers finished by a forward pre-hook
+        if self.grad_reduce:
+            self._install_grad_hooks(ctx)
+        if self.param_gather:
+            self._install_forward_hooks(ctx, model_chunks)
+        # A step that will be captured holds its collectives in the graph: the hooks stay off from the start
+        # (capture="auto" may capture on CUDA; the engine may switch them on while it runs eagerly).
+        self.enabled = (self.grad_reduce or self.param_gather) and not _may_capture(config, ctx)
+
+    @property
+    def enabled(self) -> bool:
+        return self._comm.overlap_enabled
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self._comm.overlap_enabled = bool(value) and (self.grad_reduce or self.param_gather)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside only accumulate grads: no reduce-scatter is launched from them."""
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    def finish(self) -> None:
+        """Wait on every collective still in flight (deferred all-gathers, launched reduce-scatters)."""
+        self._comm.wait_all("gather")
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.enabled = False
+
+    # ---- backward: launch a bucket's reduce-scatter when its last grad arrives -----------------------
+    def _install_grad_hooks(self, ctx) -> None:
+        reduces = {r.bucket: r for r in bucket_reduces(ctx) if r.overlappable}
+        seen: dict[int, set[int]] = {b: set() for b in reduces}
+        comm, buffers = self._comm, self._buffers
+
+        def make_hook(index: int, bucket: int):
+            reduce = reduces[bucket]
+            same_dtype = buffers.grads_in_param_dtype(index)
+
+            def hook(param: torch.nn.Parameter) -> None:
+                if not comm.overlap_enabled or self._no_sync:
+                    return
+                if same_dtype:
+                    # A grad set to None (model.zero_grad()) comes back as a fresh tensor: move it into the
+                    # flat buffer the reduce-scatter reads, as bind_grads would before the step.
+                    view = buffers.grad_view(index)
+                    if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+                        view.copy_(param.grad)
+                        param.grad = view
+                arrived = seen[bucket]
+                if index in arrived or len(arrived) == len(reduce.params):
+                    # A new backward into this bucket: the step consumed the last launch, or (grad
+                    # accumulation) it is still pending and must be finished before grads change again.
+                    comm.wait(("reduce", bucket))
+                    arrived.clear()
+                arrived.add(index)
+                if len(arrived) == len(reduce.params):
+                    reduce.launch(comm, key=("reduce", bucket))
+                    self.launched_reduces += 1
+
+            return hook
+
+        for bucket, reduce in reduces.items():
+            for index in reduce.params:
+                param = buffers.params[index]
+                # Registered after buffers' main-grad hook, so it runs after the grad reached main_grad.
+                self._handles.append(param.register_post_accumulate_grad_hook(make_hook(index, bucket)))
+
+    # ---- forward: wait on a module's buckets just before it runs -------------------------------------
+    def _install_forward_hooks(self, ctx, model_chunks) -> None:
+        if model_chunks is None:
+            raise ValueError("overlap_param_gather needs the model's modules to hook: pass model_chunks")
+        chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+        bucket_of = {id(p): ctx.layout.params[i].bucket for i, p in enumerate(self._buffers.params)}
+        comm = self._comm
+
+        def make_pre_hook(buckets: tuple[int, ...]):
+            def pre_hook(module, args) -> None:
+                if not comm.overlap_enabled:
+                    return
+                for bucket in buckets:
+                    if comm.wait(("gather", bucket)):
+                        self.waited_gathers += 1
+
+            return pre_hook
+
+        # A module that owns params waits on the buckets of all its params, its children's included: some
+        # modules use a child's params without calling the child (torch's MultiheadAttention reads
+        # out_proj.weight directly). Containers without params of their own get no hook, so the forward
+        # still waits bucket by bucket, layer by layer.
+        for chunk in chunks:
+            for module in chunk.modules():
+                if not any(True for _ in module.parameters(recurse=False)):
+                    continue
+                buckets = sorted({bucket_of[id(p)] for p in module.parameters() if id(p) in bucket_of})
+                if buckets:
+                    self._handles.append(module.register_forward_pre_hook(make_pre_hook(tuple(buckets))))
+
+
+def _may_capture(config, ctx) -> bool:
+    if config.capture == "graph":
+        return True
+    device = ctx.buffers.param_flat[0].device if ctx.buffers.param_flat else torch.device("cpu")
+    return config.capture == "auto" and device.type == "cuda"
+
+
+def install(ctx, config, model_chunks=None) -> Overlap:
+    """The engine's overlap hooks (an inert Overlap when neither overlap option is on)."""
+    return Overlap(ctx, config, model_chunks)

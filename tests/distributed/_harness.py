@@ -1,0 +1,143 @@
+"""Spawn gloo ranks on 127.0.0.1, bounded in time, and the small model/data helpers the tests share.
+
+``spawn(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes
+(torch.multiprocessing, "spawn"), each in a gloo process group on a free port, and returns the ranks'
+return values (through files in a temporary directory). It never hangs: processes are joined against one
+deadline and stragglers are killed. A rank that raised has its traceback re-raised in the parent.
+
+The model and data helpers are copies of tests/toy.py's (that file belongs to the engine tests).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+VOCAB, SEQ, WIDTH = 64, 8, 32
+GLOBAL_BATCH = 8
+
+
+class RankFailed(AssertionError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, outdir: str, fn, args) -> None:
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    path = os.path.join(outdir, f"rank{rank}.pkl")
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=60))
+        result = ("ok", fn(rank, world_size, *args))
+    except BaseException as exc:  # report everything, including CollectiveError the test expects
+        result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(result, f)
+    os.replace(path + ".tmp", path)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # No destroy_process_group: with a dead peer it can block. The parent reads the file.
+    os._exit(0)
+
+
+def spawn(fn, world_size: int, *args, timeout: float = 50.0, allow_missing: tuple = ()) -> list:
+    """[(status, value)] per rank: status "ok" (value = fn's return) or "error" (value = traceback text);
+    ``None`` for ranks in ``allow_missing`` that wrote nothing (killed on purpose)."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as outdir:
+        port = free_port()
+        procs = [ctx.Process(target=_entry, args=(r, world_size, port, outdir, fn, args), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        expected = [r for r in range(world_size) if r not in allow_missing]
+        while time.monotonic() < deadline:
+            if all(os.path.exists(os.path.join(outdir, f"rank{r}.pkl")) for r in expected):
+                break
+            time.sleep(0.05)
+        for r, p in enumerate(procs):
+            grace = 0.5 if r in allow_missing else 5.0  # a rank killed or hung on purpose: do not wait long
+            p.join(timeout=max(0.0, min(grace, deadline - time.monotonic())))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        results = []
+        for r in range(world_size):
+            path = os.path.join(outdir, f"rank{r}.pkl")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    results.append(pickle.load(f))
+            elif r in allow_missing:
+                results.append(None)
+            else:
+                raise RankFailed(f"rank {r} of {world_size} wrote no result within {timeout:.0f} s "
+                                 f"(exit code {procs[r].exitcode})")
+        return results
+
+
+def values(results: list) -> list:
+    """The return values, raising the first rank's error."""
+    for rank, result in enumerate(results):
+        if result is not None and result[0] == "error":
+            raise RankFailed(f"rank {rank} raised:\n{result[1]}")
+    return [None if r is None else r[1] for r in results]
+
+
+# ---- model and data (copied from tests/toy.py) -----------------------------------------------------
+def tiny_transformer(seed: int = 0, dtype=torch.float32) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(VOCAB, WIDTH),
+        torch.nn.TransformerEncoderLayer(WIDTH, 4, 2 * WIDTH, dropout=0.0, batch_first=True),
+        torch.nn.LayerNorm(WIDTH),
+        torch.nn.Linear(WIDTH, VOCAB),
+    )
+    model[0].weight.is_embedding_or_output_parameter = True
+    model[3].weight.is_embedding_or_output_parameter = True
+    return model.to(dtype)
+
+
+def batch(step: int, batch_size: int = GLOBAL_BATCH):
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def local_loss(model, step: int, rank: int, world_size: int, global_batch: int = GLOBAL_BATCH):
+    """Mean loss over this rank's slice of the global batch (rank-major, equal slices)."""
+    inputs, targets = batch(step, global_batch)
+    per_rank = global_batch // world_size
+    rows = slice(rank * per_rank, (rank + 1) * per_rank)
+    logits = model(inputs[rows])
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), targets[rows].reshape(-1))
+
+
+def relative_drift(params, reference, start):
+    """‖a − b‖ / ‖b − p₀‖ over all params: drift relative to how far the params moved (DESIGN.md §8)."""
+    num = sum(((a.detach().double() - b.detach().double()) ** 2).sum() for a, b in zip(params, reference))
+    den = sum(((b.detach().double() - s.double()) ** 2).sum() for b, s in zip(reference, start))
+    return (num / den).sqrt().item()
+
+
+def relative_error(params, reference):
+    num = sum(((a.detach().double() - b.detach().double()) ** 2).sum() for a, b in zip(params, reference))
+    den = sum((b.detach().double() ** 2).sum() for b in reference)
+    return (num / den).sqrt().item()

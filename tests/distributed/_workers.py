@@ -1,0 +1,147 @@
+"""What the spawned ranks run (module-level, so "spawn" can import them by name)."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+
+import torch
+
+from graphstep.config import OptimizerConfig
+from graphstep.engine import get_optimizer
+from graphstep.distributed import CollectiveError
+from _harness import local_loss, tiny_transformer
+
+# The settings the parity runs share: clipping on and active (the toy's grad norm is ~1-3), several buckets
+# per buffer (so ranks own pieces of some groups and nothing of others), one injected non-finite step.
+STEPS = 20
+INF_STEP = 7
+CLIP = 0.5
+BUCKET = 3000
+
+CONFIGS = {
+    "sgd_fp32": dict(optimizer="sgd", lr=0.05, weight_decay=1e-3, sgd_momentum=0.9),
+    "adam_fp32": dict(optimizer="adam", lr=3e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95),
+    "adam_bf16": dict(optimizer="adam", lr=3e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, bf16=True),
+}
+
+
+def make_config(name: str, world_size: int, **changes) -> OptimizerConfig:
+    fields = dict(CONFIGS[name], clip_grad=CLIP, bucket_size=BUCKET, capture="eager",
+                  use_distributed_optimizer=world_size > 1, distributed_timeout_s=20.0)
+    fields.update(changes)
+    return OptimizerConfig(**fields)
+
+
+def train(config: OptimizerConfig, rank: int, world_size: int, *, steps: int = STEPS, inf_step=INF_STEP,
+          inf_rank=None, micro_batches: int = 1, model=None) -> dict:
+    """Train the toy for ``steps``; rank ``inf_rank`` (default: the last) makes step ``inf_step``'s grads
+    non-finite. Returns final params, per-step flags and norms, and the optimizer state's size."""
+    model = tiny_transformer() if model is None else model
+    start = [p.detach().clone().float() for p in model.parameters()]
+    opt = get_optimizer(config, model)
+    inf_rank = world_size - 1 if inf_rank is None else inf_rank
+    ok, norms = [], []
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(micro_batches):
+            loss = local_loss(model, step * micro_batches + micro, rank, world_size) / micro_batches
+            if step == inf_step and rank == inf_rank and micro == 0:
+                loss = loss * math.inf
+            if micro < micro_batches - 1:
+                with opt._overlap.no_sync():  # earlier micro-batches only accumulate
+                    opt.scale_loss(loss).backward()
+            else:
+                opt.scale_loss(loss).backward()
+        result = opt.step()
+        ok.append(bool(result.update_successful.item()))
+        norms.append(float(result.grad_norm.item()))
+    opt._overlap.finish()
+    owned_groups = sorted({s.group for s in opt.layout.segments(opt.rank)})
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "start": start,
+        "ok": ok,
+        "norms": norms,
+        "state_numel": sum(t.numel() for tensors in opt.buffers.state.values() for t in tensors),
+        "main_numel": sum(t.numel() for t in opt.buffers.main_shard),
+        "param_numel": sum(p.numel() for p in model.parameters()),
+        "owned_groups": owned_groups,
+        "num_groups": opt.layout.num_groups,
+        "num_buckets": len(opt.layout.buckets),
+        "overlap": (opt._overlap.launched_reduces, opt._overlap.waited_gathers),
+    }
+
+
+def parity(rank: int, world_size: int, names: tuple) -> dict:
+    return {name: train(make_config(name, world_size), rank, world_size) for name in names}
+
+
+def capture_vs_eager(rank: int, world_size: int) -> dict:
+    out = {}
+    for mode in ("eager", "graph"):
+        config = make_config("adam_fp32", world_size, capture=mode, capture_warmup_steps=2)
+        model = tiny_transformer()
+        opt = get_optimizer(config, model)
+        ok = []
+        for step in range(10):
+            opt.zero_grad()
+            loss = local_loss(model, step, rank, world_size)
+            if step == 6 and rank == 0:
+                loss = loss * math.inf
+            loss.backward()
+            ok.append(bool(opt.step().update_successful.item()))
+        out[mode] = {"params": [p.detach().clone() for p in model.parameters()], "ok": ok,
+                     "captured": bool(opt.captured)}
+    return out
+
+
+def overlap(rank: int, world_size: int) -> dict:
+    out = {}
+    for name, changes, micro in (("plain", {}, 1),
+                                 ("overlap", dict(overlap_grad_reduce=True, overlap_param_gather=True), 1),
+                                 ("plain_accum", {}, 2),
+                                 ("overlap_accum", dict(overlap_grad_reduce=True, overlap_param_gather=True), 2)):
+        out[name] = train(make_config("adam_fp32", world_size, **changes), rank, world_size, steps=8, inf_step=3,
+                          micro_batches=micro)
+    return out
+
+
+def mismatch(rank: int, world_size: int) -> dict:
+    errors = {}
+    width = 32 if rank == 0 else 48
+    model = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Linear(width, 4))
+    try:
+        get_optimizer(make_config("sgd_fp32", world_size), model)
+        errors["model"] = None
+    except ValueError as exc:
+        errors["model"] = str(exc)
+    lr = 0.05 if rank == 0 else 0.1
+    try:
+        get_optimizer(make_config("sgd_fp32", world_size, lr=lr), tiny_transformer())
+        errors["config"] = None
+    except ValueError as exc:
+        errors["config"] = str(exc)
+    return errors
+
+
+def failing_peer(rank: int, world_size: int, how: str, timeout_s: float) -> dict:
+    """Rank ``world_size - 1`` dies (SIGKILL) or stops answering (sleeps) after step 3's backward."""
+    config = make_config("adam_fp32", world_size, distributed_timeout_s=timeout_s)
+    model = tiny_transformer()
+    opt = get_optimizer(config, model)
+    for step in range(20):
+        opt.zero_grad()
+        local_loss(model, step, rank, world_size).backward()
+        if step == 3 and rank == world_size - 1:
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(60)
+        started = time.monotonic()
+        try:
+            opt.step()
+        except CollectiveError as exc:
+            return {"step": step, "elapsed": time.monotonic() - started, "error": str(exc), "what": exc.what}
+    return {"step": None}
