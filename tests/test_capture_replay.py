@@ -367,3 +367,36 @@ def test_replay_is_the_recorded_program_even_under_a_callers_autocast():
     assert torch.equal(out, expected)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not torch.equal(step() or out, expected)  # what eager would do here
+
+
+def _make_alias(make_alias):
+    def make():
+        p = torch.randn(6)
+
+        def step():
+            tmp = p * 2
+            make_alias(tmp)[1:].add_(1)
+            p.copy_(tmp * 0.5)
+            return tmp
+
+        return step, {"p": p}
+
+    return make
+
+
+def test_dot_data_of_a_temporary_replays():
+    _run_both(_make_alias(lambda t: t.data), 10)  # .data dispatches aten.detach
+
+
+def test_alias_of_a_temporary_made_without_dispatch_is_replayed_as_a_view():
+    # from_dlpack builds a new tensor on the same memory without any aten op: the
+    # recorder must see it as a view of the placeholder, not bake the capture buffer.
+    _run_both(_make_alias(torch.from_dlpack), 10)
+
+
+def test_dot_data_of_a_persistent_tensor_is_the_tensor_itself():
+    p = torch.zeros(3)
+    g = capture.graph(lambda: p.data.add_(1), warmup=0, backend="replay")
+    for _ in range(3):
+        g()
+    assert torch.equal(p, torch.full((3,), 3.0))

@@ -83,7 +83,41 @@ class _Recorder(TorchDispatchMode):
         # Every tensor a recorded op produced stays alive until recording ends, so an
         # id() can never be reused by another tensor and confuse slot_of.
         self.keepalive: list[torch.Tensor] = []
+        # Storage of each allocation a recorded op made -> slot of its first tensor.
+        self.storage_slot: dict[int, int] = {}
         self.refusal: Optional[CaptureError] = None
+
+    def _new_slot(self, t: torch.Tensor) -> int:
+        slot = len(self.keepalive)
+        self.keepalive.append(t)
+        self.slot_of[id(t)] = slot
+        return slot
+
+    def _alias_of_fresh(self, x: torch.Tensor) -> Optional[int]:
+        """Slot for an unknown tensor that aliases a temporary, else None.
+
+        `tmp.data`, `tmp.detach()` under some paths, and tensors rebuilt from a storage
+        make new Tensor objects without dispatching anything. If one views memory that
+        a recorded op allocated, baking it would point replays at the capture-time
+        buffer; instead we record an as_strided view of the placeholder, which is what
+        the alias is.
+        """
+        base_slot = self.storage_slot.get(_storage_key(x))
+        if base_slot is None:
+            return None  # memory from before the capture: a constant by reference
+        base = self.keepalive[base_slot]
+        if base.dtype != x.dtype:
+            raise CaptureError(
+                f"cannot capture {self.label!r}: a tensor reinterprets a temporary's memory as "
+                f"{x.dtype} (was {base.dtype}) without an aten op; use Tensor.view(dtype)"
+            )
+        leaves, spec = tree_flatten(((base, tuple(x.size()), tuple(x.stride()), x.storage_offset()), {}))
+        leaves[0] = None
+        slot = self._new_slot(x)
+        self.instrs.append(
+            _Instr(torch.ops.aten.as_strided.default, spec, leaves, ((0, base_slot),), ((0, slot),), ())
+        )
+        return slot
 
     def refuse(self, kind: str, func: Any) -> CaptureError:
         filename, lineno, line = _location.user_location()
@@ -110,11 +144,14 @@ class _Recorder(TorchDispatchMode):
 
         leaves, spec = tree_flatten((args, kwargs))
         subs = []
-        input_ids = set()
+        input_ids, input_storages = set(), set()
         for pos, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
                 input_ids.add(id(x))
+                input_storages.add(_storage_key(x))
                 slot = self.slot_of.get(id(x))
+                if slot is None:
+                    slot = self._alias_of_fresh(x)
                 if slot is not None:
                     subs.append((pos, slot))
                     leaves[pos] = None  # filled from the environment at replay
@@ -124,15 +161,23 @@ class _Recorder(TorchDispatchMode):
         for pos, y in enumerate(tree_flatten(out)[0]):
             if isinstance(y, torch.Tensor):
                 if id(y) not in input_ids:  # in-place / out= results are their input
-                    slot = len(self.keepalive)
-                    self.keepalive.append(y)
-                    self.slot_of[id(y)] = slot
+                    slot = self._new_slot(y)
                     binds.append((pos, slot))
+                    key = _storage_key(y)
+                    if key and key not in input_storages:  # a new allocation, not a view
+                        self.storage_slot.setdefault(key, slot)
             elif _c10d.is_work(y):
                 works.append(pos)
                 _c10d.wait(y)
         self.instrs.append(_Instr(func, spec, leaves, tuple(subs), tuple(binds), tuple(works)))
         return out
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensors without storage
+        return 0
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
