@@ -400,3 +400,28 @@ def test_dot_data_of_a_persistent_tensor_is_the_tensor_itself():
     for _ in range(3):
         g()
     assert torch.equal(p, torch.full((3,), 3.0))
+
+
+def _make_escaping():
+    p = torch.randn(4)
+    results = {}
+
+    def step():
+        p.mul_(0.9)
+        results["norm"] = p.norm()  # stored, not returned: an escaping tensor
+        results["view"] = results["norm"].view(1)
+
+    return step, {"p": p}, results
+
+
+def test_escaping_tensors_follow_each_replay_like_cuda_graph_memory():
+    torch.manual_seed(0)
+    step, st, results = _make_escaping()
+    g = capture.graph(step, warmup=1, backend="replay")
+    for _ in range(5):
+        g()
+    norm, view = results["norm"], results["view"]
+    assert torch.equal(norm, st["p"].norm())
+    g()
+    assert torch.equal(norm, st["p"].norm()) and torch.equal(view, norm.view(1))
+    assert results["norm"] is norm  # Python did not run: the dict holds the capture-time tensor

@@ -27,15 +27,17 @@ graph would do to a step:
 What differs from a CUDA graph:
 * Recording executes the ops, so the capture call is a real step (the CUDA backend
   replays right after capturing so that both count the capture call as one step).
-* Temporaries are allocated anew at each replay (no private memory pool); a tensor
+* Temporaries are allocated anew at each replay (no private memory pool). A tensor
   made inside the step and stored somewhere (an escaping tensor, see capture.check)
-  keeps its capture-time value here, where a CUDA graph would overwrite it.
+  is copied into at each replay, which is what a CUDA graph's pool reuse amounts to;
+  unlike in a CUDA graph, no other tensor can come to share its memory.
 * Ops run one by one through the dispatcher: it saves Python, not kernel launches.
 * Effects Python performs without an aten op (rebinding `.data`, `.grad`, attributes,
   printing) happen at capture only. RNG ops draw fresh numbers at each replay.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional
 
@@ -180,8 +182,15 @@ def _storage_key(t: torch.Tensor) -> int:
         return 0
 
 
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
+def _refresh(captured: torch.Tensor, fresh: torch.Tensor) -> None:
+    """Give the capture-time tensor the value this replay computed."""
+    same_memory = (
+        captured.data_ptr() == fresh.data_ptr()
+        and captured.stride() == fresh.stride()
+        and captured.shape == fresh.shape
+    )
+    if not same_memory:  # a view of static memory is already up to date
+        captured.copy_(fresh)
 
 
 class _Program:
@@ -196,10 +205,28 @@ class _Program:
             for t in tree_leaves(outputs)
             if isinstance(t, torch.Tensor) and id(t) in rec.slot_of
         ]
+        self.escaped = self._find_escaped(rec)
         self._plan_lifetimes()
 
+    def _find_escaped(self, rec: _Recorder) -> list:
+        """Temporaries still alive after fn returned without being returned by it.
+
+        fn stored them somewhere (an attribute, a dict, a `.grad`). In a CUDA graph they
+        are pool memory that each replay rewrites, so whoever holds them sees the latest
+        step; we give them the same behaviour by copying into them at each replay, for
+        as long as someone holds them (weak references). `capture.check` still reports
+        them: it is rarely what the author meant.
+        """
+        returned = {id(t) for t, _ in self.out_binds}
+        refs = [(weakref.ref(t), slot) for slot, t in enumerate(rec.keepalive) if id(t) not in returned]
+        rec.keepalive.clear()
+        # No gc.collect() here (it costs ~0.1-0.3 s in a process that imported torch, at
+        # every recapture): a temporary caught in a reference cycle counts as escaped
+        # until the collector frees it, which only costs a copy per replay meanwhile.
+        return [(ref, slot) for ref, slot in refs if ref() is not None]
+
     def _plan_lifetimes(self) -> None:
-        keep = {slot for _, slot in self.out_binds}
+        keep = {slot for _, slot in self.out_binds} | {slot for _, slot in self.escaped}
         last_use: dict[int, int] = {}
         for i, ins in enumerate(self.instrs):
             for _, slot in ins.binds:
@@ -240,9 +267,11 @@ class _Program:
                 for slot in ins.release:
                     env[slot] = None
             for captured, slot in self.out_binds:
-                fresh = env[slot]
-                if not _same_memory(captured, fresh):  # views of static memory are live
-                    captured.copy_(fresh)
+                _refresh(captured, env[slot])
+            for ref, slot in self.escaped:
+                held = ref()
+                if held is not None:
+                    _refresh(held, env[slot])
 
 
 class ReplayBackend:
