@@ -153,6 +153,10 @@ def run_demo(args: argparse.Namespace, out=None) -> DemoSummary:
           f"ln({model_config.vocab_size}) = {math.log(model_config.vocab_size):.2f}, floor "
           f"{corpus.entropy_rate():.2f}", file=out, flush=True)
 
+    if args.precision == "fp16" and device.type == "cpu":
+        print("note: most CPUs have no native fp16 arithmetic, so fp16 steps are many times slower than fp32 "
+              "here (bf16 is the fast half precision on CPU); try --steps 20", file=out, flush=True)
+
     timer = StepTimer(device)
     skipped = torch.zeros((), dtype=torch.int64, device=device)  # counted on device: no sync per step
     interval_loss = torch.zeros((), dtype=torch.float32, device=device)
