@@ -13,6 +13,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from capture.profile import Ranges
+
 from . import overlap
 from . import overrides as overrides_mod
 from .buffers import StaticBuffers, allocate
@@ -163,10 +165,15 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                                 self.tensors, self.scaler, self.comm, rank)
         self.stages = self._build_stages()
         self._step_fn = chain(self.stages)
+        self.ranges = Ranges()
+        """Profiler ranges: set ``opt.ranges.enabled = True`` for an NVTX / torch.profiler range per stage
+        of eager steps and one around each replay; off, the step runs without them."""
+        self._ranged_step_fn = chain(self.stages, ranges=self.ranges)
         self._overlap = overlap.install(self._ctx, self.config, model_chunks)
         self._runner = StepRunner(
             step_fn=self._step_fn, mode=config.capture, device=device, warmup_steps=config.capture_warmup_steps,
             invalidation=config.capture_invalidation, static_inputs=self._static_inputs,
+            eager_step_fn=lambda: (self._ranged_step_fn if self.ranges.enabled else self._step_fn)(),
             baked_values=lambda: baked_values(self.hyper, self._ctx.kernels.LIVE_FIELDS,
                                               update.used_fields(config.optimizer)))
         publish = [update.build_copy_back(self._ctx)]
@@ -233,8 +240,9 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 closure()
-        self._prepare()
-        self._runner.run()
+        with self.ranges("graphstep.step"):
+            self._prepare()
+            self._runner.run()
         return self.result
 
     # ---- capture -------------------------------------------------------------------------------------

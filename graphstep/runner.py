@@ -36,8 +36,10 @@ RECAPTURE_WARNING_STREAK = 3
 
 class StepRunner:
     def __init__(self, *, step_fn: Callable[[], None], mode: str, device, warmup_steps: int, invalidation: str,
-                 static_inputs: Callable[[], dict], baked_values: Callable[[], tuple]):
+                 static_inputs: Callable[[], dict], baked_values: Callable[[], tuple],
+                 eager_step_fn: Optional[Callable[[], None]] = None):
         self._step_fn = step_fn
+        self._eager_step_fn = eager_step_fn or step_fn  # what uncaptured steps run (e.g. with profiler ranges)
         self._static_inputs = static_inputs
         self._baked_values = baked_values
         self._invalidation = invalidation
@@ -101,7 +103,7 @@ class StepRunner:
             self._run_auto()
             return
         if self._graph is None:
-            self._step_fn()
+            self._eager_step_fn()
             return
         self._check_baked()
         was_captured = self._graph.captured
@@ -122,7 +124,7 @@ class StepRunner:
 
     def _run_auto(self) -> None:
         if self._steps <= self._warmup_steps:
-            self._step_fn()
+            self._eager_step_fn()
             return
         findings = capture.check(self._step_fn)  # runs the step once: it is this step
         if findings:

@@ -57,12 +57,25 @@ class StepTensors:
             num_zeros=scalar(0, torch.int64) if count_zeros else None)
 
 
-def chain(stages: Sequence[Stage]) -> Callable[[], None]:
-    """One callable applying ``stages`` in order: the function a capture records."""
+def chain(stages: Sequence[Stage], ranges: Optional[Callable[[str], object]] = None) -> Callable[[], None]:
+    """One callable applying ``stages`` in order: the function a capture records.
+
+    ``ranges`` (e.g. ``capture.profile.Ranges``) wraps each stage in a named profiler range; the engine
+    keeps a plain chain for capture and a ranged one for profiled eager steps, so the plain step carries
+    no profiling cost at all.
+    """
     applies = tuple(stage.apply for stage in stages)
+    if ranges is None:
+        def step() -> None:
+            for apply in applies:
+                apply()
+        return step
 
-    def step() -> None:
-        for apply in applies:
-            apply()
+    named = tuple((f"graphstep.{stage.name}", stage.apply) for stage in stages)
 
-    return step
+    def ranged_step() -> None:
+        for name, apply in named:
+            with ranges(name):
+                apply()
+
+    return ranged_step

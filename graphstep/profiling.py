@@ -1,0 +1,72 @@
+"""``graphstep profile``: K steps of the built-in model with a range per stage and per step.
+
+Writes a torch.profiler Chrome trace (open it in chrome://tracing or Perfetto), brackets the steps with
+cudaProfilerStart/Stop for ``nsys profile --capture-range=cudaProfilerApi`` when CUDA is present (the
+stage ranges are NVTX ranges there), and prints GPU telemetry through NVML, or the one line
+"no NVIDIA GPU (NVML not found)".
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from capture.profile import gpu_telemetry, nsys_window
+
+from . import models
+
+
+@dataclass(frozen=True)
+class ProfileSummary:
+    trace: Path
+    steps: int
+    telemetry: str
+    stage_ms: dict  # graphstep range name -> mean CPU milliseconds per step
+
+
+def run_profile(*, steps: int = 10, preset: str = "tiny", capture: str = "eager", precision: str = "fp32",
+                batch_size: int = 8, out_dir: str = "graphstep-profile", device: str = "cpu",
+                out=None) -> ProfileSummary:
+    import graphstep as gs
+
+    out = out or sys.stdout
+    device = torch.device(device)
+    model_config = models.preset(preset)
+    model = models.GPT(model_config).to(device)
+    corpus = models.SyntheticCorpus(model_config.vocab_size)
+    precision_flags = {"bf16": {"bf16": True}, "fp16": {"fp16": True}}.get(precision, {})
+    opt = gs.get_optimizer(gs.OptimizerConfig(lr=1e-3, capture=capture, capture_warmup_steps=1,
+                                              **precision_flags), model)
+    opt.ranges.enabled = True
+
+    def train_step(step: int) -> None:
+        inputs, targets = corpus.batch(step, batch_size, model_config.seq_len, device)
+        with opt.ranges(f"step {step}"):
+            opt.scale_loss(model(inputs, targets)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    for step in range(3):  # warm-up (and the capture, with capture="graph") outside the window
+        train_step(step)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with nsys_window(), torch.profiler.profile(activities=activities) as prof:
+        for step in range(3, 3 + steps):
+            train_step(step)
+
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    trace = path / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    stage_ms = {e.key: e.cpu_time_total / 1e3 / steps for e in prof.key_averages() if e.key.startswith("graphstep.")}
+    telemetry = gpu_telemetry().summary()
+    print(f"graphstep profile: {steps} steps of GPT {preset} ({precision}, capture={capture}, step ran "
+          f"{opt.capture_backend}) on {device}", file=out)
+    for name, ms in sorted(stage_ms.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:<22} {ms:8.3f} ms/step", file=out)
+    print(f"trace: {trace} (open in chrome://tracing or Perfetto)", file=out)
+    print(telemetry, file=out)
+    return ProfileSummary(trace, steps, telemetry, stage_ms)
