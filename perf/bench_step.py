@@ -178,6 +178,9 @@ def build_graphstep(inputs: Inputs, *, clip_grad: float, capture: str):
     with torch.no_grad():
         for p, g in zip(params, inputs.views(inputs.grad_flat)):
             p.main_grad.copy_(g)  # a view of the engine's flat grad buffer (is p.grad too, for fp32 params)
+    if capture == "graph":
+        for _ in range(config.capture_warmup_steps + 1):  # the eager warm-up and the capture itself
+            opt.step()
     return opt.step
 
 
