@@ -7,6 +7,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
 import torch.multiprocessing as mp
 
 import capture
@@ -30,6 +31,7 @@ def _make_state(rank):
         "shard": torch.zeros(N // WORLD),
         "gathered": torch.zeros(N),
         "stat": torch.zeros(2),
+        "fsum": torch.zeros(N),
     }
 
 
@@ -45,6 +47,8 @@ def _make_step(st):
         st["stat"][1].copy_(st["shard"].abs().max())
         work = dist.all_reduce(st["stat"], op=dist.ReduceOp.MAX, async_op=True)
         work.wait()
+        # Functional collectives dispatch as _c10d_functional.* ops and replay too.
+        st["fsum"].add_(fc.all_reduce(st["param"], "sum", dist.group.WORLD) * 0.5)
         return st["param"].sum() * 1.0  # a fresh output
 
     return step
@@ -79,7 +83,8 @@ def _worker(rank, port, queue):
         mismatches = []
         # What the recorder saw: the c10d ops themselves, not gloo's internals.
         recorded = {str(ins.func) for ins in g._backend._program.instrs}
-        for op in ("c10d.allreduce_.default", "c10d._reduce_scatter_base_.default", "c10d._allgather_base_.default"):
+        for op in ("c10d.allreduce_.default", "c10d._reduce_scatter_base_.default", "c10d._allgather_base_.default",
+                   "_c10d_functional.all_reduce.default"):
             if op not in recorded:
                 mismatches.append(f"{op} not recorded (saw {sorted(recorded)})")
         for i, ((out_e, s_e), (out_c, s_c)) in enumerate(zip(eager, replayed)):
