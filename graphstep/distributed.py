@@ -13,10 +13,9 @@ so a recorder would bake a copy from a dead temporary into the graph. The ``_out
 static tensors; the all-gather runs in place (its input is this rank's slice of its output), so the step
 allocates nothing.
 
-Averaging. gloo has no ``PREMUL_SUM``. Where the backend takes ``avg`` (gloo in current torch, NCCL) the
-reduce-scatter averages itself: SUM then one divide of the received shard (1/dp of the bucket), instead
-of a pre-scaling pass over the whole bucket. fp16 grads are the exception: SUM-then-divide can overflow
-fp16's range where the mean would not, so they are pre-scaled by 1/dp and summed, as Megatron-Core does.
+Averaging (stages/reduce.py): SUM, then the received shard times 1/dp; fp16 grads are pre-scaled by 1/dp
+instead, since their SUM could overflow where the mean would not. gloo has no ``PREMUL_SUM``; with gloo a
+reduce-scatter costs about one all-reduce of the bucket (gloo implements it so), NCCL's about half.
 
 Failure. graphstep runs its collectives on its own copy of the data-parallel group, created at build
 with ``timeout=distributed_timeout_s`` (``dist.new_group(..., use_local_synchronization=True)``: only the
@@ -99,7 +98,6 @@ class Collectives:
         self.pending: dict[tuple, tuple[torch.Tensor, str]] = {}
         self.names: list[str] = []  # every collective the step runs, in order of first use
         self._mp_derived = False
-        self._average_support: dict[torch.dtype, bool] = {}
 
     # ---- build time (object collectives allowed here, never in the step) ------------------------------
     def setup(self, layout, config) -> None:
@@ -127,33 +125,6 @@ class Collectives:
                                  f"{_difference(mine, theirs, rank, other)}; every data-parallel rank must "
                                  "build the optimizer over the same model and OptimizerConfig")
 
-    def supports_average(self, probe_dtype: torch.dtype) -> bool:
-        """Whether the data-parallel backend reduce-scatters with ``avg`` (one tiny probe, at build)."""
-        if self.dp_size <= 1:
-            return True
-        if probe_dtype in self._average_support:
-            return self._average_support[probe_dtype]
-        self._average_support[probe_dtype] = self._probe_average(probe_dtype)
-        return self._average_support[probe_dtype]
-
-    def _probe_average(self, probe_dtype: torch.dtype) -> bool:
-        out = torch.zeros(1, dtype=probe_dtype, device=self._device())
-        inp = torch.ones(self.dp_size, dtype=probe_dtype, device=out.device)
-        try:
-            _F.wait_tensor(_F.reduce_scatter_tensor_out(inp, "avg", self.dp_size, self.dp_group.group_name,
-                                                        out=out))
-        except RuntimeError as exc:
-            if "avg" in str(exc).lower() or "AVG" in str(exc) or "not supported" in str(exc):
-                return False
-            raise self._error("reduce-scatter probe", self.dp_group, 0.0, exc) from exc
-        return True
-
-    def _device(self) -> torch.device:
-        backend = dist.get_backend(self.dp_group)
-        if backend == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
     # ---- the step's collectives ------------------------------------------------------------------------
     @property
     def reduces_grad_stats(self) -> bool:
@@ -172,7 +143,7 @@ class Collectives:
                         lambda: _F.wait_tensor(_F.all_reduce_(tensor, "sum", self.mp_group.group_name)),
                         kind="model-parallel")
 
-    def reduce_scatter(self, shard: torch.Tensor, whole: torch.Tensor, what: str, *, op: str = "avg",
+    def reduce_scatter(self, shard: torch.Tensor, whole: torch.Tensor, what: str, *, op: str = "sum",
                        key: Optional[tuple] = None) -> None:
         """``shard`` ← this rank's piece of ``whole`` reduced (``op``: "avg" or "sum") over the dp group.
 

@@ -5,9 +5,10 @@ Per bucket, ``grad_flat[bucket]`` (every rank's full local grads) is reduce-scat
 ranks). The layout pads every bucket to a multiple of lcm(dp, 128), so the split is even (gloo has no
 uneven reduce-scatter) and the padding stays zero.
 
-Averaging: ``avg`` where the backend supports it (gloo in current torch and NCCL: SUM, then one divide of
-the received shard); otherwise, and always for fp16 grads (a SUM could overflow fp16's range where the
-mean does not), a pre-scale of the bucket by 1/dp and a SUM. See distributed.py.
+Averaging: a SUM reduce-scatter, then the received shard times 1/dp: a pass over 1/dp of the bucket,
+not over all of it (gloo has no PREMUL_SUM; its AVG measured no faster than SUM plus this multiply, and a
+backend without AVG needs nothing else). fp16 grads instead are pre-scaled by 1/dp before the SUM (as
+Megatron-Core does): a SUM of fp16 grads can overflow fp16's range where their mean would not.
 
 With ``overlap_grad_reduce`` a bucket's reduce-scatter may already be in flight, launched by a
 post-accumulate-grad hook the moment its last grad arrived (graphstep.overlap); the stage then only waits
@@ -35,34 +36,36 @@ class BucketReduce:
     params: tuple[int, ...]  # param indices of the bucket (what the overlap hooks count)
     grads: torch.Tensor  # grad_flat[bucket.start:bucket.end]
     shard: torch.Tensor  # this rank's piece, in grad_shard
-    op: str  # "avg" or "sum"
-    prescale: float  # 1/dp when op == "sum", else 1.0
+    inv_dp: float
+    prescale: bool  # fp16: scale the bucket by 1/dp before the SUM; otherwise the received shard after it
     what: str
 
     @property
     def overlappable(self) -> bool:
         """Whether a backward hook may launch it early: not when it pre-scales the grads in place (fp16),
         since a later backward (grad accumulation) would add unscaled grads to pre-scaled ones."""
-        return self.prescale == 1.0
+        return not self.prescale
 
     def launch(self, comm, *, key=None) -> None:
-        if self.prescale != 1.0:
-            self.grads.mul_(self.prescale)
-        comm.reduce_scatter(self.shard, self.grads, self.what, op=self.op, key=key)
+        """Start (``key``) or run the SUM reduce-scatter; ``finish`` completes the average."""
+        if self.prescale:
+            self.grads.mul_(self.inv_dp)
+        comm.reduce_scatter(self.shard, self.grads, self.what, op="sum", key=key)
+
+    def finish(self) -> None:
+        if not self.prescale:
+            self.shard.mul_(self.inv_dp)
 
 
 def bucket_reduces(ctx) -> list[BucketReduce]:
-    """The reduce-scatter of every bucket, in bucket (= backward) order. Probes the backend once."""
-    layout, buffers, comm = ctx.layout, ctx.buffers, ctx.comm
-    dtypes = {buffers.grad_flat[b.buffer].dtype for b in layout.buckets}
-    can_average = {dtype: dtype != torch.float16 and comm.supports_average(dtype) for dtype in dtypes}
+    """The reduce-scatter of every bucket, in bucket (= backward) order."""
+    layout, buffers = ctx.layout, ctx.buffers
     reduces = []
     for bucket in layout.buckets:
         grads = buffers.grad_flat[bucket.buffer][bucket.start:bucket.end]
         shard = buffers.grad_shard[bucket.buffer][bucket.shard_offset:bucket.shard_offset + bucket.shard_numel]
-        average = can_average[grads.dtype]
-        reduces.append(BucketReduce(bucket.index, bucket.params, grads, shard, "avg" if average else "sum",
-                                    1.0 if average else 1.0 / layout.dp_size,
+        reduces.append(BucketReduce(bucket.index, bucket.params, grads, shard, 1.0 / layout.dp_size,
+                                    grads.dtype == torch.float16,
                                     f"grad reduce-scatter of bucket {bucket.index} (of {len(layout.buckets)})"))
     return reduces
 
@@ -79,11 +82,13 @@ def build(ctx) -> Stage:
             comm.wait_all("gather")
         for reduce in reduces:
             key = ("reduce", reduce.bucket)
-            if comm.overlap_enabled and comm.wait(key):
-                continue  # launched by the backward hook, now finished
-            if key in comm.pending:
-                comm.wait(key)  # launched before overlap was switched off: finish it, then run it here
-                # (only "avg" buckets are launched from hooks, so running it again is idempotent)
-            reduce.launch(comm)
+            if not (comm.overlap_enabled and comm.wait(key)):  # else: launched by the backward hook, done
+                if key in comm.pending:
+                    # Launched before overlap was switched off (e.g. just before a capture records this
+                    # step): finish it, then run it here so the recording holds it. Hooks launch only
+                    # buckets without a pre-scale, so running one again is idempotent.
+                    comm.wait(key)
+                reduce.launch(comm)
+            reduce.finish()
 
     return Stage("reduce", apply)

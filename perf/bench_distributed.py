@@ -1,0 +1,196 @@
+"""Distributed optimizer benchmark: graphstep vs ZeroRedundancyOptimizer(AdamW fused) vs DDP + AdamW fused.
+
+    python perf/bench_distributed.py                 # 2 and 4 gloo ranks on 127.0.0.1, prints a table
+    python perf/bench_distributed.py --world-sizes 2 --width 1024 --layers 8 --iters 20
+
+Every variant trains the same MLP (``--layers`` x Linear(width, width) + GELU) with AdamW on the same
+per-rank batches, one process per rank, one thread each:
+
+- graphstep: ``use_distributed_optimizer=True``; backward accumulates into the flat grad buffer, the step
+  reduce-scatters it bucket by bucket, updates this rank's fp32 shard, all-gathers the params.
+- ZeRO-1: DDP (grad all-reduce during backward) + ``torch.distributed.optim.ZeroRedundancyOptimizer``
+  wrapping ``AdamW(fused=True)`` (each rank steps its partition, then the params are broadcast).
+- DDP: DDP + ``AdamW(fused=True)`` on every rank.
+
+Columns: ``iter ms`` = forward + backward + step (DDP communicates inside backward, so only whole
+iterations compare fairly); ``step ms`` = ``opt.step()`` alone (with overlap, what is left of the communication after backward); ``comm MB/step`` = bytes each rank sends
+per iteration, computed from the collectives' sizes with the ring formulas (all-reduce 2(n-1)/n x size,
+reduce-scatter and all-gather (n-1)/n x size, a broadcast of a partition sends it to n-1 peers from its
+owner, averaged per rank); ``optimizer MB/rank`` = optimizer-owned memory on one rank (graphstep: fp32
+main-param shard, Adam state shards and the reduce-scatter output shard; torch: ``optimizer.state``
+tensors). Medians over ``--iters`` after ``--warmup``. Never imported by the library or the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pickle
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def make_model(width: int, layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*blocks)
+
+
+def batches(rank: int, width: int, batch: int, count: int):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randn(batch, width, generator=g) for _ in range(count)]
+
+
+def _time_loop(model, opt, data, warmup: int):
+    iter_ms, step_ms = [], []
+    import torch.distributed as dist
+
+    for i, x in enumerate(data):
+        dist.barrier()
+        start = time.perf_counter()
+        loss = model(x).square().mean()
+        loss.backward()
+        before_step = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        end = time.perf_counter()
+        if i >= warmup:
+            iter_ms.append((end - start) * 1e3)
+            step_ms.append((end - before_step) * 1e3)
+    return statistics.median(iter_ms), statistics.median(step_ms)
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def run_graphstep(rank, world, args, data, overlap=False):
+    from graphstep.config import OptimizerConfig
+    from graphstep.engine import get_optimizer
+
+    model = make_model(args.width, args.layers)
+    config = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=1.0, capture="eager",
+                             use_distributed_optimizer=True, bucket_size=args.bucket_size,
+                             overlap_grad_reduce=overlap, overlap_param_gather=overlap)
+    opt = get_optimizer(config, model)
+    iter_ms, step_ms = _time_loop(model, opt, data, args.warmup)
+    opt._overlap.finish()
+    n = world
+    sent = 0
+    for bucket in opt.layout.buckets:
+        grad_bytes = opt.buffers.grad_flat[bucket.buffer].element_size()
+        param_bytes = opt.buffers.param_flat[bucket.buffer].element_size()
+        sent += (n - 1) / n * bucket.numel * (grad_bytes + param_bytes)  # reduce-scatter + all-gather
+    sent += 2 * (n - 1) / n * 4  # the grad-norm all-reduce (one fp32)
+    memory = _tensor_bytes(t for tensors in opt.buffers.state.values() for t in tensors)
+    memory += _tensor_bytes(m for m, p in zip(opt.buffers.main_shard, opt.buffers.param_flat)
+                            if m.data_ptr() != p.data_ptr())
+    memory += _tensor_bytes(g for g, f in zip(opt.buffers.grad_shard, opt.buffers.grad_flat)
+                            if g.data_ptr() != f.data_ptr())
+    return iter_ms, step_ms, sent, memory
+
+
+def _ddp(model):
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, bucket_cap_mb=25)
+
+
+def _ddp_bytes(model, world) -> float:
+    numel = sum(p.numel() for p in model.parameters())
+    return 2 * (world - 1) / world * numel * 4  # ring all-reduce of fp32 grads
+
+
+def run_zero(rank, world, args, data):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = make_model(args.width, args.layers)
+    ddp = _ddp(model)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3,
+                                  weight_decay=0.1, fused=True)
+    iter_ms, step_ms = _time_loop(ddp, opt, data, args.warmup)
+    numel = sum(p.numel() for p in model.parameters())
+    # Each rank broadcasts its partition to the n-1 others after its step: averaged, (n-1)/n x size.
+    sent = _ddp_bytes(model, world) + (world - 1) / world * numel * 4
+    memory = _tensor_bytes(t for state in opt.optim.state.values() for t in state.values())
+    return iter_ms, step_ms, sent, memory
+
+
+def run_ddp(rank, world, args, data):
+    model = make_model(args.width, args.layers)
+    ddp = _ddp(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    iter_ms, step_ms = _time_loop(ddp, opt, data, args.warmup)
+    memory = _tensor_bytes(t for state in opt.state.values() for t in state.values())
+    return iter_ms, step_ms, _ddp_bytes(model, world), memory
+
+
+VARIANTS = {"graphstep (distributed optimizer)": run_graphstep,
+            "graphstep + overlap_grad_reduce/param_gather": lambda *a: run_graphstep(*a, overlap=True),
+            "ZeroRedundancyOptimizer(AdamW fused) + DDP": run_zero,
+            "DDP + AdamW(fused)": run_ddp}
+
+
+def _worker(rank, world, port, outdir, args):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    data = batches(rank, args.width, args.batch, args.warmup + args.iters)
+    results = {}
+    for name, fn in VARIANTS.items():
+        dist.barrier()
+        results[name] = fn(rank, world, args, data)
+    with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(world: int, args) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.start_processes(_worker, args=(world, port, outdir, args), nprocs=world, start_method="spawn")
+        with open(os.path.join(outdir, "rank0.pkl"), "rb") as f:
+            return pickle.load(f)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--bucket-size", type=int, default=1_000_000)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args(argv)
+
+    numel = sum(p.numel() for p in make_model(args.width, args.layers).parameters())
+    print(f"MLP {args.layers} x Linear({args.width}, {args.width}): {numel / 1e6:.2f}M params, fp32, AdamW, "
+          f"batch {args.batch} per rank, gloo on 127.0.0.1, 1 thread per rank, torch {torch.__version__}\n")
+    print("| ranks | variant | iter ms | step ms | comm MB/step/rank | optimizer MB/rank |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for world in args.world_sizes:
+        for name, (iter_ms, step_ms, sent, memory) in run(world, args).items():
+            print(f"| {world} | {name} | {iter_ms:.1f} | {step_ms:.1f} | {sent / 1e6:.2f} | {memory / 1e6:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
