@@ -10,7 +10,7 @@ from .cuda import CudaBackend
 from .eager import EagerBackend
 from .replay import ReplayBackend
 
-__all__ = ["Backend", "CudaBackend", "EagerBackend", "ReplayBackend", "NAMES", "make_backend"]
+__all__ = ["Backend", "CudaBackend", "EagerBackend", "ReplayBackend", "NAMES", "make_backend", "resolve"]
 
 _BY_NAME = {cls.name: cls for cls in (CudaBackend, ReplayBackend, EagerBackend)}
 NAMES = ("auto",) + tuple(_BY_NAME)

@@ -20,7 +20,10 @@ graph would do to a step:
   the ProcessGroup and ReduceOp objects are baked by reference, and every Work an op
   returns is waited on at once, at recording and at replay (a stronger sync than an
   async caller's, always safe). See `_c10d.py` for why ops inside Work.wait() are not
-  recorded.
+  recorded. Functional collectives (`_c10d_functional.all_reduce` + `wait_tensor`)
+  are ordinary ops returning fresh tensors and replay like any other.
+* A tensor that aliases a temporary without any aten op (`torch.from_dlpack(tmp)`) is
+  recorded as an `as_strided` view of the placeholder, so it follows each replay.
 * fn's return value at capture is graph-owned: each replay copies its fresh tensors'
   new values into those same objects. Outputs are graph-owned: clone what you keep.
 
@@ -32,8 +35,11 @@ What differs from a CUDA graph:
   is copied into at each replay, which is what a CUDA graph's pool reuse amounts to;
   unlike in a CUDA graph, no other tensor can come to share its memory.
 * Ops run one by one through the dispatcher: it saves Python, not kernel launches.
-* Effects Python performs without an aten op (rebinding `.data`, `.grad`, attributes,
-  printing) happen at capture only. RNG ops draw fresh numbers at each replay.
+* Effects Python performs without an aten op (assigning `.data` or `.grad`, setting
+  attributes, printing) happen at capture only. Storage objects passed to ops
+  (`set_(storage)`) are baked by reference like constants.
+* RNG ops draw from the global generator at each replay, so a replayed run draws the
+  same numbers as the eager run would; a CUDA graph advances Philox offsets instead.
 """
 from __future__ import annotations
 
