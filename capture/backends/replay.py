@@ -67,7 +67,8 @@ class _Instr:
     leaves/spec: the flattened (args, kwargs) with tensors that existed before capture
     and every non-tensor baked in; `subs` lists (leaf position, slot) for tensors that
     recorded ops produce. `binds` lists (output leaf position, slot) for fresh outputs.
-    `release` lists slots whose last use is this op (freed right after it).
+    `release` lists slots whose last use is this op (freed right after it). Positions
+    are turned into index paths once (`_Program._compile`) so replay does no pytree work.
     """
 
     func: Any
@@ -76,8 +77,43 @@ class _Instr:
     subs: tuple
     binds: tuple
     works: tuple
+    out_spec: Any = None
     release: tuple = ()
+    # Filled by _Program._compile: the call without pytree work at replay.
     baked: Optional[tuple] = None  # (args, kwargs) when no placeholder is involved
+    template: Optional[list] = None  # [args list, kwargs dict] with holes for placeholders
+    copies: tuple = ()  # paths of nested containers to copy before filling holes
+    holes: tuple = ()  # (path, slot)
+    out_paths: tuple = ()  # (path into the op's result, slot)
+    work_paths: tuple = ()  # paths of Work objects in the op's result
+
+
+def _leaf_paths(spec: Any, n: int) -> list:
+    """Index path of each pytree leaf: unflatten the leaf numbers, then walk.
+
+    Every int in the unflattened structure is a leaf number (pytree containers are
+    lists, tuples, dicts and None here, and none of them is an int).
+    """
+    paths: list = [None] * n
+
+    def walk(node: Any, path: tuple) -> None:
+        if isinstance(node, int):
+            paths[node] = path
+        elif isinstance(node, (list, tuple)):
+            for i, child in enumerate(node):
+                walk(child, path + (i,))
+        elif isinstance(node, dict):
+            for k, child in node.items():
+                walk(child, path + (k,))
+
+    walk(tree_unflatten(list(range(n)), spec), ())
+    return paths
+
+
+def _at(root: Any, path: tuple) -> Any:
+    for key in path:
+        root = root[key]
+    return root
 
 
 class _Recorder(TorchDispatchMode):
@@ -123,7 +159,10 @@ class _Recorder(TorchDispatchMode):
         leaves[0] = None
         slot = self._new_slot(x)
         self.instrs.append(
-            _Instr(torch.ops.aten.as_strided.default, spec, leaves, ((0, base_slot),), ((0, slot),), ())
+            _Instr(
+                torch.ops.aten.as_strided.default, spec, leaves, ((0, base_slot),), ((0, slot),), (),
+                tree_flatten(x)[1],
+            )
         )
         return slot
 
@@ -177,7 +216,8 @@ class _Recorder(TorchDispatchMode):
             elif _c10d.is_work(y):
                 works.append(pos)
                 _c10d.wait(y)
-        self.instrs.append(_Instr(func, spec, leaves, tuple(subs), tuple(binds), tuple(works)))
+        out_spec = tree_flatten(out)[1] if (binds or works) else None
+        self.instrs.append(_Instr(func, spec, leaves, tuple(subs), tuple(binds), tuple(works), out_spec))
         return out
 
 
@@ -239,14 +279,46 @@ class _Program:
                 last_use[slot] = i  # a never-read output dies right after its op
             for _, slot in ins.subs:
                 last_use[slot] = i
-            if not ins.subs:
-                ins.baked = tree_unflatten(ins.leaves, ins.spec)
+            self._compile(ins)
         release: dict[int, list[int]] = {}
         for slot, i in last_use.items():
             if slot not in keep:
                 release.setdefault(i, []).append(slot)
         for i, slots in release.items():
             self.instrs[i].release = tuple(slots)
+
+    @staticmethod
+    def _compile(ins: _Instr) -> None:
+        """Turn leaf positions into index paths, so replay needs no pytree calls."""
+        args, kwargs = tree_unflatten(ins.leaves, ins.spec)
+        if not ins.subs:
+            ins.baked = (args, kwargs)
+        else:
+            in_paths = _leaf_paths(ins.spec, len(ins.leaves))
+            # Paths start with 0 (args) or 1 (kwargs): the root is [args, kwargs].
+            holes = tuple((in_paths[pos], slot) for pos, slot in ins.subs)
+            prefixes = {path[:i] for path, _ in holes for i in range(2, len(path))}
+            ins.template = [list(args), dict(kwargs)]
+            ins.copies = tuple(sorted(prefixes, key=len))
+            ins.holes = holes
+        if ins.binds or ins.works:
+            n_out = ins.out_spec.num_leaves
+            out_paths = _leaf_paths(ins.out_spec, n_out)
+            ins.out_paths = tuple((out_paths[pos], slot) for pos, slot in ins.binds)
+            ins.work_paths = tuple(out_paths[pos] for pos in ins.works)
+
+    @staticmethod
+    def _call_args(ins: _Instr, env: list) -> tuple:
+        if ins.baked is not None:
+            return ins.baked
+        args_t, kwargs_t = ins.template
+        root = [list(args_t), dict(kwargs_t) if kwargs_t else kwargs_t]
+        for path in ins.copies:  # nested lists holding placeholders: fresh copies
+            parent = _at(root, path[:-1])
+            parent[path[-1]] = list(parent[path[-1]])
+        for path, slot in ins.holes:
+            _at(root, path[:-1])[path[-1]] = env[slot]
+        return root[0], root[1]
 
     def run(self) -> None:
         env: list[Any] = [None] * self.num_slots
@@ -256,20 +328,12 @@ class _Program:
         # autocast is disabled so a caller's autocast region cannot recast them.
         with torch.no_grad(), torch._C._DisableAutocast():
             for ins in self.instrs:
-                if ins.baked is not None:
-                    args, kwargs = ins.baked
-                else:
-                    leaves = list(ins.leaves)
-                    for pos, slot in ins.subs:
-                        leaves[pos] = env[slot]
-                    args, kwargs = tree_unflatten(leaves, ins.spec)
+                args, kwargs = self._call_args(ins, env)
                 out = ins.func(*args, **kwargs)
-                if ins.binds or ins.works:
-                    out_leaves = tree_flatten(out)[0]
-                    for pos, slot in ins.binds:
-                        env[slot] = out_leaves[pos]
-                    for pos in ins.works:
-                        _c10d.wait(out_leaves[pos])
+                for path, slot in ins.out_paths:
+                    env[slot] = _at(out, path)
+                for path in ins.work_paths:
+                    _c10d.wait(_at(out, path))
                 for slot in ins.release:
                     env[slot] = None
             for captured, slot in self.out_binds:
