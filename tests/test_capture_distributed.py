@@ -32,6 +32,7 @@ def _make_state(rank):
         "gathered": torch.zeros(N),
         "stat": torch.zeros(2),
         "fsum": torch.zeros(N),
+        "pieces": torch.zeros(WORLD, N // WORLD),
     }
 
 
@@ -47,6 +48,8 @@ def _make_step(st):
         st["stat"][1].copy_(st["shard"].abs().max())
         work = dist.all_reduce(st["stat"], op=dist.ReduceOp.MAX, async_op=True)
         work.wait()
+        # List form: c10d.allgather_ takes Tensor[][] outputs (nested list arguments).
+        dist.all_gather(list(st["pieces"].unbind(0)), st["shard"] * 2)
         # Functional collectives dispatch as _c10d_functional.* ops and replay too.
         st["fsum"].add_(fc.all_reduce(st["param"], "sum", dist.group.WORLD) * 0.5)
         return st["param"].sum() * 1.0  # a fresh output
@@ -84,7 +87,7 @@ def _worker(rank, port, queue):
         # What the recorder saw: the c10d ops themselves, not gloo's internals.
         recorded = {str(ins.func) for ins in g._backend._program.instrs}
         for op in ("c10d.allreduce_.default", "c10d._reduce_scatter_base_.default", "c10d._allgather_base_.default",
-                   "_c10d_functional.all_reduce.default"):
+                   "_c10d_functional.all_reduce.default", "c10d.allgather_.default"):
             if op not in recorded:
                 mismatches.append(f"{op} not recorded (saw {sorted(recorded)})")
         for i, ((out_e, s_e), (out_c, s_c)) in enumerate(zip(eager, replayed)):

@@ -425,3 +425,22 @@ def test_escaping_tensors_follow_each_replay_like_cuda_graph_memory():
     g()
     assert torch.equal(norm, st["p"].norm()) and torch.equal(view, norm.view(1))
     assert results["norm"] is norm  # Python did not run: the dict holds the capture-time tensor
+
+
+def _make_nested_holes():
+    p = torch.randn(6)
+    q = torch.randn(6)
+
+    def step():
+        idx = torch.argsort(q)[:3]  # a placeholder inside the Tensor?[] indices list
+        p.index_put_((idx,), p[idx] * 0.5 + 1, accumulate=True)
+        q.add_(p * 0.1)
+        parts = list(torch.chunk(p, 3))  # placeholders in a TensorList argument
+        total = torch.stack(parts, dim=0).sum(0)
+        return torch.cat([total, idx.to(p.dtype)])
+
+    return step, {"p": p, "q": q}
+
+
+def test_placeholders_nested_in_list_arguments_bitwise():
+    _run_both(_make_nested_holes, 30)
