@@ -54,8 +54,10 @@ class Graph:
         self._guard = (
             StaticInputGuard(static_inputs, stale_hint=stale_hint) if static_inputs is not None else None
         )
-        tensors = self._guard.tensors().values() if self._guard is not None else ()
         resolve(backend, ())  # reject unknown names before touching any device
+        # Only "auto" looks at where the inputs live; otherwise the callable is first
+        # evaluated at capture, so it may refer to state the warm-up creates.
+        tensors = self._guard.tensors().values() if self._guard is not None and backend == "auto" else ()
         self._backend = make_backend(backend, tensors, pool=pool, label=name)
         self._captured = False
         self._closed = False
@@ -81,7 +83,7 @@ class Graph:
     def __call__(self) -> Any:
         if self._closed:
             raise RuntimeError(f"graph {self.name!r} is closed")
-        if isinstance(self._backend, EagerBackend):
+        if self._backend.name == EagerBackend.name:  # no capture: fn on every call
             out = self._backend.warmup(self._fn)
         elif self._captured:
             if self._guard is not None:

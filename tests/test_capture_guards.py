@@ -98,7 +98,27 @@ def test_dtype_and_stride_changes():
 
 def test_non_tensor_inputs_rejected():
     with pytest.raises(TypeError, match="not a Tensor"):
-        capture.graph(lambda: None, backend="replay", static_inputs={"lr": 0.1})
+        capture.graph(lambda: None, static_inputs={"lr": 0.1})  # "auto" looks at once
+    graph = capture.graph(lambda: None, warmup=0, backend="replay", static_inputs={"lr": 0.1})
+    with pytest.raises(TypeError, match="not a Tensor"):
+        graph()
+
+
+def test_static_inputs_callable_is_first_evaluated_at_capture():
+    class Owner:
+        pass
+
+    owner = Owner()
+
+    def step():
+        if not hasattr(owner, "buf"):
+            owner.buf = torch.zeros(3)  # created by the warm-up
+        owner.buf.add_(1)
+
+    graph = capture.graph(step, warmup=1, backend="replay", static_inputs=lambda: {"buf": owner.buf})
+    for _ in range(3):
+        graph()
+    assert graph.captured and torch.equal(owner.buf, torch.full((3,), 3.0))
 
 
 def test_eager_backend_does_not_guard():
