@@ -145,3 +145,11 @@ def test_import_does_not_need_cuda():
     backend = CudaBackend()
     assert backend._stream is None and backend._graph is None
     backend.close()
+
+
+def test_every_backend_implements_the_interface():
+    from capture.backends import Backend, CudaBackend, EagerBackend, ReplayBackend
+
+    for cls in (CudaBackend, EagerBackend, ReplayBackend):
+        assert isinstance(cls(), Backend), cls
+    assert {cls.name for cls in (CudaBackend, EagerBackend, ReplayBackend)} == {"cuda", "eager", "replay"}
