@@ -215,15 +215,26 @@ class Collectives:
 
     @contextlib.contextmanager
     def named_errors(self, where: str = "the captured step") -> Iterator[None]:
-        """Turn a collective's RuntimeError inside the block (a replayed capture) into a CollectiveError."""
+        """Turn a collective's RuntimeError inside the block (a replayed capture, where graphstep's Python
+        does not run) into a CollectiveError listing the step's collectives. Other errors pass through."""
         try:
             yield
         except CollectiveError:
             raise
         except RuntimeError as exc:
-            if self.dp_size > 1 or self.mp_group is not None:
+            if (self.dp_size > 1 or self.mp_group is not None) and is_collective_failure(exc):
                 raise self.explain(exc, where) from exc
             raise
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether a RuntimeError came from a collective's backend (gloo, NCCL) rather than from the math."""
+    dist_error = getattr(torch.distributed, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    text = str(exc)
+    return any(marker in text for marker in ("gloo", "Gloo", "NCCL", "nccl", "c10d", "Connection reset",
+                                              "Connection closed", "Timed out", "timed out"))
 
 
 # ---- layout/config comparison (build time) -----------------------------------------------------------

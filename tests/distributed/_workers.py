@@ -127,9 +127,10 @@ def mismatch(rank: int, world_size: int) -> dict:
     return errors
 
 
-def failing_peer(rank: int, world_size: int, how: str, timeout_s: float) -> dict:
+def failing_peer(rank: int, world_size: int, how: str, timeout_s: float, capture: str = "eager") -> dict:
     """Rank ``world_size - 1`` dies (SIGKILL) or stops answering (sleeps) after step 3's backward."""
-    config = make_config("adam_fp32", world_size, distributed_timeout_s=timeout_s)
+    config = make_config("adam_fp32", world_size, distributed_timeout_s=timeout_s, capture=capture,
+                         capture_warmup_steps=1)
     model = tiny_transformer()
     opt = get_optimizer(config, model)
     for step in range(20):
@@ -143,5 +144,6 @@ def failing_peer(rank: int, world_size: int, how: str, timeout_s: float) -> dict
         try:
             opt.step()
         except CollectiveError as exc:
-            return {"step": step, "elapsed": time.monotonic() - started, "error": str(exc), "what": exc.what}
+            return {"step": step, "elapsed": time.monotonic() - started, "error": str(exc), "what": exc.what,
+                    "captured": bool(opt.captured)}
     return {"step": None}
