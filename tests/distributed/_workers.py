@@ -25,6 +25,9 @@ CONFIGS = {
     "sgd_fp32": dict(optimizer="sgd", lr=0.05, weight_decay=1e-3, sgd_momentum=0.9),
     "adam_fp32": dict(optimizer="adam", lr=3e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95),
     "adam_bf16": dict(optimizer="adam", lr=3e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, bf16=True),
+    # fp16 grads are reduced with a 1/dp pre-scale and a SUM (the other path of stages/reduce.py).
+    "sgd_fp16_grads": dict(optimizer="sgd", lr=0.05, weight_decay=1e-3, sgd_momentum=0.9, fp16=True,
+                           main_grads_dtype=torch.float16, loss_scale=128.0),
 }
 
 

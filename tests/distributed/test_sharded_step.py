@@ -55,6 +55,14 @@ def test_adam_bf16_matches_single_process_within_1e_1_of_the_motion(ranks):
         assert drift < 1e-1, f"rank {rank}/{world_size}: drift {drift:.2e} of the motion"
 
 
+def test_fp16_grads_prescaled_before_the_sum_match_single_process_within_1e_1_of_the_motion(ranks):
+    world_size, results = ranks
+    ref = reference("sgd_fp16_grads")
+    for rank, result in enumerate(results):
+        drift = relative_drift(result["sgd_fp16_grads"]["params"], ref["params"], ref["start"])
+        assert drift < 1e-1, f"rank {rank}/{world_size}: drift {drift:.2e} of the motion"
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_all_ranks_hold_identical_params(ranks, name):
     _, results = ranks
