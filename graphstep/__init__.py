@@ -1,1 +1,35 @@
-"""graphstep (being assembled)."""
+"""graphstep: the whole optimizer step over static flat buffers, replayable as one graph.
+
+See README.md for the training loop and shared/DESIGN.md for the data flow and the laws.
+"""
+
+from .config import OptimizerConfig
+from .debug import NanOrigin, StepReport
+from .engine import GraphstepOptimizer, StepResult, get_optimizer
+from .layout import Layout, ParamSpec, plan_layout
+from .overrides import (NamedPredicate, ParamGroupOverride, ParamKey, check_config_overrides_consistency,
+                        get_mup_config_overrides, get_standard_config_overrides)
+from .scaler import ConstantLossScaler, DynamicLossScaler
+from .wrap import CapturedOptimizer, wrap
+
+__all__ = [
+    "OptimizerConfig",
+    "GraphstepOptimizer",
+    "StepResult",
+    "StepReport",
+    "NanOrigin",
+    "get_optimizer",
+    "wrap",
+    "CapturedOptimizer",
+    "Layout",
+    "ParamSpec",
+    "plan_layout",
+    "NamedPredicate",
+    "ParamGroupOverride",
+    "ParamKey",
+    "check_config_overrides_consistency",
+    "get_mup_config_overrides",
+    "get_standard_config_overrides",
+    "ConstantLossScaler",
+    "DynamicLossScaler",
+]

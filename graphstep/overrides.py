@@ -1,0 +1,230 @@
+"""Per-parameter overrides (Megatron-Core's ``ParamKey`` → ``ParamGroupOverride``) and param groups.
+
+A ``ParamKey`` selects params by name glob, by a truthy attribute, or by a named predicate (any listed
+item matching is a match). Every override whose key matches a param is merged into one override for it;
+two that set one key to different values are an error. Params with equal merged overrides share a param
+group, the group without overrides first. ``build_param_groups`` turns that into the ``param_groups``
+the engine (and torch's LR schedulers) use.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, TypedDict, Union
+
+import torch
+
+
+@dataclass(frozen=True)
+class NamedPredicate:
+    """A predicate ``fn(param, name) -> bool`` that compares and hashes by its name."""
+
+    name: str
+    fn: Callable[[torch.nn.Parameter, str], bool]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, NamedPredicate) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(("NamedPredicate", self.name))
+
+    def __call__(self, param: torch.nn.Parameter, name: str) -> bool:
+        return bool(self.fn(param, name))
+
+
+def _as_tuple(value, what: str, kind) -> tuple:
+    items = (value,) if isinstance(value, (str, NamedPredicate)) else tuple(value)
+    for item in items:
+        if not isinstance(item, kind):
+            raise TypeError(f"ParamKey.{what}: {item!r} is a {type(item).__name__}, expected {kind.__name__}")
+    return items
+
+
+@dataclass(frozen=True, init=False)
+class ParamKey:
+    """Selects params: any ``name`` glob (fnmatch), any truthy ``attr``, or any ``predicate`` matches."""
+
+    name: tuple[str, ...]
+    attr: tuple[str, ...]
+    predicate: tuple[NamedPredicate, ...]
+
+    def __init__(self, name: Union[str, Sequence[str]] = (), attr: Union[str, Sequence[str]] = (),
+                 predicate: Union[NamedPredicate, Sequence[NamedPredicate]] = ()):
+        object.__setattr__(self, "name", _as_tuple(name, "name", str))
+        object.__setattr__(self, "attr", _as_tuple(attr, "attr", str))
+        object.__setattr__(self, "predicate", _as_tuple(predicate, "predicate", NamedPredicate))
+        if not (self.name or self.attr or self.predicate):
+            raise ValueError("ParamKey: give at least one name glob, attribute or predicate")
+        if any(not glob for glob in self.name) or any(not a for a in self.attr):
+            raise ValueError(f"ParamKey: empty name glob or attribute in {self}")
+
+    def matches(self, param: torch.nn.Parameter, name: str) -> bool:
+        return (any(fnmatch.fnmatchcase(name, glob) for glob in self.name)
+                or any(getattr(param, attr, False) for attr in self.attr)
+                or any(predicate(param, name) for predicate in self.predicate))
+
+    def __str__(self) -> str:
+        parts = [f"name={list(self.name)}" if self.name else "", f"attr={list(self.attr)}" if self.attr else "",
+                 f"predicate={[p.name for p in self.predicate]}" if self.predicate else ""]
+        return "ParamKey(" + ", ".join(p for p in parts if p) + ")"
+
+
+class ParamGroupOverride(TypedDict, total=False):
+    """What an override may set for the params its key selects."""
+
+    max_lr: float
+    min_lr: float
+    start_wd: float
+    end_wd: float
+    wd_mult: float
+    lr_mult: float
+    eps: float
+
+
+OVERRIDE_KEYS = tuple(ParamGroupOverride.__annotations__)
+
+
+def _validate_override(key: ParamKey, override) -> None:
+    if not isinstance(override, dict):
+        raise TypeError(f"override for {key}: expected a dict (ParamGroupOverride), got {type(override).__name__}")
+    for field, value in override.items():
+        if field not in OVERRIDE_KEYS:
+            raise ValueError(f"override for {key}: unknown key {field!r}; allowed: {', '.join(OVERRIDE_KEYS)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"override for {key}: {field}={value!r} must be a finite number")
+        if value < 0 or (field == "eps" and value == 0):
+            raise ValueError(f"override for {key}: {field}={value!r} must be {'> 0' if field == 'eps' else '>= 0'}")
+
+
+def check_config_overrides_consistency(config, config_overrides) -> bool:
+    """Validate ``config_overrides``: ParamKey keys, ParamGroupOverride values with known keys only.
+
+    Settings that cannot differ between groups (the optimizer itself, precision, capture) are not
+    ParamGroupOverride keys, so asking for them per group is an error naming the key.
+    """
+    if config_overrides is None:
+        return True
+    if not isinstance(config_overrides, dict):
+        raise TypeError(f"config_overrides: expected a dict of ParamKey -> ParamGroupOverride, got "
+                        f"{type(config_overrides).__name__}")
+    for key, override in config_overrides.items():
+        if not isinstance(key, ParamKey):
+            raise TypeError(f"config_overrides: key {key!r} is a {type(key).__name__}, expected a ParamKey")
+        for field in override if isinstance(override, dict) else ():
+            if field not in OVERRIDE_KEYS and hasattr(config, field):
+                raise ValueError(f"override for {key}: {field!r} is a setting of the whole optimizer and cannot "
+                                 f"be overridden per param group; allowed: {', '.join(OVERRIDE_KEYS)}")
+        _validate_override(key, override)
+    return True
+
+
+def _is_vector_like(param: torch.nn.Parameter, name: str) -> bool:
+    return param.ndim <= 1 or bool(getattr(param, "is_embedding_or_output_parameter", False))
+
+
+def get_standard_config_overrides(config) -> dict[ParamKey, ParamGroupOverride]:
+    """No weight decay for biases and 1-D params; ``decoupled_lr`` for embedding/output params."""
+    overrides: dict[ParamKey, ParamGroupOverride] = {
+        ParamKey(name="*.bias", predicate=NamedPredicate("ndim_1", lambda p, _: p.ndim == 1)): {"wd_mult": 0.0},
+    }
+    if config.decoupled_lr is not None:
+        min_lr = config.decoupled_min_lr if config.decoupled_min_lr is not None else config.min_lr
+        decoupled: ParamGroupOverride = {"max_lr": config.decoupled_lr}
+        if min_lr is not None:
+            decoupled["min_lr"] = min_lr
+        overrides[ParamKey(attr="is_embedding_or_output_parameter")] = decoupled
+    return overrides
+
+
+def get_mup_config_overrides(config, mup_width_mult: float, optimizer_type: Optional[str] = None
+                             ) -> dict[ParamKey, ParamGroupOverride]:
+    """MuP's per-class learning rates (and Adam's eps) for width multiplier ``mup_width_mult``.
+
+    Adam: matrix-like params get lr / m and eps / m, vector-like ones (ndim <= 1, embeddings, output)
+    keep both. SGD: vector-like params get lr × m. Other optimizers: matrix-like lr / m. Nothing when
+    m == 1. Embedding/output params on ``decoupled_lr`` keep their decoupled values.
+    """
+    if isinstance(mup_width_mult, bool) or not isinstance(mup_width_mult, (int, float)) or not mup_width_mult > 0:
+        raise ValueError(f"get_mup_config_overrides: mup_width_mult={mup_width_mult!r} must be > 0")
+    optimizer_type = optimizer_type or config.optimizer
+    if mup_width_mult == 1:
+        return {}
+    m = float(mup_width_mult)
+    decoupled = config.decoupled_lr is not None
+
+    def matrix_like(p, name):
+        return not _is_vector_like(p, name)
+
+    def vector_like(p, name):
+        embedding = bool(getattr(p, "is_embedding_or_output_parameter", False))
+        return _is_vector_like(p, name) and not (decoupled and embedding)
+
+    if optimizer_type == "adam":
+        return {ParamKey(predicate=NamedPredicate("mup_matrix_like", matrix_like)):
+                {"max_lr": config.lr / m, "eps": config.adam_eps / m}}
+    if optimizer_type == "sgd":
+        return {ParamKey(predicate=NamedPredicate("mup_vector_like", vector_like)): {"max_lr": config.lr * m}}
+    return {ParamKey(predicate=NamedPredicate("mup_matrix_like", matrix_like)): {"max_lr": config.lr / m}}
+
+
+def _merged_override(name: str, param, config_overrides: dict) -> dict:
+    merged: dict = {}
+    source: dict = {}
+    for key, override in config_overrides.items():
+        if not key.matches(param, name):
+            continue
+        for field, value in override.items():
+            if field in merged and merged[field] != value:
+                raise ValueError(f"param '{name}': {source[field]} sets {field}={merged[field]!r} but {key} sets "
+                                 f"{field}={value!r}; make the keys disjoint or agree on the value")
+            merged[field] = value
+            source[field] = key
+    return merged
+
+
+def build_param_groups(named_params: Sequence[tuple[str, torch.nn.Parameter]], config,
+                       config_overrides: Optional[dict] = None) -> list[dict]:
+    """Param groups for ``named_params`` (in model order) under ``config`` and its overrides.
+
+    ``config_overrides=None`` applies ``get_standard_config_overrides(config)``; ``{}`` applies none.
+    Each group carries the floats the update reads (``lr``, ``weight_decay``, ``betas``/``eps`` or
+    ``momentum``) and what schedules need (``max_lr``, ``min_lr``, ``lr_mult``, ``wd_mult``,
+    ``start_wd``, ``end_wd``), plus ``param_names`` and the merged ``overrides``.
+    """
+    if config_overrides is None:
+        config_overrides = get_standard_config_overrides(config)
+    check_config_overrides_consistency(config, config_overrides)
+
+    groups: dict[tuple, dict] = {(): None}  # the no-override group first, even if it stays empty
+    for name, param in named_params:
+        merged = _merged_override(name, param, config_overrides)
+        signature = tuple(sorted(merged.items()))
+        if groups.get(signature) is None:
+            groups[signature] = _new_group(config, merged)
+        groups[signature]["params"].append(param)
+        groups[signature]["param_names"].append(name)
+    return [group for group in groups.values() if group is not None]
+
+
+def _new_group(config, override: dict) -> dict:
+    default_min_lr = config.min_lr if config.min_lr is not None else 0.0
+    max_lr = override.get("max_lr", config.lr)
+    lr_mult = override.get("lr_mult", 1.0)
+    wd_mult = override.get("wd_mult", 1.0)
+    start_wd = override.get("start_wd", config.weight_decay)
+    group = {
+        "params": [], "param_names": [],
+        "lr": max_lr * lr_mult, "max_lr": max_lr, "min_lr": override.get("min_lr", default_min_lr),
+        "lr_mult": lr_mult, "wd_mult": wd_mult,
+        "weight_decay": start_wd * wd_mult, "start_wd": start_wd, "end_wd": override.get("end_wd", config.weight_decay),
+        "overrides": dict(override),
+    }
+    if config.optimizer == "adam":
+        group["betas"] = (config.adam_beta1, config.adam_beta2)
+        group["eps"] = override.get("eps", config.adam_eps)
+    else:
+        group["momentum"] = config.sgd_momentum
+        group["nesterov"] = config.sgd_nesterov
+    return group
