@@ -35,7 +35,13 @@ class NamedPredicate:
 
 
 def _as_tuple(value, what: str, kind) -> tuple:
-    items = (value,) if isinstance(value, (str, NamedPredicate)) else tuple(value)
+    if isinstance(value, (str, NamedPredicate)):
+        items = (value,)
+    elif isinstance(value, (tuple, list)):
+        items = tuple(value)
+    else:
+        raise TypeError(f"ParamKey.{what}: {value!r} is a {type(value).__name__}, expected a {kind.__name__} "
+                        "or a list of them")
     for item in items:
         if not isinstance(item, kind):
             raise TypeError(f"ParamKey.{what}: {item!r} is a {type(item).__name__}, expected {kind.__name__}")
@@ -84,6 +90,8 @@ class ParamGroupOverride(TypedDict, total=False):
 
 
 OVERRIDE_KEYS = tuple(ParamGroupOverride.__annotations__)
+# Group values an override sets under another name (the schedule computes them from these).
+_RENAMED = {"lr": "max_lr (or lr_mult)", "weight_decay": "wd_mult (or start_wd/end_wd)"}
 
 
 def _validate_override(key: ParamKey, override) -> None:
@@ -113,6 +121,8 @@ def check_config_overrides_consistency(config, config_overrides) -> bool:
         if not isinstance(key, ParamKey):
             raise TypeError(f"config_overrides: key {key!r} is a {type(key).__name__}, expected a ParamKey")
         for field in override if isinstance(override, dict) else ():
+            if field in _RENAMED:
+                raise ValueError(f"override for {key}: {field!r} is not an override key; use {_RENAMED[field]}")
             if field not in OVERRIDE_KEYS and hasattr(config, field):
                 raise ValueError(f"override for {key}: {field!r} is a setting of the whole optimizer and cannot "
                                  f"be overridden per param group; allowed: {', '.join(OVERRIDE_KEYS)}")
