@@ -27,6 +27,8 @@ from . import models
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEFAULT_LR = {"adam": 1e-3, "sgd": 0.1}
+# SGD's weight decay is an L2 term added to the grads (not scaled by lr as AdamW's is): keep it small.
+DEFAULT_WEIGHT_DECAY = {"adam": 0.1, "sgd": 1e-4}
 
 
 # ---- demo ------------------------------------------------------------------------------------------------
@@ -80,8 +82,9 @@ def demo_optimizer_config(args: argparse.Namespace):
     precision = {"bf16": {"bf16": True},
                  # Megatron's 2**32 start would skip ~30 steps backing off; the demo's grads fit 2**16.
                  "fp16": {"fp16": True, "initial_loss_scale": 2.0**16}}.get(args.precision, {})
-    return gs.OptimizerConfig(optimizer=args.optimizer, lr=lr, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
-                              sgd_momentum=0.9, clip_grad=1.0, capture=args.capture, **precision)
+    return gs.OptimizerConfig(optimizer=args.optimizer, lr=lr, weight_decay=DEFAULT_WEIGHT_DECAY[args.optimizer],
+                              adam_beta1=0.9, adam_beta2=0.95, sgd_momentum=0.9, clip_grad=1.0,
+                              capture=args.capture, **precision)
 
 
 def warmup_cosine(steps: int, warmup: int, floor: float = 0.1):
@@ -146,7 +149,7 @@ def run_demo(args: argparse.Namespace, out=None) -> DemoSummary:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.steps, warmup))
     log_every = args.log_every or max(1, args.steps // 10)
     print(f"graphstep demo: GPT {args.preset} ({model.num_params() / 1e6:.2f}M params, {model_config.n_layers} "
-          f"layers, d_model {model_config.d_model}), {args.optimizer} lr {config.lr:g}, {args.precision}, "
+          f"layers, d_model {model_config.d_model}), {args.optimizer} lr {config.lr:g} wd {config.weight_decay:g}, {args.precision}, "
           f"capture={args.capture}, batch {args.batch_size}x{model_config.seq_len}, {args.steps} steps on "
           f"{device}", file=out, flush=True)
     print(f"corpus: Markov chain over {model_config.vocab_size} tokens; loss starts near "
