@@ -5,6 +5,7 @@ See README.md for the training loop and shared/DESIGN.md for the data flow and t
 
 from .config import OptimizerConfig
 from .debug import NanOrigin, StepReport
+from .distributed import CollectiveError
 from .engine import GraphstepOptimizer, StepResult, get_optimizer
 from .layout import Layout, ParamSpec, plan_layout
 from .overrides import (NamedPredicate, ParamGroupOverride, ParamKey, check_config_overrides_consistency,
@@ -19,6 +20,7 @@ __all__ = [
     "StepReport",
     "NanOrigin",
     "get_optimizer",
+    "CollectiveError",
     "wrap",
     "CapturedOptimizer",
     "Layout",

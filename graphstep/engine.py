@@ -160,7 +160,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         """Clip threshold, refreshed into a device tensor before each step: may change between steps."""
         self.grad_norm_skip_threshold = config.grad_norm_skip_threshold
         """Norm above which a step is skipped, refreshed like ``clip_grad``."""
-        self.comm = Collectives(dp_group, dp_size, model_parallel_group)
+        self.comm = Collectives(dp_group, dp_size, model_parallel_group, timeout_s=config.distributed_timeout_s)
         self._ctx = StepContext(config, self.layout, self.buffers, self.hyper, get_kernels(config.kernel),
                                 self.tensors, self.scaler, self.comm, rank)
         self.stages = self._build_stages()
@@ -178,7 +178,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                                               update.used_fields(config.optimizer)))
         publish = [update.build_copy_back(self._ctx)]
         if self.layout.dp_size > 1:
-            publish.append(gather.build(self._ctx))
+            publish.append(gather.build(self._ctx, deferrable=False))
         self._publish_fn = chain(publish)
         self.result = StepResult(self.tensors.update_successful, self.tensors.grad_norm, self.tensors.num_zeros,
                                  self.tensors.loss_scale)
@@ -242,7 +242,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                 closure()
         with self.ranges("graphstep.step"):
             self._prepare()
-            self._runner.run()
+            with self.comm.named_errors():  # a collective failing in a replay is named like an eager one
+                self._runner.run()
         return self.result
 
     # ---- capture -------------------------------------------------------------------------------------
@@ -283,12 +284,23 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             self._prepare()
             return run_debug_step(self)
 
+    def finish_param_gather(self) -> None:
+        """Wait for all-gathers deferred by ``overlap_param_gather``: call before reading params outside a
+        forward (a forward waits for them itself)."""
+        self._overlap.finish()
+
+    def no_sync(self):
+        """Context manager for grad accumulation with ``overlap_grad_reduce``: backward inside it only
+        accumulates; the reduce-scatters start in the last micro-batch's backward, outside it."""
+        return self._overlap.no_sync()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero every grad in place (``set_to_none`` is ignored: the grad buffers are static)."""
         self.buffers.zero_grad()
 
     # ---- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        self.finish_param_gather()
         groups = []
         index = {id(p): i for i, p in enumerate(self.buffers.params)}
         for group in self.param_groups:

@@ -24,9 +24,6 @@ def test_killed_rank_makes_survivors_fail_with_a_clear_error_fast(world_size):
         assert "data-parallel group" in report["error"] and "closed its connection" in report["error"], report
 
 
-@pytest.mark.xfail(strict=True, reason="needs GraphstepOptimizer.step to run the replay inside "
-                   "`with self.comm.named_errors():` (engine.py, lead); the survivor already fails at once, "
-                   "but with gloo's bare RuntimeError")
 def test_killed_rank_fails_the_captured_step_with_a_clear_error_fast():
     results = spawn(_workers.failing_peer, 2, "kill", TIMEOUT_S, "graph", timeout=45, allow_missing=(1,))
     report = values(results[:1])[0]
