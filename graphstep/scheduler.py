@@ -1,19 +1,37 @@
 """LR and weight-decay schedules with Megatron-Core's semantics (``OptimizerParamScheduler``).
 
-The scheduler writes Python floats into each param group's ``lr`` and ``weight_decay``; the engine copies
-them into device tensors before the next step, so a captured step follows the schedule.
+Why a scheduler of its own when torch's work on the engine as is: Megatron users expect its curves
+(warmup, then cosine / WSD / inverse-square-root, floored at a per-group ``min_lr``) and per-group
+``max_lr`` / ``min_lr`` / ``lr_mult`` / ``wd_mult`` / ``start_wd`` / ``end_wd``, which
+``graphstep.overrides.build_param_groups`` puts into every group.
 
-Learning rate, per group from its ``max_lr`` / ``min_lr`` and times its ``lr_mult``:
-- warmup: linear from ``init_lr`` to ``max_lr`` over ``lr_warmup_steps``;
-- then by ``lr_decay_style`` up to ``lr_decay_steps``, and ``min_lr`` after:
-  "constant" (max_lr), "linear", "cosine" (half a cosine from max_lr to min_lr),
-  "inverse-square-root" (``max_lr · sqrt(warmup) / sqrt(step)``, floored at min_lr, no end),
-  "WSD" (warmup-stable-decay: max_lr until the last ``wsd_decay_steps`` of the decay, then annealed
-  by ``lr_wsd_decay_style``: "linear", "cosine", "exponential" (``2 · 0.5^r − 1``) or "minus_sqrt"
-  (``1 − sqrt(r)``)).
-Weight decay, per group from its ``start_wd`` to ``end_wd`` over ``wd_incr_steps`` ("constant",
-"linear", "cosine"), times its ``wd_mult``.
-The formulas are those of Megatron-Core's ``optimizer_param_scheduler.py`` (NVIDIA/Megatron-LM).
+The scheduler only writes Python floats into each group's ``lr`` and ``weight_decay``. The engine copies
+them into device tensors before the next step (DESIGN.md law 3), so a captured step follows the schedule;
+nothing here touches a tensor.
+
+Learning rate of a group at step ``n`` (W = ``lr_warmup_steps``, D = ``lr_decay_steps``), times its
+``lr_mult``:
+
+- ``n <= W`` (when W > 0): linear warmup, ``init_lr + (max_lr - init_lr) * n / W``;
+- "constant": ``max_lr`` for ever (no floor, as in Megatron-Core);
+- ``n > D``: ``min_lr`` for every other style;
+- "inverse-square-root": ``max(min_lr, max_lr * sqrt(max(W, 1)) / sqrt(max(n, 1)))``;
+- "linear" / "cosine": ``min_lr + coeff * (max_lr - min_lr)`` with r = (n - W) / (D - W) and
+  coeff = 1 - r, or 0.5 * (cos(pi * r) + 1);
+- "WSD" (warmup-stable-decay): coeff = 1 until ``D - wsd_decay_steps``, then with
+  r = (n - (D - wsd_decay_steps)) / wsd_decay_steps it anneals by ``lr_wsd_decay_style``:
+  "linear" 1 - r, "cosine" 0.5 * (cos(pi * r) + 1), "exponential" 2 * 0.5**r - 1, "minus_sqrt"
+  1 - sqrt(r). Note r counts from the anneal start, not from the end of warmup.
+
+Weight decay of a group, times its ``wd_mult``: ``end_wd`` once ``n > wd_incr_steps`` (and always for
+"constant", which requires start_wd == end_wd); before that ``start_wd + coeff * (end_wd - start_wd)`` with
+r = n / wd_incr_steps and coeff = r ("linear") or 0.5 * (cos(pi * (1 - r)) + 1) ("cosine").
+
+Source of the formulas: Megatron-Core's ``OptimizerParamScheduler.get_lr`` / ``get_wd``
+(megatron/core/optimizer_param_scheduler.py in NVIDIA/Megatron-LM; API page
+https://docs.nvidia.com/megatron-core/developer-guide/latest/api-guide/optimizer_param_scheduler.html).
+The order of the checks matters and is theirs: the ``n > D`` floor comes before the inverse-square-root
+branch, so that style also ends at ``min_lr`` after D. The code below is graphstep's own.
 """
 
 from __future__ import annotations
@@ -25,79 +43,125 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 
+# What state_dict saves besides num_steps: the settings that shape the curves.
+SETTINGS = ("lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "wd_incr_steps", "wd_incr_style", "init_lr",
+            "wsd_decay_steps", "lr_wsd_decay_style")
 
-def _check(name: str, value, choices) -> None:
+
+def _fail(message: str) -> None:
+    raise ValueError(f"ParamScheduler: {message}")
+
+
+def _check_choice(name: str, value, choices) -> None:
     if value not in choices:
-        raise ValueError(f"ParamScheduler: {name}={value!r}: must be one of {', '.join(map(repr, choices))}")
+        _fail(f"{name}={value!r}: must be one of {', '.join(map(repr, choices))}")
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        _fail(f"{name}={value!r}: must be an integer >= {minimum}")
+
+
+def validate_settings(settings: dict) -> None:
+    """Raise ValueError naming the first setting that is out of range or inconsistent with another.
+
+    Shared by the constructor and ``load_state_dict``, so a checkpoint cannot bring in a schedule the
+    constructor would have refused (e.g. a division by zero at the first ``step``).
+    """
+    _check_choice("lr_decay_style", settings["lr_decay_style"], LR_DECAY_STYLES)
+    _check_choice("lr_wsd_decay_style", settings["lr_wsd_decay_style"], WSD_DECAY_STYLES)
+    _check_choice("wd_incr_style", settings["wd_incr_style"], WD_INCR_STYLES)
+    _check_int("lr_warmup_steps", settings["lr_warmup_steps"], 0)
+    _check_int("lr_decay_steps", settings["lr_decay_steps"], 1)
+    if settings["lr_warmup_steps"] >= settings["lr_decay_steps"]:
+        _fail(f"lr_warmup_steps={settings['lr_warmup_steps']} must be below "
+              f"lr_decay_steps={settings['lr_decay_steps']}")
+    # A ramp needs at least one step to ramp over (r = n / wd_incr_steps).
+    _check_int("wd_incr_steps", settings["wd_incr_steps"], 0 if settings["wd_incr_style"] == "constant" else 1)
+    init_lr = settings["init_lr"]
+    if isinstance(init_lr, bool) or not isinstance(init_lr, (int, float)) or not 0 <= init_lr < math.inf:
+        _fail(f"init_lr={init_lr!r}: must be a finite number >= 0")
+    if settings["lr_decay_style"] == "WSD":
+        wsd = settings["wsd_decay_steps"]
+        room = settings["lr_decay_steps"] - settings["lr_warmup_steps"]
+        if isinstance(wsd, bool) or not isinstance(wsd, int) or not 0 < wsd <= room:
+            _fail(f"lr_decay_style='WSD' needs an integer 0 < wsd_decay_steps <= lr_decay_steps - lr_warmup_steps "
+                  f"({room}), got wsd_decay_steps={wsd!r}")
 
 
 class ParamScheduler:
-    def __init__(self, optimizer, *, lr_warmup_steps: int = 0, lr_decay_steps: int, lr_decay_style: str = "cosine",
+    """Megatron-Core's warmup/decay LR and weight-decay ramps over an optimizer's ``param_groups``.
+
+    ``optimizer`` is anything with ``param_groups`` (graphstep's engine, or a plain torch optimizer whose
+    groups carry ``max_lr`` and ``min_lr``). A group without ``start_wd`` / ``end_wd`` keeps its current
+    ``weight_decay`` as both (written into the group, so a state-dict round trip sees it); ``lr_mult`` and
+    ``wd_mult`` default to 1. The constructor applies step 0 at once, like Megatron-Core's ``step(0)``.
+    """
+
+    def __init__(self, optimizer, *, lr_warmup_steps: int, lr_decay_steps: int, lr_decay_style: str = "cosine",
                  wd_incr_steps: int = 0, wd_incr_style: str = "constant", init_lr: float = 0.0,
                  wsd_decay_steps: Optional[int] = None, lr_wsd_decay_style: str = "exponential"):
-        _check("lr_decay_style", lr_decay_style, LR_DECAY_STYLES)
-        _check("lr_wsd_decay_style", lr_wsd_decay_style, WSD_DECAY_STYLES)
-        _check("wd_incr_style", wd_incr_style, WD_INCR_STYLES)
-        if lr_warmup_steps < 0 or lr_decay_steps < 1 or wd_incr_steps < 0 or init_lr < 0:
-            raise ValueError(f"ParamScheduler: lr_warmup_steps={lr_warmup_steps}, lr_decay_steps={lr_decay_steps}, "
-                             f"wd_incr_steps={wd_incr_steps}, init_lr={init_lr}: steps and init_lr must be "
-                             "non-negative, lr_decay_steps at least 1")
-        if lr_decay_style != "inverse-square-root" and lr_warmup_steps >= lr_decay_steps:
-            raise ValueError(f"ParamScheduler: lr_warmup_steps={lr_warmup_steps} must be below "
-                             f"lr_decay_steps={lr_decay_steps}")
-        if lr_decay_style == "WSD":
-            if wsd_decay_steps is None or not 0 < wsd_decay_steps <= lr_decay_steps - lr_warmup_steps:
-                raise ValueError(f"ParamScheduler: WSD needs 0 < wsd_decay_steps <= lr_decay_steps - "
-                                 f"lr_warmup_steps, got wsd_decay_steps={wsd_decay_steps}")
-        for g, group in enumerate(optimizer.param_groups):
+        settings = dict(lr_warmup_steps=lr_warmup_steps, lr_decay_steps=lr_decay_steps,
+                        lr_decay_style=lr_decay_style, wd_incr_steps=wd_incr_steps, wd_incr_style=wd_incr_style,
+                        init_lr=init_lr, wsd_decay_steps=wsd_decay_steps, lr_wsd_decay_style=lr_wsd_decay_style)
+        validate_settings(settings)
+        groups = getattr(optimizer, "param_groups", None)
+        if not isinstance(groups, (list, tuple)):
+            raise TypeError(f"ParamScheduler: {type(optimizer).__name__} has no param_groups list")
+        for g, group in enumerate(groups):
             for key in ("max_lr", "min_lr"):
                 if key not in group:
-                    raise ValueError(f"ParamScheduler: param group {g} has no {key!r} (graphstep's param groups "
-                                     "carry it; for a plain torch optimizer, add it to each group)")
-            if wd_incr_style == "constant" and group.get("start_wd", 0.0) != group.get("end_wd", 0.0):
-                raise ValueError(f"ParamScheduler: group {g} has start_wd != end_wd with wd_incr_style='constant'")
+                    _fail(f"param group {g} has no {key!r} (graphstep's param groups carry it; for a plain "
+                          "torch optimizer, add max_lr and min_lr to each group)")
+            if group["min_lr"] > group["max_lr"]:
+                _fail(f"param group {g}: min_lr={group['min_lr']} exceeds max_lr={group['max_lr']}")
+            group.setdefault("start_wd", group.get("weight_decay", 0.0))
+            group.setdefault("end_wd", group.get("weight_decay", 0.0))
+            if wd_incr_style == "constant" and group["start_wd"] != group["end_wd"]:
+                _fail(f"param group {g} has start_wd={group['start_wd']} != end_wd={group['end_wd']}; "
+                      "give a wd_incr_style ('linear' or 'cosine') to ramp between them")
         self.optimizer = optimizer
-        self.lr_warmup_steps = lr_warmup_steps
-        self.lr_decay_steps = lr_decay_steps
-        self.lr_decay_style = lr_decay_style
-        self.wd_incr_steps = wd_incr_steps
-        self.wd_incr_style = wd_incr_style
-        self.init_lr = init_lr
-        self.wsd_decay_steps = wsd_decay_steps
-        self.lr_wsd_decay_style = lr_wsd_decay_style
+        for key, value in settings.items():
+            setattr(self, key, value)
         self.num_steps = 0
         self._apply()
 
     def get_lr(self, group: dict) -> float:
         """The learning rate of ``group`` at ``num_steps``, before its ``lr_mult``."""
-        max_lr, min_lr, step = group["max_lr"], group["min_lr"], self.num_steps
-        warmup = self.lr_warmup_steps
-        if warmup > 0 and step <= warmup:
-            return self.init_lr + (max_lr - self.init_lr) * step / warmup
+        max_lr, min_lr, n = group["max_lr"], group["min_lr"], self.num_steps
+        warmup, decay = self.lr_warmup_steps, self.lr_decay_steps
+        if warmup > 0 and n <= warmup:
+            return self.init_lr + (max_lr - self.init_lr) * n / warmup
         if self.lr_decay_style == "constant":
             return max_lr
-        if self.lr_decay_style == "inverse-square-root":
-            return max(min_lr, max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(step, 1)))
-        if step > self.lr_decay_steps:
+        if n > decay:
             return min_lr
-        ratio = (step - warmup) / (self.lr_decay_steps - warmup)
-        if self.lr_decay_style == "linear":
-            coeff = 1.0 - ratio
-        elif self.lr_decay_style == "cosine":
-            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        else:  # WSD
-            anneal_start = self.lr_decay_steps - self.wsd_decay_steps
-            if step <= anneal_start:
-                coeff = 1.0
-            else:
-                r = (step - anneal_start) / self.wsd_decay_steps
-                coeff = {"linear": 1.0 - r, "cosine": 0.5 * (math.cos(math.pi * r) + 1.0),
-                         "exponential": 2.0 * 0.5 ** r - 1.0, "minus_sqrt": 1.0 - math.sqrt(r)}[self.lr_wsd_decay_style]
+        if self.lr_decay_style == "inverse-square-root":
+            return max(min_lr, max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(n, 1)))
+        if self.lr_decay_style == "WSD":
+            coeff = self._wsd_coeff(n)
+        else:
+            ratio = (n - warmup) / (decay - warmup)
+            coeff = 1.0 - ratio if self.lr_decay_style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
         return min_lr + coeff * (max_lr - min_lr)
+
+    def _wsd_coeff(self, n: int) -> float:
+        anneal_start = self.lr_decay_steps - self.wsd_decay_steps
+        if n <= anneal_start:
+            return 1.0  # the stable phase
+        r = (n - anneal_start) / self.wsd_decay_steps
+        style = self.lr_wsd_decay_style
+        if style == "linear":
+            return 1.0 - r
+        if style == "cosine":
+            return 0.5 * (math.cos(math.pi * r) + 1.0)
+        if style == "exponential":
+            return 2.0 * 0.5**r - 1.0
+        return 1.0 - math.sqrt(r)  # minus_sqrt
 
     def get_wd(self, group: dict) -> float:
         """The weight decay of ``group`` at ``num_steps``, before its ``wd_mult``."""
-        start, end = group.get("start_wd", 0.0), group.get("end_wd", 0.0)
+        start, end = group["start_wd"], group["end_wd"]
         if self.wd_incr_style == "constant" or self.num_steps > self.wd_incr_steps:
             return end
         ratio = self.num_steps / self.wd_incr_steps
@@ -110,17 +174,29 @@ class ParamScheduler:
             group["weight_decay"] = float(self.get_wd(group) * group.get("wd_mult", 1.0))
 
     def step(self, increment: int = 1) -> None:
+        """Advance by ``increment`` steps and write every group's ``lr`` and ``weight_decay``."""
+        _check_int("step(increment)", increment, 0)
         self.num_steps += increment
         self._apply()
 
     def state_dict(self) -> dict:
-        return {key: getattr(self, key) for key in ("num_steps", "lr_warmup_steps", "lr_decay_steps",
-                                                    "lr_decay_style", "wd_incr_steps", "wd_incr_style", "init_lr",
-                                                    "wsd_decay_steps", "lr_wsd_decay_style")}
+        """``num_steps`` and the settings (plain Python values: the per-group bounds live in the groups)."""
+        return {"num_steps": self.num_steps, **{key: getattr(self, key) for key in SETTINGS}}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        for key, value in state_dict.items():
-            if not hasattr(self, key):
-                raise ValueError(f"ParamScheduler.load_state_dict: unknown key {key!r}")
+        """Take over a saved schedule (settings and position) and write the groups at once.
+
+        The saved settings win over the constructor's, as with Megatron-Core's default
+        ``use_checkpoint_opt_param_scheduler=True``; they are validated like the constructor's.
+        """
+        unknown = set(state_dict) - set(SETTINGS) - {"num_steps"}
+        if unknown:
+            _fail(f"load_state_dict: unknown keys {sorted(unknown)}")
+        settings = {key: state_dict.get(key, getattr(self, key)) for key in SETTINGS}
+        validate_settings(settings)
+        num_steps = state_dict.get("num_steps", self.num_steps)
+        _check_int("load_state_dict: num_steps", num_steps, 0)
+        for key, value in settings.items():
             setattr(self, key, value)
+        self.num_steps = num_steps
         self._apply()
