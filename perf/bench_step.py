@@ -44,13 +44,17 @@ import shapes as shape_sets  # noqa: E402
 
 LR, WEIGHT_DECAY, BETAS, EPS = 3e-4, 0.1, (0.9, 0.95), 1e-8
 ADAM_BYTES, NORM_BYTES, STREAM_BYTES = 28, 4, 8
+# torch's AMP pipeline: unscale_ reads and writes the grads (8 B), clip_grad_norm_ reads them for the
+# norm (4 B) and again to scale them (8 B), then AdamW (28 B): 48 B per param (DESIGN.md §6).
+AMP_PIPELINE_BYTES = 8 + 4 + 8 + ADAM_BYTES
+LOSS_SCALE = 1024.0
 
 
 @dataclass
 class Row:
     key: str
     label: str
-    kind: str  # "stream" | "update" | "full": what the ratio column compares against
+    kind: str  # "stream" | "update" | "full" | "scaled": what the ratio column compares against
     bytes_per_elem: int
     median_ms: float = math.nan
     p10_ms: float = math.nan
@@ -167,13 +171,43 @@ def build_torch_adamw(inputs: Inputs, *, fused: bool, clip: bool = False):
     return step
 
 
-def build_graphstep(inputs: Inputs, *, clip_grad: float, capture: str):
+def build_torch_amp_pipeline(inputs: Inputs):
+    """The idiomatic torch step: GradScaler.unscale_ + clip_grad_norm_ + AdamW(fused).step + update."""
+    params = inputs.new_params()
+    grad_flat = inputs.grad_flat.clone()
+    for p, g in zip(params, inputs.views(grad_flat)):
+        p.grad = g
+    opt = torch.optim.AdamW(inputs.decay_groups(params), lr=LR, betas=BETAS, eps=EPS, fused=True)
+    scaler = torch.amp.GradScaler(inputs.device.type, init_scale=LOSS_SCALE, growth_interval=10**9)
+    scaler.scale(torch.ones((), device=inputs.device))  # GradScaler creates its scale tensor lazily here
+
+    def step():
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        scaler.step(opt)
+        scaler.update()
+        grad_flat.mul_(LOSS_SCALE)  # re-scale for the next step (untimed work would hide it; it is 8 B)
+    return step
+
+
+def build_graphstep_update_stage(inputs: Inputs):
+    """The engine's update stage alone (the fused kernel over the group views): what issue 2 compares
+    with the one-buffer floor. The full step adds the one-read norm pass on top."""
+    opt = build_graphstep(inputs, clip_grad=0.0, capture="eager", return_optimizer=True)
+    opt.step()  # refresh the hyperparameter tensors once
+    update = next(stage for stage in opt.stages if stage.name == "update")
+    return update.apply
+
+
+def build_graphstep(inputs: Inputs, *, clip_grad: float, capture: str, loss_scale=None,
+                    return_optimizer: bool = False):
     import graphstep as gs
 
     params = inputs.new_params()
     model = module_of(inputs, params)
     config = gs.OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
-                                adam_beta2=BETAS[1], adam_eps=EPS, clip_grad=clip_grad, capture=capture)
+                                adam_beta2=BETAS[1], adam_eps=EPS, clip_grad=clip_grad, capture=capture,
+                                loss_scale=loss_scale)
     opt = gs.get_optimizer(config, model)
     with torch.no_grad():
         for p, g in zip(params, inputs.views(inputs.grad_flat)):
@@ -181,7 +215,7 @@ def build_graphstep(inputs: Inputs, *, clip_grad: float, capture: str):
     if capture == "graph":
         for _ in range(config.capture_warmup_steps + 1):  # the eager warm-up and the capture itself
             opt.step()
-    return opt.step
+    return opt if return_optimizer else opt.step
 
 
 PIPELINES = {
@@ -202,6 +236,13 @@ PIPELINES = {
                        lambda i: build_graphstep(i, clip_grad=1.0, capture="eager")),
     "graphstep-full-graph": ("graphstep, full step (capture='graph')", "full", ADAM_BYTES + NORM_BYTES,
                              lambda i: build_graphstep(i, clip_grad=1.0, capture="graph")),
+    "graphstep-update-stage": ("graphstep update stage alone (fused kernel over group views)", "update",
+                               ADAM_BYTES, build_graphstep_update_stage),
+    "torch-amp": ("torch GradScaler.unscale_ + clip_grad_norm_ + AdamW(fused) + update", "scaled",
+                  AMP_PIPELINE_BYTES, build_torch_amp_pipeline),
+    "graphstep-scaled": ("graphstep full step with loss scale (unscale + clip folded in)", "scaled",
+                         ADAM_BYTES + NORM_BYTES,
+                         lambda i: build_graphstep(i, clip_grad=1.0, capture="eager", loss_scale=LOSS_SCALE)),
 }
 
 
@@ -230,7 +271,8 @@ def run_pipeline(key: str, inputs: Inputs, warmup: int, steps: int) -> Row:
 def add_ratios(rows: list[Row]) -> None:
     by_key = {r.key: r for r in rows}
     floor = by_key.get("fused-floor")
-    engine = {"update": by_key.get("graphstep-update"), "full": by_key.get("graphstep-full")}
+    engine = {"update": by_key.get("graphstep-update"), "full": by_key.get("graphstep-full"),
+              "scaled": by_key.get("graphstep-scaled")}
     for r in rows:
         if r.kind == "stream":
             continue
