@@ -20,7 +20,7 @@ from . import overrides as overrides_mod
 from .buffers import StaticBuffers, allocate
 from .config import OptimizerConfig
 from .debug import StepReport, run_debug_step
-from .distributed import Collectives
+from .distributed import Collectives, derive_group
 from .hyperparams import HyperParams
 from .kernels import get_kernels
 from .layout import Layout, ParamSpec, plan_layout
@@ -118,8 +118,6 @@ def _data_parallel(config: OptimizerConfig, process_group) -> tuple[Optional[dis
                          "data-parallel group this rank belongs to")
     if size == 1:
         return None, 0, 1
-    from .distributed import derive_group
-
     return derive_group(process_group, config.distributed_timeout_s), rank, size
 
 
@@ -130,9 +128,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             raise TypeError(f"get_optimizer: config must be an OptimizerConfig, got {type(config).__name__}")
         self.config = config
         named = _named_trainable_params(model_chunks)
-        if config_overrides is not None:
-            overrides_mod.check_config_overrides_consistency(config, config_overrides)
-        groups = overrides_mod.build_param_groups(named, config, config_overrides)
+        groups = overrides_mod.build_param_groups(named, config, config_overrides)  # validates the overrides
         self._building = True
         super().__init__(groups, _defaults(config))
         self._building = False
@@ -154,8 +150,9 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                                 main_dtype=config.main_params_dtype, state_names=self._state_names())
         self.hyper = HyperParams(len(self.param_groups), device)
         self.scaler = scaler_from_config(config, device)
-        self.tensors = StepTensors.allocate(device, getattr(self.scaler, "scale", None),
-                                            getattr(self.scaler, "inv_scale", None), config.log_num_zeros_in_grad)
+        scaled = self.scaler is not None
+        self.tensors = StepTensors.allocate(device, self.scaler.scale if scaled else None,
+                                            self.scaler.inv_scale if scaled else None, config.log_num_zeros_in_grad)
         self.clip_grad = config.clip_grad
         """Clip threshold, refreshed into a device tensor before each step: may change between steps."""
         self.grad_norm_skip_threshold = config.grad_norm_skip_threshold
