@@ -24,6 +24,13 @@ class NamedPredicate:
     name: str
     fn: Callable[[torch.nn.Parameter, str], bool]
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"NamedPredicate: name={self.name!r} must be a non-empty string (it is the identity "
+                            "checkpoints match param groups by)")
+        if not callable(self.fn):
+            raise TypeError(f"NamedPredicate '{self.name}': fn={self.fn!r} is not callable; give fn(param, name)")
+
     def __eq__(self, other) -> bool:
         return isinstance(other, NamedPredicate) and other.name == self.name
 
@@ -152,31 +159,46 @@ def get_mup_config_overrides(config, mup_width_mult: float, optimizer_type: Opti
                              ) -> dict[ParamKey, ParamGroupOverride]:
     """MuP's per-class learning rates (and Adam's eps) for width multiplier ``mup_width_mult``.
 
-    Adam: matrix-like params get lr / m and eps / m, vector-like ones (ndim <= 1, embeddings, output)
-    keep both. SGD: vector-like params get lr × m. Other optimizers: matrix-like lr / m. Nothing when
-    m == 1. Embedding/output params on ``decoupled_lr`` keep their decoupled values.
+    MuP keeps update sizes stable across widths so hyperparameters tuned on a narrow model transfer:
+    Adam: matrix-like params get lr / m and eps / m, vector-like ones (ndim <= 1, embedding/output params)
+    keep both. SGD: vector-like params get lr x m. Other optimizers: matrix-like lr / m. Nothing when
+    m == 1. The schedule floor scales with the peak (``min_lr`` x the same factor when ``config.min_lr``
+    is set, as in Megatron-Core), so ``min_lr <= max_lr`` still holds. Embedding/output params on
+    ``decoupled_lr`` keep their decoupled values. ``optimizer_type`` defaults to ``config.optimizer``;
+    any name containing "adam" follows the Adam rule.
     """
-    if isinstance(mup_width_mult, bool) or not isinstance(mup_width_mult, (int, float)) or not mup_width_mult > 0:
-        raise ValueError(f"get_mup_config_overrides: mup_width_mult={mup_width_mult!r} must be > 0")
-    optimizer_type = optimizer_type or config.optimizer
+    if isinstance(mup_width_mult, bool) or not isinstance(mup_width_mult, (int, float)) \
+            or not 0 < mup_width_mult < math.inf:
+        raise ValueError(f"get_mup_config_overrides: mup_width_mult={mup_width_mult!r} must be a finite number > 0 "
+                         "(hidden_size / base_hidden_size)")
+    optimizer_type = config.optimizer if optimizer_type is None else optimizer_type
+    if not isinstance(optimizer_type, str) or not optimizer_type:
+        raise TypeError(f"get_mup_config_overrides: optimizer_type={optimizer_type!r} must be a name like 'adam'")
     if mup_width_mult == 1:
         return {}
+    rule = optimizer_type.lower()
     m = float(mup_width_mult)
     decoupled = config.decoupled_lr is not None
 
-    def matrix_like(p, name):
-        return not _is_vector_like(p, name)
+    def scaled_lr(factor: float) -> ParamGroupOverride:
+        override: ParamGroupOverride = {"max_lr": config.lr * factor}
+        if config.min_lr is not None:
+            override["min_lr"] = config.min_lr * factor
+        return override
 
-    def vector_like(p, name):
-        embedding = bool(getattr(p, "is_embedding_or_output_parameter", False))
-        return _is_vector_like(p, name) and not (decoupled and embedding)
+    def matrix_like(param, name):
+        return not _is_vector_like(param, name)
 
-    if optimizer_type == "adam":
-        return {ParamKey(predicate=NamedPredicate("mup_matrix_like", matrix_like)):
-                {"max_lr": config.lr / m, "eps": config.adam_eps / m}}
-    if optimizer_type == "sgd":
-        return {ParamKey(predicate=NamedPredicate("mup_vector_like", vector_like)): {"max_lr": config.lr * m}}
-    return {ParamKey(predicate=NamedPredicate("mup_matrix_like", matrix_like)): {"max_lr": config.lr / m}}
+    def vector_like_not_decoupled(param, name):
+        embedding = bool(getattr(param, "is_embedding_or_output_parameter", False))
+        return _is_vector_like(param, name) and not (decoupled and embedding)
+
+    matrix_key = ParamKey(predicate=NamedPredicate("mup_matrix_like", matrix_like))
+    if "adam" in rule:
+        return {matrix_key: {**scaled_lr(1.0 / m), "eps": config.adam_eps / m}}
+    if rule == "sgd":
+        return {ParamKey(predicate=NamedPredicate("mup_vector_like", vector_like_not_decoupled)): scaled_lr(m)}
+    return {matrix_key: scaled_lr(1.0 / m)}
 
 
 def _merged_override(name: str, param, config_overrides: dict) -> dict:
@@ -208,32 +230,58 @@ def build_param_groups(named_params: Sequence[tuple[str, torch.nn.Parameter]], c
     check_config_overrides_consistency(config, config_overrides)
 
     groups: dict[tuple, dict] = {(): None}  # the no-override group first, even if it stays empty
-    for name, param in named_params:
+    seen_names: set[str] = set()
+    seen_params: dict[int, str] = {}
+    for entry in named_params:
+        name, param = _checked_entry(entry, seen_names, seen_params)
         merged = _merged_override(name, param, config_overrides)
         signature = tuple(sorted(merged.items()))
         if groups.get(signature) is None:
-            groups[signature] = _new_group(config, merged)
+            groups[signature] = _new_group(config, merged, name)
         groups[signature]["params"].append(param)
         groups[signature]["param_names"].append(name)
     return [group for group in groups.values() if group is not None]
 
 
-def _new_group(config, override: dict) -> dict:
+def _checked_entry(entry, seen_names: set, seen_params: dict) -> tuple[str, torch.nn.Parameter]:
+    """One (name, param) pair, refused if malformed, frozen or seen before: a param in two groups would be
+    updated twice, and checkpoints match groups by their param names."""
+    if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str)
+            and isinstance(entry[1], torch.Tensor)):
+        raise TypeError(f"build_param_groups: expected (name, Parameter) pairs, got {entry!r:.80}")
+    name, param = entry
+    if not param.requires_grad:
+        raise ValueError(f"build_param_groups: param '{name}' does not require grad; leave frozen params out")
+    if name in seen_names:
+        raise ValueError(f"build_param_groups: param name '{name}' appears twice")
+    if id(param) in seen_params:
+        raise ValueError(f"build_param_groups: param '{name}' is the same tensor as '{seen_params[id(param)]}' "
+                         "(shared weights): list it once")
+    seen_names.add(name)
+    seen_params[id(param)] = name
+    return name, param
+
+
+def _new_group(config, override: dict, first_param_name: str) -> dict:
     default_min_lr = config.min_lr if config.min_lr is not None else 0.0
     max_lr = override.get("max_lr", config.lr)
+    min_lr = override.get("min_lr", default_min_lr)
+    if min_lr > max_lr:
+        raise ValueError(f"param '{first_param_name}': min_lr={min_lr} exceeds max_lr={max_lr} (merged override "
+                         f"{override}); lower min_lr in the override or in OptimizerConfig")
     lr_mult = override.get("lr_mult", 1.0)
     wd_mult = override.get("wd_mult", 1.0)
     start_wd = override.get("start_wd", config.weight_decay)
     group = {
         "params": [], "param_names": [],
-        "lr": max_lr * lr_mult, "max_lr": max_lr, "min_lr": override.get("min_lr", default_min_lr),
+        "lr": max_lr * lr_mult, "max_lr": max_lr, "min_lr": min_lr,
         "lr_mult": lr_mult, "wd_mult": wd_mult,
         "weight_decay": start_wd * wd_mult, "start_wd": start_wd, "end_wd": override.get("end_wd", config.weight_decay),
+        "eps": override.get("eps", config.adam_eps),
         "overrides": dict(override),
     }
     if config.optimizer == "adam":
         group["betas"] = (config.adam_beta1, config.adam_beta2)
-        group["eps"] = override.get("eps", config.adam_eps)
     else:
         group["momentum"] = config.sgd_momentum
         group["nesterov"] = config.sgd_nesterov

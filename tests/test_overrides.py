@@ -4,10 +4,13 @@ import pytest
 import torch
 
 import graphstep as gs
-from graphstep.overrides import build_param_groups
+from graphstep.overrides import (NamedPredicate, ParamKey, build_param_groups, check_config_overrides_consistency,
+                                 get_mup_config_overrides, get_standard_config_overrides)
 
 
 class Net(torch.nn.Module):
+    """embed (2-D, embedding), proj (Linear with bias), norm (LayerNorm: two 1-D), head (2-D, output)."""
+
     def __init__(self):
         super().__init__()
         self.embed = torch.nn.Embedding(10, 8)
@@ -19,101 +22,210 @@ class Net(torch.nn.Module):
 
 
 def groups_of(config, overrides=None):
-    net = Net()
-    groups = build_param_groups(list(net.named_parameters()), config, overrides)
+    groups = build_param_groups(list(Net().named_parameters()), config, overrides)
     return {name: group for group in groups for name in group["param_names"]}, groups
 
 
-def test_fnmatch_semantics_and_or_within_a_key():
+def summary(groups, *fields):
+    """Per group: its param names and the listed fields, for exact comparisons."""
+    return [(g["param_names"], *(g[f] for f in fields)) for g in groups]
+
+
+# ---- matching ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("glob, name, hit", [
+    ("*.bias", "layer.bias", True), ("*.bias", "x.bias.other", False), ("*.bias", "bias", False),
+    ("layer.*", "layer.0.weight", True),  # fnmatch's * crosses dots
+    ("layer.?.weight", "layer.3.weight", True), ("layer.[01].weight", "layer.2.weight", False),
+    ("*.Bias", "layer.bias", False),  # case-sensitive on every platform (fnmatchcase)
+])
+def test_name_globs_follow_fnmatchcase(glob, name, hit):
+    assert ParamKey(name=glob).matches(torch.nn.Parameter(torch.zeros(2)), name) is hit
+
+
+def test_any_listed_item_matches():
     p = torch.nn.Parameter(torch.zeros(2, 2))
-    key = gs.ParamKey(name="*.bias")
-    assert key.matches(p, "layer.bias") and not key.matches(p, "x.bias.other")
+    square = NamedPredicate("square", lambda q, _: q.shape[0] == q.shape[1])
+    assert ParamKey(name=("nope", "w*")).matches(p, "weight")  # the second glob
+    assert not ParamKey(name="nope", attr="special").matches(p, "w")
     p.special = True
-    either = gs.ParamKey(name="nothing*", attr="special")
-    assert either.matches(p, "w")
-    predicate = gs.ParamKey(predicate=gs.NamedPredicate("square", lambda q, _: q.shape[0] == q.shape[1]))
-    assert predicate.matches(p, "w")
+    assert ParamKey(name="nope", attr="special").matches(p, "w")  # the attr alone
+    p.special = False
+    assert not ParamKey(attr="special").matches(p, "w")  # attrs must be truthy, not merely present
+    assert ParamKey(name="nope", predicate=square).matches(p, "w")  # the predicate alone
+    assert not ParamKey(predicate=square).matches(torch.nn.Parameter(torch.zeros(2, 3)), "w")
 
 
-def test_named_predicates_compare_by_name():
-    a = gs.NamedPredicate("vec", lambda p, n: p.ndim == 1)
-    b = gs.NamedPredicate("vec", lambda p, n: False)
-    assert a == b and hash(a) == hash(b)
-    assert gs.ParamKey(predicate=a) == gs.ParamKey(predicate=b)
+def test_named_predicates_compare_and_hash_by_name():
+    a = NamedPredicate("vec", lambda p, n: p.ndim == 1)
+    b = NamedPredicate("vec", lambda p, n: False)
+    assert a == b and hash(a) == hash(b) and a != NamedPredicate("mat", a.fn)
+    assert ParamKey(predicate=a) == ParamKey(predicate=b)
+    assert hash(ParamKey(name=["x", "y"])) == hash(ParamKey(name=("x", "y")))  # lists are frozen to tuples
+    with pytest.raises(AttributeError):
+        ParamKey(name="x").name = ("y",)
 
 
-def test_standard_overrides_drop_weight_decay_on_biases_and_1d():
-    by_name, groups = groups_of(gs.OptimizerConfig(weight_decay=0.1))
-    assert len(groups) == 2
-    assert groups[0]["overrides"] == {}  # the group without overrides comes first
-    for name in ("proj.bias", "norm.weight", "norm.bias"):
-        assert by_name[name]["weight_decay"] == 0.0 and by_name[name]["wd_mult"] == 0.0
-    for name in ("embed.weight", "proj.weight", "head.weight"):
-        assert by_name[name]["weight_decay"] == 0.1
-
-
-def test_decoupled_lr_for_embedding_and_output():
-    by_name, groups = groups_of(gs.OptimizerConfig(lr=1e-3, decoupled_lr=5e-4, decoupled_min_lr=1e-5))
-    assert by_name["embed.weight"]["lr"] == 5e-4 and by_name["embed.weight"]["min_lr"] == 1e-5
-    assert by_name["head.weight"] is by_name["embed.weight"]
-    assert by_name["proj.weight"]["lr"] == 1e-3 and by_name["proj.weight"]["min_lr"] == 0.0
-    assert len(groups) == 3
-
+# ---- merging and grouping ----------------------------------------------------------------------------
 
 def test_merging_and_equal_overrides_share_a_group():
-    overrides = {gs.ParamKey(name="proj.*"): {"lr_mult": 2.0}, gs.ParamKey(name="*.weight"): {"wd_mult": 0.5},
-                 gs.ParamKey(name="head.weight"): {"lr_mult": 2.0}}
+    overrides = {ParamKey(name="proj.*"): {"lr_mult": 2.0}, ParamKey(name="*.weight"): {"wd_mult": 0.5},
+                 ParamKey(name="head.weight"): {"lr_mult": 2.0}}  # agrees with proj.* where both match
     by_name, groups = groups_of(gs.OptimizerConfig(lr=1e-3, weight_decay=0.1), overrides)
-    assert by_name["proj.weight"]["overrides"] == {"lr_mult": 2.0, "wd_mult": 0.5}
-    assert by_name["proj.weight"] is by_name["head.weight"]
-    assert by_name["proj.weight"]["lr"] == 2e-3 and by_name["proj.weight"]["weight_decay"] == 0.05
-    assert by_name["proj.bias"]["overrides"] == {"lr_mult": 2.0}
-    assert groups[0]["overrides"] == {} and groups[0]["param_names"] == ["norm.bias"]  # unmatched: first
+    assert summary(groups, "overrides", "lr", "weight_decay") == [
+        (["norm.bias"], {}, 1e-3, 0.1),  # no override: first
+        (["embed.weight", "norm.weight"], {"wd_mult": 0.5}, 1e-3, 0.1 * 0.5),  # then by first appearance
+        (["proj.weight", "head.weight"], {"lr_mult": 2.0, "wd_mult": 0.5}, 1e-3 * 2.0, 0.1 * 0.5),
+        (["proj.bias"], {"lr_mult": 2.0}, 1e-3 * 2.0, 0.1),
+    ]
+    assert by_name["proj.weight"]["max_lr"] == 1e-3 and by_name["proj.weight"]["lr_mult"] == 2.0
+
+
+def test_the_no_override_group_comes_first_even_when_its_params_come_last():
+    overrides = {ParamKey(name=("embed.*", "proj.*", "norm.*")): {"wd_mult": 0.0}}
+    _, groups = groups_of(gs.OptimizerConfig(), overrides)
+    assert [g["param_names"] for g in groups] == [["head.weight"],
+                                                   ["embed.weight", "proj.weight", "proj.bias", "norm.weight",
+                                                    "norm.bias"]]
+
+
+def test_empty_overrides_give_one_group_with_the_config_values():
+    config = gs.OptimizerConfig(optimizer="adam", lr=2e-3, min_lr=1e-4, weight_decay=0.1, adam_beta1=0.8,
+                                adam_beta2=0.95, adam_eps=1e-6)
+    _, groups = groups_of(config, {})
+    assert len(groups) == 1
+    group = dict(groups[0])
+    params = group.pop("params")
+    assert len(params) == 6 and all(isinstance(p, torch.nn.Parameter) for p in params)
+    assert group == {"param_names": ["embed.weight", "proj.weight", "proj.bias", "norm.weight", "norm.bias",
+                                     "head.weight"],
+                     "lr": 2e-3, "max_lr": 2e-3, "min_lr": 1e-4, "lr_mult": 1.0, "wd_mult": 1.0,
+                     "weight_decay": 0.1, "start_wd": 0.1, "end_wd": 0.1, "eps": 1e-6, "betas": (0.8, 0.95),
+                     "overrides": {}}
+
+
+def test_sgd_groups_carry_momentum_not_betas():
+    config = gs.OptimizerConfig(optimizer="sgd", sgd_momentum=0.5, sgd_nesterov=True)
+    _, groups = groups_of(config, {})
+    assert groups[0]["momentum"] == 0.5 and groups[0]["nesterov"] is True and "betas" not in groups[0]
+
+
+def test_weight_decay_ramp_overrides_start_the_group_at_start_wd():
+    overrides = {ParamKey(name="proj.weight"): {"start_wd": 0.02, "end_wd": 0.2, "wd_mult": 0.5}}
+    by_name, _ = groups_of(gs.OptimizerConfig(weight_decay=0.1), overrides)
+    group = by_name["proj.weight"]
+    assert (group["weight_decay"], group["start_wd"], group["end_wd"]) == (0.02 * 0.5, 0.02, 0.2)
 
 
 def test_conflicting_overrides_name_the_param_and_both_keys():
-    overrides = {gs.ParamKey(name="proj.*"): {"max_lr": 1.0}, gs.ParamKey(attr="is_embedding_or_output_parameter"):
-                 {"max_lr": 2.0}, gs.ParamKey(name="*.weight"): {"max_lr": 3.0}}
-    with pytest.raises(ValueError, match=r"param 'embed.weight'.*max_lr=2.0.*max_lr=3.0"):
+    overrides = {ParamKey(name="proj.*"): {"max_lr": 1.0}, ParamKey(attr="is_embedding_or_output_parameter"):
+                 {"max_lr": 2.0}, ParamKey(name="*.weight"): {"max_lr": 3.0}}
+    with pytest.raises(ValueError, match=r"param 'embed.weight': ParamKey\(attr=\['is_embedding_or_output_parameter'\]"
+                                         r"\) sets max_lr=2.0 but ParamKey\(name=\['\*.weight'\]\) sets max_lr=3.0"):
         groups_of(gs.OptimizerConfig(), overrides)
 
 
-@pytest.mark.parametrize("width, rule, expect", [
-    (2.0, "adam", {"proj.weight": (5e-4, 5e-9), "embed.weight": (1e-3, 1e-8), "norm.weight": (1e-3, 1e-8)}),
-    (2.0, "sgd", {"proj.weight": 1e-3, "norm.weight": 2e-3, "embed.weight": 2e-3}),
-    (1.0, "adam", {"proj.weight": (1e-3, 1e-8)}),
-])
-def test_mup_overrides(width, rule, expect):
-    config = gs.OptimizerConfig(optimizer=rule, lr=1e-3, adam_eps=1e-8)
-    overrides = {**gs.get_standard_config_overrides(config), **gs.get_mup_config_overrides(config, width)}
-    by_name, _ = groups_of(config, overrides)
-    for name, want in expect.items():
-        got = (by_name[name]["lr"], by_name[name]["eps"]) if rule == "adam" else by_name[name]["lr"]
-        assert got == pytest.approx(want)
+# ---- standard and MuP overrides ----------------------------------------------------------------------
+
+def test_standard_overrides_drop_weight_decay_on_biases_and_1d():
+    config = gs.OptimizerConfig(lr=1e-3, weight_decay=0.1, adam_eps=1e-8)
+    _, groups = groups_of(config)
+    assert summary(groups, "lr", "min_lr", "weight_decay", "wd_mult", "eps") == [
+        (["embed.weight", "proj.weight", "head.weight"], 1e-3, 0.0, 0.1, 1.0, 1e-8),
+        (["proj.bias", "norm.weight", "norm.bias"], 1e-3, 0.0, 0.0, 0.0, 1e-8),
+    ]
+    # The glob alone catches a 2-D "bias"; the predicate alone a 1-D param of any name.
+    key = next(iter(get_standard_config_overrides(config)))
+    assert key.matches(torch.nn.Parameter(torch.zeros(2, 2)), "odd.bias")
+    assert key.matches(torch.nn.Parameter(torch.zeros(3)), "scale")
+    assert not key.matches(torch.nn.Parameter(torch.zeros(2, 2)), "w")
 
 
-def test_mup_keeps_decoupled_lr_params_on_their_decoupled_values():
-    config = gs.OptimizerConfig(optimizer="sgd", lr=1e-3, decoupled_lr=3e-4)
-    overrides = {**gs.get_standard_config_overrides(config), **gs.get_mup_config_overrides(config, 4.0)}
-    by_name, _ = groups_of(config, overrides)
-    assert by_name["embed.weight"]["lr"] == 3e-4
-    assert by_name["norm.weight"]["lr"] == pytest.approx(4e-3)
+@pytest.mark.parametrize("decoupled_min_lr, min_lr, expected_floor", [(1e-5, 2e-5, 1e-5), (None, 2e-5, 2e-5),
+                                                                      (None, None, 0.0)])
+def test_decoupled_lr_for_embedding_and_output(decoupled_min_lr, min_lr, expected_floor):
+    config = gs.OptimizerConfig(lr=1e-3, min_lr=min_lr, decoupled_lr=5e-4, decoupled_min_lr=decoupled_min_lr,
+                                weight_decay=0.1)
+    _, groups = groups_of(config)
+    assert summary(groups, "lr", "max_lr", "min_lr", "weight_decay") == [
+        (["proj.weight"], 1e-3, 1e-3, min_lr or 0.0, 0.1),
+        (["embed.weight", "head.weight"], 5e-4, 5e-4, expected_floor, 0.1),
+        (["proj.bias", "norm.weight", "norm.bias"], 1e-3, 1e-3, min_lr or 0.0, 0.0),
+    ]
+
+
+def test_mup_adam_scales_matrix_like_lr_and_eps():
+    config = gs.OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, adam_eps=1e-8, weight_decay=0.1)
+    m = 4.0
+    overrides = {**get_standard_config_overrides(config), **get_mup_config_overrides(config, m)}
+    _, groups = groups_of(config, overrides)
+    assert summary(groups, "lr", "min_lr", "eps", "weight_decay") == [
+        (["embed.weight", "head.weight"], 1e-3, 1e-4, 1e-8, 0.1),  # vector-like: embedding/output
+        (["proj.weight"], 1e-3 / m, 1e-4 / m, 1e-8 / m, 0.1),  # the one hidden matrix
+        (["proj.bias", "norm.weight", "norm.bias"], 1e-3, 1e-4, 1e-8, 0.0),  # vector-like: 1-D
+    ]
+
+
+def test_mup_sgd_scales_vector_like_lr_but_keeps_decoupled_params():
+    config = gs.OptimizerConfig(optimizer="sgd", lr=1e-3, decoupled_lr=3e-4, weight_decay=0.1)
+    m = 2.0
+    overrides = {**get_standard_config_overrides(config), **get_mup_config_overrides(config, m)}
+    _, groups = groups_of(config, overrides)
+    assert summary(groups, "lr", "weight_decay") == [
+        (["proj.weight"], 1e-3, 0.1),  # hidden matrix: unchanged under SGD
+        (["embed.weight", "head.weight"], 3e-4, 0.1),  # decoupled values win over MuP
+        (["proj.bias", "norm.weight", "norm.bias"], 1e-3 * m, 0.0),
+    ]
+
+
+def test_mup_other_optimizers_scale_matrix_like_lr_without_eps():
+    config = gs.OptimizerConfig(lr=1e-3)
+    (key, override), = get_mup_config_overrides(config, 8.0, optimizer_type="lion").items()
+    assert override == {"max_lr": 1e-3 / 8.0}
+    assert key.matches(torch.nn.Parameter(torch.zeros(4, 4)), "w")
+    assert not key.matches(torch.nn.Parameter(torch.zeros(4)), "b")
+    assert list(get_mup_config_overrides(config, 2.0, optimizer_type="AdamW").values()) == \
+        [{"max_lr": 1e-3 / 2.0, "eps": config.adam_eps / 2.0}]
+
+
+def test_mup_with_width_one_is_empty():
+    for rule in ("adam", "sgd", "muon"):
+        assert get_mup_config_overrides(gs.OptimizerConfig(), 1.0, rule) == {}
+
+
+# ---- bad input ---------------------------------------------------------------------------------------
+
+def _groups_with(override):
+    return groups_of(gs.OptimizerConfig(), {ParamKey(name="proj.*"): override})
 
 
 BAD = [
-    (lambda: gs.ParamKey(), ValueError, "at least one"),
-    (lambda: gs.ParamKey(name=3), TypeError, "ParamKey.name"),
-    (lambda: gs.ParamKey(name=""), ValueError, "empty name glob"),
-    (lambda: gs.ParamKey(predicate=lambda p, n: True), TypeError, "ParamKey.predicate"),
-    (lambda: groups_of(gs.OptimizerConfig(), {gs.ParamKey(name="*"): {"lr": 1.0}}), ValueError, "use max_lr"),
-    (lambda: groups_of(gs.OptimizerConfig(), {gs.ParamKey(name="*"): {"optimizer": "sgd"}}), ValueError,
-     "setting of the whole optimizer"),
-    (lambda: groups_of(gs.OptimizerConfig(), {gs.ParamKey(name="*"): {"max_lr": -1.0}}), ValueError, "max_lr=-1.0"),
-    (lambda: groups_of(gs.OptimizerConfig(), {gs.ParamKey(name="*"): {"eps": 0.0}}), ValueError, "eps=0.0"),
-    (lambda: groups_of(gs.OptimizerConfig(), {gs.ParamKey(name="*"): {"wd_mult": "x"}}), ValueError, "finite"),
-    (lambda: groups_of(gs.OptimizerConfig(), {"*.bias": {"wd_mult": 0.0}}), TypeError, "expected a ParamKey"),
-    (lambda: groups_of(gs.OptimizerConfig(), {gs.ParamKey(name="*"): 0.5}), TypeError, "ParamGroupOverride"),
-    (lambda: gs.get_mup_config_overrides(gs.OptimizerConfig(), 0.0), ValueError, "mup_width_mult"),
+    (lambda: ParamKey(), ValueError, "at least one name glob"),
+    (lambda: ParamKey(name=3), TypeError, r"ParamKey.name: 3 is a int"),
+    (lambda: ParamKey(name=["*.w", None]), TypeError, r"ParamKey.name: None"),
+    (lambda: ParamKey(name=""), ValueError, "empty name glob"),
+    (lambda: ParamKey(attr=""), ValueError, "empty name glob or attribute"),
+    (lambda: ParamKey(predicate=lambda p, n: True), TypeError, "ParamKey.predicate"),
+    (lambda: NamedPredicate("", lambda p, n: True), TypeError, "NamedPredicate: name=''"),
+    (lambda: NamedPredicate("x", 3), TypeError, "NamedPredicate 'x': fn=3 is not callable"),
+    (lambda: _groups_with({"lr": 1.0}), ValueError, r"ParamKey\(name=\['proj.\*'\]\): 'lr' .* use max_lr"),
+    (lambda: _groups_with({"optimizer": "sgd"}), ValueError,
+     r"ParamKey\(name=\['proj.\*'\]\): 'optimizer' is a setting of the whole optimizer"),
+    (lambda: _groups_with({"betas": (0.9, 0.9)}), ValueError, r"ParamKey\(name=\['proj.\*'\]\): unknown key 'betas'"),
+    (lambda: _groups_with({"max_lr": -1.0}), ValueError, r"ParamKey\(name=\['proj.\*'\]\): max_lr=-1.0 must be >= 0"),
+    (lambda: _groups_with({"eps": 0.0}), ValueError, "eps=0.0 must be > 0"),
+    (lambda: _groups_with({"wd_mult": "x"}), ValueError, "wd_mult='x' must be a finite number"),
+    (lambda: _groups_with({"lr_mult": float("nan")}), ValueError, "lr_mult=nan must be a finite number"),
+    (lambda: _groups_with({"min_lr": True}), ValueError, "min_lr=True must be a finite number"),
+    (lambda: _groups_with({"max_lr": 1e-5, "min_lr": 1e-4}), ValueError,
+     "param 'proj.weight': min_lr=0.0001 exceeds max_lr=1e-05"),
+    (lambda: _groups_with(0.5), TypeError, r"ParamKey\(name=\['proj.\*'\]\): expected a dict"),
+    (lambda: groups_of(gs.OptimizerConfig(), {"*.bias": {"wd_mult": 0.0}}), TypeError,
+     "key '\\*.bias' is a str, expected a ParamKey"),
+    (lambda: groups_of(gs.OptimizerConfig(), [(ParamKey(name="*"), {})]), TypeError, "config_overrides: expected a dict"),
+    (lambda: get_mup_config_overrides(gs.OptimizerConfig(), 0.0), ValueError, "mup_width_mult=0.0"),
+    (lambda: get_mup_config_overrides(gs.OptimizerConfig(), -2), ValueError, "mup_width_mult=-2"),
+    (lambda: get_mup_config_overrides(gs.OptimizerConfig(), 2.0, optimizer_type=3), TypeError, "optimizer_type=3"),
 ]
 
 
@@ -123,9 +235,30 @@ def test_bad_override_input_names_what_is_wrong(make, error, message):
         make()
 
 
+def test_bad_param_lists_name_the_param():
+    config = gs.OptimizerConfig()
+    w = torch.nn.Parameter(torch.zeros(2, 2))
+    frozen = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+    with pytest.raises(ValueError, match="param 'f' does not require grad"):
+        build_param_groups([("f", frozen)], config, {})
+    with pytest.raises(ValueError, match="param name 'w' appears twice"):
+        build_param_groups([("w", w), ("w", torch.nn.Parameter(torch.zeros(2)))], config, {})
+    with pytest.raises(ValueError, match="param 'tied' is the same tensor as 'w'"):
+        build_param_groups([("w", w), ("tied", w)], config, {})
+    with pytest.raises(TypeError, match=r"expected \(name, Parameter\) pairs"):
+        build_param_groups([w], config, {})
+
+
+def test_consistency_check_accepts_good_overrides():
+    config = gs.OptimizerConfig(decoupled_lr=1e-4)
+    assert check_config_overrides_consistency(config, get_standard_config_overrides(config)) is True
+    assert check_config_overrides_consistency(config, get_mup_config_overrides(config, 2.0)) is True
+    assert check_config_overrides_consistency(config, {}) is True
+    assert check_config_overrides_consistency(config, None) is True
+
+
 def test_get_optimizer_checks_overrides_and_uses_them():
-    net = Net()
-    opt = gs.get_optimizer(gs.OptimizerConfig(capture="eager"), net, {gs.ParamKey(name="head.*"): {"lr_mult": 0.5}})
-    assert [g["lr"] for g in opt.param_groups] == [1e-3, 5e-4]
-    with pytest.raises(ValueError, match="unknown key"):
-        gs.get_optimizer(gs.OptimizerConfig(), Net(), {gs.ParamKey(name="*"): {"betas": (0.9, 0.9)}})
+    opt = gs.get_optimizer(gs.OptimizerConfig(capture="eager"), Net(), {ParamKey(name="head.*"): {"lr_mult": 0.5}})
+    assert [g["lr"] for g in opt.param_groups] == [1e-3, 1e-3 * 0.5]
+    with pytest.raises(ValueError, match="unknown key 'betas'"):
+        gs.get_optimizer(gs.OptimizerConfig(), Net(), {ParamKey(name="*"): {"betas": (0.9, 0.9)}})
