@@ -13,6 +13,7 @@ so each further non-finite step backs off again. On a clean step the growth trac
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -22,23 +23,42 @@ def _scalar(value: float, device) -> torch.Tensor:
     return torch.full((), float(value), dtype=torch.float32, device=device)
 
 
+def _check_found_inf(found_inf: torch.Tensor) -> None:
+    # Metadata only (shape, dtype): reading them is free and never syncs with the device.
+    if not isinstance(found_inf, torch.Tensor) or found_inf.numel() != 1 or not found_inf.is_floating_point():
+        raise TypeError(f"loss scaler update: found_inf must be a one-element float tensor (1.0 = non-finite "
+                        f"grads), got {found_inf!r:.80}")
+
+
+def _load(target: dict, state_dict: dict, owner: str) -> None:
+    """Copy ``state_dict``'s tensors into ``target``'s in place (addresses stay: they may be in a graph)."""
+    missing = sorted(set(target) - set(state_dict))
+    unknown = sorted(set(state_dict) - set(target))
+    if missing or unknown:
+        raise ValueError(f"{owner}.load_state_dict: missing {missing}, unknown {unknown}; expected keys "
+                         f"{sorted(target)}")
+    for key, tensor in target.items():
+        tensor.copy_(torch.as_tensor(state_dict[key]).reshape(()))
+
+
 class ConstantLossScaler:
     """A fixed loss scale (``OptimizerConfig.loss_scale``)."""
 
     def __init__(self, scale: float, device):
-        if not scale > 0:
-            raise ValueError(f"ConstantLossScaler: scale={scale}: must be > 0")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+            raise ValueError(f"ConstantLossScaler: scale={scale!r}: must be a finite number > 0")
         self.scale = _scalar(scale, device)
         self.inv_scale = _scalar(1.0 / scale, device)
 
     def update(self, found_inf: torch.Tensor) -> None:
-        """Nothing changes: a constant scale."""
+        """Nothing changes: a constant scale (the step still skips a non-finite update by itself)."""
+        _check_found_inf(found_inf)
 
     def state_dict(self) -> dict:
         return {"scale": self.scale.clone()}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.scale.copy_(state_dict["scale"])
+        _load({"scale": self.scale}, state_dict, "ConstantLossScaler")
         torch.reciprocal(self.scale, out=self.inv_scale)
 
 
@@ -47,11 +67,13 @@ class DynamicLossScaler:
 
     def __init__(self, initial_scale: float, min_scale: float, growth_interval: int, hysteresis: int, device,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5):
-        if not initial_scale > 0 or not min_scale > 0:
-            raise ValueError(f"DynamicLossScaler: initial_scale={initial_scale}, min_scale={min_scale}: both > 0")
-        if growth_interval < 1 or hysteresis < 1:
+        if not 0 < initial_scale < math.inf or not 0 < min_scale < math.inf:
+            raise ValueError(f"DynamicLossScaler: initial_scale={initial_scale}, min_scale={min_scale}: both "
+                             "finite and > 0")
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in (growth_interval, hysteresis)) \
+                or growth_interval < 1 or hysteresis < 1:
             raise ValueError(f"DynamicLossScaler: growth_interval={growth_interval}, hysteresis={hysteresis}: "
-                             "both >= 1")
+                             "both integers >= 1")
         if not growth_factor > 1 or not 0 < backoff_factor < 1:
             raise ValueError(f"DynamicLossScaler: growth_factor={growth_factor} must be > 1 and "
                              f"backoff_factor={backoff_factor} in (0, 1)")
@@ -66,8 +88,13 @@ class DynamicLossScaler:
         self.hysteresis_tracker = _scalar(hysteresis, device)
 
     def update(self, found_inf: torch.Tensor) -> None:
-        """Advance the rule by one step; ``found_inf`` is a 0-d tensor, non-zero for a non-finite step."""
-        bad = found_inf > 0
+        """Advance the rule by one step; ``found_inf`` is a 0-d tensor, non-zero for a non-finite step.
+
+        Every branch of the rule is computed and the right one selected with ``torch.where``, so the same
+        ops run whatever the value of ``found_inf``: a captured graph replays it correctly.
+        """
+        _check_found_inf(found_inf)
+        bad = found_inf.reshape(()) > 0
         hysteresis_left = torch.where(bad, self.hysteresis_tracker - 1, self.hysteresis_tracker)
         growth = torch.where(bad, torch.zeros_like(self.growth_tracker), self.growth_tracker + 1)
         grow = growth >= self.growth_interval
@@ -85,9 +112,8 @@ class DynamicLossScaler:
                 "hysteresis_tracker": self.hysteresis_tracker.clone()}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.scale.copy_(state_dict["scale"])
-        self.growth_tracker.copy_(state_dict["growth_tracker"])
-        self.hysteresis_tracker.copy_(state_dict["hysteresis_tracker"])
+        _load({"scale": self.scale, "growth_tracker": self.growth_tracker,
+               "hysteresis_tracker": self.hysteresis_tracker}, state_dict, "DynamicLossScaler")
         torch.reciprocal(self.scale, out=self.inv_scale)
 
 

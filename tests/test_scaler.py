@@ -1,11 +1,13 @@
 """Loss scalers against a plain-Python reference of Megatron-Core's rule, with random non-finite steps."""
 
+import math
 import random
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import capture
 from graphstep.config import OptimizerConfig
 from graphstep.scaler import ConstantLossScaler, DynamicLossScaler, scaler_from_config
 
@@ -13,9 +15,10 @@ from graphstep.scaler import ConstantLossScaler, DynamicLossScaler, scaler_from_
 class ReferenceScaler:
     """The documented rule, written as plainly as possible (the test oracle)."""
 
-    def __init__(self, scale, min_scale, growth_interval, hysteresis):
+    def __init__(self, scale, min_scale, growth_interval, hysteresis, growth_factor=2.0, backoff_factor=0.5):
         self.scale, self.min_scale = scale, min_scale
         self.growth_interval, self.hysteresis = growth_interval, hysteresis
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_tracker, self.hysteresis_tracker = 0, hysteresis
 
     def update(self, found_inf: bool):
@@ -23,71 +26,184 @@ class ReferenceScaler:
             self.growth_tracker = 0
             self.hysteresis_tracker -= 1
             if self.hysteresis_tracker <= 0:
-                self.scale = max(self.scale * 0.5, self.min_scale)
+                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
         else:
             self.growth_tracker += 1
             if self.growth_tracker == self.growth_interval:
                 self.growth_tracker = 0
                 self.hysteresis_tracker = self.hysteresis
-                self.scale = self.scale * 2.0
+                self.scale = self.scale * self.growth_factor
+
+
+def state(scaler):
+    return (scaler.scale.item(), scaler.growth_tracker.item(), scaler.hysteresis_tracker.item(),
+            scaler.inv_scale.item())
+
+
+def ref_state(ref):
+    return (ref.scale, ref.growth_tracker, ref.hysteresis_tracker, 1.0 / ref.scale)
+
+
+class GradsWithInjectedNonFinites:
+    """Grads as the step sees them; some steps get an inf or a NaN at a random place. ``found_inf`` comes
+    from torch's own non-finite check (the one the unscale stage uses), as a 0-d fp32 tensor."""
+
+    def __init__(self, seed):
+        self.rng = random.Random(seed)
+        self.grads = [torch.zeros(7), torch.zeros(3, 5)]
+        self.found_inf = torch.zeros(())
+
+    def next(self, inv_scale):
+        # Bursts of bad steps drive the scale to its minimum; long clean runs let it grow.
+        bad = self.rng.random() < (0.6 if self.rng.random() < 0.3 else 0.1)
+        for grad in self.grads:
+            grad.normal_(generator=torch.Generator().manual_seed(self.rng.randrange(2**31)))
+        if bad:
+            grad = self.rng.choice(self.grads).view(-1)
+            grad[self.rng.randrange(grad.numel())] = self.rng.choice([math.inf, -math.inf, math.nan])
+        self.found_inf.zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_(self.grads, self.found_inf, inv_scale)
+        return bad
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("hysteresis", [1, 2, 3])
 def test_dynamic_scaler_matches_the_rule_over_2000_steps(seed, hysteresis):
-    rng = random.Random(seed)
     ours = DynamicLossScaler(2.0**16, min_scale=4.0, growth_interval=5, hysteresis=hysteresis, device="cpu")
     ref = ReferenceScaler(2.0**16, 4.0, 5, hysteresis)
-    found_inf = torch.zeros(())
-    hit_min = grew = 0
+    grads = GradsWithInjectedNonFinites(seed * 10 + hysteresis)
+    hit_min = grew = backed_off = 0
     for _ in range(2000):
-        # Bursts of bad steps drive the scale down to the minimum; long clean runs make it grow.
-        bad = rng.random() < (0.6 if rng.random() < 0.3 else 0.1)
-        found_inf.fill_(float(bad))
+        bad = grads.next(ours.inv_scale)
+        assert grads.found_inf.item() == float(bad)
         before = ref.scale
-        ours.update(found_inf)
+        ours.update(grads.found_inf)
         ref.update(bad)
-        assert ours.scale.item() == ref.scale
-        assert ours.growth_tracker.item() == ref.growth_tracker
-        assert ours.hysteresis_tracker.item() == ref.hysteresis_tracker
-        assert ours.inv_scale.item() == 1.0 / ref.scale
+        assert state(ours) == ref_state(ref)
         hit_min += ref.scale == 4.0
         grew += ref.scale > before
-    assert hit_min > 0 and grew > 0  # both ends of the rule were exercised
+        backed_off += ref.scale < before
+    assert hit_min > 0 and grew > 0 and backed_off > 0  # every branch of the rule was exercised
 
 
-def test_update_runs_on_device_without_a_host_sync_and_in_place():
-    class NoSync(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._local_scalar_dense.default or torch.Tag.data_dependent_output in func.tags \
-                    or torch.Tag.dynamic_output_shape in func.tags:
-                raise AssertionError(f"host sync: {func}")
-            return func(*args, **(kwargs or {}))
+def test_non_default_factors_and_an_uneven_minimum():
+    ours = DynamicLossScaler(100.0, min_scale=3.0, growth_interval=2, hysteresis=2, device="cpu",
+                             growth_factor=4.0, backoff_factor=0.25)
+    ref = ReferenceScaler(100.0, 3.0, 2, 2, growth_factor=4.0, backoff_factor=0.25)
+    rng = random.Random(7)
+    for _ in range(500):
+        bad = rng.random() < 0.4
+        ours.update(torch.tensor(float(bad)))
+        ref.update(bad)
+        assert state(ours)[:3] == ref_state(ref)[:3]
+        assert ours.inv_scale.item() == torch.reciprocal(torch.tensor(ref.scale)).item()
 
-    scaler = DynamicLossScaler(1024.0, 1.0, 2, 2, device="cpu")
-    addresses = [t.data_ptr() for t in (scaler.scale, scaler.inv_scale, scaler.growth_tracker,
-                                        scaler.hysteresis_tracker)]
-    with NoSync():
+
+def test_each_further_inf_backs_off_again_and_growth_refills_hysteresis():
+    scaler = DynamicLossScaler(64.0, 1.0, growth_interval=2, hysteresis=2, device="cpu")
+    seen = []
+    for flag in (1, 1, 1, 0, 0, 1):
+        scaler.update(torch.tensor(float(flag)))
+        seen.append(state(scaler)[:3])
+    assert seen == [(64.0, 0, 1), (32.0, 0, 0), (16.0, 0, -1), (16.0, 1, -1), (32.0, 0, 2), (32.0, 0, 1)]
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails any op that reads a device value on the host or whose output shape depends on data."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default or torch.Tag.data_dependent_output in func.tags \
+                or torch.Tag.dynamic_output_shape in func.tags:
+            raise AssertionError(f"host sync in the scaler update: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_host_sync_guard_works():
+    with pytest.raises(AssertionError, match="_local_scalar_dense"):
+        with NoHostSync():
+            torch.ones(()).item()
+    with pytest.raises(AssertionError, match="nonzero"):
+        with NoHostSync():
+            torch.ones(3).nonzero()
+
+
+@pytest.mark.parametrize("make", [lambda: DynamicLossScaler(1024.0, 1.0, 2, 2, device="cpu"),
+                                  lambda: ConstantLossScaler(8.0, device="cpu")])
+def test_update_runs_on_device_without_a_host_sync_and_in_place(make):
+    scaler = make()
+    tensors = [scaler.scale, scaler.inv_scale] + [getattr(scaler, n) for n in ("growth_tracker",
+                                                                               "hysteresis_tracker")
+                                                  if hasattr(scaler, n)]
+    addresses = [t.data_ptr() for t in tensors]
+    found_inf = torch.zeros(())
+    with NoHostSync():
         for flag in (0.0, 1.0, 1.0, 0.0, 0.0, 0.0):
-            scaler.update(torch.tensor(flag))
-    assert [t.data_ptr() for t in (scaler.scale, scaler.inv_scale, scaler.growth_tracker,
-                                   scaler.hysteresis_tracker)] == addresses
-    assert scaler.scale.item() == 1024.0  # backed off once (512), then grew once
+            found_inf.fill_(flag)
+            scaler.update(found_inf)
+    assert [t.data_ptr() for t in tensors] == addresses
+    assert all(t.dtype == torch.float32 and t.dim() == 0 for t in tensors)
+    if isinstance(scaler, DynamicLossScaler):
+        assert scaler.scale.item() == 1024.0  # backed off once (512), then grew once
+
+
+def test_a_captured_update_replays_the_rule():
+    """The replay backend re-runs the recorded ops only (no Python): any branch on a value would freeze."""
+    scaler = DynamicLossScaler(2.0**10, min_scale=2.0, growth_interval=3, hysteresis=2, device="cpu")
+    ref = ReferenceScaler(2.0**10, 2.0, 3, 2)
+    found_inf = torch.zeros(())
+    assert capture.check(lambda: scaler.update(found_inf)) == []
+    step = capture.graph(lambda: scaler.update(found_inf), warmup=1, backend="replay")
+    rng = random.Random(3)
+    for _ in range(300):
+        bad = rng.random() < 0.35
+        found_inf.fill_(float(bad))
+        step()
+        ref.update(bad)
+        assert state(scaler) == ref_state(ref)
+    assert step.captured and step.num_replays > 250
 
 
 def test_state_dict_round_trip_copies_in_place():
     a = DynamicLossScaler(256.0, 1.0, 3, 2, device="cpu")
     for flag in (1.0, 1.0, 0.0):
         a.update(torch.tensor(flag))
+    saved = a.state_dict()
+    assert saved["scale"].data_ptr() != a.scale.data_ptr()  # cloned: later updates do not change it
     b = DynamicLossScaler(2.0**32, 1.0, 3, 2, device="cpu")
-    address = b.scale.data_ptr()
-    b.load_state_dict(a.state_dict())
-    assert b.scale.data_ptr() == address
-    assert (b.scale.item(), b.growth_tracker.item(), b.hysteresis_tracker.item(), b.inv_scale.item()) == \
-        (a.scale.item(), a.growth_tracker.item(), a.hysteresis_tracker.item(), a.inv_scale.item())
-    c = ConstantLossScaler(8.0, device="cpu")
-    c.update(torch.tensor(1.0))
-    assert c.scale.item() == 8.0 and c.inv_scale.item() == 0.125
+    addresses = [t.data_ptr() for t in (b.scale, b.inv_scale, b.growth_tracker, b.hysteresis_tracker)]
+    b.load_state_dict(saved)
+    assert [t.data_ptr() for t in (b.scale, b.inv_scale, b.growth_tracker, b.hysteresis_tracker)] == addresses
+    assert state(b) == state(a) == (128.0, 1.0, 0.0, 1 / 128)
+    for flag in (0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0):  # both continue identically
+        a.update(torch.tensor(flag))
+        b.update(torch.tensor(flag))
+        assert state(b) == state(a)
+    assert saved["scale"].item() == 128.0  # the saved copy did not move with them
+
+    constant = ConstantLossScaler(8.0, device="cpu")
+    constant.update(torch.tensor(1.0))
+    assert (constant.scale.item(), constant.inv_scale.item()) == (8.0, 0.125)
+    other = ConstantLossScaler(1.0, device="cpu")
+    address = other.scale.data_ptr()
+    other.load_state_dict(constant.state_dict())
+    assert (other.scale.data_ptr(), other.scale.item(), other.inv_scale.item()) == (address, 8.0, 0.125)
+
+
+@pytest.mark.parametrize("make, state_dict, message", [
+    (lambda: DynamicLossScaler(8.0, 1.0, 2, 2, device="cpu"), {"scale": torch.tensor(4.0)},
+     r"DynamicLossScaler.load_state_dict: missing \['growth_tracker', 'hysteresis_tracker'\]"),
+    (lambda: ConstantLossScaler(8.0, device="cpu"), {"scale": torch.tensor(4.0), "x": 1}, r"unknown \['x'\]"),
+])
+def test_load_state_dict_names_missing_and_unknown_keys(make, state_dict, message):
+    with pytest.raises(ValueError, match=message):
+        make().load_state_dict(state_dict)
+
+
+def test_update_refuses_a_found_inf_of_the_wrong_kind():
+    scaler = DynamicLossScaler(8.0, 1.0, 2, 2, device="cpu")
+    for bad in (torch.zeros(2), torch.zeros((), dtype=torch.bool), 1.0):
+        with pytest.raises(TypeError, match="found_inf must be a one-element float tensor"):
+            scaler.update(bad)
 
 
 def test_choice_follows_megatron_core():
@@ -98,14 +214,26 @@ def test_choice_follows_megatron_core():
     assert scaler_from_config(OptimizerConfig(), "cpu") is None
     dynamic = scaler_from_config(OptimizerConfig(fp16=True, initial_loss_scale=64.0, loss_scale_window=7,
                                                  hysteresis=3, min_loss_scale=2.0), "cpu")
-    assert (dynamic.scale.item(), dynamic.growth_interval, dynamic.hysteresis, dynamic.min_scale) == (64.0, 7, 3, 2.0)
+    assert (state(dynamic), dynamic.growth_interval, dynamic.hysteresis, dynamic.min_scale) == \
+        ((64.0, 0.0, 3.0, 1 / 64), 7, 3, 2.0)
+    assert dynamic.scale.device == torch.device("cpu")
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(initial_scale=0.0, min_scale=1.0, growth_interval=1, hysteresis=1), "both > 0"),
+    (dict(initial_scale=0.0, min_scale=1.0, growth_interval=1, hysteresis=1), "initial_scale=0.0"),
+    (dict(initial_scale=1.0, min_scale=math.inf, growth_interval=1, hysteresis=1), "min_scale=inf"),
     (dict(initial_scale=1.0, min_scale=1.0, growth_interval=0, hysteresis=1), "growth_interval=0"),
+    (dict(initial_scale=1.0, min_scale=1.0, growth_interval=2.5, hysteresis=1), "growth_interval=2.5"),
+    (dict(initial_scale=1.0, min_scale=1.0, growth_interval=1, hysteresis=0), "hysteresis=0"),
+    (dict(initial_scale=1.0, min_scale=1.0, growth_interval=1, hysteresis=1, growth_factor=1.0), "growth_factor"),
     (dict(initial_scale=1.0, min_scale=1.0, growth_interval=1, hysteresis=1, backoff_factor=1.5), "backoff_factor"),
 ])
 def test_bad_scaler_settings_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DynamicLossScaler(device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, math.inf, "8"])
+def test_bad_constant_scale_is_named(scale):
+    with pytest.raises(ValueError, match="ConstantLossScaler: scale="):
+        ConstantLossScaler(scale, device="cpu")
