@@ -10,7 +10,8 @@ from .engine import GraphstepOptimizer, StepResult, get_optimizer
 from .layout import Layout, ParamSpec, plan_layout
 from .overrides import (NamedPredicate, ParamGroupOverride, ParamKey, check_config_overrides_consistency,
                         get_mup_config_overrides, get_standard_config_overrides)
-from .scaler import ConstantLossScaler, DynamicLossScaler
+from .scaler import ConstantLossScaler, DynamicLossScaler, scaler_from_config
+from .scheduler import ParamScheduler
 from .wrap import CapturedOptimizer, wrap
 
 __all__ = [
@@ -34,4 +35,6 @@ __all__ = [
     "get_standard_config_overrides",
     "ConstantLossScaler",
     "DynamicLossScaler",
+    "scaler_from_config",
+    "ParamScheduler",
 ]
