@@ -1,12 +1,16 @@
 """``graphstep`` on the command line: one function per subcommand.
 
-    graphstep demo  [--steps 300] [--preset tiny] [--precision fp32|bf16|fp16] [--capture auto|graph|eager]
-                    [--optimizer adam|sgd] [--batch-size 16] [--seed 0] [--lr ...] [--log-every ...]
-    graphstep bench [flags of perf/bench_step.py]     (from a checkout: perf/ is not installed)
+    graphstep demo    [--steps 300] [--preset tiny] [--precision fp32|bf16|fp16] [--capture both|eager|graph|auto]
+                      [--optimizer adam|sgd] [--world-size 1] [--batch-size 16] [--seed 0] [--lr ...]
+                      [--log-every ...] [--out graphstep-demo]
+    graphstep profile [--steps 10] [--preset tiny] [--capture eager|graph] [--precision ...] [--out DIR]
+    graphstep bench   [flags of perf/bench_step.py]     (from a checkout: perf/ is not installed)
 
-``demo`` trains the built-in GPT (graphstep.models) on its synthetic corpus with the engine and prints
-the loss and ms/step as it goes, then a summary. Its loop is the README's: the only host syncs are the
-ones marked ``# host sync`` below, every ``--log-every`` steps and at the end.
+``demo`` trains the built-in GPT (graphstep.models) on its synthetic corpus with the engine, by default
+twice, eager and captured (same seed, same batches), shows a progress bar, writes a loss-curve PNG and
+prints a summary table; the two runs must be bitwise equal (exit status 1 if not). The training loop is
+in graphstep/demo.py, the table and the plot in graphstep/demo_report.py, the ranks of
+``--world-size N`` in graphstep/demo_dist.py. ``profile`` runs graphstep.profiling.run_profile.
 """
 
 from __future__ import annotations
@@ -14,50 +18,42 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
-import statistics
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
 from . import models
+from .demo import PRECISIONS, DemoSettings, ProgressBar, RunResult, log_interval, train, warmup_cosine  # noqa: F401
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-DEFAULT_LR = {"adam": 1e-3, "sgd": 0.1}
-# SGD's weight decay is an L2 term added to the grads (not scaled by lr as AdamW's is): keep it small.
-DEFAULT_WEIGHT_DECAY = {"adam": 0.1, "sgd": 1e-4}
-
+CAPTURES = ("both", "eager", "graph", "auto")
 
 # ---- demo ------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class DemoSummary:
-    steps: int
-    first_loss: float
-    final_loss: float  # mean over the last logging interval
-    loss_floor: float  # the corpus's entropy rate: the best loss a model can reach
-    median_ms: float
-    skipped: int
-    backend: str  # what ran the optimizer step: "eager", "replay" or "cuda"
-
-
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=_positive_int, default=300, help="training steps (default 300)")
     parser.add_argument("--preset", choices=sorted(models.PRESETS), default="tiny", help="model size (default tiny)")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="model params: fp32, or bf16/fp16 with fp32 main params (fp16 adds dynamic loss "
                              "scaling); default fp32")
-    parser.add_argument("--capture", choices=("auto", "graph", "eager"), default="auto",
-                        help="how the optimizer step runs (OptimizerConfig.capture); default auto")
+    parser.add_argument("--capture", choices=CAPTURES, default="both",
+                        help="how the optimizer step runs (OptimizerConfig.capture); 'both' (default) trains "
+                             "twice, eager then graph, and checks that the two are bitwise equal")
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="default adam")
-    parser.add_argument("--batch-size", type=_positive_int, default=16, help="sequences per step (default 16)")
+    parser.add_argument("--world-size", type=_positive_int, default=1,
+                        help="data-parallel ranks: N > 1 spawns N gloo ranks on 127.0.0.1 with the distributed "
+                             "optimizer, each training on its slice of each global batch (default 1: in-process)")
+    parser.add_argument("--batch-size", type=_positive_int, default=16,
+                        help="sequences per step, over all ranks (default 16)")
     parser.add_argument("--seed", type=int, default=0, help="model init and corpus seed (default 0)")
     parser.add_argument("--lr", type=_positive_float, default=None,
-                        help=f"peak learning rate (default adam {DEFAULT_LR['adam']}, sgd {DEFAULT_LR['sgd']})")
+                        help="peak learning rate (default adam 1e-3, sgd 0.1)")
     parser.add_argument("--log-every", type=_positive_int, default=None,
-                        help="print every N steps (default: steps / 10)")
+                        help="progress line every N steps when not on a terminal (default: steps / 10)")
+    parser.add_argument("--out", default="graphstep-demo", help="folder for loss.png (default graphstep-demo/)")
+    parser.add_argument("--timeout", type=_positive_float, default=600.0,
+                        help="with --world-size > 1: seconds the whole run may take before the ranks are "
+                             "stopped (collectives time out after 120 s); default 600")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
 
 
@@ -75,126 +71,94 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def demo_optimizer_config(args: argparse.Namespace):
-    import graphstep as gs
-
-    lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
-    precision = {"bf16": {"bf16": True},
-                 # Megatron's 2**32 start would skip ~30 steps backing off; the demo's grads fit 2**16.
-                 "fp16": {"fp16": True, "initial_loss_scale": 2.0**16}}.get(args.precision, {})
-    return gs.OptimizerConfig(optimizer=args.optimizer, lr=lr, weight_decay=DEFAULT_WEIGHT_DECAY[args.optimizer],
-                              adam_beta1=0.9, adam_beta2=0.95, sgd_momentum=0.9, clip_grad=1.0,
-                              capture=args.capture, **precision)
+def settings_from(args: argparse.Namespace) -> DemoSettings:
+    return DemoSettings(steps=args.steps, preset=args.preset, precision=args.precision, optimizer=args.optimizer,
+                        batch_size=args.batch_size, seed=args.seed, lr=args.lr, log_every=args.log_every,
+                        device=args.device)
 
 
-def warmup_cosine(steps: int, warmup: int, floor: float = 0.1):
-    """LR multiplier: linear warm-up, then cosine down to ``floor`` of the peak (for LambdaLR)."""
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, steps - warmup))
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return factor
-
-
-class StepTimer:
-    """ms per step without a host sync per step: wall clock on the CPU (its kernels run synchronously),
-    CUDA events on a GPU, read only when asked."""
-
-    def __init__(self, device: torch.device):
-        self._cuda = device.type == "cuda"
-        self._pending: list = []
-        self.times_ms: list[float] = []
-
-    def start(self):
-        if self._cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def stop(self, started) -> None:
-        if self._cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._pending.append((started, end))
-        else:
-            self.times_ms.append((time.perf_counter() - started) * 1e3)
-
-    def collect(self) -> list[float]:
-        """All times so far; on CUDA this waits for the pending events (a host sync)."""
-        if self._pending:
-            self._pending[-1][1].synchronize()
-            self.times_ms += [s.elapsed_time(e) for s, e in self._pending]
-            self._pending = []
-        return self.times_ms
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    run_demo(args)
-    return 0
-
-
-def run_demo(args: argparse.Namespace, out=None) -> DemoSummary:
-    import graphstep as gs
+def cmd_demo(args: argparse.Namespace, out=None) -> int:
+    from .demo import optimizer_config
+    from .demo_report import compare, plot_losses, summary_table
 
     out = out or sys.stdout
-    device = torch.device(args.device)
-    model_config = models.preset(args.preset)
-    model = models.GPT(model_config, seed=args.seed).to(device)
-    corpus = models.SyntheticCorpus(model_config.vocab_size, seed=args.seed)
-    config = demo_optimizer_config(args)
-    opt = gs.get_optimizer(config, model)  # params become views of the engine's flat buffers
-    warmup = max(1, min(50, args.steps // 10))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.steps, warmup))
-    log_every = args.log_every or max(1, args.steps // 10)
-    print(f"graphstep demo: GPT {args.preset} ({model.num_params() / 1e6:.2f}M params, {model_config.n_layers} "
-          f"layers, d_model {model_config.d_model}), {args.optimizer} lr {config.lr:g} wd {config.weight_decay:g}, {args.precision}, "
-          f"capture={args.capture}, batch {args.batch_size}x{model_config.seq_len}, {args.steps} steps on "
-          f"{device}", file=out, flush=True)
+    settings = settings_from(args)
+    captures = ("eager", "graph") if args.capture == "both" else (args.capture,)
+    world = args.world_size
+    if settings.batch_size % world:
+        print(f"graphstep demo: --batch-size {settings.batch_size} must be a multiple of --world-size {world}",
+              file=sys.stderr)
+        return 2
+    model_config = models.preset(settings.preset)
+    num_params = sum(p.numel() for p in models.GPT(model_config).parameters())
+    config = optimizer_config(settings, "eager")
+    ranks = f"{world} gloo ranks x {settings.batch_size // world}" if world > 1 else f"batch {settings.batch_size}"
+    print(f"graphstep demo: GPT {settings.preset} ({num_params / 1e6:.2f}M params, {model_config.n_layers} layers, "
+          f"d_model {model_config.d_model}), {settings.optimizer} lr {config.lr:g} wd {config.weight_decay:g}, "
+          f"{settings.precision}, {ranks}x{model_config.seq_len}, {settings.steps} steps on {settings.device}, "
+          f"capture: {' then '.join(captures)}", file=out, flush=True)
+    floor = models.SyntheticCorpus(model_config.vocab_size, seed=settings.seed).entropy_rate()
     print(f"corpus: Markov chain over {model_config.vocab_size} tokens; loss starts near "
-          f"ln({model_config.vocab_size}) = {math.log(model_config.vocab_size):.2f}, floor "
-          f"{corpus.entropy_rate():.2f}", file=out, flush=True)
-
-    if args.precision == "fp16" and device.type == "cpu":
+          f"ln({model_config.vocab_size}) = {math.log(model_config.vocab_size):.2f}, floor {floor:.2f}",
+          file=out, flush=True)
+    if settings.precision == "fp16" and settings.device == "cpu":
         print("note: most CPUs have no native fp16 arithmetic, so fp16 steps are many times slower than fp32 "
               "here (bf16 is the fast half precision on CPU); try --steps 20", file=out, flush=True)
 
-    timer = StepTimer(device)
-    skipped = torch.zeros((), dtype=torch.int64, device=device)  # counted on device: no sync per step
-    interval_loss = torch.zeros((), dtype=torch.float32, device=device)
-    interval_steps, first_loss, last_mean = 0, math.nan, math.nan
-    for step in range(args.steps):
-        inputs, targets = corpus.batch(step, args.batch_size, model_config.seq_len, device)
-        started = timer.start()
-        loss = model(inputs, targets)
-        opt.scale_loss(loss).backward()  # times the loss scale with fp16; the loss itself otherwise
-        result = opt.step()  # device tensors only: no sync
-        sched.step()  # writes the next lr into param_groups; the engine copies it to a device tensor
-        opt.zero_grad()
-        skipped += ~result.update_successful
-        interval_loss += loss.detach()
-        interval_steps += 1
-        timer.stop(started)
-        if step == 0 or (step + 1) % log_every == 0 or step + 1 == args.steps:
-            last_mean = interval_loss.item() / interval_steps  # host sync: read the loss to print it
-            times = timer.collect()  # host sync on CUDA (waits for the timing events)
-            if step == 0:
-                first_loss = last_mean
-            recent = times[-interval_steps:]
-            print(f"step {step + 1:5d}  loss {last_mean:.4f}  lr {sched.get_last_lr()[0]:.2e}  "
-                  f"{statistics.median(recent):7.1f} ms/step", file=out, flush=True)
-            interval_loss.zero_()
-            interval_steps = 0
+    if world > 1:
+        print(f"progress: rank 0's loss on its slice; the summary: the global batch's", file=out, flush=True)
+    bar = ProgressBar(out)
+    every = bar.tty_every(settings.steps, log_interval(settings))
+    if world == 1:
+        results = [train(settings, capture, bar, every) for capture in captures]
+    else:
+        from .demo_dist import RankFailure, run_ranks
 
-    summary = DemoSummary(steps=args.steps, first_loss=first_loss, final_loss=last_mean,
-                          loss_floor=corpus.entropy_rate(), median_ms=statistics.median(timer.collect()),
-                          skipped=int(skipped.item()),  # host sync: once, at the end
-                          backend=opt.capture_backend)
-    print(f"done: {summary.steps} steps, final loss {summary.final_loss:.4f} (first {summary.first_loss:.4f}, "
-          f"floor {summary.loss_floor:.2f}), median {summary.median_ms:.1f} ms/step, "
-          f"{summary.skipped} steps skipped, optimizer step ran {summary.backend}", file=out, flush=True)
-    return summary
+        try:
+            results = run_ranks(settings, captures, world, every, bar, deadline_s=args.timeout)
+        except RankFailure as exc:
+            print(f"graphstep demo --world-size {world} failed: {exc}", file=sys.stderr)
+            return 1
+
+    last = log_interval(settings)
+    print(f"\nsummary ({settings.steps} steps; final loss: mean of the last {last} steps, floor {floor:.2f}"
+          f"{f'; {world} ranks, loss of the global batch' if world > 1 else ''}):", file=out)
+    print(summary_table(results, last), file=out)
+    status = 0
+    if world > 1:
+        same = all(r.params_same_on_all_ranks for r in results)
+        print(f"params bitwise identical on all {world} ranks: {same}", file=out)
+        status = 0 if same else 1
+    verdict = compare(results)
+    if verdict is not None:
+        equal, message = verdict
+        print(message, file=out)
+        status = status if equal else 1
+    title = (f"graphstep demo: GPT {settings.preset}, {settings.optimizer}, {settings.precision}"
+             f"{f', {world} ranks' if world > 1 else ''}, {settings.steps} steps")
+    png = plot_losses(results, Path(args.out) / "loss.png", title, floor)
+    print(f"loss curve: {png}", file=out, flush=True)
+    return status
+
+
+# ---- profile ---------------------------------------------------------------------------------------------
+def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=_positive_int, default=10, help="profiled steps (default 10)")
+    parser.add_argument("--preset", choices=sorted(models.PRESETS), default="tiny", help="model size (default tiny)")
+    parser.add_argument("--capture", choices=("eager", "graph"), default="eager",
+                        help="eager shows one range per stage; graph one range per replayed step (default eager)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="default fp32")
+    parser.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per step (default 8)")
+    parser.add_argument("--out", default="graphstep-profile", help="folder for trace.json (default graphstep-profile/)")
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+
+
+def cmd_profile(args: argparse.Namespace, out=None) -> int:
+    from .profiling import run_profile
+
+    run_profile(steps=args.steps, preset=args.preset, capture=args.capture, precision=args.precision,
+                batch_size=args.batch_size, out_dir=args.out, device=args.device, out=out or sys.stdout)
+    return 0
 
 
 # ---- bench -----------------------------------------------------------------------------------------------
@@ -223,12 +187,19 @@ def cmd_bench(args: argparse.Namespace, forwarded: Sequence[str] = ()) -> int:
 # ---- entry point -----------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphstep",
-                                     description="The optimizer step as one replayable graph: demo and bench.")
+                                     description="The optimizer step as one replayable graph: demo, profile, bench.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    demo = commands.add_parser("demo", help="train the built-in small GPT on CPU with the engine",
-                               description="Train the built-in GPT on its synthetic corpus with graphstep.")
+    demo = commands.add_parser("demo", help="train the built-in small GPT on CPU, eager and captured",
+                               description="Train the built-in GPT on its synthetic corpus with graphstep, eager "
+                                           "and captured side by side.")
     add_demo_arguments(demo)
     demo.set_defaults(func=cmd_demo)
+    profile = commands.add_parser("profile", help="K steps with a range per stage: Chrome trace, NVTX, NVML",
+                                  description="Profile K steps of the built-in GPT: a torch.profiler Chrome trace "
+                                              "with a range per stage and per step, NVTX ranges and a "
+                                              "cudaProfilerStart/Stop window on CUDA, NVML telemetry.")
+    add_profile_arguments(profile)
+    profile.set_defaults(func=cmd_profile)
     # Every flag after `bench` (--help included) goes to perf/bench_step.py's own parser.
     bench = commands.add_parser("bench", add_help=False, help="optimizer-step benchmark (perf/bench_step.py; "
                                 "`graphstep bench --help` for its flags)")

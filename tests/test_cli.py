@@ -1,38 +1,111 @@
-"""`graphstep demo` in-process: it trains (the loss falls) and refuses bad arguments like argparse does."""
+"""`graphstep demo` and `graphstep profile` from the command line: progress, summary, the loss-curve PNG,
+eager and captured bitwise equal, data-parallel ranks bounded in time, argparse errors."""
 
+import io
+import json
 import math
 import re
+import time
 
 import pytest
+import torch
 
 from graphstep import cli
+from graphstep.demo import DemoSettings, Progress, ProgressBar
+from graphstep.demo_dist import RankFailure, run_ranks
 
-SUMMARY = re.compile(r"final loss (\S+) \(first (\S+),.*median (\S+) ms/step, (\d+) steps skipped")
+ROW = re.compile(r"^(eager|graph|auto)\s+(eager|replay|cuda)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\d+)\s+(\S+)$", re.M)
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+FAST = ["--steps", "20", "--preset", "tiny", "--batch-size", "8"]
 
 
-def run(capsys, *argv):
-    assert cli.main(list(argv)) == 0
+def run(capsys, tmp_path, *argv, status=0):
+    assert cli.main(["demo", *argv, "--out", str(tmp_path)]) == status
     out = capsys.readouterr().out
-    match = SUMMARY.search(out)
-    assert match, out
-    final, first, median_ms, skipped = match.groups()
-    return float(final), float(first), float(median_ms), int(skipped), out
+    rows = {m.group(1): dict(backend=m.group(2), final=float(m.group(3)), last=float(m.group(4)),
+                             ms=float(m.group(5)), skipped=int(m.group(6)), scale=m.group(7))
+            for m in ROW.finditer(out)}
+    assert rows, out
+    return rows, out
 
 
-def test_demo_loss_falls(capsys):
-    final, first, median_ms, skipped, out = run(capsys, "demo", "--steps", "20", "--preset", "tiny")
-    assert math.isfinite(final) and math.isfinite(first)
-    assert final < first, out
-    assert median_ms > 0 and skipped == 0
-    assert out.count("ms/step") >= 3  # step 1, every steps/10, and the summary
+def test_demo_eager_and_captured_are_bitwise_equal(capsys, tmp_path):
+    rows, out = run(capsys, tmp_path, *FAST)
+    assert set(rows) == {"eager", "graph"}
+    eager, graph = rows["eager"], rows["graph"]
+    assert eager["backend"] == "eager" and graph["backend"] == "replay"
+    assert eager["last"] == graph["last"] and eager["final"] == graph["final"]
+    assert "final losses equal, bitwise" in out and "NOT equal" not in out
+    assert all(math.isfinite(r["final"]) and r["ms"] > 0 and r["skipped"] == 0 and r["scale"] == "-"
+               for r in rows.values())
+    # progress: the first step, every steps/10 and the last, for each run (not a terminal: plain lines)
+    assert out.count("eager step") == 11 and out.count("graph step") == 11 and "\r" not in out
+    first = float(re.search(r"eager step\s+1/20\s+loss (\S+)", out).group(1))
+    assert eager["final"] < first  # it learns
+    png = tmp_path / "loss.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    assert f"loss curve: {png}" in out
 
 
-def test_demo_sgd_captured(capsys):
-    final, first, _, skipped, out = run(capsys, "demo", "--steps", "8", "--optimizer", "sgd", "--capture", "graph",
-                                        "--batch-size", "4", "--log-every", "4")
-    assert math.isfinite(final) and final < first, out
-    assert skipped == 0
-    assert "optimizer step ran replay" in out
+def test_demo_single_run_sgd_captured(capsys, tmp_path):
+    rows, out = run(capsys, tmp_path, "--steps", "8", "--optimizer", "sgd", "--capture", "graph",
+                    "--batch-size", "4", "--log-every", "4")
+    assert list(rows) == ["graph"] and rows["graph"]["backend"] == "replay"
+    assert "bitwise" not in out  # nothing to compare against
+    assert out.count("graph step") == 3  # steps 1, 4, 8
+    assert (tmp_path / "loss.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_demo_fp16_reports_the_loss_scale(capsys, tmp_path):
+    rows, out = run(capsys, tmp_path, "--steps", "4", "--precision", "fp16", "--batch-size", "2")
+    assert rows["eager"]["scale"] == rows["graph"]["scale"] == "65536"
+    assert "scale 65536" in out and "final losses equal, bitwise" in out
+
+
+def test_demo_world_size_2_is_bounded_and_summarized(capsys, tmp_path):
+    started = time.monotonic()
+    rows, out = run(capsys, tmp_path, "--steps", "6", "--batch-size", "4", "--world-size", "2",
+                    "--timeout", "90")
+    assert time.monotonic() - started < 90
+    assert set(rows) == {"eager", "graph"} and rows["graph"]["backend"] == "replay"
+    assert "params bitwise identical on all 2 ranks: True" in out
+    assert "final losses equal, bitwise" in out
+    assert "2 gloo ranks x 2" in out and out.count("eager step") == 6  # rank 0 reports every step
+
+
+def test_a_failing_rank_is_named_not_waited_for():
+    started = time.monotonic()
+    with pytest.raises(RankFailure, match=r"rank \d of 2 raised"):
+        run_ranks(DemoSettings(steps=2, batch_size=2, device="no-such-device"), ["eager"], 2, every=1,
+                  deadline_s=60)
+    assert time.monotonic() - started < 60
+
+
+def test_world_size_must_divide_the_batch(capsys, tmp_path):
+    assert cli.main(["demo", "--world-size", "3", "--batch-size", "4", "--out", str(tmp_path)]) == 2
+    assert "multiple of --world-size 3" in capsys.readouterr().err
+
+
+def test_progress_bar_rewrites_one_line_on_a_terminal():
+    stream = io.StringIO()
+    bar = ProgressBar(stream, tty=True)
+    assert bar.tty_every(300, 30) == 3
+    for step in (1, 150, 300):
+        bar(Progress("graph", step, 300, 2.5, 40.0, 1e-3, 1024.0))
+    text = stream.getvalue()
+    assert text.count("\r") == 3 and text.endswith("\n") and text.count("\n") == 1
+    assert "300/300" in text and "scale 1024" in text and "40.0 ms/step" in text
+
+
+def test_profile_writes_a_trace_and_prints_the_nvml_line(capsys, tmp_path):
+    assert cli.main(["profile", "--steps", "2", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    trace = tmp_path / "trace.json"
+    names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert {"graphstep.step", "graphstep.update"} <= names
+    assert f"trace: {trace}" in out and "graphstep.update" in out
+    if not torch.cuda.is_available():
+        assert "no NVIDIA GPU (NVML not found)" in out
 
 
 @pytest.mark.parametrize("argv", [
@@ -44,7 +117,10 @@ def test_demo_sgd_captured(capsys):
     ["demo", "--lr", "-1"],
     ["demo", "--preset", "huge"],
     ["demo", "--capture", "always"],
+    ["demo", "--world-size", "0"],
     ["demo", "--no-such-flag"],
+    ["profile", "--capture", "both"],
+    ["profile", "--steps", "0"],
 ])
 def test_bad_arguments_are_argparse_errors(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -53,11 +129,12 @@ def test_bad_arguments_are_argparse_errors(argv, capsys):
     assert "usage: graphstep" in capsys.readouterr().err
 
 
-def test_help_exits_cleanly(capsys):
+@pytest.mark.parametrize("command, flag", [("demo", "--world-size"), ("profile", "--capture")])
+def test_help_exits_cleanly(command, flag, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["demo", "--help"])
+        cli.main([command, "--help"])
     assert exit_info.value.code == 0
-    assert "--precision" in capsys.readouterr().out
+    assert flag in capsys.readouterr().out
 
 
 def test_warmup_cosine_schedule():
