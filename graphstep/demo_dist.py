@@ -79,7 +79,12 @@ def run_ranks(settings: DemoSettings, captures: Sequence[str], world_size: int, 
         elif kind == "done":
             done.add(rank)
         elif kind == "error":
-            raise RankFailure(f"rank {rank} of {world_size} raised:\n{payload}")
+            # A rank killed outright (exit code < 0) makes its peers' collectives fail: name it first.
+            time.sleep(0.5)
+            dead = [f"rank {r} died (exit code {p.exitcode})" for r, p in enumerate(procs)
+                    if r != rank and not p.is_alive() and p.exitcode not in (0, None)]
+            raise RankFailure(f"{'; '.join(dead) + '; then ' if dead else ''}rank {rank} of {world_size} raised:\n"
+                              f"{payload}")
 
     deadline = time.monotonic() + deadline_s
     try:
