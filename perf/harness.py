@@ -1,0 +1,625 @@
+"""The perf harness: graphstep against torch's optimizer pipelines, one process per row, in one command.
+
+    python perf/harness.py [--quick] [--out perf/results] [--repeat 3] [--no-distributed] [--no-compile]
+
+Rows (every one in its own spawned interpreter, so memory, threads and compile caches never leak):
+
+- ``stream``: ``x.mul_(1.0001)`` over a 512 MB buffer, far beyond the last-level cache, 8 B/elem (r + w):
+  this machine's in-place bandwidth, measured at the start and the end of the run (the best is used);
+- ``graphstep-eager`` / ``graphstep-captured``: the engine's full step (static loss scale 1024 folded into
+  the update, non-finite check, global-norm clip 1.0, fused fp32 AdamW), ``capture="eager"`` / ``"graph"``
+  (the CPU replay backend here, a CUDA graph on a GPU);
+- ``torch-foreach`` / ``torch-fused``: ``torch.amp.GradScaler.unscale_`` + ``clip_grad_norm_(1.0)`` +
+  ``scaler.step(AdamW(foreach|fused))`` + ``scaler.update()``, the idiomatic torch AMP step;
+- ``torch-compiled``: the same with ``clip_grad_norm_`` + ``AdamW(foreach).step`` under ``torch.compile``
+  (unscale_ and the skip-on-inf check stay GradScaler's), compiled during warm-up, its time capped.
+
+Byte model (bytes each pipeline must move per fp32 param and step, DESIGN.md §6): Adam reads param, grad,
+m, v and writes param, m, v: 28 B. graphstep adds one grad read for the norm (which is also the inf
+check; unscale and clip are folded into the update's grad_scale): 32 B. torch's pipeline adds unscale_
+(read + write grads, 8 B), the clip norm (read, 4 B) and the clip multiply (read + write, 8 B): 48 B. The
+compiled row is charged the same 48 B: it runs the same program, whatever inductor fuses. GB/s is those
+bytes over the median step time; "% BW" divides it by the stream bandwidth; the floor of a row is its
+bytes over the stream bandwidth.
+
+Between timed steps the grads are refilled from a source copy (untimed): unscale_ and the clip rewrite
+them in place, and repeated unscaling would drive them into denormals. Ops/step: aten ops seen by a
+``TorchDispatchMode`` around one step (for the captured row, the replayed ops; inductor's kernels are
+invisible to it: the compiled row reports the kernels inductor generated instead, in its notes).
+Optimizer B/param: optimizer-owned tensor bytes (state, fp32 master copies, flat-buffer padding, beyond
+the model's own params and grads) over the param count.
+
+Shapes: GPT-2 small (124M params, 148 tensors), many small tensors (10,000 x 4,096), one flat tensor
+(64M); sweeps for the plots: flat tensors of 1M-64M params, and 150 / 1,000 / 10,000 tensors at ~16M
+params in all. ``--quick`` divides the sizes by 8 (GPT-2 becomes perf/shapes.py's gpt2-quick; the many-small
+shape keeps its 10,000 tensors at 512 elements), times fewer steps, one round, drops a flat sweep point
+and the eager row of the tensor sweep, and caps compiles at 30 s.
+
+The machine may be shared: a neighbour process preempting one of torch's two threads stalls every
+parallel kernel, so ``--repeat N`` runs each row N times round-robin and keeps its fastest run, and the
+1-min load average before each row is recorded. On CUDA the same command times
+with CUDA events. Writes ``results.json``, ``results.md`` (also printed) and two PNGs under ``--out``.
+Never imported by the library or the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+STREAM_BYTES, ADAM_BYTES, NORM_BYTES = 8, 28, 4
+GRAPHSTEP_BYTES = ADAM_BYTES + NORM_BYTES          # 32: update + the one norm read (DESIGN.md §6)
+TORCH_AMP_BYTES = 8 + 4 + 8 + ADAM_BYTES           # 48: unscale r+w, norm r, clip r+w, AdamW
+PIPELINE_BYTES = {"stream": STREAM_BYTES, "graphstep-eager": GRAPHSTEP_BYTES,
+                  "graphstep-captured": GRAPHSTEP_BYTES, "torch-foreach": TORCH_AMP_BYTES,
+                  "torch-fused": TORCH_AMP_BYTES, "torch-compiled": TORCH_AMP_BYTES}
+LABELS = {"stream": "memory stream x.mul_(1.0001)",
+          "graphstep-eager": "graphstep full step, eager",
+          "graphstep-captured": "graphstep full step, captured",
+          "torch-foreach": "torch GradScaler + clip + AdamW(foreach)",
+          "torch-fused": "torch GradScaler + clip + AdamW(fused)",
+          "torch-compiled": "torch GradScaler + compile(clip + AdamW(foreach))"}
+MAIN_PIPELINES = ["graphstep-eager", "graphstep-captured", "torch-foreach", "torch-fused", "torch-compiled"]
+LR, WEIGHT_DECAY, BETAS, EPS, CLIP, LOSS_SCALE = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0, 1024.0
+GRAD_STD = 1e-3  # the unscaled grads; the buffers hold them times LOSS_SCALE
+BASE_ROW = "graphstep-captured"
+
+
+# ---- shapes: (name, shape) lists; the worker builds tensors from them ------------------------------------
+def many_tensors(count: int, numel: int, cols: int = 64) -> list:
+    """``count`` 2-D weights of ~``numel`` elements (2-D, so all take weight decay: one param group)."""
+    rows = max(1, numel // cols)
+    return [(f"w{i}.weight", (rows, cols)) for i in range(count)]
+
+
+def flat_tensor(numel: int, cols: int = 4096) -> list:
+    """One contiguous 2-D weight of ``numel`` elements (a multiple of ``cols``)."""
+    return [("flat.weight", (max(1, numel // cols), cols))]
+
+
+def gpt2_shapes(quick: bool) -> list:
+    import shapes as shape_sets
+    return shape_sets.gpt2_quick() if quick else shape_sets.gpt2_small()
+
+
+def shape_plan(quick: bool) -> dict:
+    """Every shape the run needs, by name: the three main ones and the two sweeps."""
+    div = 8 if quick else 1
+    plan = {"gpt2": gpt2_shapes(quick), "many-small": many_tensors(10_000, 4096 // div),
+            "flat": flat_tensor(64 * 2**20 // div)}
+    for numel in ((4 * 2**20, 16 * 2**20) if quick else (2**20, 4 * 2**20, 16 * 2**20)):
+        plan[f"flat-{numel // div // 1024}K"] = flat_tensor(numel // div)
+    for count in (150, 1_000, 10_000):
+        plan[f"tensors-{count}"] = many_tensors(count, 16 * 2**20 // div // count)
+    return plan
+
+
+def numel_of(shapes: list) -> int:
+    return sum(math.prod(shape) for _, shape in shapes)
+
+
+# ---- worker side: build one pipeline, time it, count its ops, measure its memory -------------------------
+class OpCounter:
+    """Counts aten ops dispatched inside ``with`` (a proxy for kernel launches)."""
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class _Counter(TorchDispatchMode):
+            count = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.count += 1
+                return func(*args, **(kwargs or {}))
+        return _Counter()
+
+
+def make_model(shapes: list, device):
+    """An nn.Module whose named params follow ``shapes`` (params random, ~0.02 scale)."""
+    import torch
+
+    root = torch.nn.Module()
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for name, shape in shapes:
+        module_name, leaf = name.split(".")
+        if not hasattr(root, module_name):
+            root.add_module(module_name, torch.nn.Module())
+        value = torch.randn(shape, generator=gen).mul_(0.02).to(device)
+        getattr(root, module_name).register_parameter(leaf, torch.nn.Parameter(value))
+    return root
+
+
+def make_gpt2_model(shapes: list, device):
+    """GPT-2's names are dotted paths: reuse bench_step's module builder for them."""
+    import torch
+    from bench_step import module_of
+
+    class _Inputs:  # the two attributes module_of reads
+        pass
+    inputs = _Inputs()
+    inputs.shapes = shapes
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen).mul_(0.02).to(device)) for _, shape in shapes]
+    return module_of(inputs, params)
+
+
+def source_grads(params, device) -> list:
+    """The grads every step starts from: N(0, GRAD_STD) times the loss scale, one per param."""
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    return [torch.randn(p.shape, generator=gen).mul_(GRAD_STD * LOSS_SCALE).to(device) for p in params]
+
+
+def tensor_bytes(tensors) -> int:
+    import torch
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def build_stream(numel: int, device):
+    import torch
+
+    x = torch.ones(numel, device=device)
+    return {"step": lambda: x.mul_(1.0001), "refill": None, "opt_bytes": 0, "numel": numel, "notes": ""}
+
+
+def build_graphstep(model, device, capture: str):
+    """graphstep's full step with a static loss scale, so it does the torch pipeline's work: unscale,
+    inf check, clip, AdamW. Warm-up past the capture happens in ``time_row``."""
+    import torch
+    import graphstep as gs
+
+    config = gs.OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
+                                adam_beta2=BETAS[1], adam_eps=EPS, clip_grad=CLIP, loss_scale=LOSS_SCALE,
+                                capture=capture)
+    params = list(model.parameters())
+    opt = gs.get_optimizer(config, model)
+    grads = [p.main_grad for p in params]
+    sources = source_grads(params, device)
+    buffers = opt.buffers
+    owned = tensor_bytes(t for ts in buffers.state.values() for t in ts)
+    owned += tensor_bytes(m for m, p in zip(buffers.main_shard, buffers.param_flat) if m.data_ptr() != p.data_ptr())
+    owned += tensor_bytes(g for g, f in zip(buffers.grad_shard, buffers.grad_flat) if g.data_ptr() != f.data_ptr())
+    model_bytes = tensor_bytes(params)
+    owned += tensor_bytes(buffers.param_flat) - model_bytes + tensor_bytes(buffers.grad_flat) - model_bytes
+    return {"step": opt.step, "refill": lambda: torch._foreach_copy_(grads, sources), "opt_bytes": owned,
+            "warmup_extra": config.capture_warmup_steps + 1 if capture == "graph" else 0,
+            "check": (lambda: f"captured={opt.captured}, backend={opt.capture_backend}"), "notes": ""}
+
+
+def build_torch(model, device, variant: str):
+    """The idiomatic torch AMP step over the model's own params: unscale_, clip, step, update."""
+    import torch
+
+    params = list(model.parameters())
+    sources = source_grads(params, device)
+    for p, g in zip(params, sources):
+        p.grad = g.clone()
+    grads = [p.grad for p in params]
+    kwargs = {"fused": True} if variant == "torch-fused" else {"foreach": True}
+    opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, **kwargs)
+    scaler = torch.amp.GradScaler(device.type, init_scale=LOSS_SCALE, growth_interval=10**9)
+    scaler.scale(torch.ones((), device=device))  # GradScaler creates its scale tensor lazily, here
+    notes = ""
+    if variant == "torch-compiled":
+        plain_step = opt.step
+
+        def clip_and_step(*args, **kwargs):
+            torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
+            return plain_step()
+        opt.step = torch.compile(clip_and_step)  # scaler.step(opt) calls it unless it found an inf
+        notes = "clip_grad_norm_ runs inside scaler.step (skipped with it on inf)"
+
+    def step():
+        scaler.unscale_(opt)
+        if variant != "torch-compiled":
+            torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
+        scaler.step(opt)
+        scaler.update()
+
+    def opt_bytes():
+        return tensor_bytes(t for state in opt.state.values() for t in state.values())
+    return {"step": step, "refill": lambda: torch._foreach_copy_(grads, sources), "opt_bytes": opt_bytes,
+            "notes": notes}
+
+
+def make_timer(device):
+    """A function timing one call in ms: wall clock on CPU (kernels run synchronously), CUDA events on
+    a GPU (synchronizing after each step, so the untimed refill never overlaps a timed step)."""
+    import torch
+
+    if device.type == "cuda":
+        def timed(fn):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        return timed
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    return timed
+
+
+def time_row(built: dict, device, warmup: int, steps: int, repeat: int) -> dict:
+    """Median/p10/p90 ms of the block (of ``repeat`` blocks of ``steps``) with the lowest median."""
+    refill = built.get("refill") or (lambda: None)
+    step, timed = built["step"], make_timer(device)
+    t0 = time.perf_counter()
+    for _ in range(warmup + built.get("warmup_extra", 0)):
+        refill()
+        step()
+    warmup_s = time.perf_counter() - t0
+    best = None
+    for _ in range(repeat):
+        times = []
+        for _ in range(steps):
+            refill()
+            times.append(timed(step))
+        if best is None or statistics.median(times) < statistics.median(best):
+            best = times
+    ordered = sorted(best)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"median_ms": statistics.median(best), "p10_ms": pick(0.1), "p90_ms": pick(0.9),
+            "times_ms": best, "warmup_s": warmup_s}
+
+
+def count_ops(built: dict):
+    """Aten ops dispatched in one step, or why they could not be counted."""
+    (built.get("refill") or (lambda: None))()
+    try:
+        counter = OpCounter()
+        with counter:
+            built["step"]()
+        return counter.count, ""
+    except Exception as error:  # torch.compile refuses some dispatch modes
+        return None, f"ops not countable: {type(error).__name__}: {str(error)[:120]}"
+
+
+def worker(spec: dict) -> dict:
+    """Run one row in this (fresh) process and return its numbers."""
+    import torch
+
+    sys.path[:0] = [str(HERE), str(ROOT)]
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    pipeline = spec["pipeline"]
+    with torch.no_grad():
+        if pipeline == "stream":
+            built = build_stream(spec["numel"], device)
+        else:
+            shapes = [(n, tuple(s)) for n, s in spec["shapes"]]
+            model = (make_gpt2_model if spec["shape"] == "gpt2" else make_model)(shapes, device)
+            if pipeline.startswith("graphstep"):
+                built = build_graphstep(model, device, "graph" if pipeline == "graphstep-captured" else "eager")
+            else:
+                built = build_torch(model, device, pipeline)
+    numel = built.get("numel") or sum(p.numel() for p in model.parameters())
+    result = time_row(built, device, spec["warmup"], spec["steps"], spec["repeat"])
+    ops, ops_note = count_ops(built) if pipeline != "stream" else (1, "")
+    opt_bytes = built["opt_bytes"]() if callable(built["opt_bytes"]) else built["opt_bytes"]
+    notes = [n for n in (built["notes"], ops_note) if n]
+    if "check" in built:
+        notes.append(built["check"]())
+    if pipeline == "torch-compiled":
+        from torch._inductor import metrics
+        notes.append(f"inductor generated {metrics.generated_kernel_count} kernels")
+    result.update(numel=numel, tensors=len(spec.get("shapes") or [0]), ops_per_step=ops,
+                  opt_bytes_per_param=opt_bytes / numel, notes="; ".join(notes), device=str(device),
+                  threads=torch.get_num_threads())
+    del built
+    gc.collect()
+    return result
+
+
+# ---- driver side: spawn the workers, compute the derived columns ----------------------------------------
+def run_worker(spec: dict, timeout_s: float) -> dict:
+    """One row in a fresh interpreter; a failure or a timeout becomes the row's ``error``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        spec_path = Path(tmp) / "spec.json"  # a file, not argv: 10,000 shapes overflow the argument list
+        spec_path.write_text(json.dumps(spec))
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path), "--worker-out", str(out)]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            return {"error": f"did not finish within {timeout_s:.0f} s"
+                    + (" (compile included: see --compile-cap)" if spec["pipeline"] == "torch-compiled" else "")}
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            return {"error": f"exit {proc.returncode}: {tail[0][:200]}"}
+        result = json.loads(out.read_text())
+        result["process_s"] = wall
+        return result
+
+
+def row_specs(plan: dict, args) -> list[dict]:
+    """What to run: every main pipeline on the three main shapes, then the sweeps (only the pipelines
+    each plot needs; the largest flat sweep point is the main flat shape itself)."""
+    rows = []
+    main = [p for p in MAIN_PIPELINES if p != "torch-compiled" or args.compile]
+    for shape in ("gpt2", "many-small", "flat"):
+        rows += [(shape, p) for p in main]
+    for shape in plan:
+        if shape.startswith("flat-"):
+            rows += [(shape, p) for p in ("graphstep-captured", "torch-fused")]
+        elif shape.startswith("tensors-"):
+            sweep = ("graphstep-captured", "torch-fused") if args.quick else (
+                "graphstep-eager", "graphstep-captured", "torch-fused")
+            rows += [(shape, p) for p in sweep]
+    return [{"shape": s, "pipeline": p, "shapes": plan[s], "warmup": args.warmup, "steps": args.steps,
+             "repeat": args.repeat, "threads": args.threads} for s, p in rows]
+
+
+def run_rounds(specs: list[dict], args) -> list[dict]:
+    """Every row ``--repeat`` times, round-robin, each in a fresh process, keeping each row's fastest run
+    (lowest median): neighbours on a shared machine come and go over seconds, so spreading a row's tries
+    over the run beats timing it longer. A compiled row runs once (its compile is the cost), timing
+    ``--repeat`` blocks in that process instead."""
+    best: dict[int, dict] = {}
+    for round_index in range(args.repeat):
+        for index, spec in enumerate(specs):
+            compiled = spec["pipeline"] == "torch-compiled"
+            if compiled and round_index > 0:
+                continue
+            load = os.getloadavg()[0]  # the machine is shared: a busy neighbour slows 2-thread kernels a lot
+            print(f"[{round_index + 1}/{args.repeat}] {spec['shape']} / {spec['pipeline']} (load {load:.1f}) ...",
+                  end="", file=sys.stderr, flush=True)
+            result = run_worker({**spec, "repeat": args.repeat if compiled else 1},
+                                args.compile_cap if compiled else 900)
+            result["loadavg_before"] = load
+            print(f" {result.get('median_ms', float('nan')):.2f} ms {result.get('error', '')}", file=sys.stderr)
+            kept = best.get(index)
+            if kept is None or "error" in kept or ("error" not in result and result["median_ms"] < kept["median_ms"]):
+                best[index] = {**result, "round": round_index + 1}
+    return [{"shape": s["shape"], "pipeline": s["pipeline"], "label": LABELS[s["pipeline"]],
+             "numel": numel_of(s["shapes"]), "tensors": len(s["shapes"]), **best[i]} for i, s in enumerate(specs)]
+
+
+def measure_bandwidth(args, when: str) -> dict:
+    spec = {"shape": "stream", "pipeline": "stream", "numel": args.stream_numel, "warmup": 3,
+            "steps": max(10, args.steps), "repeat": args.repeat, "threads": args.threads}
+    result = run_worker(spec, 300)
+    if "error" not in result:
+        result["gbps"] = STREAM_BYTES * args.stream_numel / (result["median_ms"] * 1e-3) / 1e9
+    print(f"stream ({when}): {result.get('gbps', float('nan')):.1f} GB/s {result.get('error', '')}", file=sys.stderr)
+    return {"when": when, **result}
+
+
+def add_derived(rows: list[dict], bandwidth_gbps: float) -> None:
+    """GB/s, % of stream bandwidth, the floor, and the ratio to graphstep captured on the same shape."""
+    base = {r["shape"]: r for r in rows if r["pipeline"] == BASE_ROW and "median_ms" in r}
+    for r in rows:
+        if "median_ms" not in r:
+            continue
+        moved = PIPELINE_BYTES[r["pipeline"]] * r["numel"]
+        r["bytes_per_param"] = PIPELINE_BYTES[r["pipeline"]]
+        r["gbps"] = moved / (r["median_ms"] * 1e-3) / 1e9
+        r["bw_fraction"] = r["gbps"] / bandwidth_gbps
+        r["floor_ms"] = moved / (bandwidth_gbps * 1e9) * 1e3
+        r["vs_floor"] = r["median_ms"] / r["floor_ms"]
+        if r["shape"] in base:
+            r["vs_graphstep_captured"] = r["median_ms"] / base[r["shape"]]["median_ms"]
+
+
+def find(rows, shape, pipeline) -> Optional[dict]:
+    return next((r for r in rows if r["shape"] == shape and r["pipeline"] == pipeline and "median_ms" in r), None)
+
+
+def done_when_checks(rows: list[dict], plan: dict) -> list[dict]:
+    """Issue 6's three checks, with the numbers they were decided on."""
+    checks = []
+    counts = sorted(int(s.split("-")[1]) for s in plan if s.startswith("tensors-"))
+    lo, hi = find(rows, f"tensors-{counts[0]}", BASE_ROW), find(rows, f"tensors-{counts[-1]}", BASE_ROW)
+    if lo and hi and lo["ops_per_step"] and hi["ops_per_step"]:
+        spread = abs(hi["ops_per_step"] - lo["ops_per_step"]) / min(lo["ops_per_step"], hi["ops_per_step"])
+        ok = spread <= 0.10
+        text = (f"{lo['ops_per_step']} ops at {counts[0]} tensors vs {hi['ops_per_step']} at {counts[-1]} "
+                f"(same ~{lo['numel'] / 1e6:.1f}M params): {spread:.0%} apart (<= 10%)")
+    else:
+        ok, text = False, "captured rows missing"
+    checks.append({"check": "captured ops/step independent of tensor count", "pass": ok, "detail": text})
+    gs_row, fused = find(rows, "many-small", BASE_ROW), find(rows, "many-small", "torch-fused")
+    if gs_row and fused:
+        speedup = fused["median_ms"] / gs_row["median_ms"]
+        ok, text = speedup >= 1.3, (f"torch fused pipeline {fused['median_ms']:.1f} ms / graphstep captured "
+                                    f"{gs_row['median_ms']:.1f} ms = {speedup:.2f}x (>= 1.3x)")
+    else:
+        ok, text = False, "rows missing"
+    checks.append({"check": "many-small: graphstep >= 1.3x faster than torch fused", "pass": ok, "detail": text})
+    flat = find(rows, "flat", BASE_ROW)
+    if flat:
+        ok = flat["vs_floor"] <= 1.3
+        text = (f"graphstep captured {flat['median_ms']:.1f} ms vs floor {flat['floor_ms']:.1f} ms "
+                f"({GRAPHSTEP_BYTES} B x {flat['numel'] / 1e6:.1f}M / measured bandwidth) = {flat['vs_floor']:.2f}x "
+                f"(<= 1.3x)")
+    else:
+        ok, text = False, "row missing"
+    checks.append({"check": "flat: graphstep within 1.3x of the bandwidth floor", "pass": ok, "detail": text})
+    return checks
+
+
+# ---- distributed rows: bench_distributed.py's table, parsed ---------------------------------------------
+def run_distributed(quick: bool, timeout_s: float) -> dict:
+    """bench_distributed.py in its own process (it spawns its gloo ranks); its markdown rows, parsed."""
+    extra = ["--world-sizes", "2", "--width", "256", "--layers", "4", "--iters", "5"] if quick else []
+    cmd = [sys.executable, str(HERE / "bench_distributed.py"), *extra]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"bench_distributed.py did not finish within {timeout_s:.0f} s", "rows": []}
+    if proc.returncode != 0:
+        return {"error": f"bench_distributed.py exit {proc.returncode}: {proc.stderr.strip()[-300:]}", "rows": []}
+    lines = proc.stdout.strip().splitlines()
+    header = next((line for line in lines if line.startswith("| ranks")), None)
+    keys = [c.strip() for c in header.strip("|").split("|")] if header else []
+    rows = [dict(zip(keys, (c.strip() for c in line.strip("|").split("|"))))
+            for line in lines if line.startswith("| ") and line != header and not line.startswith("|--")]
+    return {"command": " ".join(cmd[1:]), "title": lines[0] if lines else "", "columns": keys, "rows": rows}
+
+
+# ---- report ----------------------------------------------------------------------------------------------
+def machine_info(bandwidth: list[dict]) -> dict:
+    import torch
+
+    cpu = "unknown"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or platform.machine()
+    info = {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu,
+            "cores": os.cpu_count(), "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    info["stream_gbps"] = [b.get("gbps") for b in bandwidth]
+    return info
+
+
+def _f(value, spec: str) -> str:
+    return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def markdown(rows, checks, distributed, meta, args) -> str:
+    bw = meta["bandwidth_gbps"]
+    lines = [f"# graphstep perf harness ({'quick' if args.quick else 'full'})", "",
+             f"{meta['machine']['cpu']}, {meta['machine']['cores']} cores, {meta['machine']['threads']} torch "
+             f"threads, torch {meta['machine']['torch']}, device {rows[0].get('device', '?') if rows else '?'}; "
+             f"in-place stream bandwidth {bw:.1f} GB/s (best of {len(meta['bandwidth'])} measurements this run); "
+             f"{args.steps} timed steps after {args.warmup} warm-ups per run; each row's fastest of {args.repeat} "
+             f"runs (round-robin, one process each); 1-min load average before a row: {meta['load'][0]:.1f}–"
+             f"{meta['load'][1]:.1f} on {meta['machine']['cores']} cores (shared machine).", "",
+             "| shape | params / tensors | pipeline | ms/step | p10 | p90 | × graphstep captured | B/param moved "
+             "| GB/s | % BW | × floor | ops/step | optimizer B/param |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r["shape"] not in ("gpt2", "many-small", "flat"):
+            continue
+        lines.append(_row_line(r))
+    lines += ["", "Sweeps (the plots):", "",
+              "| shape | params / tensors | pipeline | ms/step | p10 | p90 | × graphstep captured | B/param moved "
+              "| GB/s | % BW | × floor | ops/step | optimizer B/param |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [_row_line(r) for r in rows if r["shape"] not in ("gpt2", "many-small", "flat")]
+    notes = [f"- {r['shape']} / {r['pipeline']}: {r['notes']}" for r in rows if r.get("notes")]
+    lines += ["", "Byte model per param: graphstep 32 B (AdamW 28 + norm read 4; unscale and clip folded into the "
+              "update); torch pipelines 48 B (unscale_ r+w 8, clip norm r 4, clip multiply r+w 8, AdamW 28); "
+              "DESIGN.md §6. × floor = ms / (bytes moved / stream bandwidth). Ops/step: aten ops under a "
+              "TorchDispatchMode for one step (captured: the replayed ops).", "", "Notes:", *notes, "",
+              "## Done-when checks (issue 6)", ""]
+    lines += [f"- **{'PASS' if c['pass'] else 'FAIL'}** {c['check']}: {c['detail']}" for c in checks]
+    if distributed is not None:
+        lines += ["", "## Distributed (perf/bench_distributed.py)", ""]
+        if distributed.get("error"):
+            lines.append(f"failed: {distributed['error']}")
+        if distributed.get("rows"):
+            cols = distributed["columns"]
+            lines += [distributed["title"], "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+            lines += ["| " + " | ".join(r.get(c, "") for c in cols) + " |" for r in distributed["rows"]]
+    if meta.get("plots"):
+        lines += ["", "Plots: " + ", ".join(meta["plots"])]
+    return "\n".join(lines) + "\n"
+
+
+def _row_line(r: dict) -> str:
+    size = f"{r.get('numel', 0) / 1e6:.1f}M / {r.get('tensors', '?')}" if "numel" in r else "—"
+    if "error" in r:
+        return f"| {r['shape']} | {size} | {LABELS[r['pipeline']]} | failed: {r['error']} | | | | | | | | | |"
+    return (f"| {r['shape']} | {size} | {LABELS[r['pipeline']]} | {r['median_ms']:.2f} | {r['p10_ms']:.2f} | "
+            f"{r['p90_ms']:.2f} | {_f(r.get('vs_graphstep_captured'), '.2f')} | {r['bytes_per_param']} | "
+            f"{r['gbps']:.1f} | {r['bw_fraction']:.0%} | {r['vs_floor']:.2f} | {_f(r['ops_per_step'], 'd')} | "
+            f"{r['opt_bytes_per_param']:.2f} |")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="harness", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="sizes / 8, fewer steps: under ~3 minutes")
+    parser.add_argument("--out", default=str(HERE / "results"), help="where JSON, markdown and PNGs go")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per block (default 20, quick 8)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (plus the capture's own)")
+    parser.add_argument("--repeat", type=int, default=None,
+                        help="rounds: every row runs this many times, round-robin, each in a fresh process, and "
+                             "keeps its lowest-median run; steadier on a shared machine (default 2, quick 1)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in every row")
+    parser.add_argument("--compile-cap", type=float, default=None,
+                        help="seconds a torch-compiled row may take in all, compile included (default 180, "
+                             "quick 30)")
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile rows")
+    parser.add_argument("--no-distributed", dest="distributed", action="store_false",
+                        help="skip perf/bench_distributed.py")
+    parser.add_argument("--only-shapes", default=None, help="comma-separated shape names to run (debugging)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.steps = args.steps or (8 if args.quick else 20)
+    args.repeat = args.repeat or (1 if args.quick else 2)
+    args.compile_cap = args.compile_cap or (30.0 if args.quick else 180.0)
+    # 512 MB: lscpu says 32 MB of L3, yet a 128 MB buffer streamed at 57-67 GB/s here (a host cache larger
+    # than the VM reports); 256 MB and up settle at ~30-37 GB/s.
+    args.stream_numel = 128 * 2**20
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        Path(args.worker_out).write_text(json.dumps(worker(json.loads(Path(args.worker).read_text()))))
+        return 0
+    sys.path[:0] = [str(HERE), str(ROOT)]
+    started = time.perf_counter()
+    plan = shape_plan(args.quick)
+    specs = row_specs(plan, args)
+    if args.only_shapes:
+        keep = set(args.only_shapes.split(","))
+        specs = [s for s in specs if s["shape"] in keep]
+    bandwidth = [measure_bandwidth(args, "start")]
+    rows = run_rounds(specs, args)
+    bandwidth.append(measure_bandwidth(args, "end"))
+    best_bw = max((b["gbps"] for b in bandwidth if "gbps" in b), default=float("nan"))
+    add_derived(rows, best_bw)
+    checks = done_when_checks(rows, plan)
+    distributed = run_distributed(args.quick, 600) if args.distributed else None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": machine_info(bandwidth), "bandwidth": bandwidth, "bandwidth_gbps": best_bw,
+            "args": {k: v for k, v in vars(args).items() if not k.startswith("worker")},
+            "byte_model": {"graphstep": GRAPHSTEP_BYTES, "torch_amp_pipeline": TORCH_AMP_BYTES, "stream": STREAM_BYTES},
+            "wall_s": None, "load": [min(r["loadavg_before"] for r in rows), max(r["loadavg_before"] for r in rows)]}
+    from plots import write_plots
+    meta["plots"] = [str(p) for p in write_plots(rows, best_bw, out)]
+    meta["wall_s"] = time.perf_counter() - started
+    for r in rows:
+        r.pop("shapes", None)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "checks": checks,
+                                                  "distributed": distributed}, indent=1))
+    text = markdown(rows, checks, distributed, meta, args)
+    (out / "results.md").write_text(text)
+    print(text)
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {', '.join(meta['plots'])} "
+          f"in {meta['wall_s']:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
