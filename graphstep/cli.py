@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -54,6 +55,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=_positive_float, default=600.0,
                         help="with --world-size > 1: seconds the whole run may take before the ranks are "
                              "stopped (collectives time out after 120 s); default 600")
+    parser.add_argument("--threads", type=_positive_int, default=None,
+                        help="intra-op CPU threads (default: torch's, one per core); 1 is many times faster "
+                             "when another job keeps a core busy")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
 
 
@@ -89,13 +93,16 @@ def cmd_demo(args: argparse.Namespace, out=None) -> int:
         print(f"graphstep demo: --batch-size {settings.batch_size} must be a multiple of --world-size {world}",
               file=sys.stderr)
         return 2
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     model_config = models.preset(settings.preset)
     num_params = sum(p.numel() for p in models.GPT(model_config).parameters())
     config = optimizer_config(settings, "eager")
     ranks = f"{world} gloo ranks x {settings.batch_size // world}" if world > 1 else f"batch {settings.batch_size}"
     print(f"graphstep demo: GPT {settings.preset} ({num_params / 1e6:.2f}M params, {model_config.n_layers} layers, "
           f"d_model {model_config.d_model}), {settings.optimizer} lr {config.lr:g} wd {config.weight_decay:g}, "
-          f"{settings.precision}, {ranks}x{model_config.seq_len}, {settings.steps} steps on {settings.device}, "
+          f"{settings.precision}, {ranks}x{model_config.seq_len}, {settings.steps} steps on {settings.device}"
+          f"{f' ({torch.get_num_threads()} thread' + 's' * (torch.get_num_threads() > 1) + ')' if world == 1 and settings.device == 'cpu' else ''}, "
           f"capture: {' then '.join(captures)}", file=out, flush=True)
     floor = models.SyntheticCorpus(model_config.vocab_size, seed=settings.seed).entropy_rate()
     print(f"corpus: Markov chain over {model_config.vocab_size} tokens; loss starts near "
@@ -105,6 +112,10 @@ def cmd_demo(args: argparse.Namespace, out=None) -> int:
         print("note: most CPUs have no native fp16 arithmetic, so fp16 steps are many times slower than fp32 "
               "here (bf16 is the fast half precision on CPU); try --steps 20", file=out, flush=True)
 
+    busy = _busy_cores()
+    if world == 1 and settings.device == "cpu" and torch.get_num_threads() > 1 and busy:
+        print(f"note: {busy}: {torch.get_num_threads()} intra-op threads wait on each other for many times "
+              f"the step time when another job holds a core; try --threads 1", file=out, flush=True)
     if world > 1:
         print(f"progress: rank 0's loss on its slice; the summary: the global batch's", file=out, flush=True)
     bar = ProgressBar(out)
@@ -139,6 +150,15 @@ def cmd_demo(args: argparse.Namespace, out=None) -> int:
     png = plot_losses(results, Path(args.out) / "loss.png", title, floor)
     print(f"loss curve: {png}", file=out, flush=True)
     return status
+
+
+def _busy_cores() -> str:
+    """'the N cores are busy' when the load average says another job is running, else ''."""
+    try:
+        load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    except (AttributeError, OSError):
+        return ""
+    return f"the {cores} cores are busy (1-min load average {load:.1f})" if load > cores - 0.5 else ""
 
 
 # ---- profile ---------------------------------------------------------------------------------------------

@@ -59,7 +59,8 @@ def test_demo_eager_and_captured_are_bitwise_equal(capsys, tmp_path):
 
 def test_demo_single_run_sgd_captured(capsys, tmp_path):
     rows, out = run(capsys, tmp_path, "--steps", "8", "--optimizer", "sgd", "--capture", "graph",
-                    "--batch-size", "4", "--log-every", "4")
+                    "--batch-size", "4", "--log-every", "4", "--threads", "1")
+    assert "on cpu (1 thread)" in out
     assert list(rows) == ["graph"] and rows["graph"]["backend"] == "replay"
     assert "bitwise" not in out  # nothing to compare against
     assert out.count("graph step") == 3  # steps 1, 4, 8
@@ -128,6 +129,7 @@ def test_profile_writes_a_trace_and_prints_the_nvml_line(capsys, tmp_path):
     ["demo", "--preset", "huge"],
     ["demo", "--capture", "always"],
     ["demo", "--world-size", "0"],
+    ["demo", "--threads", "0"],
     ["demo", "--no-such-flag"],
     ["profile", "--capture", "both"],
     ["profile", "--steps", "0"],
