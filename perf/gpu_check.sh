@@ -11,3 +11,4 @@ python perf/bench_capture.py --tensors 1000 --numel 4096 --json "$out/bench_capt
 if [ -f perf/bench_step.py ]; then
   python perf/bench_step.py --json "$out/bench_step.json" | tee "$out/bench_step.md"
 fi
+python perf/harness.py --no-compile --out "$out/harness" | tee "$out/harness.md"
