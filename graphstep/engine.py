@@ -172,7 +172,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             invalidation=config.capture_invalidation, static_inputs=self._static_inputs,
             eager_step_fn=lambda: (self._ranged_step_fn if self.ranges.enabled else self._step_fn)(),
             baked_values=lambda: baked_values(self.hyper, self._ctx.kernels.LIVE_FIELDS,
-                                              update.used_fields(config.optimizer)))
+                                              update.used_fields(config.optimizer))
+            + update.baked_choices(self._ctx))
         publish = [update.build_copy_back(self._ctx)]
         if self.layout.dp_size > 1:
             publish.append(gather.build(self._ctx, deferrable=False))

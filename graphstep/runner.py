@@ -160,10 +160,11 @@ class StepRunner:
 
 
 def _describe_change(before: tuple, after: tuple) -> str:
-    """'group 0 weight_decay 0.1 -> 0.2' for the first differing baked value."""
+    """'group 0 weight_decay 0.1 -> 0.2' for the first differing baked value (group None: step-wide)."""
     for (group, field, old), (_, _, new) in zip(before, after):
         if old != new:
-            return f"group {group} {field} {old!r} -> {new!r}"
+            where = "step" if group is None else f"group {group}"
+            return f"{where} {field} {old!r} -> {new!r}"
     return "the baked values"
 
 

@@ -194,3 +194,31 @@ def test_debug_step_names_the_stage_that_first_made_a_nan():
     report = opt.debug_step()
     assert report.nan_origin is not None
     assert (report.nan_origin.stage, report.nan_origin.param) == ("update", "0.weight")
+
+
+def clip_toggle_run(mode, schedule):
+    """15 steps whose clip threshold follows ``schedule(step)`` (0 turns clipping off)."""
+    model = tiny_transformer()
+    opt = gs.get_optimizer(gs.OptimizerConfig(lr=1e-2, clip_grad=0.0, capture=mode, capture_warmup_steps=1),
+                           model)
+    for step in range(15):
+        opt.clip_grad = schedule(step)
+        opt.zero_grad()
+        loss_fn(model, step).backward()
+        opt.step()
+    return model, opt
+
+
+def test_turning_clipping_on_and_off_after_capture_recaptures_and_clips():
+    # Unclipped and unscaled, the kernel is not given the grad scale (it would rewrite the grads): a
+    # capture bakes that choice in, so turning the live clip threshold on must recapture, not freeze it.
+    def schedule(step):
+        return 1e-3 if 5 <= step < 10 else 0.0
+
+    eager_model, _ = clip_toggle_run("eager", schedule)
+    graph_model, graph_opt = clip_toggle_run("graph", schedule)
+    never_model, _ = clip_toggle_run("eager", lambda step: 0.0)
+    assert graph_opt.captured and graph_opt._runner.recaptures == 2
+    for a, b in zip(eager_model.parameters(), graph_model.parameters()):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(eager_model.parameters(), never_model.parameters()))

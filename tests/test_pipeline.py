@@ -202,3 +202,24 @@ def test_the_checker_itself_catches_a_sync():
     with pytest.raises(AssertionError, match="host sync"):
         with NoHostSync():
             torch.ones(2).sum().item()
+
+
+@pytest.mark.parametrize("config, passed", [({"clip_grad": 0.0}, False), ({"clip_grad": 1.0}, True),
+                                             ({"fp16": True, "clip_grad": 0.0}, True),
+                                             ({"loss_scale": 8.0, "clip_grad": 0.0}, True)])
+def test_the_kernel_gets_the_grad_scale_only_when_it_can_differ_from_one(monkeypatch, config, passed):
+    # torch's fused kernels write the divided grads back whenever given a grad scale: 4 B/param extra.
+    calls = []
+    kernel = torch._fused_adamw_
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("grad_scale"))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", spy)
+    model = tiny_transformer()
+    opt = engine(model, **config)
+    opt.zero_grad()
+    opt.scale_loss(loss_fn(model, 0)).backward()
+    opt.step()
+    assert calls and all((g is not None) == passed for g in calls)

@@ -8,10 +8,10 @@ Every implementation module provides::
         grad_scale, found_inf) -> None
     LIVE_FIELDS: frozenset of the hyperparameters it reads from device tensors
 
-All updates are in place. ``grad_scale`` (0-d fp32) divides the grads: it folds loss-scale unscaling and
-the clip coefficient into the update, so no separate pass rewrites the grads. Like torch's fused kernels,
-every implementation leaves the grads divided by ``grad_scale`` on an applied step (untouched on a
-skipped one): the step consumes them. ``found_inf`` (0-d fp32, 1.0 = skip)
+All updates are in place. ``grad_scale`` (0-d fp32, or None for 1) divides the grads: it folds
+loss-scale unscaling and the clip coefficient into the update, so no separate pass rewrites the grads.
+Like torch's fused kernels, every implementation leaves the grads divided by ``grad_scale`` on an
+applied step (untouched on a skipped one, and with None): the step consumes them. ``found_inf`` (0-d fp32, 1.0 = skip)
 leaves params and state bitwise unchanged. Hyperparameters in ``LIVE_FIELDS`` are 0-d device tensors;
 the others are Python floats, which a capture bakes in (the engine guards them and recaptures on change).
 ``momentum_buffers`` is empty when momentum is 0.

@@ -11,6 +11,8 @@ LIVE_FIELDS = frozenset({"lr", "weight_decay", "beta1", "beta2", "eps", "momentu
 
 def _unscale(grad, grad_scale, keep):
     # Like torch's fused kernels, leave the grads divided by grad_scale when the step is applied.
+    if grad_scale is None:
+        return grad
     unscaled = grad / grad_scale
     grad.copy_(torch.where(keep, unscaled, grad))
     return unscaled

@@ -3,6 +3,11 @@
 One kernel call per param group, over that group's segments of this rank's shard (a few large views:
 one per bucket, see layout.py). The step count advances by ``1 - found_inf`` before the kernel, so a
 skipped step leaves it, like the params and the state, bitwise unchanged.
+
+The kernel is given the grad scale only when it can differ from 1 (a loss scaler, or a clip threshold
+above 0): torch's fused kernels write the divided grads back whenever they get one, 4 more bytes per
+param that an unclipped, unscaled step need not pay. Whether it is given is a host choice a capture
+bakes in; ``baked_choices`` reports it so a captured step is recaptured when it flips.
 """
 
 import torch
@@ -18,6 +23,16 @@ _SGD_FIELDS = (("lr", "lr"), ("weight_decay", "weight_decay"), ("momentum", "mom
 def used_fields(optimizer: str) -> tuple[str, ...]:
     """The hyperparameter fields the update of ``optimizer`` reads."""
     return tuple(field for _, field in (_ADAM_FIELDS if optimizer == "adam" else _SGD_FIELDS))
+
+
+def uses_grad_scale(ctx) -> bool:
+    """Whether this step's grad scale may differ from 1 (host values only: no device read)."""
+    return ctx.scaler is not None or ctx.hyper.host_value("clip_grad") > 0
+
+
+def baked_choices(ctx) -> tuple:
+    """The host choices the update makes per step, as ``(group, name, value)`` like ``baked_values``."""
+    return ((None, "grad scale passed to the kernel", uses_grad_scale(ctx)),)
 
 
 def build(ctx) -> Stage:
@@ -53,14 +68,15 @@ def build(ctx) -> Stage:
             if cast:
                 target.copy_(source)
         t.step.add_(1.0 - t.found_inf)
+        grad_scale = t.grad_scale if uses_grad_scale(ctx) else None
         for group, params, grads, state in calls:
             if is_adam:
                 kernels.adam(params, grads, state["exp_avg"], state["exp_avg_sq"], step=t.step,
-                             decoupled=ctx.config.decoupled_weight_decay, grad_scale=t.grad_scale,
+                             decoupled=ctx.config.decoupled_weight_decay, grad_scale=grad_scale,
                              found_inf=t.found_inf, **hyperparameters(group))
             else:
                 kernels.sgd(params, grads, state.get("momentum_buffer", []), nesterov=ctx.config.sgd_nesterov,
-                            grad_scale=t.grad_scale, found_inf=t.found_inf, **hyperparameters(group))
+                            grad_scale=grad_scale, found_inf=t.found_inf, **hyperparameters(group))
 
     return Stage("update", apply)
 
