@@ -11,13 +11,29 @@ import torch
 from . import Stage
 
 
-def _sum_of_squares(grad: torch.Tensor) -> torch.Tensor:
-    """fp32 sum of squares of one flat grad buffer, in one read and without a copy."""
-    if grad.dtype == torch.float32:
-        # BLAS dot streams at the read bandwidth: on the 2-core CPU, 124M fp32 grads take 12.6 ms against
-        # 16.7 ms for vector_norm (measured side by side, best of 5).
-        return torch.dot(grad, grad)
-    return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+# Row length of the two-level sum of squares. A single reduction over a whole buffer accumulates in fp32
+# over millions of elements: at 124M grads (GPT-2 small) torch.dot and vector_norm were off by 0.3% and
+# 2% against an fp64 sum. Norms of 4,096-element rows, then the sum of their squares, came within 3e-8
+# and ran as fast as dot (12.8 against 13.6 ms, side by side on the 2-core CPU).
+ROW = 4096
+
+
+class SumOfSquares:
+    """fp32 sum of squares of one flat grad buffer: one read, no copy, accurate at any length."""
+
+    def __init__(self, grad: torch.Tensor):
+        n = grad.numel()
+        body = n - n % ROW
+        self.rows = grad[:body].view(-1, ROW)
+        self.tail = grad[body:]
+        self.row_norms = torch.empty(self.rows.shape[0], dtype=torch.float32, device=grad.device)
+
+    def __call__(self) -> torch.Tensor:
+        torch.linalg.vector_norm(self.rows, dim=1, dtype=torch.float32, out=self.row_norms)
+        total = self.row_norms.square().sum()
+        if self.tail.numel():
+            total = total + torch.linalg.vector_norm(self.tail, dtype=torch.float32).square()
+        return total
 
 
 def build(ctx) -> Stage:
@@ -25,8 +41,10 @@ def build(ctx) -> Stage:
     t = ctx.tensors
     comm = ctx.comm
 
+    sums = [SumOfSquares(g) for g in grads]
+
     def apply() -> None:
-        parts = [_sum_of_squares(g) for g in grads]
+        parts = [sum_of_squares() for sum_of_squares in sums]
         sumsq = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
         comm.all_reduce_sum(sumsq, "grad-norm all_reduce")
         norm = sumsq.sqrt()
