@@ -17,7 +17,7 @@ import torch
 
 OPTIMIZERS = ("adam", "sgd")
 CAPTURE_MODES = ("auto", "graph", "eager")
-KERNELS = ("fused", "reference")
+KERNELS = ("fused", "compiled", "reference")
 INVALIDATION_POLICIES = ("recapture", "raise")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -144,7 +144,10 @@ class OptimizerConfig:
 
     kernel: str = "fused"
     """graphstep's own: update math. "fused": torch's fused multi-tensor kernels (lr is a device tensor;
-    betas, eps and weight decay are floats baked into a capture and guarded). "reference": plain tensor
+    betas, eps and weight decay are floats baked into a capture and guarded; a clipped or loss-scaled
+    step also writes the grads back). "compiled": one ``torch.compile``d loop per view, every
+    hyperparameter a device tensor, the grads only read: the fastest full step, after a compile of a few
+    seconds on first use (needs a C++ compiler on the CPU, Triton on a GPU). "reference": plain tensor
     ops with every hyperparameter a device tensor (the test oracle; slower)."""
 
     def __post_init__(self) -> None:

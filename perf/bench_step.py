@@ -88,6 +88,38 @@ def time_steps(step: Callable[[], object], device: torch.device, warmup: int, st
     return times
 
 
+def time_interleaved(steps_by_key: dict[str, Callable[[], object]], device: torch.device, warmup: int,
+                     rounds: int) -> dict[str, list[float]]:
+    """ms per call of each step, timed in ``rounds`` round-robin rounds (one call of every step per round).
+
+    A shared machine's slow phases then fall on every row alike instead of on whichever row ran in
+    them: the ratios between rows are what this steadies.
+    """
+    for step in steps_by_key.values():
+        for _ in range(warmup):
+            step()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    marks: dict[str, list] = {key: [] for key in steps_by_key}
+    for _ in range(rounds):
+        for key, step in steps_by_key.items():
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step()
+                end.record()
+                marks[key].append((start, end))
+            else:
+                t0 = time.perf_counter()
+                step()
+                marks[key].append((time.perf_counter() - t0) * 1e3)
+    if cuda:
+        torch.cuda.synchronize(device)
+        return {key: [start.elapsed_time(end) for start, end in pairs] for key, pairs in marks.items()}
+    return marks
+
+
 def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
@@ -199,7 +231,7 @@ def build_graphstep_update_stage(inputs: Inputs):
     return update.apply
 
 
-def build_graphstep(inputs: Inputs, *, clip_grad: float, capture: str, loss_scale=None,
+def build_graphstep(inputs: Inputs, *, clip_grad: float, capture: str, loss_scale=None, kernel: str = "fused",
                     return_optimizer: bool = False):
     import graphstep as gs
 
@@ -207,7 +239,7 @@ def build_graphstep(inputs: Inputs, *, clip_grad: float, capture: str, loss_scal
     model = module_of(inputs, params)
     config = gs.OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
                                 adam_beta2=BETAS[1], adam_eps=EPS, clip_grad=clip_grad, capture=capture,
-                                loss_scale=loss_scale)
+                                loss_scale=loss_scale, kernel=kernel)
     opt = gs.get_optimizer(config, model)
     with torch.no_grad():
         for p, g in zip(params, inputs.views(inputs.grad_flat)):
@@ -236,6 +268,14 @@ PIPELINES = {
                        lambda i: build_graphstep(i, clip_grad=1.0, capture="eager")),
     "graphstep-full-graph": ("graphstep, full step (capture='graph')", "full", ADAM_BYTES + NORM_BYTES,
                              lambda i: build_graphstep(i, clip_grad=1.0, capture="graph")),
+    # kernel="compiled": one compiled loop that reads the grads without writing them back (torch's fused
+    # kernels write them whenever given a grad scale, i.e. on every clipped or loss-scaled step: 36 B).
+    "graphstep-full-compiled": ("graphstep, full step, kernel='compiled' (eager)", "full", ADAM_BYTES + NORM_BYTES,
+                                lambda i: build_graphstep(i, clip_grad=1.0, capture="eager", kernel="compiled")),
+    "graphstep-full-compiled-graph": ("graphstep, full step, kernel='compiled' (capture='graph')", "full",
+                                      ADAM_BYTES + NORM_BYTES,
+                                      lambda i: build_graphstep(i, clip_grad=1.0, capture="graph",
+                                                                kernel="compiled")),
     "graphstep-update-stage": ("graphstep update stage alone (fused kernel over group views)", "update",
                                ADAM_BYTES, build_graphstep_update_stage),
     "torch-amp": ("torch GradScaler.unscale_ + clip_grad_norm_ + AdamW(fused) + update", "scaled",
@@ -243,6 +283,10 @@ PIPELINES = {
     "graphstep-scaled": ("graphstep full step with loss scale (unscale + clip folded in)", "scaled",
                          ADAM_BYTES + NORM_BYTES,
                          lambda i: build_graphstep(i, clip_grad=1.0, capture="eager", loss_scale=LOSS_SCALE)),
+    "graphstep-scaled-compiled": ("graphstep full step with loss scale, kernel='compiled'", "scaled",
+                                  ADAM_BYTES + NORM_BYTES,
+                                  lambda i: build_graphstep(i, clip_grad=1.0, capture="eager", loss_scale=LOSS_SCALE,
+                                                            kernel="compiled")),
 }
 
 
@@ -257,14 +301,39 @@ def run_pipeline(key: str, inputs: Inputs, warmup: int, steps: int) -> Row:
         return row
     finally:
         step = None
-        gc.collect()
-        if inputs.device.type == "cuda":
-            torch.cuda.empty_cache()
+        _free(inputs.device)
+    return _summarize(row, times, inputs.numel)
+
+
+def run_interleaved(keys: list[str], inputs: Inputs, warmup: int, rounds: int) -> list[Row]:
+    """Every row of ``keys`` built at once and timed round-robin (see ``time_interleaved``)."""
+    rows = {key: Row(key, *PIPELINES[key][:3]) for key in keys}
+    steps = {}
+    for key in keys:
+        try:
+            steps[key] = PIPELINES[key][3](inputs)
+        except Exception as error:
+            rows[key].error = f"{type(error).__name__}: {error}"
+    try:
+        times = time_interleaved(steps, inputs.device, warmup, rounds)
+    finally:
+        steps = None
+        _free(inputs.device)
+    return [_summarize(rows[key], times[key], inputs.numel) if key in times else rows[key] for key in keys]
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _summarize(row: Row, times: list[float], numel: int) -> Row:
     ordered = sorted(times)
     row.times_ms = times
     row.median_ms = statistics.median(times)
     row.p10_ms, row.p90_ms = _percentile(ordered, 0.1), _percentile(ordered, 0.9)
-    row.gbps = nbytes * inputs.numel / (row.median_ms * 1e-3) / 1e9
+    row.gbps = row.bytes_per_elem * numel / (row.median_ms * 1e-3) / 1e9
     return row
 
 
@@ -291,7 +360,8 @@ def markdown(rows: list[Row], meta: dict) -> str:
         f"{meta['shapes']}: {meta['numel'] / 1e6:.1f}M fp32 params in {meta['tensors']} tensors, "
         f"{meta['device']}, {meta['threads']} threads, torch {meta['torch']}; "
         f"{meta['steps']} timed steps after {meta['warmup']} warm-ups"
-        + (f", fastest of {meta['repeat']} runs per row." if meta["repeat"] > 1 else "."),
+        + (", every row timed in the same round-robin rounds." if meta.get("interleave")
+           else f", fastest of {meta['repeat']} runs per row." if meta["repeat"] > 1 else "."),
         "",
         "| step | ms/step (median) | p10 | p90 | × graphstep | × fused floor | bytes/param | GB/s |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -324,6 +394,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=1,
                         help="run every row this many times, round-robin, and keep each row's fastest run "
                              "(its lowest median): steadier on a shared, noisy machine (default 1)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="build every row at once and time them round-robin, one step of each per round "
+                             "(--steps rounds): the steadiest ratios on a shared machine; needs memory for "
+                             "all rows at once (~2 GB each at GPT-2 small), so pick rows with --only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
     args = parser.parse_args(argv)
@@ -333,6 +407,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.steps = 10 if args.quick else 20
     if args.steps < 1 or args.warmup < 0 or args.repeat < 1:
         parser.error("--steps and --repeat must be >= 1, --warmup >= 0")
+    if args.interleave and args.repeat > 1:
+        parser.error("--interleave times every row in the same rounds: raise --steps instead of --repeat")
     keys = list(PIPELINES) if args.only is None else [k.strip() for k in args.only.split(",") if k.strip()]
     unknown = [k for k in keys if k not in PIPELINES]
     if unknown:
@@ -352,8 +428,12 @@ def main(argv=None) -> int:
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
             "threads": torch.get_num_threads(), "torch": torch.__version__, "steps": args.steps,
             "warmup": args.warmup, "repeat": args.repeat}
+    meta["interleave"] = args.interleave
     best: dict[str, Row] = {}
-    for repeat in range(args.repeat):
+    if args.interleave:
+        print(f"running {', '.join(args.keys)} interleaved ...", file=sys.stderr, flush=True)
+        best = {row.key: row for row in run_interleaved(args.keys, inputs, args.warmup, args.steps)}
+    for repeat in range(0 if args.interleave else args.repeat):
         for key in args.keys:
             print(f"running {key} ({repeat + 1}/{args.repeat}) ...", file=sys.stderr, flush=True)
             row = run_pipeline(key, inputs, args.warmup, args.steps)

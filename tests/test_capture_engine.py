@@ -65,6 +65,17 @@ def test_reference_kernel_keeps_every_hyperparameter_live_without_recapture():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_compiled_kernel_replays_bitwise_and_never_recaptures(precision):
+    # Its hyperparameters are all device tensors: the weight-decay schedule reaches the replay as is.
+    eager_model, _, eager_flags = run("eager", "adam", precision, steps=30, kernel="compiled")
+    graph_model, graph_opt, graph_flags = run("graph", "adam", precision, steps=30, kernel="compiled")
+    assert graph_opt.captured and graph_opt._runner.recaptures == 0
+    assert eager_flags == graph_flags and not all(eager_flags)
+    for a, b in zip(eager_model.parameters(), graph_model.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_a_python_float_lr_read_at_capture_freezes_and_graphsteps_lr_does_not():
     # A hand-written step that reads lr as a Python float: replay keeps the value it was captured with.
     param = torch.zeros(4)

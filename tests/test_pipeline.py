@@ -184,7 +184,7 @@ class NoHostSync(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("kernel", ["fused", "reference"])
+@pytest.mark.parametrize("kernel", ["fused", "compiled", "reference"])
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_the_whole_step_runs_without_a_host_sync(kernel, precision):
     model = tiny_transformer()

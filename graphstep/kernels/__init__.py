@@ -10,18 +10,19 @@ Every implementation module provides::
 
 All updates are in place. ``grad_scale`` (0-d fp32, or None for 1) divides the grads: it folds
 loss-scale unscaling and the clip coefficient into the update, so no separate pass rewrites the grads.
-Like torch's fused kernels, every implementation leaves the grads divided by ``grad_scale`` on an
-applied step (untouched on a skipped one, and with None): the step consumes them. ``found_inf`` (0-d fp32, 1.0 = skip)
-leaves params and state bitwise unchanged. Hyperparameters in ``LIVE_FIELDS`` are 0-d device tensors;
+The fused and reference kernels leave the grads divided by ``grad_scale`` on an applied step, as torch's
+fused kernels do; the compiled kernel leaves them as they were (not writing them saves 4 B per param):
+after the step the grads are spent, to be zeroed. ``found_inf`` (0-d fp32, 1.0 = skip) leaves params and
+state bitwise unchanged. Hyperparameters in ``LIVE_FIELDS`` are 0-d device tensors;
 the others are Python floats, which a capture bakes in (the engine guards them and recaptures on change).
 ``momentum_buffers`` is empty when momentum is 0.
 """
 
 from types import ModuleType
 
-from . import fused, reference
+from . import compiled, fused, reference
 
-IMPLEMENTATIONS = {"fused": fused, "reference": reference}
+IMPLEMENTATIONS = {"fused": fused, "compiled": compiled, "reference": reference}
 
 
 def get_kernels(name: str) -> ModuleType:
