@@ -9,6 +9,8 @@ Rows (every one in its own spawned interpreter, so memory, threads and compile c
 - ``graphstep-eager`` / ``graphstep-captured``: the engine's full step (static loss scale 1024 folded into
   the update, non-finite check, global-norm clip 1.0, fused fp32 AdamW), ``capture="eager"`` / ``"graph"``
   (the CPU replay backend here, a CUDA graph on a GPU);
+- ``graphstep-compiled``: the captured full step with ``kernel="compiled"`` (one compiled loop that reads
+  the grads without writing them back; compiled during warm-up);
 - ``torch-foreach`` / ``torch-fused``: ``torch.amp.GradScaler.unscale_`` + ``clip_grad_norm_(1.0)`` +
   ``scaler.step(AdamW(foreach|fused))`` + ``scaler.update()``, the idiomatic torch AMP step;
 - ``torch-compiled``: the same with ``clip_grad_norm_`` + ``AdamW(foreach).step`` under ``torch.compile``
@@ -64,15 +66,18 @@ STREAM_BYTES, ADAM_BYTES, NORM_BYTES = 8, 28, 4
 GRAPHSTEP_BYTES = ADAM_BYTES + NORM_BYTES          # 32: update + the one norm read (DESIGN.md §6)
 TORCH_AMP_BYTES = 8 + 4 + 8 + ADAM_BYTES           # 48: unscale r+w, norm r, clip r+w, AdamW
 PIPELINE_BYTES = {"stream": STREAM_BYTES, "graphstep-eager": GRAPHSTEP_BYTES,
-                  "graphstep-captured": GRAPHSTEP_BYTES, "torch-foreach": TORCH_AMP_BYTES,
+                  "graphstep-captured": GRAPHSTEP_BYTES, "graphstep-compiled": GRAPHSTEP_BYTES,
+                  "torch-foreach": TORCH_AMP_BYTES,
                   "torch-fused": TORCH_AMP_BYTES, "torch-compiled": TORCH_AMP_BYTES}
 LABELS = {"stream": "memory stream x.mul_(1.0001)",
           "graphstep-eager": "graphstep full step, eager",
           "graphstep-captured": "graphstep full step, captured",
+          "graphstep-compiled": "graphstep full step, kernel='compiled', captured",
           "torch-foreach": "torch GradScaler + clip + AdamW(foreach)",
           "torch-fused": "torch GradScaler + clip + AdamW(fused)",
           "torch-compiled": "torch GradScaler + compile(clip + AdamW(foreach))"}
-MAIN_PIPELINES = ["graphstep-eager", "graphstep-captured", "torch-foreach", "torch-fused", "torch-compiled"]
+MAIN_PIPELINES = ["graphstep-eager", "graphstep-captured", "graphstep-compiled", "torch-foreach", "torch-fused",
+                  "torch-compiled"]
 LR, WEIGHT_DECAY, BETAS, EPS, CLIP, LOSS_SCALE = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0, 1024.0
 GRAD_STD = 1e-3  # the unscaled grads; the buffers hold them times LOSS_SCALE
 BASE_ROW = "graphstep-captured"
@@ -176,7 +181,7 @@ def build_stream(numel: int, device):
     return {"step": lambda: x.mul_(1.0001), "refill": None, "opt_bytes": 0, "numel": numel, "notes": ""}
 
 
-def build_graphstep(model, device, capture: str):
+def build_graphstep(model, device, capture: str, kernel: str = "fused"):
     """graphstep's full step with a static loss scale, so it does the torch pipeline's work: unscale,
     inf check, clip, AdamW. Warm-up past the capture happens in ``time_row``."""
     import torch
@@ -184,7 +189,7 @@ def build_graphstep(model, device, capture: str):
 
     config = gs.OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
                                 adam_beta2=BETAS[1], adam_eps=EPS, clip_grad=CLIP, loss_scale=LOSS_SCALE,
-                                capture=capture)
+                                capture=capture, kernel=kernel)
     params = list(model.parameters())
     opt = gs.get_optimizer(config, model)
     grads = [p.main_grad for p in params]
@@ -309,7 +314,8 @@ def worker(spec: dict) -> dict:
             shapes = [(n, tuple(s)) for n, s in spec["shapes"]]
             model = (make_gpt2_model if spec["shape"] == "gpt2" else make_model)(shapes, device)
             if pipeline.startswith("graphstep"):
-                built = build_graphstep(model, device, "graph" if pipeline == "graphstep-captured" else "eager")
+                built = build_graphstep(model, device, "eager" if pipeline == "graphstep-eager" else "graph",
+                                        kernel="compiled" if pipeline == "graphstep-compiled" else "fused")
             else:
                 built = build_torch(model, device, pipeline)
     numel = built.get("numel") or sum(p.numel() for p in model.parameters())
