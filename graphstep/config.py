@@ -252,6 +252,11 @@ def validate(config: OptimizerConfig) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             _fail(field, value, f"must be an integer >= {minimum}")
 
+    if config.kernel == "compiled" and config.capture == "graph" and config.capture_warmup_steps < 1:
+        _fail("capture_warmup_steps", config.capture_warmup_steps,
+              "kernel='compiled' compiles on its first step, which must run before a CUDA graph is captured: "
+              "use capture_warmup_steps >= 1")
+
     _check_number(config, "clip_grad", low=0.0, low_open=False)
     _check_number(config, "grad_norm_skip_threshold", low=0.0, low_open=True, high=math.inf, high_open=False)
     if config.bucket_size is not None and (not isinstance(config.bucket_size, int) or config.bucket_size < 1):

@@ -34,6 +34,7 @@ BAD = [
     (dict(capture_warmup_steps=-1), "capture_warmup_steps"),
     (dict(capture_invalidation="ignore"), "capture_invalidation"),
     (dict(kernel="triton"), "kernel"),
+    (dict(kernel="compiled", capture="graph", capture_warmup_steps=0), "capture_warmup_steps"),
     (dict(bucket_size=0), "bucket_size"),
     (dict(overlap_grad_reduce=True), "overlap_grad_reduce"),
     (dict(distributed_timeout_s=0), "distributed_timeout_s"),

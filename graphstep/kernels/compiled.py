@@ -1,4 +1,4 @@
-"""The update as one ``torch.compile``d elementwise loop per view: 28 bytes per param, every value live.
+"""The update as ``torch.compile``d elementwise loops over the views: 28 bytes per param, every value live.
 
 Why a third implementation: torch's fused kernels write the divided grads back whenever they are given a
 grad scale (4 more bytes per param on every clipped or loss-scaled step), and take betas, eps and weight
@@ -9,11 +9,11 @@ grad and state once and writes param and state once (28 B for Adam over fp32), n
 hyperparameter is baked into anything. A skipped step selects the old values with ``torch.where``
 inside the same loop, so skips are bitwise.
 
-The loop is compiled on first use (inductor: a C++/OpenMP loop on the CPU, a Triton kernel on a GPU; a
-few seconds, then cached for the process), over views reshaped to rows of a fixed length with a dynamic
-row count, so views of any length share one compiled loop. Each loop is wrapped in a ``torch.library`` custom op so that it is one operator to the
-dispatcher: capture's replay backend records and replays it like any aten op, and ``capture.check``
-sees what it reads and writes.
+The loops are compiled on first use (inductor: C++/OpenMP on the CPU, Triton on a GPU; a few seconds,
+then cached for the process), over views reshaped to rows of a fixed length with a dynamic row count,
+so views of any length share one compile. One call per param group, wrapped in a ``torch.library``
+custom op so that it is one operator to the dispatcher: capture's replay backend records and replays it
+like any aten op, and ``capture.check`` sees what it reads and writes.
 
 Grads are left as they were (not divided by the grad scale), unlike the fused and reference kernels.
 """
@@ -67,60 +67,87 @@ def _sgd_nesterov_loop(param, grad, momentum_buffer, c):
     param.copy_(torch.where(keep, param - c[_SGD_LR] * (g + c[_SGD_MOMENTUM] * new_buffer), param))
 
 
-# Views are run as (rows, _ROW) matrices with the row count dynamic and the row length static: one
-# compile serves views of every length, and the inner loop stays a fixed-length vector loop (fully
-# dynamic 1-D shapes measured ~17% slower at GPT-2 small on the CPU). The < _ROW leftover elements run
-# as (n, 1). One loop per variant (SGD with and without momentum, nesterov) keeps their compiles apart.
+def _adam_views(params, grads, exp_avgs, exp_avg_sqs, c):
+    for param, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs):
+        _adam_loop(param, grad, exp_avg, exp_avg_sq, c)
+
+
+def _sgd_views(params, grads, c):
+    for param, grad in zip(params, grads):
+        _sgd_loop(param, grad, c)
+
+
+def _sgd_momentum_views(params, grads, momentum_buffers, c):
+    for param, grad, buffer in zip(params, grads, momentum_buffers):
+        _sgd_momentum_loop(param, grad, buffer, c)
+
+
+def _sgd_nesterov_views(params, grads, momentum_buffers, c):
+    for param, grad, buffer in zip(params, grads, momentum_buffers):
+        _sgd_nesterov_loop(param, grad, buffer, c)
+
+
+# One compiled call covers all of a param group's views (each call costs a few hundred µs of dynamo and
+# AOT bookkeeping on this CPU, whatever its size). Views run as (rows, _ROW) matrices with the row count
+# dynamic and the row length static: one compile serves views of every length, and the inner loop stays
+# a fixed-length vector loop (fully dynamic 1-D shapes measured ~17% slower at GPT-2 small on the CPU);
+# the < _ROW leftover elements of a view run as (n, 1). Separate functions per variant (SGD with and
+# without momentum, nesterov) keep their compiles apart.
 _ROW = 64
 _RECOMPILE_LIMIT = 32
 
 
 @functools.cache
-def _compiled(loop):
-    return torch.compile(loop, fullgraph=True, dynamic=False)
+def _compiled(views_fn):
+    return torch.compile(views_fn, fullgraph=True, dynamic=False)
 
 
-def _run_rows(loop, tensors, *rest) -> None:
-    """``loop`` over 1-D views ``tensors`` (all one length), as (rows, _ROW) and a (leftover, 1) tail."""
-    n = tensors[0].numel()
-    body = n - n % _ROW
-    # The same grad mode and plain (detached) views on every call: dynamo guards on both. The recompile
-    # limit is raised for these calls only: each loop has a handful of legitimate variants (the two row
-    # widths, one row specialized, views with and without autograd's view tracking).
-    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+def _as_rows(views: list) -> list:
+    """Each 1-D view as its (rows, _ROW) body and (leftover, 1) tail, dropping empty parts."""
+    parts = []
+    for view in views:
+        n = view.numel()
+        body = n - n % _ROW
         for lo, hi, width in ((0, body, _ROW), (body, n, 1)):
-            if hi == lo:
-                continue
-            parts = [t.detach()[lo:hi].view(-1, width) for t in tensors]
-            if parts[0].shape[0] > 1:  # a single row stays static (dynamo specializes sizes 0 and 1)
-                for part in parts:
+            if hi > lo:
+                part = view.detach()[lo:hi].view(-1, width)
+                if part.shape[0] > 1:  # a single row stays static (dynamo specializes sizes 0 and 1)
                     torch._dynamo.mark_dynamic(part, 0)
-            _compiled(loop)(*parts, *rest)
+                parts.append(part)
+    return parts
 
 
-@torch.library.custom_op("graphstep::compiled_adam_", mutates_args=("param", "exp_avg", "exp_avg_sq"))
-def _adam_op(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-             coefficients: torch.Tensor) -> None:
-    _run_rows(_adam_loop, (param, grad, exp_avg, exp_avg_sq), coefficients)
+def _run(views_fn, lists, *rest) -> None:
+    # The same grad mode and plain (detached) views on every call: dynamo guards on both. The recompile
+    # limit is raised for these calls only: each function has a few legitimate variants (view counts,
+    # single rows, views with and without autograd's view tracking).
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+        _compiled(views_fn)(*[_as_rows(views) for views in lists], *rest)
+
+
+@torch.library.custom_op("graphstep::compiled_adam_", mutates_args=("params", "exp_avgs", "exp_avg_sqs"))
+def _adam_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+             exp_avg_sqs: list[torch.Tensor], coefficients: torch.Tensor) -> None:
+    _run(_adam_views, (params, grads, exp_avgs, exp_avg_sqs), coefficients)
 
 
 @_adam_op.register_fake
-def _(param, grad, exp_avg, exp_avg_sq, coefficients) -> None:
+def _(params, grads, exp_avgs, exp_avg_sqs, coefficients) -> None:
     return None
 
 
-@torch.library.custom_op("graphstep::compiled_sgd_", mutates_args=("param", "momentum_buffer"))
-def _sgd_op(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor | None,
+@torch.library.custom_op("graphstep::compiled_sgd_", mutates_args=("params", "momentum_buffers"))
+def _sgd_op(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor],
             coefficients: torch.Tensor, nesterov: bool) -> None:
-    if momentum_buffer is None:
-        _run_rows(_sgd_loop, (param, grad), coefficients)
+    if not momentum_buffers:
+        _run(_sgd_views, (params, grads), coefficients)
     else:
-        loop = _sgd_nesterov_loop if nesterov else _sgd_momentum_loop
-        _run_rows(loop, (param, grad, momentum_buffer), coefficients)
+        views_fn = _sgd_nesterov_views if nesterov else _sgd_momentum_views
+        _run(views_fn, (params, grads, momentum_buffers), coefficients)
 
 
 @_sgd_op.register_fake
-def _(param, grad, momentum_buffer, coefficients, nesterov) -> None:
+def _(params, grads, momentum_buffers, coefficients, nesterov) -> None:
     return None
 
 
@@ -152,8 +179,7 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, weight
     scale = one if grad_scale is None else grad_scale.to(lr.dtype)
     coefficients = _pack((decay, coupled_wd, beta1, 1 - beta1, beta2, 1 - beta2, (1 - beta2 ** step).sqrt(), eps,
                           lr / (1 - beta1 ** step), scale, found_inf == 0), params[0].dtype)
-    for param, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs):
-        _adam_op(param, grad, exp_avg, exp_avg_sq, coefficients)
+    _adam_op(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), coefficients)
 
 
 def sgd(params, grads, momentum_buffers, *, lr, weight_decay, momentum, nesterov, grad_scale, found_inf):
@@ -162,6 +188,4 @@ def sgd(params, grads, momentum_buffers, *, lr, weight_decay, momentum, nesterov
     lr, weight_decay, momentum = _scalars(lr, weight_decay, momentum, like=_precision(lr, params[0].device))
     scale = torch.ones_like(lr) if grad_scale is None else grad_scale.to(lr.dtype)
     coefficients = _pack((lr, weight_decay, momentum, scale, found_inf == 0), params[0].dtype)
-    buffers = list(momentum_buffers) or [None] * len(params)
-    for param, grad, buffer in zip(params, grads, buffers):
-        _sgd_op(param, grad, buffer, coefficients, nesterov)
+    _sgd_op(list(params), list(grads), list(momentum_buffers), coefficients, nesterov)
