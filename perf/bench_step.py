@@ -9,7 +9,8 @@ What each row runs over the same ~124M fp32 params in 148 tensors, with the same
   no-decay, the standard overrides), and ``AdamW(fused=True)`` after ``clip_grad_norm_``;
 - graphstep's step: without clipping (``clip_grad=0``, no loss scaling; the norm pass still runs, as
   the non-finite check) and the full step (``clip_grad=1.0``: norm, non-finite check, clip folded into
-  the update), eager, and the full step captured (CPU replay backend, or a CUDA graph on a GPU).
+  the update), eager, and the full step captured (CPU replay backend, or a CUDA graph on a GPU), with
+  the default fused kernel and with ``kernel="compiled"``.
 
 Bytes per param: Adam over fp32 must read param, grad, m, v and write param, m, v (28 B); the full step
 also reads the grads once for the norm (32 B) — DESIGN.md §6. GB/s is those bytes over the median time:
@@ -17,7 +18,8 @@ how close each row comes to the machine's stream bandwidth for the work it has t
 
 One pipeline is built at a time and freed before the next (each holds ~2 GB at GPT-2 small).
 
-    python perf/bench_step.py [--quick] [--steps 20] [--warmup 3] [--json out.json] [--only fused,graphstep]
+    python perf/bench_step.py [--quick] [--steps 20] [--warmup 3] [--json out.json] [--only fused-floor,...]
+    python perf/bench_step.py --interleave --steps 25 --only fused-floor,graphstep-full,...  # the README's tables
     graphstep bench [same flags]    # from a checkout
 """
 
