@@ -145,7 +145,7 @@ class OptimizerConfig:
     kernel: str = "fused"
     """graphstep's own: update math. "fused": torch's fused multi-tensor kernels (lr is a device tensor;
     betas, eps and weight decay are floats baked into a capture and guarded; a clipped or loss-scaled
-    step also writes the grads back). "compiled": one ``torch.compile``d loop per view, every
+    step also writes the grads back). "compiled": ``torch.compile``d loops, one call per group, every
     hyperparameter a device tensor, the grads only read: the fastest full step, after a compile of a few
     seconds on first use (needs a C++ compiler on the CPU, Triton on a GPU). "reference": plain tensor
     ops with every hyperparameter a device tensor (the test oracle; slower)."""

@@ -1,4 +1,4 @@
-"""Update kernels: fused against the reference, the reference against torch.optim, skips bitwise."""
+"""Update kernels: fused and compiled against the reference, the reference against torch.optim, skips bitwise."""
 
 import pytest
 import torch
@@ -49,21 +49,12 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+@pytest.mark.parametrize("kernels", [fused, compiled], ids=["fused", "compiled"])
 @pytest.mark.parametrize("decoupled", [True, False])
-def test_fused_adam_matches_reference(decoupled):
+def test_adam_matches_reference(kernels, decoupled):
     p1, g, s1 = make_state(0, 2)
     p2, s2 = p1.clone(), [s.clone() for s in s1]
-    run_adam(fused, p1, g, s1, steps=5, decoupled=decoupled)
-    run_adam(reference, p2, g, s2, steps=5, decoupled=decoupled)
-    assert rel(p1, p2) < 1e-6
-    assert rel(s1[0], s2[0]) < 1e-6 and rel(s1[1], s2[1]) < 1e-6
-
-
-@pytest.mark.parametrize("decoupled", [True, False])
-def test_compiled_adam_matches_reference(decoupled):
-    p1, g, s1 = make_state(0, 2)
-    p2, s2 = p1.clone(), [s.clone() for s in s1]
-    run_adam(compiled, p1, g, s1, steps=5, decoupled=decoupled)
+    run_adam(kernels, p1, g, s1, steps=5, decoupled=decoupled)
     run_adam(reference, p2, g, s2, steps=5, decoupled=decoupled)
     assert rel(p1, p2) < 1e-6
     assert rel(s1[0], s2[0]) < 1e-6 and rel(s1[1], s2[1]) < 1e-6
