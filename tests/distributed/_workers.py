@@ -150,3 +150,8 @@ def failing_peer(rank: int, world_size: int, how: str, timeout_s: float, capture
             return {"step": step, "elapsed": time.monotonic() - started, "error": str(exc), "what": exc.what,
                     "captured": bool(opt.captured)}
     return {"step": None}
+
+
+def compiled_kernel(rank: int, world_size: int) -> dict:
+    """The Adam parity run with kernel="compiled": its loops over this rank's shard views."""
+    return train(make_config("adam_fp32", world_size, kernel="compiled"), rank, world_size)

@@ -110,3 +110,15 @@ def test_some_rank_owns_nothing_of_a_group(ranks):
     owned = [result["sgd_fp32"]["owned_groups"] for result in results]
     assert any(len(o) < groups for o in owned), owned
     assert sorted({g for o in owned for g in o}) == list(range(groups))
+
+
+def test_compiled_kernel_on_shards_matches_its_single_process_run():
+    # Same kernel on both sides, so only the reduction order differs. Each rank compiles on its first
+    # step (a few seconds, two ranks on two cores): the longer timeout is for that.
+    results = values(spawn(_workers.compiled_kernel, 2, timeout=120))
+    ref = _workers.train(_workers.make_config("adam_fp32", 1, kernel="compiled"), 0, 1)
+    expected_ok = [step != _workers.INF_STEP for step in range(_workers.STEPS)]
+    for rank, result in enumerate(results):
+        drift = relative_drift(result["params"], ref["params"], ref["start"])
+        assert drift < 1e-3, f"rank {rank}/2: drift {drift:.2e} of the motion"
+        assert result["ok"] == expected_ok
