@@ -33,14 +33,8 @@ def plot_param_count(rows, bandwidth_gbps: float, path: Path) -> Path:
     for nbytes, style in ((32, ":"), (48, "--")):
         ax.plot(sizes, [nbytes * n / (bandwidth_gbps * 1e9) * 1e3 for n in sizes], style, color="gray",
                 label=f"floor: {nbytes} B/param at {bandwidth_gbps:.1f} GB/s")
-    ax.set(xscale="log", yscale="log", xlabel="parameters (one flat fp32 tensor)", ylabel="ms / step (median)",
-           title="Optimizer step time versus parameter count")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path, xlabel="parameters (one flat fp32 tensor)",
+                   title="Optimizer step time versus parameter count")
 
 
 def plot_tensor_count(rows, path: Path) -> Path:
@@ -52,8 +46,13 @@ def plot_tensor_count(rows, path: Path) -> Path:
         label, color, marker = STYLE[pipeline]
         xs, ys = _series(rows, shapes, pipeline, lambda r: r["tensors"])
         ax.plot(xs, ys, marker=marker, color=color, label=label)
-    ax.set(xscale="log", yscale="log", xlabel="tensors (fixed total)", ylabel="ms / step (median)",
-           title=f"Optimizer step time versus tensor count (~{total / 1e6:.1f}M fp32 params in all)")
+    return _finish(fig, ax, path, xlabel="tensors (fixed total)",
+                   title=f"Optimizer step time versus tensor count (~{total / 1e6:.1f}M fp32 params in all)")
+
+
+def _finish(fig, ax, path: Path, *, xlabel: str, title: str) -> Path:
+    """Log-log axes, grid and legend as both plots have them; save and close."""
+    ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel="ms / step (median)", title=title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
