@@ -152,3 +152,16 @@ def test_get_kernels_names_choices():
     assert get_kernels("compiled") is compiled
     with pytest.raises(ValueError, match="'fused', 'compiled', 'reference'"):
         get_kernels("triton")
+
+
+def test_compiled_kernel_layouts_of_many_view_counts_do_not_share_one_recompile_limit(monkeypatch):
+    # Each view count compiles its own function: with a limit of 2 variants, four counts still run.
+    monkeypatch.setattr(compiled, "_RECOMPILE_LIMIT", 2)
+    for count in (1, 2, 3, 5):
+        params, grads, states = make_state(10 + count, 2)
+        parts = [torch.tensor_split(t, count) for t in (params, grads, states[0], states[1])]
+        start = params.clone()
+        compiled.adam(*parts, step=torch.ones(()), lr=torch.tensor(1e-3, dtype=torch.float64), beta1=0.9,
+                      beta2=0.99, weight_decay=0.0, eps=1e-8, decoupled=True, grad_scale=None,
+                      found_inf=torch.zeros(()))
+        assert not torch.equal(params, start)

@@ -21,6 +21,7 @@ Grads are left as they were (not divided by the grad scale), unlike the fused an
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 
@@ -98,8 +99,15 @@ _RECOMPILE_LIMIT = 32
 
 
 @functools.cache
-def _compiled(views_fn):
-    return torch.compile(views_fn, fullgraph=True, dynamic=False)
+def _compiled(views_fn, count: int):
+    """``views_fn`` compiled for lists of ``count`` views.
+
+    Dynamo keeps its compiled variants, and its recompile limit, per code object: one code object per
+    view count keeps optimizers of different layouts in one process (a sweep, a test suite) from
+    crowding one another out of a shared limit.
+    """
+    code = views_fn.__code__.replace(co_name=f"{views_fn.__name__}_{count}")
+    return torch.compile(types.FunctionType(code, views_fn.__globals__), fullgraph=True, dynamic=False)
 
 
 def _as_rows(views: list) -> list:
@@ -119,10 +127,11 @@ def _as_rows(views: list) -> list:
 
 def _run(views_fn, lists, *rest) -> None:
     # The same grad mode and plain (detached) views on every call: dynamo guards on both. The recompile
-    # limit is raised for these calls only: each function has a few legitimate variants (view counts,
-    # single rows, views with and without autograd's view tracking).
+    # limit is raised for these calls only: each compiled function has a few legitimate variants (single
+    # rows, tails, views with and without autograd's view tracking).
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-        _compiled(views_fn)(*[_as_rows(views) for views in lists], *rest)
+        parts = [_as_rows(views) for views in lists]
+        _compiled(views_fn, len(parts[0]))(*parts, *rest)
 
 
 @torch.library.custom_op("graphstep::compiled_adam_", mutates_args=("params", "exp_avgs", "exp_avg_sqs"))
