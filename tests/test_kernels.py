@@ -156,7 +156,9 @@ def test_get_kernels_names_choices():
 
 def test_compiled_kernel_layouts_of_many_view_counts_do_not_share_one_recompile_limit(monkeypatch):
     # Each view count compiles its own function: with a limit of 2 variants, four counts still run.
+    # (Fresh functions, so that variants other tests compiled do not count here.)
     monkeypatch.setattr(compiled, "_RECOMPILE_LIMIT", 2)
+    compiled._compiled.cache_clear()
     for count in (1, 2, 3, 5):
         params, grads, states = make_state(10 + count, 2)
         parts = [torch.tensor_split(t, count) for t in (params, grads, states[0], states[1])]
