@@ -71,23 +71,7 @@ class Row:
 # ---- timing ----------------------------------------------------------------------------------------------
 def time_steps(step: Callable[[], object], device: torch.device, warmup: int, steps: int) -> list[float]:
     """ms per call of ``step``, ``steps`` timed calls after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-        for start, end in events:
-            start.record()
-            step()
-            end.record()
-        torch.cuda.synchronize(device)  # the one sync: after all timed steps
-        return [start.elapsed_time(end) for start, end in events]
-    times = []
-    for _ in range(steps):  # CPU kernels run synchronously: wall time is the step's time
-        t0 = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
+    return time_interleaved({"step": step}, device, warmup, steps)["step"]
 
 
 def time_interleaved(steps_by_key: dict[str, Callable[[], object]], device: torch.device, warmup: int,
@@ -100,7 +84,7 @@ def time_interleaved(steps_by_key: dict[str, Callable[[], object]], device: torc
     for step in steps_by_key.values():
         for _ in range(warmup):
             step()
-    cuda = device.type == "cuda"
+    cuda = device.type == "cuda"  # CUDA events; on the CPU kernels run synchronously: wall time is the step's
     if cuda:
         torch.cuda.synchronize(device)
     marks: dict[str, list] = {key: [] for key in steps_by_key}
@@ -117,7 +101,7 @@ def time_interleaved(steps_by_key: dict[str, Callable[[], object]], device: torc
                 step()
                 marks[key].append((time.perf_counter() - t0) * 1e3)
     if cuda:
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(device)  # the one sync: after all timed steps
         return {key: [start.elapsed_time(end) for start, end in pairs] for key, pairs in marks.items()}
     return marks
 
