@@ -17,6 +17,7 @@ from capture.profile import Ranges
 
 from . import overlap
 from . import overrides as overrides_mod
+from . import state_dict as state_dict_mod
 from .buffers import StaticBuffers, allocate
 from .config import OptimizerConfig
 from .debug import StepReport, run_debug_step
@@ -28,7 +29,6 @@ from .runner import StepRunner, baked_values
 from .scaler import scaler_from_config
 from .stages import Stage, StepTensors, chain, clip, gather, reduce, scale, unscale, update, zeros
 
-STATE_DICT_FORMAT = "graphstep/1"
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -292,70 +292,21 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         accumulates; the reduce-scatters start in the last micro-batch's backward, outside it."""
         return self._overlap.no_sync()
 
+    @torch.no_grad()
+    def publish_params(self) -> None:
+        """Copy the main params into the model params (and all-gather them across data-parallel ranks):
+        what a checkpoint load runs after copying into the main params. Collective with several ranks."""
+        self._publish_fn()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero every grad in place (``set_to_none`` is ignored: the grad buffers are static)."""
         self.buffers.zero_grad()
 
     # ---- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        self.finish_param_gather()
-        groups = []
-        index = {id(p): i for i, p in enumerate(self.buffers.params)}
-        for group in self.param_groups:
-            saved = {k: v for k, v in group.items() if k != "params"}
-            saved["params"] = [index[id(p)] for p in group["params"]]
-            groups.append(saved)
-        return {
-            "format": STATE_DICT_FORMAT,
-            "layout": self.layout.fingerprint(),
-            "rank": self.rank,
-            "step": self.tensors.step.clone(),
-            "main_params": [m.clone() for m in self.buffers.main_shard],
-            "state": {name: [t.clone() for t in tensors] for name, tensors in self.buffers.state.items()},
-            "param_groups": groups,
-            "scaler": None if self.scaler is None else self.scaler.state_dict(),
-            "clip_grad": self.clip_grad,
-            "grad_norm_skip_threshold": self.grad_norm_skip_threshold,
-        }
+        """This rank's flat buffers, exact, for ``torch.save`` flows at the same layout (graphstep.state_dict)."""
+        return state_dict_mod.state_dict(self)
 
-    @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Load by copying into the existing buffers (addresses never change), then refresh model params."""
-        if state_dict.get("format") != STATE_DICT_FORMAT:
-            raise ValueError(f"load_state_dict: format {state_dict.get('format')!r} is not {STATE_DICT_FORMAT!r}")
-        if state_dict["layout"] != self.layout.fingerprint():
-            raise ValueError("load_state_dict: the checkpoint was saved for a different layout (other params, "
-                             "groups, dtypes or data-parallel size); build the optimizer over the same model "
-                             "and config")
-        if state_dict["rank"] != self.rank:
-            raise ValueError(f"load_state_dict: checkpoint of rank {state_dict['rank']} loaded on rank {self.rank}")
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"load_state_dict: {len(saved_groups)} param groups saved, {len(self.param_groups)} here")
-        for g, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            if saved.get("param_names") != group.get("param_names"):
-                raise ValueError(f"load_state_dict: param group {g} holds other params than the checkpoint's")
-        if set(state_dict["state"]) != set(self.buffers.state):
-            raise ValueError(f"load_state_dict: state {sorted(state_dict['state'])} does not match this "
-                             f"optimizer's {sorted(self.buffers.state)}")
-
-        def copy_all(targets, sources, what):
-            for b, (target, source) in enumerate(zip(targets, sources, strict=True)):
-                if target.shape != source.shape:
-                    raise ValueError(f"load_state_dict: {what}[{b}] has shape {tuple(source.shape)}, "
-                                     f"expected {tuple(target.shape)}")
-                target.copy_(source)
-
-        copy_all(self.buffers.main_shard, state_dict["main_params"], "main_params")
-        for name, tensors in self.buffers.state.items():
-            copy_all(tensors, state_dict["state"][name], name)
-        self.tensors.step.copy_(state_dict["step"])
-        if self.scaler is not None:
-            if state_dict["scaler"] is None:
-                raise ValueError("load_state_dict: the checkpoint has no loss-scaler state, this optimizer scales")
-            self.scaler.load_state_dict(state_dict["scaler"])
-        for group, saved in zip(self.param_groups, saved_groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-        self.clip_grad = state_dict["clip_grad"]
-        self.grad_norm_skip_threshold = state_dict["grad_norm_skip_threshold"]
-        self._publish_fn()
+        state_dict_mod.load_state_dict(self, state_dict)
