@@ -90,8 +90,24 @@ class CapturedOptimizer(torch.optim.Optimizer):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Loads through torch, which replaces the state tensors: the next step recaptures."""
+        """Loads through torch, then puts this optimizer's own param-group dicts and lr tensors back.
+
+        torch's ``load_state_dict`` replaces the wrapped optimizer's ``param_groups`` (new dicts, new lr
+        tensors) and ``state``. A scheduler holds the old dicts and would keep writing lr tensors the step
+        no longer reads, freezing the lr. So the loaded values are copied into the original dicts (the lr
+        into the original tensor, in place), the wrapped optimizer is pointed back at them, and the state
+        is shared again. The state tensors are new: the next step recaptures.
+        """
+        groups = self.param_groups
+        lr_tensors = [group["lr"] for group in groups]
         self.optimizer.load_state_dict(state_dict)
+        for group, loaded, lr in zip(groups, self.optimizer.param_groups, lr_tensors, strict=True):
+            loaded_lr = loaded["lr"]
+            group.update({k: v for k, v in loaded.items() if k not in ("params", "lr")})
+            lr.fill_(float(loaded_lr))
+            group["lr"] = lr
+        self.optimizer.param_groups = groups
+        self.state = self.optimizer.state
         self._runner.invalidate()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:

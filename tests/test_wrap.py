@@ -108,3 +108,30 @@ def test_graphsteps_scaler_skips_non_finite_steps_on_device():
 def test_settings_that_would_freeze_are_refused(make, reason):
     with pytest.raises(ValueError, match=reason):
         gs.wrap(make(tiny_transformer().parameters()))
+
+
+def test_state_dict_round_trip_keeps_the_schedule_live():
+    # accelerate (and so transformers.Trainer) calls load_state_dict(state_dict()) when it prepares the
+    # optimizer; a scheduler built before must keep driving the lr the captured step reads.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    reference = torch.nn.Linear(8, 8)
+    reference.load_state_dict(model.state_dict())
+    wrapped = gs.wrap(torch.optim.AdamW(model.parameters(), lr=0.1, fused=True))
+    plain = torch.optim.AdamW(reference.parameters(), lr=0.1, fused=True)
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda k: (k + 1) / 10) for o in (wrapped, plain)]
+    wrapped.load_state_dict(wrapped.state_dict())
+    assert wrapped.optimizer.param_groups is wrapped.param_groups
+    for step in range(6):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, wrapped), (reference, plain)):
+            m(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+        for s in schedules:
+            s.step()
+        if step == 3:
+            wrapped.load_state_dict(wrapped.state_dict())  # a resume mid-run, after capture
+    assert float(wrapped.param_groups[0]["lr"]) == plain.param_groups[0]["lr"]
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
