@@ -8,7 +8,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import capture
 from graphstep.config import OptimizerConfig
@@ -171,25 +170,6 @@ def test_each_further_inf_backs_off_again_and_growth_refills_hysteresis():
     assert seen == [(64.0, 0, 1), (32.0, 0, 0), (16.0, 0, -1), (16.0, 1, -1), (32.0, 0, 2), (32.0, 0, 1)]
 
 
-class NoHostSync(TorchDispatchMode):
-    """Fails any op that reads a device value on the host or whose output shape depends on data."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default or torch.Tag.data_dependent_output in func.tags \
-                or torch.Tag.dynamic_output_shape in func.tags:
-            raise AssertionError(f"host sync in the scaler update: {func}")
-        return func(*args, **(kwargs or {}))
-
-
-def test_no_host_sync_guard_works():
-    with pytest.raises(AssertionError, match="_local_scalar_dense"):
-        with NoHostSync():
-            torch.ones(()).item()
-    with pytest.raises(AssertionError, match="nonzero"):
-        with NoHostSync():
-            torch.ones(3).nonzero()
-
-
 @pytest.mark.parametrize("make", [lambda: DynamicLossScaler(1024.0, 1.0, 2, 2, device="cpu"),
                                   lambda: ConstantLossScaler(8.0, device="cpu")])
 def test_update_runs_on_device_without_a_host_sync_and_in_place(make):
@@ -199,10 +179,10 @@ def test_update_runs_on_device_without_a_host_sync_and_in_place(make):
                                                   if hasattr(scaler, n)]
     addresses = [t.data_ptr() for t in tensors]
     found_inf = torch.zeros(())
-    with NoHostSync():
-        for flag in (0.0, 1.0, 1.0, 0.0, 0.0, 0.0):
-            found_inf.fill_(flag)
-            scaler.update(found_inf)
+    for flag in (0.0, 1.0, 1.0, 0.0, 0.0, 0.0):
+        found_inf.fill_(flag)
+        # capture's own detector of host syncs and data-dependent shapes (it runs the update once)
+        assert capture.check(lambda: scaler.update(found_inf)) == []
     assert [t.data_ptr() for t in tensors] == addresses
     assert all(t.dtype == torch.float32 and t.dim() == 0 for t in tensors)
     if isinstance(scaler, DynamicLossScaler):
