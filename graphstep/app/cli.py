@@ -1,17 +1,21 @@
 """``graphstep`` on the command line: one function per subcommand.
 
+    graphstep --version
     graphstep demo    [--steps 300] [--preset tiny] [--precision fp32|bf16|fp16] [--capture both|eager|graph|auto]
                       [--optimizer adam|sgd] [--world-size 1] [--batch-size 16] [--seed 0] [--lr ...]
-                      [--log-every ...] [--out graphstep-demo]
+                      [--log-every ...] [--out DIR] [--threads N] [--device cpu]
     graphstep profile [--steps 10] [--preset tiny] [--capture eager|graph] [--precision ...] [--out DIR]
-    graphstep bench   [flags of perf/bench_step.py]     (from a checkout: perf/ is not installed)
+    graphstep bench   [flags of the optimizer-step benchmark, graphstep.app.bench]
 
-``demo`` trains the built-in GPT (graphstep.models) on its synthetic corpus with the engine, by default
-twice, eager and captured (same seed, same batches), shows a progress bar, writes a loss-curve PNG and
-prints a summary table; the two runs must be bitwise equal (exit status 1 if not). The training loop is
-in graphstep/demo.py, the table and the plot in graphstep/demo_report.py, the ranks of
-``--world-size N`` in graphstep/demo_dist.py. ``profile`` runs graphstep.profiling.run_profile.
+``demo`` trains the built-in GPT (graphstep.app.models) on its synthetic corpus with the engine, by default
+twice, eager and captured (same seed, same batches); it says up front roughly how long that takes and
+where its output goes, shows a progress bar, writes a loss-curve PNG (matplotlib, the ``app`` extra) and
+prints a summary table; the two runs must be bitwise equal (exit status 1 if not). The training loop is in
+demo.py, the table and the plot in demo_report.py, the ranks of ``--world-size N`` in demo_dist.py.
+``profile`` runs profiling.run_profile. Without ``--out`` both write to options.default_out_dir: out/<kind>
+from the root of a checkout (git ignores out/), else the system temp dir.
 """
+
 
 from __future__ import annotations
 
@@ -26,13 +30,14 @@ from typing import Optional, Sequence
 import torch
 
 from . import models
-from .demo import PRECISIONS, DemoSettings, ProgressBar, RunResult, log_interval, train, warmup_cosine  # noqa: F401
+from .demo import PRECISIONS, DemoSettings, ProgressBar, estimate_seconds, log_interval, optimizer_config, train
+from .options import default_out_dir, package_version, positive_float, positive_int, torch_device
 
 CAPTURES = ("both", "eager", "graph", "auto")
 
 # ---- demo ------------------------------------------------------------------------------------------------
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=_positive_int, default=300, help="training steps (default 300)")
+    parser.add_argument("--steps", type=positive_int, default=300, help="training steps (default 300)")
     parser.add_argument("--preset", choices=sorted(models.PRESETS), default="tiny", help="model size (default tiny)")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="model params: fp32, or bf16/fp16 with fp32 main params (fp16 adds dynamic loss "
@@ -41,38 +46,26 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how the optimizer step runs (OptimizerConfig.capture); 'both' (default) trains "
                              "twice, eager then graph, and checks that the two are bitwise equal")
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="default adam")
-    parser.add_argument("--world-size", type=_positive_int, default=1,
+    parser.add_argument("--world-size", type=positive_int, default=1,
                         help="data-parallel ranks: N > 1 spawns N gloo ranks on 127.0.0.1 with the distributed "
                              "optimizer, each training on its slice of each global batch (default 1: in-process)")
-    parser.add_argument("--batch-size", type=_positive_int, default=16,
+    parser.add_argument("--batch-size", type=positive_int, default=16,
                         help="sequences per step, over all ranks (default 16)")
     parser.add_argument("--seed", type=int, default=0, help="model init and corpus seed (default 0)")
-    parser.add_argument("--lr", type=_positive_float, default=None,
+    parser.add_argument("--lr", type=positive_float, default=None,
                         help="peak learning rate (default adam 1e-3, sgd 0.1)")
-    parser.add_argument("--log-every", type=_positive_int, default=None,
+    parser.add_argument("--log-every", type=positive_int, default=None,
                         help="progress line every N steps when not on a terminal (default: steps / 10)")
-    parser.add_argument("--out", default="graphstep-demo", help="folder for loss.png (default graphstep-demo/)")
-    parser.add_argument("--timeout", type=_positive_float, default=600.0,
+    parser.add_argument("--out", default=None,
+                        help=f"folder for loss.png (default: {default_out_dir('demo')}; out/demo when run from the "
+                             f"root of a graphstep checkout, else the system temp dir)")
+    parser.add_argument("--timeout", type=positive_float, default=600.0,
                         help="with --world-size > 1: seconds the whole run may take before the ranks are "
                              "stopped (collectives time out after 120 s); default 600")
-    parser.add_argument("--threads", type=_positive_int, default=None,
+    parser.add_argument("--threads", type=positive_int, default=None,
                         help="intra-op CPU threads (default: torch's, one per core); 1 is many times faster "
                              "when another job keeps a core busy")
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
+    parser.add_argument("--device", type=torch_device, default="cpu", help="torch device (default cpu)")
 
 
 def settings_from(args: argparse.Namespace) -> DemoSettings:
@@ -82,7 +75,6 @@ def settings_from(args: argparse.Namespace) -> DemoSettings:
 
 
 def cmd_demo(args: argparse.Namespace, out=None) -> int:
-    from .demo import optimizer_config
     from .demo_report import compare, plot_losses, summary_table
 
     out = out or sys.stdout
@@ -95,29 +87,9 @@ def cmd_demo(args: argparse.Namespace, out=None) -> int:
         return 2
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    model_config = models.preset(settings.preset)
-    num_params = sum(p.numel() for p in models.GPT(model_config).parameters())
-    config = optimizer_config(settings, "eager")
-    ranks = f"{world} gloo ranks x {settings.batch_size // world}" if world > 1 else f"batch {settings.batch_size}"
-    print(f"graphstep demo: GPT {settings.preset} ({num_params / 1e6:.2f}M params, {model_config.n_layers} layers, "
-          f"d_model {model_config.d_model}), {settings.optimizer} lr {config.lr:g} wd {config.weight_decay:g}, "
-          f"{settings.precision}, {ranks}x{model_config.seq_len}, {settings.steps} steps on {settings.device}"
-          f"{f' ({torch.get_num_threads()} thread' + 's' * (torch.get_num_threads() > 1) + ')' if world == 1 and settings.device == 'cpu' else ''}, "
-          f"capture: {' then '.join(captures)}", file=out, flush=True)
-    floor = models.SyntheticCorpus(model_config.vocab_size, seed=settings.seed).entropy_rate()
-    print(f"corpus: Markov chain over {model_config.vocab_size} tokens; loss starts near "
-          f"ln({model_config.vocab_size}) = {math.log(model_config.vocab_size):.2f}, floor {floor:.2f}",
-          file=out, flush=True)
-    if settings.precision == "fp16" and settings.device == "cpu":
-        print("note: most CPUs have no native fp16 arithmetic, so fp16 steps are many times slower than fp32 "
-              "here (bf16 is the fast half precision on CPU); try --steps 20", file=out, flush=True)
+    out_dir = Path(args.out) if args.out is not None else default_out_dir("demo")
+    floor = _print_intro(settings, captures, world, out_dir, out)
 
-    busy = _busy_cores()
-    if world == 1 and settings.device == "cpu" and torch.get_num_threads() > 1 and busy:
-        print(f"note: {busy}: {torch.get_num_threads()} intra-op threads wait on each other for many times "
-              f"the step time when another job holds a core; try --threads 1", file=out, flush=True)
-    if world > 1:
-        print(f"progress: rank 0's loss on its slice; the summary: the global batch's", file=out, flush=True)
     bar = ProgressBar(out)
     every = bar.tty_every(settings.steps, log_interval(settings))
     if world == 1:
@@ -145,11 +117,64 @@ def cmd_demo(args: argparse.Namespace, out=None) -> int:
         equal, message = verdict
         print(message, file=out)
         status = status if equal else 1
-    title = (f"graphstep demo: GPT {settings.preset}, {settings.optimizer}, {settings.precision}"
-             f"{f', {world} ranks' if world > 1 else ''}, {settings.steps} steps")
-    png = plot_losses(results, Path(args.out) / "loss.png", title, floor)
-    print(f"loss curve: {png}", file=out, flush=True)
+    if _has_matplotlib():
+        title = (f"graphstep demo: GPT {settings.preset}, {settings.optimizer}, {settings.precision}"
+                 f"{f', {world} ranks' if world > 1 else ''}, {settings.steps} steps")
+        png = plot_losses(results, out_dir / "loss.png", title, floor)
+        print(f"loss curve: {png}", file=out, flush=True)
     return status
+
+
+def _print_intro(settings: DemoSettings, captures: Sequence[str], world: int, out_dir: Path, out) -> float:
+    """What is about to run, how long it should take and where its output goes; returns the corpus's
+    entropy rate (the loss floor)."""
+    model_config = models.preset(settings.preset)
+    num_params = models.GPT(model_config).num_params()
+    config = optimizer_config(settings, "eager")
+    on_cpu = torch.device(settings.device).type == "cpu"
+    threads = torch.get_num_threads()
+    ranks = f"{world} gloo ranks x {settings.batch_size // world}" if world > 1 else f"batch {settings.batch_size}"
+    thread_note = f" ({threads} thread{'s' * (threads > 1)})" if world == 1 and on_cpu else ""
+    print(f"graphstep demo: GPT {settings.preset} ({num_params / 1e6:.2f}M params, {model_config.n_layers} layers, "
+          f"d_model {model_config.d_model}), {settings.optimizer} lr {config.lr:g} wd {config.weight_decay:g}, "
+          f"{settings.precision}, {ranks}x{model_config.seq_len}, {settings.steps} steps on {settings.device}"
+          f"{thread_note}, capture: {' then '.join(captures)}", file=out, flush=True)
+    floor = models.SyntheticCorpus(model_config.vocab_size, seed=settings.seed).entropy_rate()
+    print(f"corpus: Markov chain over {model_config.vocab_size} tokens; loss starts near "
+          f"ln({model_config.vocab_size}) = {math.log(model_config.vocab_size):.2f}, floor {floor:.2f}",
+          file=out, flush=True)
+    if settings.precision == "fp16" and on_cpu:
+        print("note: most CPUs have no native fp16 arithmetic, so fp16 steps are many times slower than fp32 "
+              "here (bf16 is the fast half precision on CPU); try --steps 20", file=out, flush=True)
+    busy = _busy_cores()
+    if world == 1 and on_cpu and threads > 1 and busy:
+        print(f"note: {busy}: {threads} intra-op threads wait on each other for many times "
+              f"the step time when another job holds a core; try --threads 1", file=out, flush=True)
+    seconds = estimate_seconds(settings, len(captures), world)
+    print(f"time: about {_duration(seconds)} ({len(captures)} x {settings.steps} steps, from a timed "
+          f"forward and backward pass on this machine now)", file=out, flush=True)
+    if _has_matplotlib():
+        print(f"output: {out_dir / 'loss.png'} (--out DIR to choose)", file=out, flush=True)
+    else:
+        print("output: no loss-curve PNG, matplotlib is not installed (pip install 'graphstep[app]')",
+              file=out, flush=True)
+    if world > 1:
+        print("progress: rank 0's loss on its slice; the summary: the global batch's", file=out, flush=True)
+    return floor
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{max(1, round(seconds))} s"
+    return f"{seconds / 60:.0f} min"
+
+
+def _has_matplotlib() -> bool:
+    """Whether the app extra's matplotlib can be imported (without importing it: that takes a while)."""
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except ValueError:  # a module object without a spec (sys.modules["matplotlib"] = None in a test)
+        return False
 
 
 def _busy_cores() -> str:
@@ -163,14 +188,16 @@ def _busy_cores() -> str:
 
 # ---- profile ---------------------------------------------------------------------------------------------
 def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=_positive_int, default=10, help="profiled steps (default 10)")
+    parser.add_argument("--steps", type=positive_int, default=10, help="profiled steps (default 10)")
     parser.add_argument("--preset", choices=sorted(models.PRESETS), default="tiny", help="model size (default tiny)")
     parser.add_argument("--capture", choices=("eager", "graph"), default="eager",
                         help="eager shows one range per stage; graph one range per replayed step (default eager)")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="default fp32")
-    parser.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per step (default 8)")
-    parser.add_argument("--out", default="graphstep-profile", help="folder for trace.json (default graphstep-profile/)")
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step (default 8)")
+    parser.add_argument("--out", default=None,
+                        help=f"folder for trace.json (default: {default_out_dir('profile')}; out/profile when run "
+                             f"from the root of a graphstep checkout, else the system temp dir)")
+    parser.add_argument("--device", type=torch_device, default="cpu", help="torch device (default cpu)")
 
 
 def cmd_profile(args: argparse.Namespace, out=None) -> int:
@@ -182,32 +209,18 @@ def cmd_profile(args: argparse.Namespace, out=None) -> int:
 
 
 # ---- bench -----------------------------------------------------------------------------------------------
-BENCH_SCRIPT = Path("perf") / "bench_step.py"
-
-
-def find_bench_script() -> Optional[Path]:
-    """perf/bench_step.py of the checkout this package was imported from (perf/ is not installed)."""
-    candidate = Path(__file__).resolve().parent.parent / BENCH_SCRIPT
-    return candidate if candidate.is_file() else None
-
-
 def cmd_bench(args: argparse.Namespace, forwarded: Sequence[str] = ()) -> int:
-    script = find_bench_script()
-    if script is None:
-        print(f"graphstep bench: {BENCH_SCRIPT} is not installed with the package; from a checkout of "
-              f"graphstep run `python {BENCH_SCRIPT} --help`", file=sys.stderr)
-        return 2
-    spec = importlib.util.spec_from_file_location("graphstep_bench_step", script)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return int(module.main(list(forwarded)) or 0)
+    """Every argument after ``bench`` (``--help`` included) goes to the benchmark's own parser."""
+    from .bench import main as bench_main  # only this subcommand pays for importing the benchmark
+
+    return int(bench_main(list(forwarded)) or 0)
 
 
 # ---- entry point -----------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphstep",
                                      description="The optimizer step as one replayable graph: demo, profile, bench.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = commands.add_parser("demo", help="train the built-in small GPT on CPU, eager and captured",
                                description="Train the built-in GPT on its synthetic corpus with graphstep, eager "
@@ -220,9 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
                                               "cudaProfilerStart/Stop window on CUDA, NVML telemetry.")
     add_profile_arguments(profile)
     profile.set_defaults(func=cmd_profile)
-    # Every flag after `bench` (--help included) goes to perf/bench_step.py's own parser.
-    bench = commands.add_parser("bench", add_help=False, help="optimizer-step benchmark (perf/bench_step.py; "
-                                "`graphstep bench --help` for its flags)")
+    bench = commands.add_parser("bench", add_help=False, help="optimizer-step benchmark "
+                                "(`graphstep bench --help` for its flags)")
     bench.set_defaults(func=cmd_bench)
     return parser
 
@@ -235,3 +247,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
