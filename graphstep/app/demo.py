@@ -32,7 +32,7 @@ DEFAULT_WEIGHT_DECAY = {"adam": 0.1, "sgd": 1e-4}
 @dataclass(frozen=True)
 class DemoSettings:
     """What a demo run trains; the same settings give the same batches and initial params."""
-    steps: int = 300
+    steps: int = 200
     preset: str = "tiny"
     precision: str = "fp32"
     optimizer: str = "adam"
@@ -107,8 +107,9 @@ def warmup_cosine(steps: int, warmup: int, floor: float = 0.1):
 def estimate_seconds(settings: DemoSettings, runs: int, world_size: int = 1) -> float:
     """Roughly how long ``runs`` trainings with ``settings`` take here, measured rather than guessed: a
     batch drawn plus forward and backward of this rank's slice at the run's precision, timed on the second
-    of two passes (the first pays one-time allocations). The optimizer step and the bookkeeping add about
-    10% on the built-in presets; spawning ranks (each imports torch) a few seconds."""
+    of three passes (the first pays one-time allocations; the best of the other two, as a busy machine
+    slows any single one). The optimizer step and the bookkeeping add about 10% on the built-in presets;
+    spawning ranks (each imports torch) a few seconds."""
     device = torch.device(settings.device)
     model_config = models.preset(settings.preset)
     model = models.GPT(model_config, seed=settings.seed).to(device)
@@ -117,14 +118,16 @@ def estimate_seconds(settings: DemoSettings, runs: int, world_size: int = 1) -> 
         model.to(dtype)
     corpus = models.SyntheticCorpus(model_config.vocab_size, seed=settings.seed)
     rows = slice(0, max(1, settings.batch_size // world_size))
-    for step in range(2):
+    seconds = []
+    for step in range(3):
         started = time.perf_counter()
         inputs, targets = corpus.batch(step, settings.batch_size, model_config.seq_len, device)
         model(inputs[rows], targets[rows]).backward()
         synchronize(device)
-        seconds = time.perf_counter() - started
+        seconds.append(time.perf_counter() - started)
+    step_seconds = min(seconds[1:])
     startup = 5.0 if world_size > 1 else 0.0
-    return runs * settings.steps * seconds * 1.1 + startup
+    return runs * settings.steps * step_seconds * 1.1 + startup
 
 
 class StepTimer:
