@@ -5,6 +5,7 @@ name no internal function, the time estimate and the output folder said up front
 import io
 import json
 import math
+import os
 import re
 import time
 from pathlib import Path
@@ -71,6 +72,18 @@ def test_demo_single_run_sgd_captured(capsys, tmp_path):
     assert "bitwise" not in out  # nothing to compare against
     assert out.count("graph step") == 3  # steps 1, 4, 8
     assert (tmp_path / "loss.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.parametrize("load, threads", [(9.0, 1), (0.2, 2)])
+def test_demo_takes_one_thread_when_the_cores_are_busy(load, threads, capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    torch.set_num_threads(2)  # torch's default on two cores (the autouse fixture restores the count)
+    rows, out = run(capsys, tmp_path, "--steps", "2", "--batch-size", "2", "--capture", "eager")
+    assert torch.get_num_threads() == threads
+    assert f"on cpu ({threads} thread{'s' * (threads > 1)})" in out
+    busy = "note: the 2 cores are busy (1-min load average 9.0), so 1 intra-op thread: 2 would wait"
+    assert (busy in out) == (threads == 1), out
 
 
 def test_demo_fp16_reports_the_loss_scale(capsys, tmp_path):

@@ -64,8 +64,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --world-size > 1: seconds the whole run may take before the ranks are "
                              "stopped (collectives time out after 120 s); default 600")
     parser.add_argument("--threads", type=positive_int, default=None,
-                        help="intra-op CPU threads (default: torch's, one per core); 1 is many times faster "
-                             "when another job keeps a core busy")
+                        help="intra-op CPU threads (default: torch's, one per core, or 1 when the load average "
+                             "says another job keeps the cores busy: then 1 is many times faster)")
     parser.add_argument("--device", type=torch_device, default="cpu", help="torch device (default cpu)")
 
 
@@ -86,10 +86,17 @@ def cmd_demo(args: argparse.Namespace, out=None) -> int:
         print(f"graphstep demo: --batch-size {settings.batch_size} must be a multiple of --world-size {world}",
               file=sys.stderr)
         return 2
+    notes = []
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    elif world == 1 and torch.device(settings.device).type == "cpu" and torch.get_num_threads() > 1:
+        busy = _busy_cores()
+        if busy:  # measured on 2 shared cores: 2 threads 10-15x slower per step than 1 (and ~8x the CPU time)
+            notes.append(f"{busy}, so 1 intra-op thread: {torch.get_num_threads()} would wait on each other for "
+                         f"many times the step time while another job holds a core (--threads N to choose)")
+            torch.set_num_threads(1)
     out_dir = Path(args.out) if args.out is not None else default_out_dir("demo")
-    floor = _print_intro(settings, captures, world, out_dir, out)
+    floor = _print_intro(settings, captures, world, out_dir, notes, out)
 
     bar = ProgressBar(out)
     every = bar.tty_every(settings.steps, log_interval(settings))
@@ -126,9 +133,10 @@ def cmd_demo(args: argparse.Namespace, out=None) -> int:
     return status
 
 
-def _print_intro(settings: DemoSettings, captures: Sequence[str], world: int, out_dir: Path, out) -> float:
-    """What is about to run, how long it should take and where its output goes; returns the corpus's
-    entropy rate (the loss floor)."""
+def _print_intro(settings: DemoSettings, captures: Sequence[str], world: int, out_dir: Path,
+                 notes: Sequence[str], out) -> float:
+    """What is about to run (and ``notes`` on how), how long it should take and where its output goes;
+    returns the corpus's entropy rate (the loss floor)."""
     model_config = models.preset(settings.preset)
     num_params = models.GPT(model_config).num_params()
     config = optimizer_config(settings, "eager")
@@ -145,12 +153,10 @@ def _print_intro(settings: DemoSettings, captures: Sequence[str], world: int, ou
           f"ln({model_config.vocab_size}) = {math.log(model_config.vocab_size):.2f}, floor {floor:.2f}",
           file=out, flush=True)
     if settings.precision == "fp16" and on_cpu:
-        print("note: most CPUs have no native fp16 arithmetic, so fp16 steps are many times slower than fp32 "
-              "here (bf16 is the fast half precision on CPU); try --steps 20", file=out, flush=True)
-    busy = _busy_cores()
-    if world == 1 and on_cpu and threads > 1 and busy:
-        print(f"note: {busy}: {threads} intra-op threads wait on each other for many times "
-              f"the step time when another job holds a core; try --threads 1", file=out, flush=True)
+        notes = [*notes, "most CPUs have no native fp16 arithmetic, so fp16 steps are many times slower than fp32 "
+                         "here (bf16 is the fast half precision on CPU); try --steps 20"]
+    for note in notes:
+        print(f"note: {note}", file=out, flush=True)
     seconds = estimate_seconds(settings, len(captures), world)
     print(f"time: about {_duration(seconds)} ({len(captures)} x {settings.steps} steps, from a timed "
           f"forward and backward pass on this machine now)", file=out, flush=True)
