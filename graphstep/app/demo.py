@@ -106,10 +106,10 @@ def warmup_cosine(steps: int, warmup: int, floor: float = 0.1):
 
 def estimate_seconds(settings: DemoSettings, runs: int, world_size: int = 1) -> float:
     """Roughly how long ``runs`` trainings with ``settings`` take here, measured rather than guessed: a
-    batch drawn plus forward and backward of this rank's slice at the run's precision, timed on the second
-    of three passes (the first pays one-time allocations; the best of the other two, as a busy machine
-    slows any single one). The optimizer step and the bookkeeping add about 10% on the built-in presets;
-    spawning ranks (each imports torch) a few seconds."""
+    batch drawn plus forward and backward of this rank's slice at the run's precision, the best of the
+    second and third of three passes (the first pays one-time allocations; a busy machine slows any single
+    one). The optimizer step adds a few percent on the built-in presets (2 of ~60 ms on tiny), rounded up
+    to 10%; spawning ranks (each imports torch) a few seconds."""
     device = torch.device(settings.device)
     model_config = models.preset(settings.preset)
     model = models.GPT(model_config, seed=settings.seed).to(device)
