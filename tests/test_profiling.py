@@ -17,7 +17,7 @@ def test_profile_writes_a_trace_with_the_stage_names(tmp_path, capsys):
     summary = run_profile(steps=3, out_dir=str(tmp_path))
     events = json.loads(summary.trace.read_text())["traceEvents"]
     names = {e.get("name") for e in events}
-    for stage in ("graphstep.step", "graphstep.unscale", "graphstep.clip", "graphstep.update", "graphstep.scale"):
+    for stage in ("graphstep.step", "graphstep.norm", "graphstep.clip", "graphstep.update", "graphstep.loss_scale"):
         assert stage in names
     assert "step 3" in names
     printed = capsys.readouterr().out

@@ -224,10 +224,12 @@ def train(settings: DemoSettings, capture: str, report: Optional[Callable[[Progr
         digests = [None] * world_size
         dist.all_gather_object(digests, digest)
         same = all(d == digests[0] for d in digests)
-    return RunResult(label=capture, backend=opt.capture_backend, losses=losses_cpu, times_ms=timer.collect(),
-                     skipped=int(skipped.item()),
-                     loss_scale=float(opt.loss_scale.item()) if opt.scaler is not None else None,
-                     params_sha256=digest, world_size=world_size, params_same_on_all_ranks=same)
+    run = RunResult(label=capture, backend=opt.capture_backend, losses=losses_cpu, times_ms=timer.collect(),
+                    skipped=int(skipped.item()),
+                    loss_scale=float(opt.loss_scale.item()) if opt.scaler is not None else None,
+                    params_sha256=digest, world_size=world_size, params_same_on_all_ranks=same)
+    opt.close()  # free this run's captured graph (and its pool) before the next run builds its own
+    return run
 
 
 class ProgressBar:
