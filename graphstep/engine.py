@@ -290,7 +290,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
 
     @property
     def capture_backend(self) -> str:
-        """What runs the step: "cuda" (a CUDA graph), "replay" (the CPU replay backend) or "eager"."""
+        """What runs the step: the capture backend's name (a CUDA graph, the CPU replay backend, or eager;
+        see ``capture.devices.backend_for``)."""
         return self._runner.backend
 
     @property

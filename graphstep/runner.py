@@ -74,7 +74,8 @@ class StepRunner:
 
     @property
     def backend(self) -> str:
-        """"cuda", "replay" or "eager": what runs (or will run, after the warm-up) the step."""
+        """The backend's name (``capture.devices.backend_for``): what runs, or will run after the warm-up,
+        the step."""
         return self._backend
 
     @property

@@ -7,7 +7,6 @@ import json
 import math
 import os
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -93,10 +92,9 @@ def test_demo_fp16_reports_the_loss_scale(capsys, tmp_path):
 
 
 def test_demo_world_size_2_is_bounded_and_summarized(capsys, tmp_path):
-    started = time.monotonic()
+    # Bounded by the demo's own --timeout (it raises past it), not by a wall-clock assertion here.
     rows, out = run(capsys, tmp_path, "--steps", "6", "--batch-size", "4", "--world-size", "2",
                     "--timeout", "90")
-    assert time.monotonic() - started < 90
     assert set(rows) == {"eager", "graph"} and rows["graph"]["backend"] == "replay"
     assert "params bitwise identical on all 2 ranks: True" in out
     assert "final losses equal, bitwise" in out
@@ -104,11 +102,10 @@ def test_demo_world_size_2_is_bounded_and_summarized(capsys, tmp_path):
 
 
 def test_a_failing_rank_is_named_not_waited_for():
-    started = time.monotonic()
+    # "raised" (its traceback came back), not "wrote no result within ..." (the deadline ran out).
     with pytest.raises(RankFailure, match=r"rank \d of 2 raised"):
         run_ranks(DemoSettings(steps=2, batch_size=2, device="no-such-device"), ["eager"], 2, every=1,
                   deadline_s=60)
-    assert time.monotonic() - started < 60
 
 
 def test_world_size_must_divide_the_batch(capsys, tmp_path):
