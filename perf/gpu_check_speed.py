@@ -10,8 +10,6 @@ from __future__ import annotations
 import statistics
 import time
 
-import torch
-
 from capture.devices import is_cuda, synchronize
 from graphstep.app import bench_core as core
 from graphstep.app import bench_shapes
