@@ -170,8 +170,9 @@ def negative_control(device) -> dict:
 
 
 def sync_debug_replays(device) -> dict:
-    """Five replays of a captured step under ``torch.cuda.set_sync_debug_mode("error")``: any host sync
-    in what a replay runs (the hyperparameter refresh included) raises."""
+    """Five replays of a captured step under ``torch.cuda.set_sync_debug_mode("error")``, the lr changed
+    before each as a schedule would: any host sync in ``opt.step()`` (the hyperparameter refresh included)
+    raises."""
     name = "replay-without-host-sync"
     if not is_cuda(device):
         return record(name, NO_CUDA)
@@ -179,13 +180,17 @@ def sync_debug_replays(device) -> dict:
     try:
         torch.cuda.set_sync_debug_mode("error")
         for _ in range(5):
+            for group in run.opt.param_groups:
+                group["lr"] *= 0.9
             run.opt.step()
     except Exception as error:
         return record(name, "fail", f"a replay synchronised with the host: {type(error).__name__}: {error}")
     finally:
         torch.cuda.set_sync_debug_mode("default")
     synchronize(device)
-    return record(name, "pass", "5 replays under set_sync_debug_mode('error')")
+    if recaptures(run.opt) != 0:
+        return record(name, "fail", f"the lr change recaptured the step ({recaptures(run.opt)} recaptures)")
+    return record(name, "pass", "5 replays with a changed lr under set_sync_debug_mode('error'), no recapture")
 
 
 def part_recapture(device, small: bool) -> list[dict]:
