@@ -41,9 +41,13 @@ def main(argv=None) -> None:
     parser.add_argument("--timeout", type=float, default=60.0, help="distributed_timeout_s")
     args = parser.parse_args(argv)
 
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.backend == "nccl" else "cpu"
+    if args.backend == "nccl":
+        # Before the group exists: NCCL's communicator, the capture's side stream and every kernel of this
+        # rank must land on this rank's GPU, not on GPU 0 (issue 17.3).
+        torch.cuda.set_device(device)
     dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))  # env:// from torchrun
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.backend == "nccl" else "cpu"
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if args.global_batch % world:
         raise SystemExit(f"--global-batch {args.global_batch} must be a multiple of the {world} ranks")
