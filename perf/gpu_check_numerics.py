@@ -181,8 +181,8 @@ def sync_debug_replays(device) -> dict:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     synchronize(device)
-    if recaptures(run.opt) != 0:
-        return record(name, "fail", f"the lr change recaptured the step ({recaptures(run.opt)} recaptures)")
+    if run.opt.recaptures != 0:
+        return record(name, "fail", f"the lr change recaptured the step ({run.opt.recaptures} recaptures)")
     return record(name, "pass", "5 replays with a changed lr under set_sync_debug_mode('error'), no recapture")
 
 
@@ -213,7 +213,7 @@ def part_memory(device, small: bool) -> list[dict]:
         reserved.append(torch.cuda.memory_reserved(device))
     slack = 1 << 20
     grew = allocated[-1] - allocated[0] > slack or reserved[-1] - reserved[0] > slack
-    count = recaptures(run.opt)
+    count = run.opt.recaptures
     ok = not grew and count == 10
     detail = (f"allocated {allocated[0] / 2**20:.1f} -> {allocated[-1] / 2**20:.1f} MiB, reserved "
               f"{reserved[0] / 2**20:.1f} -> {reserved[-1] / 2**20:.1f} MiB (growth allowed: 1 MiB); recaptures {count}")
