@@ -310,3 +310,13 @@ class GraphstepOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load by copying into the existing buffers (addresses never change), then refresh model params."""
         state_dict_mod.load_state_dict(self, state_dict)
+
+    def sharded_state_dict(self) -> dict:
+        """The reshardable per-param checkpoint format, this rank's slices (graphstep.checkpoint.sharded)."""
+        from .checkpoint import sharded
+        return sharded.sharded_state_dict(self)
+
+    def load_sharded_state_dict(self, state_dict: dict) -> None:
+        """Load the reshardable format from any data-parallel size or layout: validated, copied in place."""
+        from .checkpoint import sharded
+        sharded.load_sharded_state_dict(self, state_dict)
