@@ -81,11 +81,19 @@ def check_tensor(value: Any, where: str, like: torch.Tensor, *, nonnegative: boo
         raise _fail(where, f"has shape {tuple(value.shape)}, expected {tuple(like.shape)}")
     if value.layout != torch.strided or value.is_quantized:
         raise _fail(where, "must be a dense tensor")
-    if not bool(torch.isfinite(value).all()):
+    if not all_finite(value):
         raise _fail(where, "holds NaN or inf: refusing to load a corrupted checkpoint")
-    if nonnegative and bool((value < 0).any()):
+    if nonnegative and value.numel() and float(value.min()) < 0:
         raise _fail(where, "holds negative values (a second moment is never negative)")
     return value
+
+
+def all_finite(value: torch.Tensor) -> bool:
+    """Every element finite. A NaN or inf element makes the sum non-finite, so a finite sum (one fast
+    reduction, no temporary) proves it; only a non-finite sum (or an overflow) takes the exact check."""
+    if not value.is_floating_point() or value.numel() == 0:
+        return True
+    return bool(torch.isfinite(value.sum())) or bool(torch.isfinite(value).all())
 
 
 def check_tensor_list(value: Any, where: str, likes, **kwargs) -> None:

@@ -112,9 +112,11 @@ def _world() -> tuple[int, bool]:
 
 @contextlib.contextmanager
 def _single_process_quiet():
-    """DCP warns that it assumes one process when torch.distributed is not initialised: that is the intent."""
+    """DCP warns that it assumes one process when torch.distributed is not initialised (that is the intent)
+    and, on every ShardedTensor it plans, that ShardedTensor is deprecated (sharded.py says why we use it)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor")
         yield
 
 
@@ -272,7 +274,7 @@ def load(opt, path: str, model: Optional[torch.nn.Module] = None) -> None:
     with _single_process_quiet():
         dcp.load(template, storage_reader=SafeFileSystemReader(where), planner=SafeLoadPlanner())
     for key, value in model_sd.items():
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        if not flat.all_finite(value):
             raise flat.StateDictError(f"load: model entry '{key}' holds NaN or inf")
     opt_sd = {k: v for k, v in template.items() if not k.startswith(MODEL_PREFIX)}
     plan = sharded.validate(opt, opt_sd)  # every check passes before anything changes

@@ -203,9 +203,11 @@ def _check_entry(opt, value: Any, key: str, place, owned, nonnegative: bool) -> 
     if value is None and owned is None:
         return None
     if hasattr(value, "local_shards"):  # a ShardedTensor: exactly this rank's range
-        if tuple(value.size()) != (place.numel,):
-            raise _fail(f"[{key!r}]", f"has global shape {tuple(value.size())}, expected ({place.numel},)")
-        shards = value.local_shards()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ShardedTensor's deprecation notice: see the module docstring
+            global_shape, shards = tuple(value.size()), value.local_shards()
+        if global_shape != (place.numel,):
+            raise _fail(f"[{key!r}]", f"has global shape {global_shape}, expected ({place.numel},)")
         offsets = [s.metadata.shard_offsets[0] for s in shards]
         expected = [] if owned is None else [owned.param_start]
         if offsets != expected:
