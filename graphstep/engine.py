@@ -312,7 +312,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         state_dict_mod.load_state_dict(self, state_dict)
 
     def sharded_state_dict(self) -> dict:
-        """The reshardable per-param checkpoint format, this rank's slices (graphstep.checkpoint.sharded)."""
+        """The reshardable per-param checkpoint format, this rank's slices as views of the live buffers
+        (like torch's state dicts; ``gs.checkpoint.sharded_state_dict(opt, snapshot=True)`` copies)."""
         from .checkpoint import sharded
         return sharded.sharded_state_dict(self)
 

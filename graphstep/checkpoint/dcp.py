@@ -277,7 +277,7 @@ def load(opt, path: str, model: Optional[torch.nn.Module] = None) -> None:
         if not flat.all_finite(value):
             raise flat.StateDictError(f"load: model entry '{key}' holds NaN or inf")
     opt_sd = {k: v for k, v in template.items() if not k.startswith(MODEL_PREFIX)}
-    plan = sharded.validate(opt, opt_sd)  # every check passes before anything changes
+    plan = sharded.validate_everywhere(opt, opt_sd)  # every check, on every rank, before anything changes
     if model is not None:
         model.load_state_dict(model_sd)  # in place; the params are then published from the main params
     sharded.apply_validated(opt, plan)

@@ -90,3 +90,27 @@ def resume(rank: int, world_size: int, root: str, names: tuple, bucket_sizes: tu
             out[(bucket, name)] = {"loaded": loaded, "at_load": at_load, "final": params(model),
                                    "buckets": len(opt.layout.buckets)}
     return out
+
+
+def refuse_on_one_rank(rank: int, world_size: int) -> dict:
+    """A sharded state dict whose last rank's slice holds a NaN: every rank refuses, nothing changes."""
+    import torch
+
+    model = tiny_transformer()
+    opt = get_optimizer(make_config("adam", world_size), model)
+    train(model, opt, rank, world_size, 0, 2)
+    sd = gs.checkpoint.sharded_state_dict(opt, snapshot=True)  # copies: the live buffers move on
+    train(model, opt, rank, world_size, 2, 1)  # now the checkpoint differs from the live state
+    before = (owned_state(opt), params(model))
+    if rank == world_size - 1:
+        key = next(k for k, v in sd.items() if k.startswith("optimizer.state.exp_avg.") and v.local_shards())
+        sd[key].local_shards()[0].tensor[0] = float("nan")
+    try:
+        opt.load_sharded_state_dict(sd)
+        message = None
+    except ValueError as exc:
+        message = str(exc)
+    after = (owned_state(opt), params(model))
+    unchanged = all(torch.equal(a[1], b[1]) for a, b in zip(before[0].values(), after[0].values())) and \
+        all(torch.equal(a, b) for a, b in zip(before[1], after[1]))
+    return {"message": message, "unchanged": unchanged}

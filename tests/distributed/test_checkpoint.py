@@ -99,3 +99,10 @@ def test_resume_on_4_ranks_optimizer_only(saved):
     resumed = values(spawn(W.resume, 4, root, NAMES, (W.BUCKET,), "", False, timeout=55))
     check_loaded_state(full, resumed, W.BUCKET)
     check_continuation(results, resumed, W.BUCKET, bitwise=False)
+
+
+def test_a_checkpoint_bad_on_one_rank_is_refused_on_all_with_nothing_changed():
+    results = values(spawn(W.refuse_on_one_rank, 2, timeout=55))
+    assert "NaN" in results[1]["message"] and "exp_avg." in results[1]["message"]
+    assert "rank 1 refused" in results[0]["message"]
+    assert all(r["unchanged"] for r in results)
