@@ -370,3 +370,18 @@ def test_a_save_interrupted_between_the_renames_falls_back_to_the_previous_check
     with pytest.warns(UserWarning, match="interrupted"):
         gs.checkpoint.load(opt2, tmp_path / "ckpt")
     assert_same(per_param_state(opt2), saved)
+
+
+def test_optimizer_state_is_a_dcp_stateful(tmp_path):
+    model = tiny_transformer()
+    opt = engine(model, fp16=True, **ADAM)
+    train(model, opt, 3)
+    dcp.save({"optimizer": gs.checkpoint.OptimizerState(opt)}, checkpoint_id=str(tmp_path / "dcp"))
+    fresh = tiny_transformer(seed=1).half()
+    opt2 = engine(fresh, fp16=True, bucket_size=3000, **ADAM)
+    dcp.load({"optimizer": gs.checkpoint.OptimizerState(opt2)},
+             storage_reader=gs.checkpoint.SafeFileSystemReader(str(tmp_path / "dcp")),
+             planner=gs.checkpoint.SafeLoadPlanner())
+    assert_same(per_param_state(opt2), per_param_state(opt))
+    assert_same(opt2.scaler.state_dict(), opt.scaler.state_dict())
+    assert opt2.param_groups[0]["betas"] == opt.param_groups[0]["betas"]
