@@ -86,7 +86,8 @@ def _ownership(opt) -> dict[int, list]:
     return owners
 
 
-def _sharded(local: torch.Tensor | None, place, owners: list, global_ranks: list[int], rank: int):
+def _sharded(local: torch.Tensor | None, place, owners: list, global_ranks: list[int], rank: int,
+             dtype: torch.dtype):
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
@@ -95,7 +96,7 @@ def _sharded(local: torch.Tensor | None, place, owners: list, global_ranks: list
     shards_md = [ShardMetadata([o.param_start], [o.param_end - o.param_start],
                                f"rank:{global_ranks[r]}/{device}") for r, o in owners]
     metadata = ShardedTensorMetadata(shards_md, torch.Size([place.numel]),
-                                     TensorProperties(dtype=torch.float32, layout=torch.strided))
+                                     TensorProperties(dtype=dtype, layout=torch.strided))
     local_shards = [] if local is None else [Shard(local, shards_md[[r for r, _ in owners].index(rank)])]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # ShardedTensor's deprecation notice: see the module docstring
@@ -117,8 +118,9 @@ def _build(opt, slice_fn: Callable[[torch.Tensor, int, int], torch.Tensor]) -> d
             if mine:
                 o = mine[0]
                 local = slice_fn(buffers[place.buffer], o.shard_start, o.param_end - o.param_start)
-            out[state_key(kind, place.name)] = (_sharded(local, place, owners[place.index], global_ranks, rank)
-                                                if sharded else local)
+            out[state_key(kind, place.name)] = (
+                _sharded(local, place, owners[place.index], global_ranks, rank, buffers[place.buffer].dtype)
+                if sharded else local)
     return out
 
 
@@ -215,8 +217,10 @@ def _check_entry(opt, value: Any, key: str, place, owned, nonnegative: bool) -> 
         if owned is None:
             return None
         value = shards[0].tensor
-    elif isinstance(value, torch.Tensor) and owned is not None and tuple(value.shape) == (place.numel,):
+    elif isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape[0] == place.numel and size:
         value = value[owned.param_start:owned.param_end]  # a full (unsharded) entry: take this rank's part
+    elif isinstance(value, torch.Tensor) and tuple(value.shape) == (place.numel,) and owned is None:
+        return None  # a full entry of a param this rank owns none of
     return flat.check_tensor(value, f"[{key!r}]", like, nonnegative=nonnegative)
 
 

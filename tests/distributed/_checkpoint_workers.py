@@ -1,4 +1,4 @@
-"""Rank functions for tests/distributed/test_checkpoint.py (spawned by _harness.spawn).
+"""Rank functions for tests/distributed/test_checkpoint_resharding.py (spawned by _harness.spawn).
 
 Train the toy on dp ranks, save with graphstep.checkpoint, resume on another data-parallel size or
 bucket layout, continue. The global batch (12 rows) splits evenly over 1, 2, 3 and 4 ranks, so every run
