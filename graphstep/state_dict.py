@@ -216,8 +216,10 @@ def check_param_groups(opt, saved: Any, where: str, *, check_indices: bool) -> l
     return updates
 
 
-def check_scaler(opt, saved: Any, where: str) -> None:
-    """The loss-scaler state: None without a scaler; else exactly its keys, 0-d fp32, sane values."""
+def check_scaler(opt, saved: Any, where: str, name=None) -> None:
+    """The loss-scaler state: None without a scaler; else exactly its keys, 0-d fp32, sane values.
+    ``name(key)`` says how a key is named in messages (default ``where[key]``)."""
+    name = name or (lambda key: f"{where}[{key!r}]")
     if opt.scaler is None:
         if saved is not None:
             raise _fail(where, "holds loss-scaler state but this optimizer does not scale the loss (the "
@@ -226,16 +228,20 @@ def check_scaler(opt, saved: Any, where: str) -> None:
     if saved is None:
         raise _fail(where, "is None: the checkpoint has no loss-scaler state, this optimizer scales the loss")
     live = opt.scaler.state_dict()
+    if isinstance(saved, Mapping):
+        missing = [k for k in live if k not in saved]
+        if missing:
+            raise _fail(name(missing[0]), "is missing")
     check_mapping(saved, where, tuple(live), allowed=tuple(live))
     for key, like in live.items():
-        check_tensor(saved[key], f"{where}[{key!r}]", like)
+        check_tensor(saved[key], name(key), like)
     if not float(saved["scale"]) > 0:
-        raise _fail(f"{where}['scale']", f"is {float(saved['scale'])}: must be > 0")
+        raise _fail(name("scale"), f"is {float(saved['scale'])}: must be > 0")
     for key in ("growth_tracker", "hysteresis_tracker"):
         if key in saved and float(saved[key]) != math.floor(float(saved[key])):
-            raise _fail(f"{where}[{key!r}]", f"is {float(saved[key])}: must be a whole number")
+            raise _fail(name(key), f"is {float(saved[key])}: must be a whole number")
     if "growth_tracker" in saved and float(saved["growth_tracker"]) < 0:
-        raise _fail(f"{where}['growth_tracker']", "is negative")
+        raise _fail(name("growth_tracker"), "is negative")
 
 
 def apply_common(opt, step, group_updates, scaler_state, clip_grad, skip_threshold) -> None:

@@ -4,6 +4,7 @@ kept across a load, atomic saves (a killed save), and refusals that change nothi
 import copy
 import os
 import pickle
+import select
 import signal
 import subprocess
 import sys
@@ -331,6 +332,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, "-c", _SAVER, str(path)], stdout=subprocess.PIPE, env=env)
     try:
+        assert select.select([proc.stdout], [], [], 90)[0], "the saver did not start within 90 s"
         assert proc.stdout.readline().strip() == b"ready"
         deadline = time.monotonic() + 30
         while not writing(tmp_path / "ckpt.saving"):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import graphstep as gs
@@ -243,3 +243,49 @@ def test_malformed_state_dicts_are_refused_or_round_trip(setup, data):
         assert same(snapshot(opt), before), f"refused load changed the optimizer: {path}"
     else:
         assert same(opt.state_dict(), bad), f"accepted load did not round-trip: {path}"
+
+
+# ---- the same property for the reshardable format (graphstep.checkpoint) ------------------------------
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def sharded_setup(request):
+    model_a, opt_a = build(request.param, seed=0)
+    train(model_a, opt_a, 3)
+    _, opt_b = build(request.param, seed=1)
+    return (gs.checkpoint.sharded_state_dict(opt_a, snapshot=True), opt_b,
+            gs.checkpoint.sharded_state_dict(opt_b, snapshot=True))
+
+
+def decoded(sd):
+    """The sharded dict with its JSON entries decoded (so mutations can reach inside them)."""
+    json_keys = (gs.checkpoint.sharded.GROUPS_KEY, gs.checkpoint.sharded.META_KEY)
+    return {k: gs.checkpoint.sharded.decode_json(v, k) if k in json_keys else v for k, v in sd.items()}
+
+
+def encoded(sd):
+    json_keys = (gs.checkpoint.sharded.GROUPS_KEY, gs.checkpoint.sharded.META_KEY)
+    return {k: gs.checkpoint.sharded.encode_json(v) if k in json_keys and not isinstance(v, torch.Tensor)
+            else v for k, v in sd.items()}
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_malformed_sharded_state_dicts_are_refused_or_round_trip(sharded_setup, data):
+    saved, opt, own = sharded_setup
+    opt.load_sharded_state_dict(own)
+    plain = decoded(saved)
+    path, fn = mutation(data, plain)
+    bad = replaced(plain, path, fn)
+    try:
+        bad_sd = encoded(bad)
+    except TypeError:  # a tensor inside a JSON entry: not a dict a checkpoint can hold
+        assume(False)
+    before = snapshot(opt)
+    try:
+        opt.load_sharded_state_dict(bad_sd)
+    except Exception as exc:  # noqa: BLE001 - the kind is asserted: a ValueError/TypeError naming the key
+        assert isinstance(exc, (ValueError, TypeError)), (path, repr(exc))
+        names = {str(path[0]), key_name(path)}
+        assert any(n in str(exc) for n in names), (path, str(exc))
+        assert same(snapshot(opt), before), f"refused load changed the optimizer: {path}"
+    else:
+        assert same(decoded(gs.checkpoint.sharded_state_dict(opt)), bad), f"no exact round trip: {path}"

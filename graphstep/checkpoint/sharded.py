@@ -181,18 +181,25 @@ def check_meta(opt, meta: Any) -> None:
     if meta["version"] != FORMAT_VERSION or type(meta["version"]) is not int:
         raise _fail(f"[{META_KEY!r}]['version']", f"is {meta['version']!r:.30}: this graphstep reads format "
                                                    f"version {FORMAT_VERSION} only (upgrade graphstep?)")
+    if meta.get("optimizer") != opt.config.optimizer:
+        raise _fail(f"[{META_KEY!r}]['optimizer']", f"is {meta.get('optimizer')!r:.30}, this optimizer is "
+                                                     f"{opt.config.optimizer!r}")
     saved = meta["params"]
     if not isinstance(saved, dict):
         raise _fail(f"[{META_KEY!r}]['params']", "must be a dict of param name to shape")
     live = {p.name: list(p.shape) for p in opt.layout.params}
+    where = f"[{META_KEY!r}]['params']"
     for name in live:
         if name not in saved:
-            raise _fail(f"param '{name}'", "is missing from the checkpoint (saved from another model?)")
+            raise _fail(f"param '{name}'", f"is missing from the checkpoint's {where} (saved from another "
+                                           "model?)")
         if saved[name] != live[name]:
-            raise _fail(f"param '{name}'", f"has shape {saved[name]} in the checkpoint, {live[name]} here")
+            raise _fail(f"param '{name}'", f"has shape {saved[name]!r:.40} in the checkpoint's {where}, "
+                                           f"{live[name]} here")
     for name in saved:
         if name not in live:
-            raise _fail(f"param '{name}'", "is in the checkpoint but not in this model (another model?)")
+            raise _fail(f"param '{name}'", f"is in the checkpoint's {where} but not in this model (another "
+                                           "model?)")
     if meta["state"] != list(opt.buffers.state):
         raise _fail(f"[{META_KEY!r}]['state']", f"is {meta['state']!r:.80}, this optimizer keeps "
                                                  f"{list(opt.buffers.state)} (another optimizer family?)")
@@ -272,10 +279,10 @@ def validate(opt, sd: Any) -> dict:
     flat.check_step(sd[STEP_KEY], f"[{STEP_KEY!r}]", opt.tensors.step)
     scaler = None
     if meta["scaler"] is not None:
-        if not isinstance(meta["scaler"], list):
+        if not isinstance(meta["scaler"], list) or not all(isinstance(k, str) for k in meta["scaler"]):
             raise _fail(f"[{META_KEY!r}]['scaler']", "must be a list of the scaler's keys")
         scaler = {k: sd.get(SCALER_PREFIX + k) for k in meta["scaler"]}
-    flat.check_scaler(opt, scaler, "[optimizer.scaler]")
+    flat.check_scaler(opt, scaler, "[optimizer.scaler.*]", name=lambda key: f"[{SCALER_PREFIX + key!r}]")
     groups = _match_groups(opt, decode_json(sd[GROUPS_KEY], f"[{GROUPS_KEY!r}]"))
     updates = flat.check_param_groups(opt, groups, f"[{GROUPS_KEY!r}]", check_indices=False)
     for values, group in zip(updates, opt.param_groups):
