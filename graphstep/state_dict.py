@@ -11,6 +11,7 @@ are the ``check_*`` functions here; ``graphstep.checkpoint.sharded`` reuses them
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +23,8 @@ _TOP_KEYS = ("format", "layout", "rank", "step", "main_params", "state", "param_
              "grad_norm_skip_threshold")
 # Param-group keys that are bookkeeping, not hyperparameters: compared or skipped, never copied blindly.
 _IDENTITY_GROUP_KEYS = ("params", "param_names")
+# Group hyperparameters the step reads (hyperparams.group_values): numbers, never None.
+_STEP_NUMBERS = ("lr", "weight_decay", "eps", "momentum")
 
 
 class StateDictError(ValueError):
@@ -149,13 +152,15 @@ def check_thresholds(clip_grad: Any, skip_threshold: Any, where: str) -> None:
         raise _fail(f"{where}['grad_norm_skip_threshold']", "is 0: every step would be skipped")
 
 
-def _check_group_value(value: Any, current: Any, where: str) -> None:
-    """One hyperparameter of a saved group, judged by what the live group holds under that key."""
-    if isinstance(current, bool) or (current is None and isinstance(value, bool)):
+def _check_group_value(key: str, value: Any, current: Any, where: str) -> None:
+    """One hyperparameter of a saved group, judged by the kind of value the live group holds under that key
+    (bool, sequence of numbers, overrides dict, str, or number-or-None). Symmetric: whatever a load may put
+    into a group, a load of the group's earlier value is accepted again."""
+    if isinstance(current, bool):
         if not isinstance(value, bool):
             raise _fail(where, f"must be a bool, got {type(value).__name__}")
-    elif isinstance(current, (tuple, list)) or (current is None and isinstance(value, (tuple, list))):
-        if not isinstance(value, (tuple, list)) or (current is not None and len(value) != len(current)):
+    elif isinstance(current, (tuple, list)):
+        if not isinstance(value, (tuple, list)) or len(value) != len(current):
             raise _fail(where, f"must be a sequence like {current!r}, got {value!r:.60}")
         for i, item in enumerate(value):
             check_number(item, f"{where}[{i}]")
@@ -163,11 +168,8 @@ def _check_group_value(value: Any, current: Any, where: str) -> None:
         if not plain_equal(value, current):
             raise _fail(where, f"is {value!r:.80}, this optimizer's group has {current!r:.80} (other overrides)")
     elif _is_number(current) or current is None:
-        if not (value is None and current is None):
-            if value is None and current is not None:
-                raise _fail(where, "is None, expected a number")
-            if not _is_number(value):
-                raise _fail(where, f"must be a number, got {type(value).__name__} {value!r:.60}")
+        # A number or None (e.g. min_lr=None: "no floor"); the keys the step reads must be numbers.
+        if value is not None or key in _STEP_NUMBERS:
             check_number(value, where)
     elif isinstance(current, str):
         if not isinstance(value, str):
@@ -207,7 +209,7 @@ def check_param_groups(opt, saved: Any, where: str, *, check_indices: bool) -> l
                 continue
             if not isinstance(key, str):
                 raise _fail(f"{at}[{key!r}]", "is not a string key")
-            _check_group_value(value, group.get(key), f"{at}[{key!r}]")
+            _check_group_value(key, value, group.get(key), f"{at}[{key!r}]")
             values[key] = value
         for key in ("lr", "eps"):
             if key in values and values[key] < 0:
@@ -250,7 +252,7 @@ def apply_common(opt, step, group_updates, scaler_state, clip_grad, skip_thresho
     if opt.scaler is not None:
         opt.scaler.load_state_dict(scaler_state)
     for group, values in zip(opt.param_groups, group_updates):
-        group.update(values)
+        group.update(copy.deepcopy(values))  # the live groups never alias the checkpoint's objects
     opt.clip_grad = clip_grad
     opt.grad_norm_skip_threshold = skip_threshold
 
