@@ -28,7 +28,6 @@ buffers and runs ``opt.publish_params()`` (the post-load all-gather: a resume th
 from __future__ import annotations
 
 import json
-import math
 import warnings
 from typing import Any, Callable
 
