@@ -3,6 +3,7 @@
 See README.md for the training loop and shared/DESIGN.md for the data flow and the laws.
 """
 
+from . import checkpoint
 from .config import OptimizerConfig
 from .debug import NanOrigin, StepReport
 from .distributed import CollectiveError

@@ -365,3 +365,14 @@ class GraphstepOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load by copying into the existing buffers (addresses never change), then refresh model params."""
         state_dict_mod.load_state_dict(self, state_dict)
+
+    def sharded_state_dict(self) -> dict:
+        """The reshardable per-param checkpoint format, this rank's slices as views of the live buffers
+        (like torch's state dicts; ``gs.checkpoint.sharded_state_dict(opt, snapshot=True)`` copies)."""
+        from .checkpoint import sharded
+        return sharded.sharded_state_dict(self)
+
+    def load_sharded_state_dict(self, state_dict: dict) -> None:
+        """Load the reshardable format from any data-parallel size or layout: validated, copied in place."""
+        from .checkpoint import sharded
+        sharded.load_sharded_state_dict(self, state_dict)

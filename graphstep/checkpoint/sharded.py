@@ -1,0 +1,324 @@
+"""The reshardable checkpoint format: per param, model-named, this rank's slice with its global offset.
+
+``sharded_state_dict(opt)`` returns a flat dict:
+
+- ``optimizer.state.fp32_param.<param name>`` (the fp32 main param), ``optimizer.state.exp_avg.<name>``,
+  ``optimizer.state.exp_avg_sq.<name>`` or ``optimizer.state.momentum_buffer.<name>`` (Megatron-Core's
+  fully-reshardable naming): the param's flattened elements, global shape ``(numel,)``. Padding is never
+  saved. With several data-parallel ranks each is a ``ShardedTensor`` holding the elements this rank owns
+  (``layout.owned_ranges``) at their global offset; on one rank, a plain tensor of all of them.
+- ``optimizer.step`` (0-d fp32) and ``optimizer.scaler.<key>`` (the loss-scaler state, 0-d fp32).
+- ``optimizer.param_groups`` and ``optimizer.meta``: JSON text in a uint8 tensor. The groups hold their
+  hyperparameters and their params' names (groups are matched by those names on load); the metadata holds
+  the format version, the optimizer family, each param's shape, the state names, the scaler keys and the
+  clip thresholds. Text in a tensor, not a pickled object: a load never unpickles anything.
+
+Why ``ShardedTensor`` and not ``DTensor``: a rank's slice of a param is an arbitrary contiguous range
+(the bucket shards ignore param boundaries; a rank may own a sliver of a param or none of it), and
+DTensor's ``Shard(0)`` placement can only express torch.chunk's even split. ShardedTensor takes explicit
+offsets per rank, its metadata is computed locally from the layout (no collective), and DCP reshards it
+across any data-parallel size (shared/reference/megatron-core-wave2-notes.md §6: saved uneven on 2 gloo
+ranks, reloaded exactly on 3). torch warns it is deprecated; the warning is silenced here only.
+
+``load_sharded_state_dict(opt, sd)`` accepts this dict as saved by any data-parallel size and bucket
+layout (as filled in by DCP for this rank's ranges), validates everything, copies into the static
+buffers and runs ``opt.publish_params()`` (the post-load all-gather: a resume that skips it diverges).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import state_dict as flat
+
+FORMAT = "graphstep-sharded"
+FORMAT_VERSION = 1
+MAIN_PARAM = "fp32_param"
+STATE_PREFIX = "optimizer.state."
+STEP_KEY = "optimizer.step"
+GROUPS_KEY = "optimizer.param_groups"
+META_KEY = "optimizer.meta"
+SCALER_PREFIX = "optimizer.scaler."
+
+
+def state_key(kind: str, param_name: str) -> str:
+    return f"{STATE_PREFIX}{kind}.{param_name}"
+
+
+def state_kinds(opt) -> tuple[str, ...]:
+    return (MAIN_PARAM,) + tuple(opt.buffers.state)
+
+
+def _kind_buffers(opt, kind: str) -> list[torch.Tensor]:
+    return opt.buffers.main_shard if kind == MAIN_PARAM else opt.buffers.state[kind]
+
+
+def encode_json(value: Any) -> torch.Tensor:
+    return torch.tensor(list(json.dumps(value).encode("utf-8")), dtype=torch.uint8)
+
+
+def decode_json(tensor: Any, where: str) -> Any:
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 1:
+        raise flat.StateDictError(f"load_sharded_state_dict: {where} must be a 1-D uint8 tensor of JSON text")
+    try:
+        return json.loads(bytes(tensor.tolist()).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise flat.StateDictError(f"load_sharded_state_dict: {where} is not valid JSON ({exc})") from None
+
+
+def _dp_global_ranks(opt) -> list[int]:
+    group = getattr(getattr(opt, "comm", None), "dp_group", None)
+    return dist.get_process_group_ranks(group) if group is not None else list(range(opt.layout.dp_size))
+
+
+def _ownership(opt) -> dict[int, list]:
+    """param index → [(dp rank, OwnedRange)], for every rank: the layout is the same everywhere."""
+    owners: dict[int, list] = {i: [] for i in range(len(opt.layout.params))}
+    for rank in range(opt.layout.dp_size):
+        for owned in opt.layout.owned_ranges(rank):
+            owners[owned.param].append((rank, owned))
+    return owners
+
+
+def _sharded(local: torch.Tensor | None, place, owners: list, global_ranks: list[int], rank: int,
+             dtype: torch.dtype):
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+    device = "cpu" if local is None else local.device
+    shards_md = [ShardMetadata([o.param_start], [o.param_end - o.param_start],
+                               f"rank:{global_ranks[r]}/{device}") for r, o in owners]
+    metadata = ShardedTensorMetadata(shards_md, torch.Size([place.numel]),
+                                     TensorProperties(dtype=dtype, layout=torch.strided))
+    local_shards = [] if local is None else [Shard(local, shards_md[[r for r, _ in owners].index(rank)])]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ShardedTensor's deprecation notice: see the module docstring
+        return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata)
+
+
+def _build(opt, slice_fn: Callable[[torch.Tensor, int, int], torch.Tensor]) -> dict:
+    """The per-param entries, each rank's slice produced by ``slice_fn(buffer, start, size)``."""
+    layout, rank = opt.layout, opt.rank
+    owners = _ownership(opt)
+    sharded = layout.dp_size > 1
+    global_ranks = _dp_global_ranks(opt) if sharded else None
+    out = {}
+    for kind in state_kinds(opt):
+        buffers = _kind_buffers(opt, kind)
+        for place in layout.params:
+            mine = [o for r, o in owners[place.index] if r == rank]
+            local = None
+            if mine:
+                o = mine[0]
+                local = slice_fn(buffers[place.buffer], o.shard_start, o.param_end - o.param_start)
+            out[state_key(kind, place.name)] = (
+                _sharded(local, place, owners[place.index], global_ranks, rank, buffers[place.buffer].dtype)
+                if sharded else local)
+    return out
+
+
+def _meta(opt) -> dict:
+    return {"format": FORMAT, "version": FORMAT_VERSION, "optimizer": opt.config.optimizer,
+            "state": list(opt.buffers.state), "params": {p.name: list(p.shape) for p in opt.layout.params},
+            "scaler": None if opt.scaler is None else sorted(opt.scaler.state_dict()),
+            "clip_grad": opt.clip_grad, "grad_norm_skip_threshold": opt.grad_norm_skip_threshold}
+
+
+def _groups(opt) -> list[dict]:
+    return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+            for g in opt.param_groups]
+
+
+def sharded_state_dict(opt, *, snapshot: bool = False) -> dict:
+    """This rank's part of the reshardable checkpoint (see the module docstring).
+
+    The per-param entries are views of the live buffers (no copy) unless ``snapshot``: then they are
+    copies, so the dict keeps the state of this call while training goes on (what an async save needs).
+    """
+    opt.finish_param_gather()
+    take = (lambda buf, start, size: buf[start:start + size].clone()) if snapshot else \
+        (lambda buf, start, size: buf[start:start + size])
+    sd = _build(opt, take)
+    sd[STEP_KEY] = opt.tensors.step.clone()
+    if opt.scaler is not None:
+        for key, value in opt.scaler.state_dict().items():
+            sd[SCALER_PREFIX + key] = value.clone()
+    sd[GROUPS_KEY] = encode_json(_groups(opt))
+    sd[META_KEY] = encode_json(_meta(opt))
+    return sd
+
+
+def load_template(opt, json_sizes: dict[str, int]) -> dict:
+    """Fresh tensors shaped like ``sharded_state_dict(opt)`` for DCP to load into (``json_sizes``: the
+    saved lengths of the JSON entries, from the checkpoint's metadata)."""
+    sd = _build(opt, lambda buf, start, size: torch.empty(size, dtype=buf.dtype, device=buf.device))
+    sd[STEP_KEY] = torch.empty_like(opt.tensors.step)
+    if opt.scaler is not None:
+        for key, value in opt.scaler.state_dict().items():
+            sd[SCALER_PREFIX + key] = torch.empty_like(value)
+    for key in (GROUPS_KEY, META_KEY):
+        sd[key] = torch.empty(json_sizes[key], dtype=torch.uint8)
+    return sd
+
+
+def _fail(where: str, problem: str) -> flat.StateDictError:
+    return flat.StateDictError(f"load_sharded_state_dict: {where} {problem}")
+
+
+def check_meta(opt, meta: Any) -> None:
+    """Format and version known; the same params (names and shapes) and state kinds as this optimizer."""
+    flat.check_mapping(meta, f"[{META_KEY!r}]", ("format", "version", "params", "state", "scaler", "clip_grad",
+                                                  "grad_norm_skip_threshold"))
+    if meta["format"] != FORMAT:
+        raise _fail(f"[{META_KEY!r}]['format']", f"is {meta['format']!r:.60}, expected {FORMAT!r}")
+    if meta["version"] != FORMAT_VERSION or type(meta["version"]) is not int:
+        raise _fail(f"[{META_KEY!r}]['version']", f"is {meta['version']!r:.30}: this graphstep reads format "
+                                                   f"version {FORMAT_VERSION} only (upgrade graphstep?)")
+    if meta.get("optimizer") != opt.config.optimizer:
+        raise _fail(f"[{META_KEY!r}]['optimizer']", f"is {meta.get('optimizer')!r:.30}, this optimizer is "
+                                                     f"{opt.config.optimizer!r}")
+    saved = meta["params"]
+    if not isinstance(saved, dict):
+        raise _fail(f"[{META_KEY!r}]['params']", "must be a dict of param name to shape")
+    live = {p.name: list(p.shape) for p in opt.layout.params}
+    where = f"[{META_KEY!r}]['params']"
+    for name in live:
+        if name not in saved:
+            raise _fail(f"param '{name}'", f"is missing from the checkpoint's {where} (saved from another "
+                                           "model?)")
+        if saved[name] != live[name]:
+            raise _fail(f"param '{name}'", f"has shape {saved[name]!r:.40} in the checkpoint's {where}, "
+                                           f"{live[name]} here")
+    for name in saved:
+        if name not in live:
+            raise _fail(f"param '{name}'", f"is in the checkpoint's {where} but not in this model (another "
+                                           "model?)")
+    if meta["state"] != list(opt.buffers.state):
+        raise _fail(f"[{META_KEY!r}]['state']", f"is {meta['state']!r:.80}, this optimizer keeps "
+                                                 f"{list(opt.buffers.state)} (another optimizer family?)")
+
+
+def _check_entry(opt, value: Any, key: str, place, owned, nonnegative: bool) -> torch.Tensor | None:
+    """This rank's slice of one per-param entry, validated; None where this rank owns none of it."""
+    size = 0 if owned is None else owned.param_end - owned.param_start
+    like = torch.empty(size, dtype=opt.buffers.main_shard[place.buffer].dtype)
+    if value is None and owned is None:
+        return None
+    if hasattr(value, "local_shards"):  # a ShardedTensor: exactly this rank's range
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ShardedTensor's deprecation notice: see the module docstring
+            global_shape, shards = tuple(value.size()), value.local_shards()
+        if global_shape != (place.numel,):
+            raise _fail(f"[{key!r}]", f"has global shape {global_shape}, expected ({place.numel},)")
+        offsets = [s.metadata.shard_offsets[0] for s in shards]
+        expected = [] if owned is None else [owned.param_start]
+        if offsets != expected:
+            raise _fail(f"[{key!r}]", f"holds offsets {offsets} on this rank, expected {expected}")
+        if owned is None:
+            return None
+        value = shards[0].tensor
+    elif isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape[0] == place.numel and size:
+        value = value[owned.param_start:owned.param_end]  # a full (unsharded) entry: take this rank's part
+    elif isinstance(value, torch.Tensor) and tuple(value.shape) == (place.numel,) and owned is None:
+        return None  # a full entry of a param this rank owns none of
+    return flat.check_tensor(value, f"[{key!r}]", like, nonnegative=nonnegative)
+
+
+@torch.no_grad()
+def load_sharded_state_dict(opt, sd: Any) -> None:
+    """Validate ``sd`` (see the module docstring) entirely, then copy into the static buffers and publish
+    the params (collective with several ranks). A refused checkpoint names the key; nothing changed."""
+    apply_validated(opt, validate_everywhere(opt, sd))
+
+
+def validate_everywhere(opt, sd: Any) -> dict:
+    """``validate`` on this rank, then agree with the other data-parallel ranks (one small all-reduce):
+    a rank whose ranges are bad refuses for all, so none of them copies and none waits in the publish's
+    all-gather for a rank that raised."""
+    error = None
+    try:
+        plan = validate(opt, sd)
+    except (ValueError, TypeError) as exc:
+        error = exc
+    group = getattr(getattr(opt, "comm", None), "dp_group", None)
+    if opt.layout.dp_size > 1 and group is not None:
+        refused = torch.tensor([0.0 if error is None else 1.0 + opt.rank], device=opt.tensors.step.device)
+        dist.all_reduce(refused, op=dist.ReduceOp.MAX, group=group)
+        if error is None and refused.item() > 0:
+            raise flat.StateDictError(f"load_sharded_state_dict: data-parallel rank {int(refused.item()) - 1} "
+                                      "refused the checkpoint (see its error); nothing was loaded on any rank")
+    if error is not None:
+        raise error
+    return plan
+
+
+def validate(opt, sd: Any) -> dict:
+    """Every check of a load, nothing copied; returns what ``apply_validated`` copies."""
+    flat.check_mapping(sd, "sharded state dict", (META_KEY, GROUPS_KEY, STEP_KEY))
+    meta = decode_json(sd[META_KEY], f"[{META_KEY!r}]")
+    check_meta(opt, meta)
+    owned = {o.param: o for o in opt.layout.owned_ranges(opt.rank)}
+    copies = []
+    for kind in state_kinds(opt):
+        for place in opt.layout.params:
+            key = state_key(kind, place.name)
+            if key not in sd:
+                raise _fail(f"[{key!r}]", "is missing")
+            mine = owned.get(place.index)
+            source = _check_entry(opt, sd[key], key, place, mine, nonnegative=kind == "exp_avg_sq")
+            if source is not None:
+                target = _kind_buffers(opt, kind)[place.buffer]
+                copies.append((target[mine.shard_start:mine.shard_start + source.numel()], source))
+    flat.check_step(sd[STEP_KEY], f"[{STEP_KEY!r}]", opt.tensors.step)
+    scaler = None
+    if meta["scaler"] is not None:
+        if not isinstance(meta["scaler"], list) or not all(isinstance(k, str) for k in meta["scaler"]):
+            raise _fail(f"[{META_KEY!r}]['scaler']", "must be a list of the scaler's keys")
+        scaler = {k: sd.get(SCALER_PREFIX + k) for k in meta["scaler"]}
+    flat.check_scaler(opt, scaler, "[optimizer.scaler.*]", name=lambda key: f"[{SCALER_PREFIX + key!r}]")
+    groups = _match_groups(opt, decode_json(sd[GROUPS_KEY], f"[{GROUPS_KEY!r}]"))
+    updates = flat.check_param_groups(opt, groups, f"[{GROUPS_KEY!r}]", check_indices=False)
+    for values, group in zip(updates, opt.param_groups):
+        for key, value in values.items():  # JSON has no tuples: give back the live group's type
+            if isinstance(group.get(key), tuple) and isinstance(value, list):
+                values[key] = tuple(value)
+    flat.check_thresholds(meta["clip_grad"], meta["grad_norm_skip_threshold"], f"[{META_KEY!r}]")
+    return {"copies": copies, "step": sd[STEP_KEY], "groups": updates, "scaler": scaler,
+            "clip_grad": meta["clip_grad"], "grad_norm_skip_threshold": meta["grad_norm_skip_threshold"]}
+
+
+@torch.no_grad()
+def apply_validated(opt, plan: dict) -> None:
+    """Copy what ``validate`` accepted into the static buffers, then publish the params (collective)."""
+    for target, source in plan["copies"]:
+        target.copy_(source)
+    flat.apply_common(opt, plan["step"], plan["groups"], plan["scaler"], plan["clip_grad"],
+                      plan["grad_norm_skip_threshold"])
+    opt.publish_params()
+
+
+def _match_groups(opt, saved: Any) -> list:
+    """The saved groups in this optimizer's group order, matched by their params' names."""
+    if not isinstance(saved, list) or not all(isinstance(g, dict) for g in saved):
+        raise _fail(f"[{GROUPS_KEY!r}]", "must be a list of dicts")
+    by_names = {}
+    for g in saved:
+        names = g.get("param_names")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise _fail(f"[{GROUPS_KEY!r}]['param_names']", "must be a list of param names in every group")
+        by_names[frozenset(names)] = g
+    ordered = []
+    for i, group in enumerate(opt.param_groups):
+        match = by_names.get(frozenset(group.get("param_names", ())))
+        if match is None:
+            raise _fail(f"[{GROUPS_KEY!r}]", f"has no group with the params of this optimizer's group {i} "
+                                             f"({group.get('param_names', [])[:3]}...): other overrides?")
+        ordered.append({**match, "param_names": list(group["param_names"])})
+    return ordered + [g for g in saved if frozenset(g["param_names"]) not in
+                      {frozenset(x.get("param_names", ())) for x in opt.param_groups}]

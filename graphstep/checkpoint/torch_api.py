@@ -1,0 +1,45 @@
+"""graphstep's answer to ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` /
+``set_optimizer_state_dict``: functions of the same names and call shapes that work on a graphstep
+optimizer, in the reshardable format (``sharded.py``).
+
+torch's own functions expect per-param state keyed by param id (``optim.state[p]``) and, when that state
+is empty, run a step with zero grads to create it. graphstep keeps its state in flat buffers, so torch's
+versions cannot read it: use these (``gs.checkpoint.get_optimizer_state_dict(model, opt)``), whose
+result DCP saves and reshards like any state dict (or ``gs.checkpoint.save`` / ``load``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import sharded
+
+
+def _single(optimizers):
+    from ..engine import GraphstepOptimizer
+
+    opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if len(opts) != 1 or not isinstance(opts[0], GraphstepOptimizer):
+        raise TypeError("graphstep.checkpoint.get/set_optimizer_state_dict take one graphstep optimizer (from "
+                        "gs.get_optimizer); for torch.optim optimizers use torch.distributed.checkpoint's own")
+    return opts[0]
+
+
+def _check_options(options: Any) -> None:
+    if options is not None and (getattr(options, "full_state_dict", False) or getattr(options, "cpu_offload",
+                                                                                         False)):
+        raise ValueError("graphstep's optimizer state dict is always sharded (each rank its own ranges, "
+                         "resharded by DCP at load): full_state_dict/cpu_offload are not supported")
+
+
+def get_optimizer_state_dict(model, optimizers, *, submodules=None, options=None) -> dict:
+    """``sharded_state_dict(opt)`` (``model`` is accepted for torch's call shape; the names come from the
+    optimizer, which recorded them at ``get_optimizer``)."""
+    _check_options(options)
+    return sharded.sharded_state_dict(_single(optimizers))
+
+
+def set_optimizer_state_dict(model, optimizers, optim_state_dict: dict, *, options=None) -> None:
+    """``load_sharded_state_dict(opt, optim_state_dict)``: validated, copied in place, params published."""
+    _check_options(options)
+    sharded.load_sharded_state_dict(_single(optimizers), optim_state_dict)

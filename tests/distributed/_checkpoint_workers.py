@@ -1,0 +1,116 @@
+"""Rank functions for tests/distributed/test_checkpoint_resharding.py (spawned by _harness.spawn).
+
+Train the toy on dp ranks, save with graphstep.checkpoint, resume on another data-parallel size or
+bucket layout, continue. The global batch (12 rows) splits evenly over 1, 2, 3 and 4 ranks, so every run
+sees the same data; only the reduction order differs between data-parallel sizes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import graphstep as gs
+from graphstep.checkpoint import sharded
+from graphstep.config import OptimizerConfig
+from graphstep.engine import get_optimizer
+from _harness import local_loss, tiny_transformer
+
+GLOBAL_BATCH = 12
+SAVE_AT = 4  # steps before the save
+CONTINUE = 4  # steps after it
+BUCKET = 3000  # several buckets: ranks own slivers of some params and none of others
+CONFIGS = {
+    "sgd": dict(optimizer="sgd", lr=0.05, weight_decay=1e-3, sgd_momentum=0.9),
+    "adam": dict(optimizer="adam", lr=3e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95),
+}
+
+
+def make_config(name: str, world_size: int, bucket_size: int = BUCKET) -> OptimizerConfig:
+    return OptimizerConfig(**CONFIGS[name], clip_grad=0.5, bucket_size=bucket_size, capture="eager",
+                           use_distributed_optimizer=world_size > 1, distributed_timeout_s=20.0)
+
+
+def train(model, opt, rank: int, world_size: int, start: int, steps: int) -> None:
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        opt.scale_loss(local_loss(model, step, rank, world_size, GLOBAL_BATCH)).backward()
+        opt.step()
+    opt.finish_param_gather()
+
+
+def owned_state(opt) -> dict:
+    """{"kind|param name": (param_start, this rank's slice)}, read through the per-param views."""
+    out = {}
+    for owned in opt.layout.owned_ranges(opt.rank):
+        place = opt.layout.params[owned.param]
+        size = owned.param_end - owned.param_start
+        for kind in sharded.state_kinds(opt):
+            buf = opt.buffers.main_shard if kind == sharded.MAIN_PARAM else opt.buffers.state[kind]
+            out[f"{kind}|{place.name}"] = (owned.param_start,
+                                           buf[place.buffer][owned.shard_start:owned.shard_start + size].clone())
+    out["step"] = (0, opt.tensors.step.clone())
+    return out
+
+
+def params(model) -> list:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def save_then_continue(rank: int, world_size: int, root: str, names: tuple) -> dict:
+    """Train SAVE_AT steps, save (and async-save, then keep training while it runs), train CONTINUE more:
+    the uninterrupted run, and the state at the save."""
+    out = {}
+    for name in names:
+        model = tiny_transformer()
+        opt = get_optimizer(make_config(name, world_size), model)
+        start = params(model)
+        train(model, opt, rank, world_size, 0, SAVE_AT)
+        gs.checkpoint.save(opt, os.path.join(root, name), model=model)
+        saved, at_save = owned_state(opt), params(model)
+        future = gs.checkpoint.async_save(opt, os.path.join(root, name + "-async"), model=model)
+        train(model, opt, rank, world_size, SAVE_AT, CONTINUE)  # steps while the async save runs
+        future.result(timeout=40)
+        out[name] = {"saved": saved, "at_save": at_save, "start": start, "final": params(model)}
+    return out
+
+
+def resume(rank: int, world_size: int, root: str, names: tuple, bucket_sizes: tuple, suffix: str = "",
+           with_model: bool = True) -> dict:
+    """Per bucket size: a fresh model (another seed), load, read the state back, train CONTINUE steps.
+    Without ``with_model`` only the optimizer is loaded: the model params come from the post-load
+    publish (main params copied in and all-gathered)."""
+    out = {}
+    for bucket in bucket_sizes:
+        for name in names:
+            model = tiny_transformer(seed=1)
+            opt = get_optimizer(make_config(name, world_size, bucket), model)
+            gs.checkpoint.load(opt, os.path.join(root, name + suffix), model=model if with_model else None)
+            loaded, at_load = owned_state(opt), params(model)
+            train(model, opt, rank, world_size, SAVE_AT, CONTINUE)
+            out[(bucket, name)] = {"loaded": loaded, "at_load": at_load, "final": params(model),
+                                   "buckets": len(opt.layout.buckets)}
+    return out
+
+
+def refuse_on_one_rank(rank: int, world_size: int) -> dict:
+    """A sharded state dict whose last rank's slice holds a NaN: every rank refuses, nothing changes."""
+    import torch
+
+    model = tiny_transformer()
+    opt = get_optimizer(make_config("adam", world_size), model)
+    train(model, opt, rank, world_size, 0, 2)
+    sd = gs.checkpoint.sharded_state_dict(opt, snapshot=True)  # copies: the live buffers move on
+    train(model, opt, rank, world_size, 2, 1)  # now the checkpoint differs from the live state
+    before = (owned_state(opt), params(model))
+    if rank == world_size - 1:
+        key = next(k for k, v in sd.items() if k.startswith("optimizer.state.exp_avg.") and v.local_shards())
+        sd[key].local_shards()[0].tensor[0] = float("nan")
+    try:
+        opt.load_sharded_state_dict(sd)
+        message = None
+    except ValueError as exc:
+        message = str(exc)
+    after = (owned_state(opt), params(model))
+    unchanged = all(torch.equal(a[1], b[1]) for a, b in zip(before[0].values(), after[0].values())) and \
+        all(torch.equal(a, b) for a, b in zip(before[1], after[1]))
+    return {"message": message, "unchanged": unchanged}
