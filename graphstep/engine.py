@@ -214,6 +214,12 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         scaled = self.scaler is not None
         self.tensors = StepTensors.allocate(device, self.scaler.scale if scaled else None,
                                             self.scaler.inv_scale if scaled else None, config.log_num_zeros_in_grad)
+        # torch's ``Optimizer.state`` stays a per-param mapping, but graphstep's state lives in the flat
+        # buffers (``opt.state_dict()``, ``gs.checkpoint``); each param's entry names the one step count they
+        # share. Non-empty on purpose: torch.distributed.checkpoint's get/set_optimizer_state_dict run a
+        # zero-lr step on an optimizer whose ``.state`` is empty, which would advance the step and moments.
+        for p in params:
+            self.state[p]["step"] = self.tensors.step
         self.clip_grad = config.clip_grad
         """Clip threshold, refreshed into a device tensor before each step: may change between steps."""
         self.grad_norm_skip_threshold = config.grad_norm_skip_threshold

@@ -132,6 +132,24 @@ def test_sharded_state_dict_round_trip_in_memory_and_engine_methods():
     gs.checkpoint.set_optimizer_state_dict(fresh, opt2, sd)
 
 
+def test_torchs_get_optimizer_state_dict_changes_nothing_even_with_grads_set_to_none():
+    # torch's helper runs a zero-lr step on an optimizer whose .state is empty; graphstep's is not empty,
+    # so the helper cannot advance the step or the moments before it fails on the format.
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model = tiny_transformer()
+    opt = engine(model, **ADAM)
+    train(model, opt, 2)
+    model.zero_grad(set_to_none=True)
+    before = opt.state_dict()
+    with pytest.raises(Exception):
+        get_optimizer_state_dict(model, opt)
+    after = opt.state_dict()
+    assert torch.equal(before["step"], after["step"])
+    for name in before["state"]:
+        assert all(torch.equal(a, b) for a, b in zip(before["state"][name], after["state"][name]))
+
+
 def test_flat_state_dict_still_round_trips_with_torch_save(tmp_path):
     model = tiny_transformer()
     opt = engine(model, **ADAM)

@@ -2,9 +2,9 @@
 ``set_optimizer_state_dict``: functions of the same names and call shapes that work on a graphstep
 optimizer, in the reshardable format (``sharded.py``).
 
-torch's own functions expect per-param state keyed by param id (``optim.state[p]``) and, when that state
-is empty, run a step with zero grads to create it. graphstep keeps its state in flat buffers, so torch's
-versions cannot read it: use these (``gs.checkpoint.get_optimizer_state_dict(model, opt)``), whose
+torch's own functions expect per-param state tensors keyed by param (``optim.state[p]``) and, when that
+state is empty, run a step with zero grads to create it (graphstep's ``.state`` is never empty, so that
+step does not run). graphstep keeps its state in flat buffers, so torch's versions cannot read it: use these (``gs.checkpoint.get_optimizer_state_dict(model, opt)``), whose
 result DCP saves and reshards like any state dict (or ``gs.checkpoint.save`` / ``load``).
 """
 
