@@ -138,10 +138,13 @@ def test_device_to_host_classification():
     assert unsafe.classify(aten._to_copy.default, (dev,), {"device": torch.device("cpu")}) == "device_to_host"
     assert unsafe.classify(aten.copy_.default, (host, dev), {}) == "device_to_host"
     assert unsafe.classify(aten._copy_from.default, (dev, host), {}) == "device_to_host"
-    # Host to device, host to host and device to device are not host reads.
-    assert unsafe.classify(aten._to_copy.default, (host,), {"device": torch.device("meta")}) is None
-    assert unsafe.classify(aten.copy_.default, (dev, host), {}) is None
+    # Host to device is its own kind (a sync from pageable memory on a GPU); host to host and
+    # device to device are neither.
+    assert unsafe.classify(aten._to_copy.default, (host,), {"device": torch.device("meta")}) == "host_to_device"
+    assert unsafe.classify(aten.copy_.default, (dev, host), {}) == "host_to_device"
+    assert unsafe.classify(aten._copy_from.default, (host, dev), {}) == "host_to_device"
     assert unsafe.classify(aten.copy_.default, (host, host), {}) is None
+    assert unsafe.classify(aten.copy_.default, (dev, dev), {}) is None
     assert unsafe.classify(aten._to_copy.default, (host,), {"dtype": torch.float64}) is None
 
 
