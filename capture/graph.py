@@ -70,10 +70,15 @@ class Graph:
         self.num_replays = 0
 
     def _input_device(self) -> Optional[torch.device]:
-        """The device of the first static input (what the step runs on), None without static inputs."""
+        """The device of the first static input (what the step runs on); None without static inputs,
+        or while a static_inputs callable cannot be evaluated yet (state the warm-up creates)."""
         if self._guard is None:
             return None
-        for t in self._guard.tensors().values():
+        try:
+            tensors = self._guard.tensors()
+        except Exception:  # evaluated again at the next call; the guard reports real errors at capture
+            return None
+        for t in tensors.values():
             return t.device
         return None
 

@@ -116,3 +116,15 @@ def test_the_steps_device_comes_from_the_options_then_the_static_inputs():
     x = torch.zeros(2)
     g = capture.graph(lambda: x.add_(1), backend="replay", static_inputs={"x": x})
     assert g._backend._options.device() == x.device
+
+
+def test_a_device_not_known_before_the_warm_up_is_decided_once_it_is(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    state = {}  # what the warm-up creates
+    g = capture.graph(lambda: None, backend="replay", static_inputs=lambda: {"buf": state["buf"]})
+    backend = CudaBackend(options=g._backend._options)
+    assert backend.device() == torch.device("cuda", 0)  # the callable cannot be evaluated yet
+    state["buf"] = torch.empty(1, device="meta")
+    assert backend.device() == torch.device("meta")
+    state["buf"] = torch.empty(1)
+    assert backend.device() == torch.device("meta")  # kept once known

@@ -43,7 +43,7 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional
 
 import torch
 
-from ..devices import device_scope
+from ..devices import device_scope, is_cuda
 from ..errors import CaptureError
 from .base import CaptureOptions
 
@@ -110,6 +110,7 @@ class CudaBackend:
         self._options = options or CaptureOptions()
         self._device: Optional[torch.device] = None
         self._stream: Optional["torch.cuda.Stream"] = None
+        self._stream_device: Optional[torch.device] = None
         self._graph: Optional["torch.cuda.CUDAGraph"] = None
         self._outputs: Any = None
 
@@ -121,22 +122,26 @@ class CudaBackend:
         return all(t.device.type == "cuda" for t in tensors)
 
     def device(self) -> torch.device:
-        """The step's device, decided once (at the first warm-up or capture) and kept."""
-        if self._device is None:
-            chosen = self._options.device
-            if callable(chosen):
-                chosen = chosen()
-            if chosen is None:
-                chosen = torch.device("cuda", torch.cuda.current_device())
-            chosen = torch.device(chosen)
-            if chosen.index is None:
-                chosen = torch.device(chosen.type, torch.cuda.current_device())
-            self._device = chosen
-        return self._device
+        """The step's device: decided once known (options.device, or the static inputs' device, which
+        may only exist after the warm-up); until then the current device."""
+        if self._device is not None:
+            return self._device
+        chosen = self._options.device
+        if callable(chosen):
+            chosen = chosen()
+        if chosen is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        chosen = torch.device(chosen)
+        if is_cuda(chosen) and chosen.index is None:  # "cuda" means the current CUDA device
+            chosen = torch.device(chosen.type, torch.cuda.current_device())
+        self._device = chosen
+        return chosen
 
     def _side_stream(self) -> "torch.cuda.Stream":
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device())
+        device = self.device()
+        if self._stream is None or self._stream_device != device:
+            self._stream = torch.cuda.Stream(device=device)
+            self._stream_device = device
         return self._stream
 
     def warmup(self, fn: Callable[[], Any]) -> Any:

@@ -24,7 +24,12 @@ graph would do to a step:
   device, RNG ops unless the graph was built with `allow_rng=True`, and lazy
   initialisation during the recording (a torch.compile compiling, a process group's
   first collective). The exact rules, and what is not detected: `capture.unsafe` and
-  `_strict.py`.
+  `_strict.py`. Recording runs the ops, so a refused capture call has already applied
+  the ops before the refused one (for host work and lazy initialisation, decided once
+  fn has returned, the whole step): fix the step rather than retrying it.
+* Custom ops (`torch.library`, any namespace but torch's own) are recorded as one op
+  and called again at each replay; their body runs with the dispatch state of the
+  caller, so a torch.compile'd kernel inside sees what it saw in warm-up.
 * c10d collectives (`c10d.allreduce_`, `c10d._reduce_scatter_base_`, ...) are replayed;
   the ProcessGroup and ReduceOp objects are baked by reference, and every Work an op
   returns is waited on at once, at recording and at replay (a stronger sync than an
