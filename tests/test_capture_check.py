@@ -186,3 +186,10 @@ def test_check_does_not_swallow_the_steps_exceptions():
         capture.check(step)
     # The modes were exited: ordinary code runs unobserved afterwards.
     assert capture.check(lambda: torch.ones(2).add_(1)) == []
+
+
+def test_check_reports_a_tensor_made_from_python_data():
+    p = torch.zeros(2)
+    findings = capture.check(lambda: p.add_(torch.tensor([1.0, 2.0])))
+    assert [f.kind for f in findings] == ["host_tensor"]
+    assert findings[0].op.startswith("aten.lift_fresh") and findings[0].filename.endswith("test_capture_check.py")
