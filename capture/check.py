@@ -8,6 +8,10 @@ refused: each op runs normally so one run finds every problem, not just the firs
 Findings:
   host_sync        the host waits for a device value (`.item()`, `if t:`, nonzero, ...)
   device_to_host   a copy whose destination is the CPU and whose source is not
+  host_to_device   a copy from the CPU to another device (unless non_blocking from pinned
+                   memory): a sync from pageable memory, which a CUDA capture refuses
+  host_tensor      a tensor made from Python data inside the step (torch.tensor, as_tensor):
+                   a host-to-device copy on a GPU, a value frozen at capture anywhere
   rng              an op that draws from the RNG: a graph replays the draw pattern,
                    eager code draws anew; both are fine only if you meant it
   escaping_tensor  a tensor allocated inside the step and still alive after it returns

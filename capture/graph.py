@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from .backends import make_backend, resolve
+import torch
+
+from .backends import CaptureOptions, make_backend, resolve
 from .backends.eager import EagerBackend
 from .errors import StaleInputError
 from .guards import StaticInputGuard, StaticInputs
@@ -43,6 +45,8 @@ class Graph:
         pool: Any = None,
         name: str = "step",
         stale_hint: Optional[str] = None,
+        allow_rng: bool = False,
+        device: Any = None,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"capture.graph needs a callable, got {type(fn).__name__}")
@@ -58,11 +62,25 @@ class Graph:
         # Only "auto" looks at where the inputs live; otherwise the callable is first
         # evaluated at capture, so it may refer to state the warm-up creates.
         tensors = self._guard.tensors().values() if self._guard is not None and backend == "auto" else ()
-        self._backend = make_backend(backend, tensors, pool=pool, label=name)
+        options = CaptureOptions(allow_rng=bool(allow_rng), device=device if device is not None else self._input_device)
+        self._backend = make_backend(backend, tensors, pool=pool, label=name, options=options)
         self._captured = False
         self._closed = False
         self.num_calls = 0
         self.num_replays = 0
+
+    def _input_device(self) -> Optional[torch.device]:
+        """The device of the first static input (what the step runs on); None without static inputs,
+        or while a static_inputs callable cannot be evaluated yet (state the warm-up creates)."""
+        if self._guard is None:
+            return None
+        try:
+            tensors = self._guard.tensors()
+        except Exception:  # evaluated again at the next call; the guard reports real errors at capture
+            return None
+        for t in tensors.values():
+            return t.device
+        return None
 
     # -- state ---------------------------------------------------------------------
     @property
@@ -147,6 +165,8 @@ def graph(
     pool: Any = None,
     name: str = "step",
     stale_hint: Optional[str] = None,
+    allow_rng: bool = False,
+    device: Any = None,
 ) -> Graph:
     """Wrap a zero-argument step `fn` (closing over static tensors) as a Graph.
 
@@ -158,8 +178,12 @@ def graph(
     pool:          CUDA graph memory pool to share (torch.cuda.graph_pool_handle())
     name:          used in messages
     stale_hint:    replaces "call invalidate() ..." at the end of StaleInputError
+    allow_rng:     the step draws random numbers on purpose (the replay backend refuses RNG
+                   ops otherwise; a CUDA graph replays the default CUDA generator's draws)
+    device:        the device the step runs on; the CUDA backend creates its stream and graph
+                   under it. Default: the first static input's device, else the current one
     """
     return Graph(
         fn, warmup=warmup, backend=backend, static_inputs=static_inputs, pool=pool, name=name,
-        stale_hint=stale_hint,
+        stale_hint=stale_hint, allow_rng=allow_rng, device=device,
     )

@@ -8,6 +8,7 @@
   ``nsys profile --capture-range=cudaProfilerApi``; a no-op without CUDA.
 - ``gpu_telemetry()``: memory, SM clock, power and utilisation per GPU through nvidia-ml-py, or a
   ``Telemetry`` whose ``error`` is "no NVIDIA GPU (NVML not found)" where there is none: never a crash.
+  A field a GPU cannot report (utilisation on a MIG instance) is "n/a".
 
 Ranges are host-side: inside a captured graph they are not replayed, so a captured step is one range
 around the replay, and per-stage ranges belong to eager steps.
@@ -82,46 +83,87 @@ def nsys_window():
 
 @dataclass(frozen=True)
 class Telemetry:
+    """One snapshot: a dict per GPU (a field NVML cannot report on this GPU holds "n/a"), or why none."""
+
     gpus: tuple = field(default_factory=tuple)  # one dict per GPU
     error: Optional[str] = None
 
     def summary(self) -> str:
         if self.error:
             return self.error
-        return "\n".join(f"GPU {g['index']} {g['name']}: {g['memory_used_mib']:.0f}/{g['memory_total_mib']:.0f} MiB, "
-                         f"SM {g['sm_clock_mhz']} MHz, {g['power_w']:.0f} W, util {g['utilization_pct']}%"
+        return "\n".join(f"GPU {g['index']} {g['name']}: {_fmt(g['memory_used_mib'], '.0f')}/"
+                         f"{_fmt(g['memory_total_mib'], '.0f')} MiB, SM {g['sm_clock_mhz']} MHz, "
+                         f"{_fmt(g['power_w'], '.0f')} W, util {g['utilization_pct']}%"
                          for g in self.gpus)
 
 
+NOT_AVAILABLE = "n/a"
+
+
+def _fmt(value, spec: str) -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else str(value)
+
+
+def _field(read):
+    """``read()``, or "n/a" when NVML cannot report it on this GPU.
+
+    A MIG instance reports no utilisation (NVML_ERROR_NOT_SUPPORTED), some boards no power reading;
+    a snapshot is still useful without them, and telemetry must never take a run down.
+    """
+    try:
+        return read()
+    except Exception:  # NVMLError and its many subclasses, or anything a driver binding raises
+        return NOT_AVAILABLE
+
+
+def _gpu(pynvml, index: int) -> dict:
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    memory = _field(lambda: pynvml.nvmlDeviceGetMemoryInfo(handle))
+    name = _field(lambda: pynvml.nvmlDeviceGetName(handle))
+    return {
+        "index": index,
+        "name": name.decode() if isinstance(name, bytes) else name,
+        "memory_used_mib": _field(lambda: memory.used / 2**20),
+        "memory_total_mib": _field(lambda: memory.total / 2**20),
+        "sm_clock_mhz": _field(lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)),
+        "power_w": _field(lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0),
+        "utilization_pct": _field(lambda: pynvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+    }
+
+
 def gpu_telemetry() -> Telemetry:
-    """A snapshot of every NVIDIA GPU through NVML; an explanatory ``error`` where there is none."""
+    """A snapshot of every NVIDIA GPU through NVML; never raises.
+
+    No NVML (or no GPU): a Telemetry whose ``error`` says why. A field this GPU cannot report
+    (utilisation on a MIG instance, power on some boards): "n/a" in that field. A GPU whose handle
+    cannot be had at all: left out, with the reason in ``error`` if no GPU could be read.
+    """
     try:
         import pynvml
     except ImportError:
         return Telemetry(error="no NVIDIA GPU telemetry (nvidia-ml-py is not installed)")
     try:
         pynvml.nvmlInit()
-    except pynvml.NVMLError as exc:
+    except Exception as exc:  # pynvml.NVMLError, or a broken binding
         if isinstance(exc, getattr(pynvml, "NVMLError_LibraryNotFound", ())):
             return Telemetry(error="no NVIDIA GPU (NVML not found)")
         return Telemetry(error=f"no NVIDIA GPU (NVML: {exc})")
     try:
-        gpus = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            name = pynvml.nvmlDeviceGetName(handle)
-            gpus.append({
-                "index": index,
-                "name": name.decode() if isinstance(name, bytes) else name,
-                "memory_used_mib": memory.used / 2**20,
-                "memory_total_mib": memory.total / 2**20,
-                "sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
-                "power_w": pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
-                "utilization_pct": pynvml.nvmlDeviceGetUtilizationRates(handle).gpu,
-            })
+        gpus, failures = [], []
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+        except Exception as exc:
+            return Telemetry(error=f"NVML could not count the GPUs: {exc}")
+        for index in range(count):
+            try:
+                gpus.append(_gpu(pynvml, index))
+            except Exception as exc:  # no handle for this device
+                failures.append(f"GPU {index}: {exc}")
         if not gpus:
-            return Telemetry(error="no NVIDIA GPU (NVML found no devices)")
+            return Telemetry(error="no NVIDIA GPU (" + ("; ".join(failures) or "NVML found no devices") + ")")
         return Telemetry(gpus=tuple(gpus))
     finally:
-        pynvml.nvmlShutdown()
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass

@@ -7,6 +7,16 @@ read this module. Two levels are needed:
   all end up as `aten._local_scalar_dense`; `nonzero`, `masked_select`, boolean-mask
   indexing have data-dependent shapes (their results would need the host to size an
   allocation); `.cpu()` on a device tensor is a `_to_copy` to the CPU.
+* Host data entering the step: a tensor made from Python data (`torch.tensor(x, device=d)`,
+  `torch.as_tensor(list)`) dispatches `aten.lift_fresh` on a tensor torch has just filled from
+  host memory; on a GPU that is a copy from pageable memory, a sync that a CUDA capture refuses, and
+  on the CPU its value would be baked silently. It is refused on every device (the CPU replay
+  backend is the strict twin). A copy whose source is on the CPU and whose destination is not
+  (`cpu_t.to(device)`, `dev_t.copy_(cpu_t)`) is a host-to-device copy: refused unless it is
+  `non_blocking` from pinned memory, which a CUDA graph can capture (it then re-reads the pinned
+  buffer at every replay, as the replay backend does). Python scalars (`p.add_(1.0)`,
+  `torch.full(..., 0.5)`, `aten.scalar_tensor`) are not host tensors: they become kernel arguments,
+  baked at capture on every backend.
 * Tensor methods that read memory without dispatching anything: on a CPU tensor
   `.tolist()`, `.numpy()` and `np.asarray(t)` go straight to the storage, so only a
   TorchFunctionMode sees them. In a CUDA graph they would read whatever the memory
@@ -20,7 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from .errors import DEVICE_TO_HOST, HOST_SYNC, RNG
+from .errors import DEVICE_TO_HOST, HOST_SYNC, HOST_TENSOR, HOST_TO_DEVICE, RNG
 
 _aten = torch.ops.aten
 
@@ -37,6 +47,9 @@ _MASK_INDEX_PACKETS = frozenset({_aten.index, _aten.index_put, _aten.index_put_,
 
 # Copies that may move device memory to the host (the destination decides).
 _COPY_PACKETS = frozenset({_aten.copy_, _aten.copy, _aten._copy_from, _aten._copy_from_and_resize})
+
+# A tensor that torch filled from Python data, handed to the dispatcher (torch.tensor, as_tensor).
+_LIFT_PACKETS = frozenset({_aten.lift_fresh, _aten.lift_fresh_copy, _aten.lift})
 
 # Tensor methods that read storage on the host without any aten op.
 _HOST_READ_METHODS = frozenset({"tolist", "numpy", "__array__"})
@@ -75,6 +88,32 @@ def _device_to_host(func: Any, args: tuple, kwargs: dict) -> bool:
     return False
 
 
+def _host_to_device(func: Any, args: tuple, kwargs: dict) -> bool:
+    """A copy from CPU memory to another device, unless non_blocking from pinned memory."""
+    packet = func.overloadpacket
+    if packet is _aten._to_copy:
+        src, dst, non_blocking = args[0], kwargs.get("device"), kwargs.get("non_blocking", False)
+        if not isinstance(src, torch.Tensor) or dst is None:
+            return False
+    elif packet is _aten.copy_ and len(args) >= 2:
+        dst_t, src = args[0], args[1]
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+        if not (isinstance(src, torch.Tensor) and isinstance(dst_t, torch.Tensor)):
+            return False
+        dst = dst_t.device
+    elif packet is _aten._copy_from and len(args) >= 2:
+        src, dst_t = args[0], args[1]
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+        if not (isinstance(src, torch.Tensor) and isinstance(dst_t, torch.Tensor)):
+            return False
+        dst = dst_t.device
+    else:
+        return False
+    if not _is_host(src.device) or _is_host(dst):
+        return False
+    return not (non_blocking and src.is_pinned())
+
+
 def classify(func: Any, args: tuple, kwargs: dict) -> Optional[str]:
     """The Finding kind of one aten op call, or None when it is capture-safe."""
     tags = getattr(func, "tags", ())
@@ -88,6 +127,10 @@ def classify(func: Any, args: tuple, kwargs: dict) -> Optional[str]:
         return HOST_SYNC
     if packet is not None and _device_to_host(func, args, kwargs):
         return DEVICE_TO_HOST
+    if packet in _LIFT_PACKETS:
+        return HOST_TENSOR
+    if packet is not None and _host_to_device(func, args, kwargs):
+        return HOST_TO_DEVICE
     if torch.Tag.nondeterministic_seeded in tags:
         return RNG
     return None

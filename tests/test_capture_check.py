@@ -138,10 +138,13 @@ def test_device_to_host_classification():
     assert unsafe.classify(aten._to_copy.default, (dev,), {"device": torch.device("cpu")}) == "device_to_host"
     assert unsafe.classify(aten.copy_.default, (host, dev), {}) == "device_to_host"
     assert unsafe.classify(aten._copy_from.default, (dev, host), {}) == "device_to_host"
-    # Host to device, host to host and device to device are not host reads.
-    assert unsafe.classify(aten._to_copy.default, (host,), {"device": torch.device("meta")}) is None
-    assert unsafe.classify(aten.copy_.default, (dev, host), {}) is None
+    # Host to device is its own kind (a sync from pageable memory on a GPU); host to host and
+    # device to device are neither.
+    assert unsafe.classify(aten._to_copy.default, (host,), {"device": torch.device("meta")}) == "host_to_device"
+    assert unsafe.classify(aten.copy_.default, (dev, host), {}) == "host_to_device"
+    assert unsafe.classify(aten._copy_from.default, (host, dev), {}) == "host_to_device"
     assert unsafe.classify(aten.copy_.default, (host, host), {}) is None
+    assert unsafe.classify(aten.copy_.default, (dev, dev), {}) is None
     assert unsafe.classify(aten._to_copy.default, (host,), {"dtype": torch.float64}) is None
 
 
@@ -183,3 +186,10 @@ def test_check_does_not_swallow_the_steps_exceptions():
         capture.check(step)
     # The modes were exited: ordinary code runs unobserved afterwards.
     assert capture.check(lambda: torch.ones(2).add_(1)) == []
+
+
+def test_check_reports_a_tensor_made_from_python_data():
+    p = torch.zeros(2)
+    findings = capture.check(lambda: p.add_(torch.tensor([1.0, 2.0])))
+    assert [f.kind for f in findings] == ["host_tensor"]
+    assert findings[0].op.startswith("aten.lift_fresh") and findings[0].filename.endswith("test_capture_check.py")

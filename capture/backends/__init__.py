@@ -1,16 +1,16 @@
 """Backends behind one interface (`base.Backend`), and how "auto" picks one."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 
-from .base import Backend
+from .base import Backend, CaptureOptions
 from .cuda import CudaBackend
 from .eager import EagerBackend
 from .replay import ReplayBackend
 
-__all__ = ["Backend", "CudaBackend", "EagerBackend", "ReplayBackend", "NAMES", "make_backend", "resolve"]
+__all__ = ["Backend", "CaptureOptions", "CudaBackend", "EagerBackend", "ReplayBackend", "NAMES", "make_backend", "resolve"]
 
 _BY_NAME = {cls.name: cls for cls in (CudaBackend, ReplayBackend, EagerBackend)}
 NAMES = ("auto",) + tuple(_BY_NAME)
@@ -26,5 +26,6 @@ def resolve(name: str, tensors: Iterable[torch.Tensor] = ()) -> type:
         raise ValueError(f"unknown capture backend {name!r}; choose one of {NAMES}") from None
 
 
-def make_backend(name: str, tensors: Iterable[torch.Tensor] = (), *, pool: Any = None, label: str = "step") -> Backend:
-    return resolve(name, tensors)(pool=pool, label=label)
+def make_backend(name: str, tensors: Iterable[torch.Tensor] = (), *, pool: Any = None, label: str = "step",
+                 options: Optional[CaptureOptions] = None) -> Backend:
+    return resolve(name, tensors)(pool=pool, label=label, options=options or CaptureOptions())

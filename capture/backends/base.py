@@ -1,7 +1,26 @@
 """The interface every backend implements; the Graph object only talks to this."""
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Optional, Protocol, Union, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class CaptureOptions:
+    """What a Graph tells its backend beyond the callable. Backends ignore what does not apply.
+
+    allow_rng: the step may draw random numbers. The replay backend refuses RNG ops otherwise; a
+               CUDA graph replays draws only from generators registered with it (torch registers the
+               default CUDA generator itself; register others with CUDAGraph.register_generator_state).
+    device:    the device the step runs on, or a zero-argument callable returning it (or None) when
+               first needed; the CUDA backend creates its stream and graph under it. None: the
+               current device at the first warm-up or capture.
+    """
+
+    allow_rng: bool = False
+    device: Union[None, torch.device, str, Callable[[], Optional[torch.device]]] = None
 
 
 @runtime_checkable

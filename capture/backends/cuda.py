@@ -10,9 +10,22 @@ Choices, and why:
   stream means the capture sees the step in its steady state. The side stream waits on
   the caller's current stream before, and the caller's stream waits on it after, so
   ordering with surrounding work is what the caller wrote.
-* Capture uses `torch.cuda.graph(graph, pool=..., stream=...)`, which synchronizes,
-  collects garbage and captures in "global" error mode, so a stray sync anywhere in
-  the process fails loudly instead of producing a broken graph.
+* Capture uses `torch.cuda.graph(graph, pool=..., stream=...,
+  capture_error_mode="thread_local")`, which synchronizes, collects garbage and
+  captures. "thread_local": only this thread's unsafe CUDA calls invalidate the
+  capture. In "global" mode (torch's default) another thread touching CUDA during the
+  capture, such as a `DataLoader(pin_memory=True)` worker allocating pinned memory,
+  makes the capture fail; NCCL's CUDA-graph guide recommends thread-local mode for
+  multi-threaded processes, and Megatron-Core's full-iteration graphs use it. A sync
+  in *this* thread still fails the capture loudly.
+* Device: the side stream and the graph are created, and warm-up, capture and replay
+  run, under the step's device (`options.device`, by default the static inputs'
+  device, else the current device at first use). Without it, rank 1 of a job that
+  never called `torch.cuda.set_device` would create its capture stream on GPU 0 while
+  its tensors live on GPU 1.
+* NCCL: before capturing while an NCCL process group is initialised, the environment
+  is checked for settings known to break captured collectives
+  (`check_nccl_capture_environment`); they are refused with what to set instead.
 * `pool`: None gives the graph its own private memory pool. Pass a
   `torch.cuda.graph_pool_handle()` to share one pool between several graphs (less
   memory); they must then be replayed in the order they were captured, since each one
@@ -25,18 +38,79 @@ Choices, and why:
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Iterable, Optional
+import os
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional
 
 import torch
+
+from ..devices import device_scope, is_cuda
+from ..errors import CaptureError
+from .base import CaptureOptions
+
+
+def _truthy(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _expandable_segments(conf: str) -> bool:
+    """Whether an allocator config string ('key:value,key:value') turns on expandable segments."""
+    for item in conf.split(","):
+        key, _, value = item.partition(":")
+        if key.strip() == "expandable_segments" and _truthy(value):
+            return True
+    return False
+
+
+def check_nccl_capture_environment(env: Mapping[str, str] = os.environ) -> None:
+    """Raise CaptureError if ``env`` holds a setting known to break a CUDA capture of NCCL collectives.
+
+    * ``TORCH_NCCL_BLOCKING_WAIT=1`` (or the older ``NCCL_BLOCKING_WAIT``): ``Work.wait()`` then
+      blocks the host until the collective has finished (torch.distributed's environment-variable
+      docs), i.e. it waits on events recorded inside the capture, which cannot be waited on or
+      queried while capturing (why ProcessGroupNCCL stopped handing captured work to its watchdog:
+      pytorch/pytorch PR #102542).
+    * ``NCCL_GRAPH_REGISTER`` enabled (NCCL's default where it is unset; "0" disables it) together
+      with ``expandable_segments`` in ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``: under
+      graph capture NCCL registers the collectives' user buffers, assuming each lies in one
+      contiguous allocation (NCCL user guide, "User Buffer Registration"); expandable segments
+      break that assumption, and captured collectives hang (pytorch/pytorch#158029; also
+      torchtitan #3306, where CUDA graphs with expandable segments hung and passed without).
+    """
+    problems = []
+    for name in ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"):
+        if _truthy(env.get(name, "")):
+            problems.append(f"{name}={env[name]} makes Work.wait() block the host on events recorded inside the "
+                            f"capture; unset it (or set {name}=0) for a captured step")
+    graph_register = env.get("NCCL_GRAPH_REGISTER", "").strip()
+    for conf_name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if graph_register != "0" and _expandable_segments(env.get(conf_name, "")):
+            state = f"NCCL_GRAPH_REGISTER={graph_register}" if graph_register else "NCCL_GRAPH_REGISTER unset (on)"
+            problems.append(f"{state} with expandable_segments in {conf_name}: NCCL registers captured "
+                            "collectives' buffers assuming one contiguous allocation, and replays can hang; set "
+                            f"NCCL_GRAPH_REGISTER=0 or drop expandable_segments from {conf_name}")
+    if problems:
+        raise CaptureError("cannot capture a step with NCCL collectives in this environment:\n  "
+                           + "\n  ".join(problems))
+
+
+def _nccl_initialised() -> bool:
+    """Whether the default process group uses NCCL (the captured step may then run NCCL collectives)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return "nccl" in str(dist.get_backend()).lower()
 
 
 class CudaBackend:
     name: ClassVar[str] = "cuda"
 
-    def __init__(self, *, pool: Any = None, label: str = "step") -> None:
+    def __init__(self, *, pool: Any = None, label: str = "step", options: Optional[CaptureOptions] = None) -> None:
         self._pool = pool
         self._label = label
+        self._options = options or CaptureOptions()
+        self._device: Optional[torch.device] = None
         self._stream: Optional["torch.cuda.Stream"] = None
+        self._stream_device: Optional[torch.device] = None
         self._graph: Optional["torch.cuda.CUDAGraph"] = None
         self._outputs: Any = None
 
@@ -47,41 +121,65 @@ class CudaBackend:
             return False
         return all(t.device.type == "cuda" for t in tensors)
 
+    def device(self) -> torch.device:
+        """The step's device: decided once known (options.device, or the static inputs' device, which
+        may only exist after the warm-up); until then the current device."""
+        if self._device is not None:
+            return self._device
+        chosen = self._options.device
+        if callable(chosen):
+            chosen = chosen()
+        if chosen is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        chosen = torch.device(chosen)
+        if is_cuda(chosen) and chosen.index is None:  # "cuda" means the current CUDA device
+            chosen = torch.device(chosen.type, torch.cuda.current_device())
+        self._device = chosen
+        return chosen
+
     def _side_stream(self) -> "torch.cuda.Stream":
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
+        device = self.device()
+        if self._stream is None or self._stream_device != device:
+            self._stream = torch.cuda.Stream(device=device)
+            self._stream_device = device
         return self._stream
 
     def warmup(self, fn: Callable[[], Any]) -> Any:
-        stream = self._side_stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            out = fn()
-        torch.cuda.current_stream().wait_stream(stream)
+        with device_scope(self.device()):
+            stream = self._side_stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                out = fn()
+            torch.cuda.current_stream().wait_stream(stream)
         return out
 
     def capture(self, fn: Callable[[], Any]) -> Any:
-        stream = self._side_stream()
-        graph = torch.cuda.CUDAGraph()
-        # torch.cuda.graph synchronizes the device before capturing, so work queued
-        # on the caller's stream is complete and no explicit wait is needed here.
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-            outputs = fn()
-        self._graph = graph
-        self._outputs = outputs
-        # The capture recorded the kernels without running them: run them once now.
-        graph.replay()
+        if _nccl_initialised():
+            check_nccl_capture_environment()
+        with device_scope(self.device()):
+            stream = self._side_stream()
+            graph = torch.cuda.CUDAGraph()
+            # torch.cuda.graph synchronizes the device before capturing, so work queued
+            # on the caller's stream is complete and no explicit wait is needed here.
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+                outputs = fn()
+            self._graph = graph
+            self._outputs = outputs
+            # The capture recorded the kernels without running them: run them once now.
+            graph.replay()
         return outputs
 
     def replay(self) -> Any:
         assert self._graph is not None, "replay() before capture()"
+        # CUDAGraph.replay launches on the current stream of the device it was captured on.
         self._graph.replay()
         return self._outputs
 
     def reset(self) -> None:
         if self._graph is not None:
             # Let queued replays finish before the graph's memory can be reused.
-            torch.cuda.current_stream().synchronize()
+            with device_scope(self.device()):
+                torch.cuda.current_stream().synchronize()
             self._graph.reset()
         self._graph = None
         self._outputs = None

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from typing import Any, Callable, ClassVar, Optional
 
+from .base import CaptureOptions
+
 
 class EagerBackend:
     name: ClassVar[str] = "eager"
 
-    def __init__(self, *, pool: Any = None, label: str = "step") -> None:
+    def __init__(self, *, pool: Any = None, label: str = "step", options: Optional[CaptureOptions] = None) -> None:
         self._fn: Optional[Callable[[], Any]] = None
 
     @staticmethod

@@ -7,15 +7,29 @@ graph would do to a step:
 
 * Python scalars in op arguments are baked in. `p.add_(g, alpha=-lr)` with a Python
   float lr keeps the capture-time lr forever; a 0-d tensor lr filled in place between
-  replays is read live. Same for `torch.tensor(...)` made inside the step: it becomes a
-  constant (it arrives through `aten.lift_fresh` as a tensor no recorded op produced).
+  replays is read live.
 * Tensors that existed before the capture (closed-over params, buffers, constants) are
-  referenced by the program; tensors produced by recorded ops (temporaries, views,
-  slices, list outputs of foreach ops) are placeholders, recomputed at each replay.
-  In-place and out= ops return their input, so they map to that same tensor.
+  held weakly, as a CUDA graph holds raw addresses: a freed or replaced one makes the
+  next replay raise StaleInputError naming it, before any op runs (`_inputs.py`).
+  Tensors produced by recorded ops (temporaries, views, slices, list outputs of foreach
+  ops) are placeholders, recomputed at each replay. In-place and out= ops return their
+  input, so they map to that same tensor.
 * Host syncs (`.item()`, `if t:`, `.tolist()`, nonzero, boolean masks, ...) raise
   CaptureError while recording, naming the op and the user's file:line. The list of
   unsafe ops is `capture.unsafe`, shared with `capture.check`.
+* Strict twin of a CUDA capture (DESIGN.md §9), also refused while recording with the op
+  and the user's file:line: a tensor made from Python data inside the step
+  (`torch.tensor(x, device=d)`: `aten.lift_fresh`), a host-to-device copy other than a
+  non_blocking one from pinned memory, host (CPU) work inside a step that runs on a
+  device, RNG ops unless the graph was built with `allow_rng=True`, and lazy
+  initialisation during the recording (a torch.compile compiling, a process group's
+  first collective). The exact rules, and what is not detected: `capture.unsafe` and
+  `_strict.py`. Recording runs the ops, so a refused capture call has already applied
+  the ops before the refused one (for host work and lazy initialisation, decided once
+  fn has returned, the whole step): fix the step rather than retrying it.
+* Custom ops (`torch.library`, any namespace but torch's own) are recorded as one op
+  and called again at each replay; their body runs with the dispatch state of the
+  caller, so a torch.compile'd kernel inside sees what it saw in warm-up.
 * c10d collectives (`c10d.allreduce_`, `c10d._reduce_scatter_base_`, ...) are replayed;
   the ProcessGroup and ReduceOp objects are baked by reference, and every Work an op
   returns is waited on at once, at recording and at replay (a stronger sync than an
@@ -36,105 +50,96 @@ What differs from a CUDA graph:
   unlike in a CUDA graph, no other tensor can come to share its memory.
 * Ops run one by one through the dispatcher: it saves Python, not kernel launches.
 * Effects Python performs without an aten op (assigning `.data` or `.grad`, setting
-  attributes, printing) happen at capture only. Storage objects passed to ops
-  (`set_(storage)`) are baked by reference like constants.
-* RNG ops draw from the global generator at each replay, so a replayed run draws the
-  same numbers as the eager run would; a CUDA graph advances Philox offsets instead.
+  attributes, printing) happen at capture only.
+* Declared RNG (`allow_rng=True`): ops draw from their generator at each replay, so a
+  replayed run draws the same numbers as the eager run would; a CUDA graph advances
+  Philox offsets of the generators registered with it instead (torch registers the
+  default CUDA generator; others need `CUDAGraph.register_generator_state`).
+* Storage objects passed to ops (`set_(storage)`), ProcessGroups and Generators are held
+  by strong reference; so are fn's returned tensors (they are the graph's outputs).
 """
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional
+import contextlib
+from typing import Any, Callable, ClassVar, Iterator, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from .. import _location
-from ..errors import DEVICE_TO_HOST, HOST_SYNC, CaptureError, Finding
+from ..errors import (DEVICE_TO_HOST, HOST_SYNC, HOST_TENSOR, HOST_TO_DEVICE, HOST_WORK, LAZY_INIT, RNG,
+                      CaptureError, Finding)
 from ..unsafe import HostReadMode, classify, op_name
-from . import _c10d
+from . import _c10d, _strict
+from ._inputs import WeakInputs, describe_first_use
+from ._program import Instr, Program
+from .base import CaptureOptions
 
-# Kinds the recorder refuses: a replay would reuse the value the host read at capture.
-_REFUSED = (HOST_SYNC, DEVICE_TO_HOST)
-
-
-@dataclass
-class _Instr:
-    """One recorded op call.
-
-    leaves/spec: the flattened (args, kwargs) with tensors that existed before capture
-    and every non-tensor baked in; `subs` lists (leaf position, slot) for tensors that
-    recorded ops produce. `binds` lists (output leaf position, slot) for fresh outputs.
-    `release` lists slots whose last use is this op (freed right after it). Positions
-    are turned into index paths once (`_Program._compile`) so replay does no pytree work.
-    """
-
-    func: Any
-    spec: Any
-    leaves: list
-    subs: tuple
-    binds: tuple
-    works: tuple
-    out_spec: Any = None
-    release: tuple = ()
-    # Filled by _Program._compile: the call without pytree work at replay.
-    baked: Optional[tuple] = None  # (args, kwargs) when no placeholder is involved
-    template: Optional[list] = None  # [args list, kwargs dict] with holes for placeholders
-    copies: tuple = ()  # paths of nested containers to copy before filling holes
-    holes: tuple = ()  # (path, slot)
-    out_paths: tuple = ()  # (path into the op's result, slot)
-    work_paths: tuple = ()  # paths of Work objects in the op's result
-
-
-def _leaf_paths(spec: Any, n: int) -> list:
-    """Index path of each pytree leaf: unflatten the leaf numbers, then walk.
-
-    Every int in the unflattened structure is a leaf number (pytree containers are
-    lists, tuples, dicts and None here, and none of them is an int).
-    """
-    paths: list = [None] * n
-
-    def walk(node: Any, path: tuple) -> None:
-        if isinstance(node, int):
-            paths[node] = path
-        elif isinstance(node, (list, tuple)):
-            for i, child in enumerate(node):
-                walk(child, path + (i,))
-        elif isinstance(node, dict):
-            for k, child in node.items():
-                walk(child, path + (k,))
-
-    walk(tree_unflatten(list(range(n)), spec), ())
-    return paths
-
-
-def _at(root: Any, path: tuple) -> Any:
-    for key in path:
-        root = root[key]
-    return root
+# Kinds the recorder always refuses, and what to do instead.
+_ADVICE = {
+    HOST_SYNC: "it reads device data on the host, so a replay would reuse the value read at capture. Compute "
+               "the decision on device (torch.where, masks, found_inf tensors) instead",
+    DEVICE_TO_HOST: "it copies device data to the host, so a replay would reuse the value read at capture. Keep "
+                    "the value on device and read it outside the step",
+    HOST_TO_DEVICE: "it copies host memory to the device inside the step; a CUDA capture refuses that copy (a "
+                    "sync from pageable memory). Keep the tensor on the device and refresh it in place before "
+                    "the step, or copy non_blocking from pinned memory",
+    HOST_TENSOR: "it makes a tensor from Python data inside the step (torch.tensor / as_tensor); on a GPU that "
+                 "is a host-to-device copy a CUDA capture refuses, and its value would be frozen at capture. "
+                 "Make the tensor once outside the step and fill_() it before each step, or pass a Python "
+                 "scalar if the value is a constant",
+    RNG: "it draws random numbers, which a CUDA graph replays only from generators registered with it. If "
+         "that is intended, capture with allow_rng=True",
+    HOST_WORK: "it runs host (CPU) ops inside a step on a device: a CUDA graph records device work only, so "
+               "they would run at capture and never again (and a CPU scalar read by a device op is frozen). "
+               "Keep the step's tensors on its device",
+    LAZY_INIT: "first-time setup ran during the capture, which a CUDA capture cannot contain; run the step "
+               "eagerly before capturing (warmup >= 1) so that it happens in warm-up",
+}
 
 
 class _Recorder(TorchDispatchMode):
-    """Runs each op and appends it to the program; refuses host syncs."""
+    """Runs each op and appends it to the program; refuses what a CUDA capture would."""
 
-    def __init__(self, label: str) -> None:
+    def __init__(self, label: str, options: CaptureOptions) -> None:
         super().__init__()
         self.label = label
-        self.instrs: list[_Instr] = []
+        self.refused = {HOST_SYNC, DEVICE_TO_HOST, HOST_TO_DEVICE, HOST_TENSOR} | (
+            set() if options.allow_rng else {RNG})
+        self.instrs: list[Instr] = []
+        self.num_slots = 0
         self.slot_of: dict[int, int] = {}
-        # Every tensor a recorded op produced stays alive until recording ends, so an
-        # id() can never be reused by another tensor and confuse slot_of.
-        self.keepalive: list[torch.Tensor] = []
+        # Every tensor seen while recording stays alive until recording ends, so an id()
+        # can never be reused by another tensor and confuse slot_of. `fresh`: produced by
+        # recorded ops (slot -> tensor); `inputs`: existed before (weak handles after).
+        self.fresh: dict[int, torch.Tensor] = {}
+        self.inputs = WeakInputs()
+        self.input_slots: list[int] = []  # slot of each input, in WeakInputs order
+        self.input_keepalive: list[torch.Tensor] = []
         # Storage of each allocation a recorded op made -> slot of its first tensor.
         self.storage_slot: dict[int, int] = {}
+        self.device_rule = _strict.DeviceStepRule()
+        # The dispatch-key state of the code that starts the recording (see _as_called_by_the_user).
+        self.dispatch_tls = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
         self.refusal: Optional[CaptureError] = None
 
     def _new_slot(self, t: torch.Tensor) -> int:
-        slot = len(self.keepalive)
-        self.keepalive.append(t)
+        slot = self.num_slots
+        self.num_slots += 1
         self.slot_of[id(t)] = slot
+        return slot
+
+    def _fresh_slot(self, t: torch.Tensor) -> int:
+        slot = self._new_slot(t)
+        self.fresh[slot] = t
+        return slot
+
+    def _input_slot(self, t: torch.Tensor, func: Any) -> int:
+        slot = self._new_slot(t)
+        self.input_keepalive.append(t)
+        self.inputs.add(t, describe_first_use(t, op_name(func), _location.user_location()))
+        self.input_slots.append(slot)
         return slot
 
     def _alias_of_fresh(self, x: torch.Tensor) -> Optional[int]:
@@ -148,8 +153,8 @@ class _Recorder(TorchDispatchMode):
         """
         base_slot = self.storage_slot.get(_storage_key(x))
         if base_slot is None:
-            return None  # memory from before the capture: a constant by reference
-        base = self.keepalive[base_slot]
+            return None  # memory from before the capture: an input
+        base = self.fresh[base_slot]
         if base.dtype != x.dtype:
             raise CaptureError(
                 f"cannot capture {self.label!r}: a tensor reinterprets a temporary's memory as "
@@ -157,24 +162,21 @@ class _Recorder(TorchDispatchMode):
             )
         leaves, spec = tree_flatten(((base, tuple(x.size()), tuple(x.stride()), x.storage_offset()), {}))
         leaves[0] = None
-        slot = self._new_slot(x)
+        slot = self._fresh_slot(x)
         self.instrs.append(
-            _Instr(
+            Instr(
                 torch.ops.aten.as_strided.default, spec, leaves, ((0, base_slot),), ((0, slot),), (),
                 tree_flatten(x)[1],
             )
         )
         return slot
 
-    def refuse(self, kind: str, func: Any) -> CaptureError:
+    def refuse(self, kind: str, func: Any, op: Optional[str] = None) -> CaptureError:
         filename, lineno, line = _location.user_location()
-        finding = Finding(kind, op_name(func), filename, lineno, line)
-        err = CaptureError(
-            f"cannot capture {self.label!r}: it reads device data on the host, so a replay "
-            "would reuse the value read at capture. Compute the decision on device "
-            "(torch.where, masks, found_inf tensors) instead",
-            [finding],
-        )
+        return self.refuse_findings(kind, [Finding(kind, op or op_name(func), filename, lineno, line)])
+
+    def refuse_findings(self, kind: str, findings: list) -> CaptureError:
+        err = CaptureError(f"cannot capture {self.label!r}: {_ADVICE[kind]}", findings)
         # Kept even if fn swallows the exception: the capture must still fail.
         self.refusal = self.refusal or err
         return err
@@ -186,29 +188,40 @@ class _Recorder(TorchDispatchMode):
             # already recorded (and waited on); replaying it would copy stale buffers.
             return func(*args, **kwargs)
         kind = classify(func, args, kwargs)
-        if kind in _REFUSED:
+        if kind in self.refused:
             raise self.refuse(kind, func)
+        unused_groups = _strict.first_use_groups(func, args, kwargs)
+        if unused_groups:
+            raise self.refuse(LAZY_INIT, func, f"{op_name(func)} is the first collective on process group "
+                                               f"{', '.join(unused_groups)}")
 
         leaves, spec = tree_flatten((args, kwargs))
-        subs = []
+        subs, tensors = [], []
         input_ids, input_storages = set(), set()
         for pos, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
+                tensors.append(x)
                 input_ids.add(id(x))
                 input_storages.add(_storage_key(x))
                 slot = self.slot_of.get(id(x))
                 if slot is None:
                     slot = self._alias_of_fresh(x)
-                if slot is not None:
-                    subs.append((pos, slot))
-                    leaves[pos] = None  # filled from the environment at replay
-        out = func(*args, **kwargs)
+                if slot is None:
+                    slot = self._input_slot(x, func)
+                subs.append((pos, slot))
+                leaves[pos] = None  # filled from the environment at replay
+        if getattr(func, "namespace", "aten") in _BUILTIN_NAMESPACES:
+            out = func(*args, **kwargs)
+        else:
+            with _as_called_by_the_user(self.dispatch_tls):
+                out = func(*args, **kwargs)
 
         binds, works = [], []
         for pos, y in enumerate(tree_flatten(out)[0]):
             if isinstance(y, torch.Tensor):
+                tensors.append(y)
                 if id(y) not in input_ids:  # in-place / out= results are their input
-                    slot = self._new_slot(y)
+                    slot = self._fresh_slot(y)
                     binds.append((pos, slot))
                     key = _storage_key(y)
                     if key and key not in input_storages:  # a new allocation, not a view
@@ -216,9 +229,36 @@ class _Recorder(TorchDispatchMode):
             elif _c10d.is_work(y):
                 works.append(pos)
                 _c10d.wait(y)
+        self.device_rule.observe(func, tensors)
         out_spec = tree_flatten(out)[1] if (binds or works) else None
-        self.instrs.append(_Instr(func, spec, leaves, tuple(subs), tuple(binds), tuple(works), out_spec))
+        self.instrs.append(Instr(func, spec, leaves, tuple(subs), tuple(binds), tuple(works), out_spec))
         return out
+
+
+# Operator namespaces of torch itself; any other op is a custom op (torch.library), recorded as one op.
+_BUILTIN_NAMESPACES = frozenset({"aten", "prims", "c10d", "_c10d_functional", "c10d_functional", "profiler"})
+
+
+@contextlib.contextmanager
+def _as_called_by_the_user(dispatch_tls: tuple) -> Iterator[None]:
+    """Run a custom op as the step's own code would run it: with the dispatch-key state of the
+    caller (not the one below ADInplaceOrView that a dispatch mode sees) and without the
+    recorder's HostReadMode on the function-mode stack.
+
+    The op is recorded and replayed as one op, so what its body does is not the recorder's
+    business; and a torch.compile'd kernel inside it (graphstep's compiled kernel) must see the
+    state it saw in the warm-up: dynamo guards on tensors' dispatch keys and on the mode stack, and
+    would otherwise compile again during every capture, which the lazy-initialisation rule
+    (rightly, on a GPU) refuses.
+    """
+    include, exclude = dispatch_tls
+    with torch._C._ForceDispatchKeyGuard(include, exclude):
+        stack = torch.overrides._get_current_function_mode_stack()
+        if stack and isinstance(stack[-1], HostReadMode):
+            with torch.overrides._pop_mode_temporarily():
+                yield
+        else:
+            yield
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -228,131 +268,16 @@ def _storage_key(t: torch.Tensor) -> int:
         return 0
 
 
-def _refresh(captured: torch.Tensor, fresh: torch.Tensor) -> None:
-    """Give the capture-time tensor the value this replay computed."""
-    same_memory = (
-        captured.data_ptr() == fresh.data_ptr()
-        and captured.stride() == fresh.stride()
-        and captured.shape == fresh.shape
-    )
-    if not same_memory:  # a view of static memory is already up to date
-        captured.copy_(fresh)
-
-
-class _Program:
-    """A recorded op list plus how fn's outputs map onto its placeholders."""
-
-    def __init__(self, rec: _Recorder, outputs: Any) -> None:
-        self.instrs = rec.instrs
-        self.num_slots = len(rec.keepalive)
-        # Outputs produced by recorded ops: refreshed by copy at every replay.
-        self.out_binds = [
-            (t, rec.slot_of[id(t)])
-            for t in tree_leaves(outputs)
-            if isinstance(t, torch.Tensor) and id(t) in rec.slot_of
-        ]
-        self.escaped = self._find_escaped(rec)
-        self._plan_lifetimes()
-
-    def _find_escaped(self, rec: _Recorder) -> list:
-        """Temporaries still alive after fn returned without being returned by it.
-
-        fn stored them somewhere (an attribute, a dict, a `.grad`). In a CUDA graph they
-        are pool memory that each replay rewrites, so whoever holds them sees the latest
-        step; we give them the same behaviour by copying into them at each replay, for
-        as long as someone holds them (weak references). `capture.check` still reports
-        them: it is rarely what the author meant.
-        """
-        returned = {id(t) for t, _ in self.out_binds}
-        refs = [(weakref.ref(t), slot) for slot, t in enumerate(rec.keepalive) if id(t) not in returned]
-        rec.keepalive.clear()
-        # No gc.collect() here (it costs ~0.1-0.3 s in a process that imported torch, at
-        # every recapture): a temporary caught in a reference cycle counts as escaped
-        # until the collector frees it, which only costs a copy per replay meanwhile.
-        return [(ref, slot) for ref, slot in refs if ref() is not None]
-
-    def _plan_lifetimes(self) -> None:
-        keep = {slot for _, slot in self.out_binds} | {slot for _, slot in self.escaped}
-        last_use: dict[int, int] = {}
-        for i, ins in enumerate(self.instrs):
-            for _, slot in ins.binds:
-                last_use[slot] = i  # a never-read output dies right after its op
-            for _, slot in ins.subs:
-                last_use[slot] = i
-            self._compile(ins)
-        release: dict[int, list[int]] = {}
-        for slot, i in last_use.items():
-            if slot not in keep:
-                release.setdefault(i, []).append(slot)
-        for i, slots in release.items():
-            self.instrs[i].release = tuple(slots)
-
-    @staticmethod
-    def _compile(ins: _Instr) -> None:
-        """Turn leaf positions into index paths, so replay needs no pytree calls."""
-        args, kwargs = tree_unflatten(ins.leaves, ins.spec)
-        if not ins.subs:
-            ins.baked = (args, kwargs)
-        else:
-            in_paths = _leaf_paths(ins.spec, len(ins.leaves))
-            # Paths start with 0 (args) or 1 (kwargs): the root is [args, kwargs].
-            holes = tuple((in_paths[pos], slot) for pos, slot in ins.subs)
-            prefixes = {path[:i] for path, _ in holes for i in range(2, len(path))}
-            ins.template = [list(args), dict(kwargs)]
-            ins.copies = tuple(sorted(prefixes, key=len))
-            ins.holes = holes
-        if ins.binds or ins.works:
-            n_out = ins.out_spec.num_leaves
-            out_paths = _leaf_paths(ins.out_spec, n_out)
-            ins.out_paths = tuple((out_paths[pos], slot) for pos, slot in ins.binds)
-            ins.work_paths = tuple(out_paths[pos] for pos in ins.works)
-
-    @staticmethod
-    def _call_args(ins: _Instr, env: list) -> tuple:
-        if ins.baked is not None:
-            return ins.baked
-        args_t, kwargs_t = ins.template
-        root = [list(args_t), dict(kwargs_t) if kwargs_t else kwargs_t]
-        for path in ins.copies:  # nested lists holding placeholders: fresh copies
-            parent = _at(root, path[:-1])
-            parent[path[-1]] = list(parent[path[-1]])
-        for path, slot in ins.holes:
-            _at(root, path[:-1])[path[-1]] = env[slot]
-        return root[0], root[1]
-
-    def run(self) -> None:
-        env: list[Any] = [None] * self.num_slots
-        # The recorded ops sit below autograd and autocast (their casts are already in
-        # the list), but replay enters the dispatcher from the top: no_grad keeps
-        # autograd from recording them or refusing in-place updates of leaf params, and
-        # autocast is disabled so a caller's autocast region cannot recast them.
-        with torch.no_grad(), torch._C._DisableAutocast():
-            for ins in self.instrs:
-                args, kwargs = self._call_args(ins, env)
-                out = ins.func(*args, **kwargs)
-                for path, slot in ins.out_paths:
-                    env[slot] = _at(out, path)
-                for path in ins.work_paths:
-                    _c10d.wait(_at(out, path))
-                for slot in ins.release:
-                    env[slot] = None
-            for captured, slot in self.out_binds:
-                _refresh(captured, env[slot])
-            for ref, slot in self.escaped:
-                held = ref()
-                if held is not None:
-                    _refresh(held, env[slot])
-
-
 class ReplayBackend:
     """Record once, replay the aten op list. See the module docstring."""
 
     name: ClassVar[str] = "replay"
 
-    def __init__(self, *, pool: Any = None, label: str = "step") -> None:
+    def __init__(self, *, pool: Any = None, label: str = "step", options: Optional[CaptureOptions] = None) -> None:
         # `pool` is accepted for interface parity; the replay backend has no pool.
         self._label = label
-        self._program: Optional[_Program] = None
+        self._options = options or CaptureOptions()
+        self._program: Optional[Program] = None
         self._outputs: Any = None
 
     @staticmethod
@@ -363,17 +288,23 @@ class ReplayBackend:
         return fn()
 
     def capture(self, fn: Callable[[], Any]) -> Any:
-        rec = _Recorder(self._label)
+        rec = _Recorder(self._label, self._options)
 
         def refuse_host_read(func: Any) -> None:
             raise rec.refuse(HOST_SYNC, func)
 
         host_reads = HostReadMode(refuse_host_read)
-        with _c10d.hide_ops_inside_wait(), host_reads, rec:
+        with _strict.LazyInitWatch() as lazy, _c10d.hide_ops_inside_wait(), host_reads, rec:
             outputs = fn()
         if rec.refusal is not None:
             raise rec.refusal
-        self._program = _Program(rec, outputs)
+        if lazy.findings:
+            raise rec.refuse_findings(LAZY_INIT, lazy.findings)
+        host_work = rec.device_rule.findings()
+        if host_work:
+            raise rec.refuse_findings(HOST_WORK, host_work)
+        self._program = Program(rec.instrs, rec.inputs, rec.input_slots, rec.fresh, outputs)
+        rec.input_keepalive.clear()  # from here on the inputs are held weakly only
         self._outputs = outputs
         return outputs
 

@@ -1,0 +1,124 @@
+"""The replay backend's rules for what a CUDA capture would refuse that a plain op recorder would not.
+
+DESIGN.md §9: the CPU replay backend is the strict twin of a CUDA graph. The op-level rules (host
+syncs, device-to-host and host-to-device copies, tensors made from Python data, undeclared RNG) are
+classified in `capture.unsafe`; this module holds the rules that need more context than one op:
+
+* **Host work inside a device step.** A CUDA graph records device work only. An op whose tensors all
+  live on the CPU inside a step that runs on a device is run once, at capture, and never replayed; a
+  CPU tensor read by a device op (a 0-d "scalar" tensor) has its capture-time value baked into the
+  kernel's arguments. The replay backend would replay both faithfully, so it refuses them instead.
+  Which device a step runs on is only known once it has run: the first non-CPU tensor any recorded op
+  touches decides; in a CPU-only step the host *is* the device and this rule is silent (the
+  CPU-only analogue is the `host_tensor` rule in `capture.unsafe`: a tensor made from Python data).
+* **Lazy initialisation during the recording** (`LazyInitWatch`): work that a CUDA capture cannot
+  contain because it synchronises or allocates outside the graph.
+  - A torch.compile (dynamo) compilation that starts while recording: Inductor compiles, benchmarks
+    and autotunes with host syncs. Detected with dynamo's compile-start callback.
+  - The first collective on a c10d process group: NCCL creates its communicator lazily, on a
+    group's first collective (unless the group was bound to a device at init), and that setup
+    cannot be captured. Detected from the group's collective sequence number, which is 0 until the
+    group has run a collective (ProcessGroup._get_sequence_number_for_group, gloo and NCCL).
+  Not detected (documented instead): cuBLAS/cuDNN handle and workspace creation, allocator growth,
+  Triton kernels compiled outside dynamo, a torch.compile'd function called *directly* inside the
+  step (dynamo does not run under a TorchDispatchMode, so it runs eagerly during the recording: wrap
+  compiled kernels in a `torch.library` custom op, as graphstep does, to record them as one op).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from .. import _location
+from ..errors import HOST_WORK, LAZY_INIT, Finding
+
+__all__ = ["LazyInitWatch", "first_use_groups", "DeviceStepRule"]
+
+_PG_TYPE = "__torch__.torch.classes.c10d.ProcessGroup"
+
+
+def _finding(kind: str, op: str) -> Finding:
+    filename, lineno, line = _location.user_location()
+    return Finding(kind, op, filename, lineno, line)
+
+
+class LazyInitWatch:
+    """While active, notes every dynamo compilation that starts (findings: `lazy_init`)."""
+
+    def __init__(self) -> None:
+        self.findings: list[Finding] = []
+        self._handler = _dynamo_callbacks()
+
+    def _on_compile_start(self, args: Any) -> None:
+        compile_id = getattr(args, "compile_id", "?")
+        self.findings.append(_finding(LAZY_INIT, f"torch.compile (dynamo compile {compile_id})"))
+
+    def __enter__(self) -> "LazyInitWatch":
+        if self._handler is not None:
+            self._handler.register_start_callback(self._on_compile_start)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._handler is not None:
+            self._handler.remove_start_callback(self._on_compile_start)
+
+
+def _dynamo_callbacks() -> Optional[Any]:
+    """dynamo's global compile-callback registry, or None where this torch has none."""
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:  # pragma: no cover - older or stripped torch builds
+        return None
+    return callback_handler
+
+
+def first_use_groups(func: Any, args: tuple, kwargs: dict) -> list[str]:
+    """Names of the c10d process groups in a c10d op's arguments that have never run a collective."""
+    if getattr(func, "namespace", None) != "c10d" or not torch.distributed.is_available():
+        return []
+    unused = []
+    for x in tree_leaves((args, kwargs)):
+        if not isinstance(x, torch.ScriptObject):
+            continue
+        try:
+            if x._type().qualified_name() != _PG_TYPE:
+                continue
+            group = torch._C._distributed_c10d.ProcessGroup.unbox(x)
+            seq = group._get_sequence_number_for_group()
+        except (RuntimeError, AttributeError):  # a backend without sequence numbers: cannot tell
+            continue
+        if seq == 0:
+            unused.append(f"{group.group_name!r} ({group.name()}, size {group.size()})")
+    return unused
+
+
+class DeviceStepRule:
+    """Collects host (CPU) work seen while recording; `findings()` reports it if the step ran on a device."""
+
+    def __init__(self) -> None:
+        self.step_device: Optional[torch.device] = None
+        self._host: list[Finding] = []
+        self._seen: set = set()
+
+    def observe(self, func: Any, tensors: list) -> None:
+        """Note the devices of one recorded op's tensors (inputs and outputs)."""
+        host = False
+        for t in tensors:
+            if t.device.type == "cpu":
+                host = True
+            elif self.step_device is None:
+                self.step_device = t.device
+        if not host:
+            return
+        if self.step_device is None and self._host:
+            return  # maybe a CPU-only step (then all of this is fine): one located op is enough for now
+        finding = _finding(HOST_WORK, str(func))
+        key = (finding.op, finding.filename, finding.lineno)
+        if key not in self._seen:  # one finding per op and line, not per call
+            self._seen.add(key)
+            self._host.append(finding)
+
+    def findings(self) -> list[Finding]:
+        return list(self._host) if self.step_device is not None else []
