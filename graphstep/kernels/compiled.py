@@ -161,9 +161,11 @@ def _(params, grads, momentum_buffers, coefficients, nesterov) -> None:
 
 
 def _scalars(*values, like: torch.Tensor) -> list[torch.Tensor]:
-    """Hyperparameters as 0-d tensors in ``like``'s dtype and device (floats are accepted too)."""
-    return [v.to(like.dtype) if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=like.dtype,
-                                                                               device=like.device)
+    """Hyperparameters as 0-d tensors in ``like``'s dtype and device. A float (only when the kernel is
+    called directly: the engine passes every hyperparameter as a device tensor) becomes a ``full`` fill,
+    a constant the device writes, not a tensor copied in from host memory, which a capture refuses."""
+    return [v.to(like.dtype) if isinstance(v, torch.Tensor) else torch.full((), float(v), dtype=like.dtype,
+                                                                             device=like.device)
             for v in values]
 
 
