@@ -87,12 +87,14 @@ def test_fused_and_separate_scale_identically():
     layout_sep, layout_fused = HeadLayout(8, 2, 4), HeadLayout(8, 2, 4, fused_qkv=True)
     wq, wk, wv, _ = make_layer(1, 8, 2, 4)
     max_logits = torch.tensor([150.0, 20.0, 3.0, 90.0, 400.0, -1.0, 7.0, 8.0])
-    q_factor, k_factor = clip_factors(max_logits, layout_sep, 100.0, 0.5)
+    q_factor, k_factor = clip_factors(max_logits, layout_sep, 100.0, 0.3)
     wqkv = fuse(wq, wk, wv, 2)
     clip_qk_(layout_fused, q_factor, k_factor, qkv=wqkv)
     clip_qk_(layout_sep, q_factor, k_factor, q=wq, k=wk)
     assert torch.equal(wqkv, fuse(wq, wk, wv, 2))
-    torch.testing.assert_close(q_factor, torch.tensor([(100 / 150) ** 0.5, (100 / 400) ** 0.5]))
+    # Group maxima 150 and 400: η = τ/S_g; W_q rows by η^α, W_k rows by η^(1−α).
+    torch.testing.assert_close(q_factor, torch.tensor([(100 / 150) ** 0.3, (100 / 400) ** 0.3]))
+    torch.testing.assert_close(k_factor, torch.tensor([(100 / 150) ** 0.7, (100 / 400) ** 0.7]))
 
 
 def test_heads_at_or_below_zero_stay_finite_and_unscaled():
