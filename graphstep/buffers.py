@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from .layout import Layout, Segment
+from .layout import Layout
 
 _GRAD = operator.attrgetter("grad")
 
@@ -104,11 +104,14 @@ class StaticBuffers:
         """Point every param's grad back at its ``grad_flat`` view, keeping any values written elsewhere.
 
         Cheap host-side work, run before each step: a user's ``model.zero_grad()`` (set_to_none) or a
-        ``p.grad = ...`` assignment must not make the step read stale memory.
+        ``p.grad = ...`` assignment must not make the step read stale memory. A grad set to None means
+        "no grad": its view is zeroed, so the step applies exactly what a zero grad would. (Params whose
+        grads accumulate into an fp32 ``main_grad`` are not listed: their ``.grad`` is None between
+        backwards by design, and only ``opt.zero_grad()`` clears ``main_grad``.)
         """
-        # Main-grad params are not listed: the hook moves their .grad into main_grad during backward.
         for p, view in zip(self._grad_params, self._grad_views):
             if p.grad is None:
+                view.zero_()
                 p.grad = view
             elif p.grad is not view:
                 if p.grad.data_ptr() != view.data_ptr():
@@ -147,13 +150,6 @@ class StaticBuffers:
             if grad_shard.data_ptr() != grad.data_ptr():
                 grad_shard.zero_()
         self.bind_grads()
-
-    def segment_views(self, tensors: Sequence[torch.Tensor], segments: Sequence[Segment], *,
-                      flat: bool) -> list[torch.Tensor]:
-        """Views of per-buffer ``tensors`` for ``segments``, in full-buffer or shard coordinates."""
-        if flat:
-            return [tensors[s.buffer][s.flat_start:s.flat_end] for s in segments]
-        return [tensors[s.buffer][s.shard_start:s.shard_end] for s in segments]
 
     def addresses(self) -> dict[str, torch.Tensor]:
         """Every static buffer by name: what a capture guards before each replay. (Params are checked by

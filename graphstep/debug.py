@@ -14,7 +14,9 @@ from typing import Optional
 
 import torch
 
-SCALARS = ("found_inf", "grad_norm", "clip_coef", "grad_scale", "loss_scale", "step")
+from capture.devices import synchronize
+
+SCALARS = ("nonfinite", "found_inf", "grad_norm", "clip_coef", "grad_scale", "loss_scale", "step")
 
 
 @dataclass(frozen=True)
@@ -50,11 +52,6 @@ class StepReport:
         return "\n".join(rows)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type != "cpu" and hasattr(torch, "accelerator"):
-        torch.accelerator.synchronize(device)
-
-
 def _first_non_finite(opt, stage: str, *, grads_only: bool) -> Optional[NanOrigin]:
     buffers, layout = opt.buffers, opt.layout
     owned = {r.param: r for r in layout.owned_ranges(opt.rank)}
@@ -79,10 +76,10 @@ def run_debug_step(opt) -> StepReport:
     origin = _first_non_finite(opt, "backward", grads_only=True)
     stats = []
     for stage in opt.stages:
-        _synchronize(opt.device)
+        synchronize(opt.device)
         start = time.perf_counter()
         stage.apply()
-        _synchronize(opt.device)
+        synchronize(opt.device)
         ms = (time.perf_counter() - start) * 1e3
         scalars = {name: float(getattr(opt.tensors, name)) for name in SCALARS}
         stats.append(StageStats(stage.name, ms, scalars))

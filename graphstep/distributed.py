@@ -126,11 +126,6 @@ class Collectives:
                                  "build the optimizer over the same model and OptimizerConfig")
 
     # ---- the step's collectives ------------------------------------------------------------------------
-    @property
-    def reduces_grad_stats(self) -> bool:
-        """Whether grad statistics (norm, zero count) are summed across processes."""
-        return self.dp_size > 1 or self.mp_group is not None
-
     def all_reduce_sum(self, tensor: torch.Tensor, what: str) -> None:
         """Sum ``tensor`` in place over the data-parallel, then the model-parallel group."""
         if self.dp_size > 1:

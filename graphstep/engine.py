@@ -7,8 +7,9 @@ once, and ``step`` only refreshes the hyperparameter tensors (host side) and app
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -22,12 +23,14 @@ from .buffers import StaticBuffers, allocate
 from .config import OptimizerConfig
 from .debug import StepReport, run_debug_step
 from .distributed import Collectives, derive_group
+from .families import families_of, state_names
 from .hyperparams import HyperParams
 from .kernels import get_kernels
-from .layout import Layout, ParamSpec, plan_layout
-from .runner import StepRunner, baked_values
+from .layout import ParamSpec, plan_layout
+from .runner import StepRunner
 from .scaler import scaler_from_config
-from .stages import Stage, StepTensors, chain, clip, gather, reduce, scale, unscale, update, zeros
+from .stages import StepTensors, baked_values, chain, default_chain, publish_chain
+from .stages.context import StepContext
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -41,21 +44,6 @@ class StepResult:
     grad_norm: torch.Tensor  # fp32, unscaled global L2 norm before clipping
     num_zeros: Optional[torch.Tensor]  # int64 count of zero grads, or None
     loss_scale: torch.Tensor  # fp32, the scale the next backward uses
-
-
-@dataclass
-class StepContext:
-    """What the stage factories build from: one object, so a stage's inputs are explicit."""
-
-    config: OptimizerConfig
-    layout: Layout
-    buffers: StaticBuffers
-    hyper: HyperParams
-    kernels: object
-    tensors: StepTensors
-    scaler: object
-    comm: Collectives
-    rank: int
 
 
 def get_optimizer(config: OptimizerConfig, model_chunks, config_overrides=None, process_group=None,
@@ -80,10 +68,72 @@ def _named_trainable_params(model_chunks) -> list[tuple[str, torch.nn.Parameter]
             if not p.requires_grad or id(p) in seen:
                 continue
             seen.add(id(p))
-            named.append((name if len(chunks) == 1 else f"{c}.{name}", p))
+            name = name if len(chunks) == 1 else f"{c}.{name}"
+            if not p.is_leaf:
+                raise ValueError(f"param '{name}' is not a leaf tensor (it was computed from other tensors): "
+                                 "register an nn.Parameter, or freeze it with requires_grad_(False)")
+            named.append((name, p))
     if not named:
         raise ValueError("get_optimizer: the model has no trainable parameters")
     return named
+
+
+def _param_spec(config: OptimizerConfig, name: str, p: torch.nn.Parameter, group: int) -> ParamSpec:
+    """The layout's view of one param, refusing dtypes graphstep does not train."""
+    if p.is_complex():
+        raise ValueError(f"param '{name}' is complex ({p.dtype}): graphstep trains real floating-point params "
+                         "only (store a complex weight as torch.view_as_real of a real parameter)")
+    dtype = config.model_dtype or p.dtype
+    if not dtype.is_floating_point:
+        raise ValueError(f"param '{name}' has dtype {dtype}: only floating-point params can be trained")
+    if dtype == torch.float64:
+        source = "params_dtype=torch.float64" if config.model_dtype is not None else f"param '{name}' is float64"
+        raise ValueError(f"{source}: graphstep trains float32, bfloat16 and float16 params (its norm and update "
+                         "kernels run in fp32 over fp32 main params); cast the model with model.float()")
+    grad_dtype = config.main_grads_dtype if dtype in _HALF else dtype
+    return ParamSpec(name, tuple(p.shape), dtype, grad_dtype, group)
+
+
+def _static_inputs(buffers: StaticBuffers, hyper: HyperParams, tensors: StepTensors):
+    """What a capture guards before each replay: every static buffer, the hyperparameters, the scalars."""
+    fixed = {"hyperparameters": hyper.values, **tensors.named()}
+
+    def named() -> dict:
+        return {**buffers.addresses(), **fixed}
+
+    return named
+
+
+class _GradsSeen:
+    """Warns once when a step runs before any backward since build.
+
+    The update then reads all-zero grads and applies weight decay (and momentum) to every param:
+    graphstep steps every param it holds, like Megatron-Core's buffers, where torch's optimizers skip
+    params whose ``.grad`` is None. One-shot hooks: the first grad to arrive removes them all, so later
+    backwards pay nothing.
+    """
+
+    def __init__(self, params):
+        self.seen = False
+        self._warned = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._arrived) for p in params]
+
+    def _arrived(self, _param) -> None:
+        self.seen = True
+        self.remove()
+
+    def remove(self) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+
+    def check(self) -> None:
+        if not self.seen and not self._warned:
+            self._warned = True
+            warnings.warn("graphstep: step() ran before any backward: every grad is zero, so this step applies "
+                          "only weight decay (and momentum) to every param. graphstep steps all the params it "
+                          "holds (torch's optimizers skip params without grads); run backward first",
+                          RuntimeWarning, stacklevel=4)
 
 
 def _defaults(config: OptimizerConfig) -> dict:
@@ -140,14 +190,15 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"param '{name}' is on {p.device}, others on {device}: put the model on one "
                                  "device before get_optimizer")
         group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
-        specs = [self._param_spec(name, p, group_of[id(p)]) for name, p in named]
+        specs = [_param_spec(config, name, p, group_of[id(p)]) for name, p in named]
+        families = families_of(self.param_groups, config.optimizer)
 
         dp_group, rank, dp_size = _data_parallel(config, process_group)
         self.layout = plan_layout(specs, dp_size, config.bucket_size)
         self.rank = rank
         self.device = device
         self.buffers = allocate(self.layout, params, rank=rank, device=device,
-                                main_dtype=config.main_params_dtype, state_names=self._state_names())
+                                main_dtype=config.main_params_dtype, state_names=state_names(families, config))
         self.hyper = HyperParams(len(self.param_groups), device)
         self.scaler = scaler_from_config(config, device)
         scaled = self.scaler is not None
@@ -158,54 +209,25 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self.grad_norm_skip_threshold = config.grad_norm_skip_threshold
         """Norm above which a step is skipped, refreshed like ``clip_grad``."""
         self.comm = Collectives(dp_group, dp_size, model_parallel_group, timeout_s=config.distributed_timeout_s)
-        self._ctx = StepContext(config, self.layout, self.buffers, self.hyper, get_kernels(config.kernel),
-                                self.tensors, self.scaler, self.comm, rank)
-        self.stages = self._build_stages()
-        self._step_fn = chain(self.stages)
+        # The one build-time exchange with other ranks: all agree on the layout and config before any stage
+        # pairs up buffers (and the model-parallel group gets its timeout). No stage factory talks to peers.
+        self.comm.setup(self.layout, config)
+
+        ctx = StepContext(config, self.layout, self.buffers, self.hyper, get_kernels(config.kernel), families,
+                          self.tensors, self.scaler, self.comm, rank)
+        self.stages = default_chain(ctx)
         self.ranges = Ranges()
         """Profiler ranges: set ``opt.ranges.enabled = True`` for an NVTX / torch.profiler range per stage
         of eager steps and one around each replay; off, the step runs without them."""
-        self._ranged_step_fn = chain(self.stages, ranges=self.ranges)
-        self._overlap = overlap.install(self._ctx, self.config, model_chunks)
         self._runner = StepRunner(
-            step_fn=self._step_fn, mode=config.capture, device=device, warmup_steps=config.capture_warmup_steps,
-            invalidation=config.capture_invalidation, static_inputs=self._static_inputs,
-            eager_step_fn=lambda: (self._ranged_step_fn if self.ranges.enabled else self._step_fn)(),
-            baked_values=lambda: baked_values(self.hyper, self._ctx.kernels.LIVE_FIELDS,
-                                              update.used_fields(config.optimizer))
-            + update.baked_choices(self._ctx))
-        publish = [update.build_copy_back(self._ctx)]
-        if self.layout.dp_size > 1:
-            publish.append(gather.build(self._ctx, deferrable=False))
-        self._publish_fn = chain(publish)
+            step_fn=chain(self.stages), eager_step_fn=chain(self.stages, ranges=self.ranges), device=device,
+            mode=config.capture, warmup_steps=config.capture_warmup_steps, invalidation=config.capture_invalidation,
+            static_inputs=_static_inputs(self.buffers, self.hyper, self.tensors), baked_values=baked_values(self.stages))
+        self._overlap = overlap.install(ctx, config, model_chunks, may_capture=self._runner.may_capture)
+        self._publish = chain(publish_chain(ctx))
+        self._grads_seen = _GradsSeen(params)
         self.result = StepResult(self.tensors.update_successful, self.tensors.grad_norm, self.tensors.num_zeros,
                                  self.tensors.loss_scale)
-
-    # ---- build -----------------------------------------------------------------------------------------
-    def _param_spec(self, name: str, p: torch.nn.Parameter, group: int) -> ParamSpec:
-        dtype = self.config.model_dtype or p.dtype
-        if not dtype.is_floating_point:
-            raise ValueError(f"param '{name}' has dtype {dtype}: only floating-point params can be trained")
-        grad_dtype = self.config.main_grads_dtype if dtype in _HALF else dtype
-        return ParamSpec(name, tuple(p.shape), dtype, grad_dtype, group)
-
-    def _state_names(self) -> tuple[str, ...]:
-        if self.config.optimizer == "adam":
-            return ("exp_avg", "exp_avg_sq")
-        return ("momentum_buffer",) if self.config.sgd_momentum > 0 else ()
-
-    def _build_stages(self) -> list[Stage]:
-        ctx = self._ctx
-        sharded = self.layout.dp_size > 1
-        stages = [reduce.build(ctx)] if sharded else []
-        stages.append(unscale.build(ctx))
-        if self.config.log_num_zeros_in_grad:
-            stages.append(zeros.build(ctx))
-        stages += [clip.build(ctx), update.build(ctx), update.build_copy_back(ctx)]
-        if sharded:
-            stages.append(gather.build(ctx))
-        stages.append(scale.build(ctx))
-        return stages
 
     def add_param_group(self, param_group: dict) -> None:
         if not self._building:
@@ -224,9 +246,10 @@ class GraphstepOptimizer(torch.optim.Optimizer):
 
     def _prepare(self) -> None:
         """Host-side work before the device step: keep the static bindings, refresh the hyperparameters."""
+        self._grads_seen.check()
         replaced = self.buffers.restore_replaced_buffers()
         if not self.buffers.bindings_intact():
-            replaced += self.buffers.readopt_params()  # also rebinds grads a user set to None
+            replaced += self.buffers.readopt_params()  # also rebinds grads a user set to None (as zeros)
         if replaced:
             self._runner.on_replaced(replaced)
         self.hyper.refresh(self.param_groups, {"clip_grad": self.clip_grad,
@@ -242,6 +265,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             self._prepare()
             with self.comm.named_errors():  # a collective failing in a replay is named like an eager one
                 self._runner.run()
+        # capture="auto" may have settled on eager at this step: the overlap hooks may run from now on.
+        self._overlap.enabled = not self._runner.may_capture
         return self.result
 
     # ---- capture -------------------------------------------------------------------------------------
@@ -252,8 +277,13 @@ class GraphstepOptimizer(torch.optim.Optimizer):
 
     @property
     def capture_backend(self) -> str:
-        """"cuda", "replay" or "eager": what runs the step."""
+        """What runs the step: "cuda" (a CUDA graph), "replay" (the CPU replay backend) or "eager"."""
         return self._runner.backend
+
+    @property
+    def recaptures(self) -> int:
+        """How many times the captured step was captured again after going stale."""
+        return self._runner.recaptures
 
     def recapture(self) -> None:
         """Adopt replaced params and buffers back into the static buffers; capture anew at the next step."""
@@ -261,13 +291,18 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self.buffers.readopt_params()
         self._runner.invalidate()
 
-    def _static_inputs(self) -> dict:
-        named = self.buffers.addresses()
-        named["hyperparameters"] = self.hyper.values
-        for field in ("step", "found_inf", "grad_norm", "clip_coef", "grad_scale", "update_successful",
-                      "loss_scale", "inv_loss_scale"):
-            named[field] = getattr(self.tensors, field)
-        return named
+    def close(self) -> None:
+        """Release the captured step (its graph and memory pool) and the overlap hooks. Later steps run
+        eagerly. Idempotent; the optimizer is also a context manager that closes on exit."""
+        self._runner.close()
+        self._overlap.remove()
+        self._grads_seen.remove()
+
+    def __enter__(self) -> "GraphstepOptimizer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def debug_step(self, closure=None) -> "StepReport":
         """One step run stage by stage, eagerly, with host-read per-stage stats and NaN provenance.
@@ -287,6 +322,12 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         forward (a forward waits for them itself)."""
         self._overlap.finish()
 
+    @property
+    def overlap_counts(self) -> dict[str, int]:
+        """How often the overlap hooks worked: reduce-scatters launched from backward hooks, deferred
+        all-gathers finished by a forward pre-hook (both 0 without overlap)."""
+        return {"launched_reduces": self._overlap.launched_reduces, "waited_gathers": self._overlap.waited_gathers}
+
     def no_sync(self):
         """Context manager for grad accumulation with ``overlap_grad_reduce``: backward inside it only
         accumulates; the reduce-scatters start in the last micro-batch's backward, outside it."""
@@ -296,7 +337,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
     def publish_params(self) -> None:
         """Copy the main params into the model params (and all-gather them across data-parallel ranks):
         what a checkpoint load runs after copying into the main params. Collective with several ranks."""
-        self._publish_fn()
+        self._publish()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero every grad in place (``set_to_none`` is ignored: the grad buffers are static)."""

@@ -40,7 +40,7 @@ from .stages.reduce import bucket_reduces
 class Overlap:
     """The hooks of one engine. ``enabled`` is what the engine (or a capture) flips; see the module doc."""
 
-    def __init__(self, ctx, config, model_chunks=None):
+    def __init__(self, ctx, config, model_chunks=None, *, may_capture: bool):
         self._comm = ctx.comm
         self._buffers = ctx.buffers
         self.grad_reduce = bool(config.overlap_grad_reduce) and ctx.layout.dp_size > 1
@@ -54,9 +54,9 @@ class Overlap:
             self._install_grad_hooks(ctx)
         if self.param_gather:
             self._install_forward_hooks(ctx, model_chunks)
-        # A step that will be captured holds its collectives in the graph: the hooks stay off from the start
-        # (capture="auto" may capture on CUDA; the engine may switch them on while it runs eagerly).
-        self.enabled = (self.grad_reduce or self.param_gather) and not _may_capture(config, ctx)
+        # A step that is or may be captured holds its collectives in the graph: the hooks stay off from the
+        # start; the engine switches them on once the step is known to run eagerly (see StepRunner.may_capture).
+        self.enabled = not may_capture
 
     @property
     def enabled(self) -> bool:
@@ -80,6 +80,7 @@ class Overlap:
         self._comm.wait_all("gather")
 
     def remove(self) -> None:
+        """Remove every hook (the engine's close()); the stages then run their collectives in the step."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -155,13 +156,7 @@ class Overlap:
                     self._handles.append(module.register_forward_pre_hook(make_pre_hook(tuple(buckets))))
 
 
-def _may_capture(config, ctx) -> bool:
-    if config.capture == "graph":
-        return True
-    device = ctx.buffers.param_flat[0].device if ctx.buffers.param_flat else torch.device("cpu")
-    return config.capture == "auto" and device.type == "cuda"
-
-
-def install(ctx, config, model_chunks=None) -> Overlap:
-    """The engine's overlap hooks (an inert Overlap when neither overlap option is on)."""
-    return Overlap(ctx, config, model_chunks)
+def install(ctx, config, model_chunks=None, *, may_capture: bool) -> Overlap:
+    """The engine's overlap hooks (an inert Overlap when neither overlap option is on). ``may_capture``:
+    the step is or may be captured, so the hooks start switched off."""
+    return Overlap(ctx, config, model_chunks, may_capture=may_capture)

@@ -1,21 +1,24 @@
 """How the step chain runs: eagerly, or captured once and replayed, with staleness handled.
 
-``OptimizerConfig.capture``:
+The backend is decided once, at build, by ``capture.devices.backend_for`` (``OptimizerConfig.capture``):
 - "graph": capture after ``capture_warmup_steps`` eager steps (a CUDA graph on CUDA, capture's CPU
   replay backend elsewhere); a step that cannot be captured raises ``capture.CaptureError``.
 - "auto": on CUDA, the first step after the warm-up runs under ``capture.check`` (it *is* that step);
-  with no findings the next step is captured, otherwise the step stays eager and says why once. Off
-  CUDA it runs eagerly and says why once.
+  with no findings the next step is captured, otherwise the step stays eager and says why once.
+  Elsewhere it runs eagerly and says why once.
 - "eager": the chain runs eagerly every step; ``opt.debug_step()`` runs it stage by stage with stats.
 
 A captured step goes stale when what it baked in changes. Before each replay the runner checks:
-- the hyperparameters the kernel takes as Python floats (see ``kernels.LIVE_FIELDS``): a change means
-  a recapture (and a warning when that happens step after step), never a silently frozen value;
-- params and buffers: one whose tensor was replaced (``p.data = new``, a state tensor assigned) is
-  adopted back, its values copied into the static tensor, before the step runs (the engine does this in
-  every mode), and a captured step recaptures; capture's own guard checks the buffers' addresses
-  before each replay as a last line of defence.
+- the host values the stages baked in (``Stage.baked``: Python floats a kernel takes, host choices),
+  through ``capture.baked.BakedValues``: a change means a recapture (and a warning when that happens
+  step after step), never a silently frozen value;
+- params and buffers replaced by the user: the engine adopts them back before every step and tells the
+  runner (``on_replaced``), and a captured step recaptures; capture's own guard checks the static
+  inputs' addresses before each replay as a last line of defence.
 With ``capture_invalidation="raise"`` both raise instead.
+
+The runner knows nothing of optimizers: it is given the step function(s), the static inputs and the
+baked values as plain callables over buffers and stages, and calls nothing back in the engine.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ import warnings
 from typing import Callable, Optional
 
 import capture
-
-from .hyperparams import FIELDS
+from capture.baked import BakedValues
+from capture.devices import backend_for
 
 logger = logging.getLogger("graphstep")
 
@@ -35,30 +38,29 @@ RECAPTURE_WARNING_STREAK = 3
 
 
 class StepRunner:
-    def __init__(self, *, step_fn: Callable[[], None], mode: str, device, warmup_steps: int, invalidation: str,
+    def __init__(self, *, step_fn: Callable[[], None], device, mode: str, warmup_steps: int, invalidation: str,
                  static_inputs: Callable[[], dict], baked_values: Callable[[], tuple],
-                 eager_step_fn: Optional[Callable[[], None]] = None):
+                 eager_step_fn: Optional[Callable[[], None]] = None, name: str = "graphstep.step",
+                 stale_hint: str = "call opt.recapture() after replacing parameters or state tensors"):
         self._step_fn = step_fn
         self._eager_step_fn = eager_step_fn or step_fn  # what uncaptured steps run (e.g. with profiler ranges)
         self._static_inputs = static_inputs
-        self._baked_values = baked_values
+        self._baked = BakedValues(baked_values)
         self._invalidation = invalidation
         self._warmup_steps = warmup_steps
-        self._device_type = device.type
+        self._name, self._stale_hint = name, stale_hint
         self._steps = 0
         self._graph: Optional[capture.Graph] = None
-        self._baked_at_capture: Optional[tuple] = None
         self._recapture_streak = 0
         self._warned_streak = False
         self.recaptures = 0
         """How many times the step was captured again after going stale."""
-        self.mode = mode
-        if mode == "graph":
+        self._backend, reason = backend_for(device, mode)
+        self._check_first = mode == "auto" and self._backend != "eager"
+        if reason is not None:
+            logger.info("graphstep: %s", reason)
+        if self._backend != "eager" and not self._check_first:
             self._graph = self._new_graph(warmup_steps)
-        elif mode == "auto" and self._device_type != "cuda":
-            logger.info("graphstep: capture='auto' runs the step eagerly on %s: CUDA graphs need a GPU "
-                        "(capture='graph' uses the CPU replay backend)", self._device_type)
-            self.mode = "eager"
 
     @property
     def captured(self) -> bool:
@@ -66,18 +68,23 @@ class StepRunner:
 
     @property
     def backend(self) -> str:
-        return "eager" if self._graph is None else self._graph.backend
+        """"cuda", "replay" or "eager": what runs (or will run, after the warm-up) the step."""
+        return self._backend
+
+    @property
+    def may_capture(self) -> bool:
+        """Whether the step is, or may yet be, captured (overlap hooks must stay off then)."""
+        return self._backend != "eager"
 
     def _new_graph(self, warmup: int) -> "capture.Graph":
-        backend = "cuda" if self._device_type == "cuda" else "replay"
-        return capture.graph(self._step_fn, warmup=warmup, backend=backend, static_inputs=self._static_inputs,
-                             name="graphstep.step",
-                             stale_hint="call opt.recapture() after replacing parameters or state tensors")
+        return capture.graph(self._step_fn, warmup=warmup, backend=self._backend, static_inputs=self._static_inputs,
+                             name=self._name, stale_hint=self._stale_hint)
 
     def invalidate(self) -> None:
         """Drop the captured step; the next step captures it again (no new warm-up)."""
         if self._graph is not None:
             self._graph.invalidate()
+        self._baked.clear()
 
     def on_replaced(self, names: list) -> None:
         """Params or buffers were replaced and have been adopted back (values copied into the static
@@ -89,25 +96,26 @@ class StepRunner:
                 f"replaced after capture: {', '.join(names)}; the captured step reads the static buffers. "
                 "Their values were copied back in; call opt.recapture() to continue")
         logger.warning("graphstep: %s replaced after capture; adopted back, recapturing", ", ".join(names))
-        self._count_recapture()
-        self._graph.invalidate()
+        self._recapture()
 
     def close(self) -> None:
+        """Free the captured graph and its memory pool; later steps run eagerly."""
         if self._graph is not None:
             self._graph.close()
             self._graph = None
+        self._backend = "eager"
+        self._check_first = False
 
     def run(self) -> None:
         self._steps += 1
-        if self.mode == "auto" and self._graph is None:
-            self._run_auto()
-            return
         if self._graph is None:
-            self._eager_step_fn()
+            if self._check_first and self._steps > self._warmup_steps:
+                self._check_then_capture()
+            else:
+                self._eager_step_fn()
             return
         self._check_baked()
         was_captured = self._graph.captured
-        baked = self._baked_values()
         try:
             self._graph()
         except capture.StaleInputError:
@@ -116,63 +124,40 @@ class StepRunner:
             if self._invalidation == "raise":
                 raise
             logger.warning("graphstep: a static input of the captured step moved; recapturing")
-            self._count_recapture()
-            self._graph.invalidate()
+            self._recapture()
             self._graph()
         if not was_captured and self._graph.captured:
-            self._baked_at_capture = baked
+            self._baked.record()
 
-    def _run_auto(self) -> None:
-        if self._steps <= self._warmup_steps:
-            self._eager_step_fn()
-            return
+    def _check_then_capture(self) -> None:
+        self._check_first = False
         findings = capture.check(self._step_fn)  # runs the step once: it is this step
         if findings:
             logger.warning("graphstep: capture='auto' keeps the step eager; it is not capturable:\n%s",
                            "\n".join(f"  {f}" for f in findings))
-            self.mode = "eager"
+            self._backend = "eager"
             return
         self._graph = self._new_graph(warmup=0)
 
     def _check_baked(self) -> None:
-        if not self._graph.captured or self._baked_at_capture is None:
-            return
-        now = self._baked_values()
-        if now == self._baked_at_capture:
+        changed = self._baked.change() if self._graph.captured else None
+        if changed is None:
             self._recapture_streak = 0
             return
-        changed = _describe_change(self._baked_at_capture, now)
         if self._invalidation == "raise":
             raise capture.CaptureError(f"a hyperparameter baked into the captured step changed ({changed}); "
-                                           "call opt.recapture(), or use kernel='reference' to keep it live")
-        self._count_recapture()
-        self._graph.invalidate()
+                                       "call opt.recapture(), or use kernel='compiled' or 'reference' to keep "
+                                       "it live")
+        self._recapture()
 
-    def _count_recapture(self) -> None:
+    def _recapture(self) -> None:
         self.recaptures += 1
         self._recapture_streak += 1
+        self.invalidate()
         if self._recapture_streak >= RECAPTURE_WARNING_STREAK and not self._warned_streak:
             self._warned_streak = True
             warnings.warn("graphstep: the captured step was recaptured on each of the last "
-                          f"{self._recapture_streak} steps because a hyperparameter the fused kernel takes as a "
-                          "Python float (betas, eps, weight decay or momentum) changes every step; "
-                          "kernel='reference' keeps every hyperparameter live", RuntimeWarning, stacklevel=4)
-
-
-def _describe_change(before: tuple, after: tuple) -> str:
-    """'group 0 weight_decay 0.1 -> 0.2' for the first differing baked value (group None: step-wide)."""
-    for (group, field, old), (_, _, new) in zip(before, after):
-        if old != new:
-            where = "step" if group is None else f"group {group}"
-            return f"{where} {field} {old!r} -> {new!r}"
-    return "the baked values"
-
-
-def baked_values(hyper, live_fields: frozenset, used_fields: tuple) -> tuple:
-    """(group, field, value) of every hyperparameter the kernel reads as a float."""
-    baked = []
-    for group in range(hyper.num_groups):
-        for field in used_fields:
-            if field not in live_fields:
-                baked.append((group, field, hyper.host[group][FIELDS.index(field)]))
-    return tuple(baked)
+                          f"{self._recapture_streak} steps because a value it bakes in (a hyperparameter the "
+                          "fused kernel takes as a Python float: betas, eps, weight decay or momentum) changes "
+                          "every step; kernel='compiled' or 'reference' keeps every hyperparameter live",
+                          RuntimeWarning, stacklevel=4)

@@ -22,7 +22,12 @@ from typing import Optional
 
 import torch
 
+from .distributed import Collectives
+from .hyperparams import scalar_dtype
 from .runner import StepRunner
+from .stages import StepTensors
+from .stages import loss_scale as loss_scale_stage
+from .stages import norm as norm_stage
 
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 # Settings each kernel takes as Python values: captured once, guarded before every replay.
@@ -71,13 +76,15 @@ class CapturedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"graphstep.wrap: params on several devices {sorted(map(str, devices))}")
         self.device = devices.pop()
         self._params = params
-        lr_dtype = torch.float64 if self.device.type == "cpu" else torch.float32
         for group in optimizer.param_groups:
             if not isinstance(group["lr"], torch.Tensor):
-                group["lr"] = torch.tensor(float(group["lr"]), dtype=lr_dtype, device=self.device)
+                group["lr"] = torch.tensor(float(group["lr"]), dtype=scalar_dtype(self.device), device=self.device)
         self._grads: Optional[list[torch.Tensor]] = None
-        self.found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
-        self.update_successful = torch.ones((), dtype=torch.bool, device=self.device)
+        self.tensors = StepTensors.allocate(self.device, None if scaler is None else scaler.scale,
+                                            None if scaler is None else scaler.inv_scale)
+        self.found_inf = self.tensors.found_inf
+        self.update_successful = self.tensors.update_successful
+        self._scale_stages = None  # (norm, loss_scale), built at the first step, once the grads exist
         self._runner = StepRunner(step_fn=self._device_step, mode=capture_mode, device=self.device,
                                   warmup_steps=warmup, invalidation=invalidation,
                                   static_inputs=self._static_inputs, baked_values=self._baked_values)
@@ -85,6 +92,15 @@ class CapturedOptimizer(torch.optim.Optimizer):
     @property
     def captured(self) -> bool:
         return self._runner.captured
+
+    @property
+    def recaptures(self) -> int:
+        """How many times the captured step was captured again after going stale."""
+        return self._runner.recaptures
+
+    def close(self) -> None:
+        """Release the captured step (graph and memory pool); later steps run eagerly."""
+        self._runner.close()
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
@@ -154,18 +170,22 @@ class CapturedOptimizer(torch.optim.Optimizer):
         if self.scaler is None:
             self.optimizer.step()
             return
-        norms = torch._foreach_norm(self._grads, 2)
-        total = torch.linalg.vector_norm(torch.stack(norms))
-        self.found_inf.copy_(torch.logical_not(torch.isfinite(total)))
+        if self._scale_stages is None:
+            # The engine's own stages over the wrapped optimizer's grads: the non-finite check (one norm
+            # pass) before torch's fused step, the loss-scale update and the result flags after it.
+            self._scale_stages = (
+                norm_stage.build_over([norm_stage.ForeachSumOfSquares(self._grads)], self.tensors, Collectives()),
+                loss_scale_stage.build_over(self.scaler, self.tensors))
+        check, finish = self._scale_stages
+        check.apply()
         # torch's AMP protocol for fused optimizers: grads divided by grad_scale, step skipped on found_inf.
         self.optimizer.grad_scale = self.scaler.scale
-        self.optimizer.found_inf = self.found_inf
+        self.optimizer.found_inf = self.tensors.found_inf
         try:
             self.optimizer.step()
         finally:
             del self.optimizer.grad_scale, self.optimizer.found_inf
-        self.scaler.update(self.found_inf)
-        self.update_successful.copy_(self.found_inf == 0)
+        finish.apply()
 
     @torch.no_grad()
     def step(self, closure=None):

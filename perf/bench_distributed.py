@@ -87,7 +87,7 @@ def run_graphstep(rank, world, args, data, overlap=False):
                              overlap_grad_reduce=overlap, overlap_param_gather=overlap)
     opt = get_optimizer(config, model)
     iter_ms, step_ms = _time_loop(model, opt, data, args.warmup)
-    opt._overlap.finish()
+    opt.finish_param_gather()
     n = world
     sent = 0
     for bucket in opt.layout.buckets:

@@ -74,7 +74,7 @@ def main(argv=None) -> None:
 
     # overlap_param_gather leaves the last step's all-gathers in flight until the next forward: finish them
     # before reading params outside a forward (a checkpoint save needs the same).
-    opt._overlap.finish()
+    opt.finish_param_gather()
     # Every rank must hold the same params: compare a checksum across ranks (a sync, after training).
     flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
     checksum = torch.stack([flat.sum(), (flat * torch.arange(flat.numel(), dtype=torch.float64,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from graphstep.stages.unscale import ROW, SumOfSquares, row_length
+from graphstep.stages.norm import RESCUE_ROWS, ROW, SumOfSquares, row_length
 
 
 @pytest.mark.parametrize("numel", [0, 7, 128, ROW, 3 * ROW + 5, (1 << 24) + 123, (1 << 24) + 128])
@@ -12,7 +12,7 @@ def test_sum_of_squares_matches_fp64(numel):
     grad = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 1e-3 + 1e-3
     exact = grad.double().square().sum()
     ours = SumOfSquares(grad)()
-    assert ours.dtype == torch.float32
+    assert ours.dtype == torch.float64
     assert abs(ours.double() - exact) <= 1e-6 * exact + 1e-30
 
 
@@ -29,3 +29,29 @@ def test_rows_divide_buffers_padded_to_128_so_no_tail_is_left():
     assert row_length(ROW * 10) == ROW and row_length(128 * 3) == 128 and row_length(64 * 3) == 64
     assert row_length(7) == ROW  # no power of two from 64 up divides it: rows of ROW and a tail
     assert SumOfSquares(torch.ones(128 * 1001)).tail.numel() == 0
+
+
+@pytest.mark.parametrize("rows_overflowing", [1, RESCUE_ROWS])
+def test_finite_grads_whose_squares_overflow_fp32_stay_finite(rows_overflowing):
+    # Elements of 3e19: a row's fp32 sum of squares overflows, and so would the square of its norm.
+    grad = torch.randn(3 * RESCUE_ROWS * ROW, generator=torch.Generator().manual_seed(1))
+    rows = grad.view(-1, ROW)
+    rows[: rows_overflowing * 3 : 3, 5] = 3e19
+    total = SumOfSquares(grad)()
+    exact = grad.double().square().sum()
+    assert torch.isfinite(total)
+    assert abs(total - exact) <= 1e-6 * exact
+
+
+def test_more_overflowing_rows_than_rescued_count_as_non_finite():
+    grad = torch.ones((RESCUE_ROWS + 1) * ROW)
+    grad.view(-1, ROW)[:, 0] = 3e19
+    assert not torch.isfinite(SumOfSquares(grad)())
+
+
+def test_a_rescued_row_holding_an_inf_stays_non_finite():
+    grad = torch.ones(4 * ROW)
+    grad[5], grad[ROW + 7] = 3e19, float("inf")
+    assert torch.isinf(SumOfSquares(grad)())
+    grad[ROW + 7] = float("nan")
+    assert torch.isnan(SumOfSquares(grad)())

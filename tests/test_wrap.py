@@ -74,7 +74,7 @@ def test_a_weight_decay_change_recaptures_instead_of_freezing():
             opt.zero_grad()
             loss_fn(model, step).backward()
             opt.step()
-    assert wrapped._runner.recaptures == 2
+    assert wrapped.recaptures == 2
     for a, b in zip(plain_model.parameters(), wrapped_model.parameters()):
         assert torch.equal(a, b)
 

@@ -1,6 +1,8 @@
 """The update math over lists of flat views, with interchangeable implementations of one signature.
 
-Every implementation module provides::
+Each optimizer family (graphstep/families.py) has one kernel function per implementation module; the
+family declares which hyperparameter feeds which argument, the module declares (``LIVE_FIELDS``) which
+of them it reads from device tensors. Every implementation module provides::
 
     adam(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, weight_decay, eps,
          decoupled, grad_scale, found_inf) -> None

@@ -1,9 +1,14 @@
 """Clip coefficient, norm-based skip, and the grad scale the update divides the grads by.
 
+A norm above ``grad_norm_skip_threshold`` skips the step (``found_inf``) without counting as non-finite:
+the loss scaler sees only ``nonfinite`` (stages/loss_scale.py).
+
 ``coef = min(1, clip_grad / (norm + 1e-6))`` (Megatron-Core's and torch's clip_grad_norm_ rule) when
 ``clip_grad > 0``, else 1; both thresholds are device tensors, so a schedule may change them. The kernel
 divides grads by ``loss_scale / coef``: unscaling and clipping happen inside the update's single pass.
 """
+
+from __future__ import annotations
 
 import torch
 

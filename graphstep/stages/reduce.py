@@ -15,8 +15,8 @@ post-accumulate-grad hook the moment its last grad arrived (graphstep.overlap); 
 on it. The choice is host state (whether a launch is pending), never device data; under a capture the
 hooks are off, so the recorded step always holds the collectives themselves.
 
-Build time (this stage's init): every data-parallel rank checks that all ranks planned the same layout
-with the same config (``Collectives.setup``), before any step pairs up buffers.
+The layout agreement across ranks (``Collectives.setup``) runs once in the engine's build, before any
+stage is built; this factory talks to no other rank.
 """
 
 from __future__ import annotations
@@ -72,7 +72,6 @@ def bucket_reduces(ctx) -> list[BucketReduce]:
 
 def build(ctx) -> Stage:
     comm = ctx.comm
-    comm.setup(ctx.layout, ctx.config)
     reduces = bucket_reduces(ctx)
 
     def apply() -> None:

@@ -1,84 +1,86 @@
-"""The fused update on the main params, skip folded in; and the copy back into the model params.
+"""The update on the main params, skip folded in; and the copy back into the model params.
 
 One kernel call per param group, over that group's segments of this rank's shard (a few large views:
-one per bucket, see layout.py). The step count advances by ``1 - found_inf`` before the kernel, so a
-skipped step leaves it, like the params and the state, bitwise unchanged.
+one per bucket, see layout.py), through the group's optimizer family (graphstep/families.py). The step
+count advances by ``1 - found_inf`` before the kernels, so a skipped step leaves it, like the params and
+the state, bitwise unchanged.
+
+Hyperparameters: each group's kernel arguments are resolved here once, at build: a live field is the
+group's 0-d device tensor, a baked one is read from the last refresh's host values by precomputed
+position. The baked floats, and the one host choice below, are what this stage reports as baked.
 
 The kernel is given the grad scale only when it can differ from 1 (a loss scaler, or a clip threshold
 above 0): torch's fused kernels write the divided grads back whenever they get one, 4 more bytes per
-param that an unclipped, unscaled step need not pay. Whether it is given is a host choice a capture
-bakes in; ``baked_choices`` reports it so a captured step is recaptured when it flips.
+param that an unclipped, unscaled step need not pay. Whether it is given is a host choice a capture bakes
+in; a flip recaptures.
 """
+
+from __future__ import annotations
 
 import torch
 
+from ..families import GroupViews, StepScalars
 from . import Stage
 
-# Where each kernel argument comes from: (argument, hyperparameter field).
-_ADAM_FIELDS = (("lr", "lr"), ("beta1", "beta1"), ("beta2", "beta2"), ("weight_decay", "weight_decay"),
-                ("eps", "eps"))
-_SGD_FIELDS = (("lr", "lr"), ("weight_decay", "weight_decay"), ("momentum", "momentum"))
 
-
-def used_fields(optimizer: str) -> tuple[str, ...]:
-    """The hyperparameter fields the update of ``optimizer`` reads."""
-    return tuple(field for _, field in (_ADAM_FIELDS if optimizer == "adam" else _SGD_FIELDS))
-
-
-def uses_grad_scale(ctx) -> bool:
-    """Whether this step's grad scale may differ from 1 (host values only: no device read)."""
-    return ctx.scaler is not None or ctx.hyper.host_value("clip_grad") > 0
-
-
-def baked_choices(ctx) -> tuple:
-    """The host choices the update makes per step, as ``(group, name, value)`` like ``baked_values``."""
-    return ((None, "grad scale passed to the kernel", uses_grad_scale(ctx)),)
+def _segment_views(tensors, segments) -> list[torch.Tensor]:
+    return [tensors[s.buffer][s.shard_start:s.shard_end] for s in segments]
 
 
 def build(ctx) -> Stage:
-    buffers, hyper, kernels, t = ctx.buffers, ctx.hyper, ctx.kernels, ctx.tensors
-    is_adam = ctx.config.optimizer == "adam"
-    fields = _ADAM_FIELDS if is_adam else _SGD_FIELDS
+    buffers, hyper, kernels, t, config = ctx.buffers, ctx.hyper, ctx.kernels, ctx.tensors, ctx.config
 
     # The grads the kernel reads must have the main params' dtype; half grads get an fp32 scratch copy.
-    main_dtype = ctx.config.main_params_dtype
+    main_dtype = config.main_params_dtype
     grad_sources = buffers.grad_shard
-    needs_cast = [g.dtype != main_dtype for g in grad_sources]
-    kernel_grads = [torch.empty_like(g, dtype=main_dtype) if cast else g
-                    for g, cast in zip(grad_sources, needs_cast)]
+    casts = [(g, torch.empty_like(g, dtype=main_dtype)) for g in grad_sources if g.dtype != main_dtype]
+    cast_of = {id(source): target for source, target in casts}
+    kernel_grads = [cast_of.get(id(g), g) for g in grad_sources]
 
-    calls = []  # (group, params, grads, state lists)
+    scalars = StepScalars(t.step, t.found_inf)
+    calls = []  # (family call, views, live kwargs, baked (keyword, row, column))
+    baked_sources = []  # (group, field, row, column), for the baked report
     segments = ctx.layout.segments(ctx.rank)
-    for group in range(ctx.layout.num_groups):
+    for group, family in enumerate(ctx.families):
         mine = [s for s in segments if s.group == group]
         if not mine:
             continue  # this rank owns nothing of the group
-        params = buffers.segment_views(buffers.main_shard, mine, flat=False)
-        grads = buffers.segment_views(kernel_grads, mine, flat=False)
-        state = {name: buffers.segment_views(tensors, mine, flat=False) for name, tensors in buffers.state.items()}
-        calls.append((group, params, grads, state))
+        views = GroupViews(_segment_views(buffers.main_shard, mine), _segment_views(kernel_grads, mine),
+                           {name: _segment_views(tensors, mine) for name, tensors in buffers.state.items()})
+        live = family.live_fields(kernels)
+        live_kwargs, baked = {}, []
+        for keyword, field in family.hyperparameters:
+            if field in live:
+                live_kwargs[keyword] = hyper.tensor(field, group)
+            else:
+                row, column = hyper.position(field, group)
+                baked.append((keyword, row, column))
+                baked_sources.append((group, field, row, column))
+        calls.append((family.call, views, live_kwargs, tuple(baked)))
 
-    def hyperparameters(group: int) -> dict:
-        # Live fields are device tensors; the others are the floats of the last refresh (baked if captured).
-        return {arg: hyper.tensor(field, group) if field in kernels.LIVE_FIELDS else hyper.host_value(field, group)
-                for arg, field in fields}
+    clip_row, clip_column = hyper.position("clip_grad")
+    scaled = ctx.scaler is not None
+    host = hyper.host_rows  # a list the refresh updates in place: read it, never rebind it
+
+    def uses_grad_scale() -> bool:
+        return scaled or host[clip_row][clip_column] > 0
 
     def apply() -> None:
-        for source, target, cast in zip(grad_sources, kernel_grads, needs_cast):
-            if cast:
-                target.copy_(source)
+        for source, target in casts:
+            target.copy_(source)
         t.step.add_(1.0 - t.found_inf)
-        grad_scale = t.grad_scale if uses_grad_scale(ctx) else None
-        for group, params, grads, state in calls:
-            if is_adam:
-                kernels.adam(params, grads, state["exp_avg"], state["exp_avg_sq"], step=t.step,
-                             decoupled=ctx.config.decoupled_weight_decay, grad_scale=grad_scale,
-                             found_inf=t.found_inf, **hyperparameters(group))
-            else:
-                kernels.sgd(params, grads, state.get("momentum_buffer", []), nesterov=ctx.config.sgd_nesterov,
-                            grad_scale=grad_scale, found_inf=t.found_inf, **hyperparameters(group))
+        grad_scale = t.grad_scale if uses_grad_scale() else None
+        for call, views, live_kwargs, baked in calls:
+            kwargs = dict(live_kwargs)
+            for keyword, row, column in baked:
+                kwargs[keyword] = host[row][column]
+            call(kernels, views, scalars, config, grad_scale, **kwargs)
 
-    return Stage("update", apply)
+    def baked_values() -> tuple:
+        values = tuple((f"group {group}", field, host[row][column]) for group, field, row, column in baked_sources)
+        return values + (("step", "grad scale passed to the kernel", uses_grad_scale()),)
+
+    return Stage("update", apply, baked_values)
 
 
 def build_copy_back(ctx) -> Stage:

@@ -54,14 +54,14 @@ def train(config: OptimizerConfig, rank: int, world_size: int, *, steps: int = S
             if step == inf_step and rank == inf_rank and micro == 0:
                 loss = loss * math.inf
             if micro < micro_batches - 1:
-                with opt._overlap.no_sync():  # earlier micro-batches only accumulate
+                with opt.no_sync():  # earlier micro-batches only accumulate
                     opt.scale_loss(loss).backward()
             else:
                 opt.scale_loss(loss).backward()
         result = opt.step()
         ok.append(bool(result.update_successful.item()))
         norms.append(float(result.grad_norm.item()))
-    opt._overlap.finish()
+    opt.finish_param_gather()
     owned_groups = sorted({s.group for s in opt.layout.segments(opt.rank)})
     return {
         "params": [p.detach().clone() for p in model.parameters()],
@@ -74,7 +74,7 @@ def train(config: OptimizerConfig, rank: int, world_size: int, *, steps: int = S
         "owned_groups": owned_groups,
         "num_groups": opt.layout.num_groups,
         "num_buckets": len(opt.layout.buckets),
-        "overlap": (opt._overlap.launched_reduces, opt._overlap.waited_gathers),
+        "overlap": (opt.overlap_counts["launched_reduces"], opt.overlap_counts["waited_gathers"]),
     }
 
 

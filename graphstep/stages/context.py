@@ -1,0 +1,31 @@
+"""StepContext: everything a stage factory builds from, typed, in one object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Optional, Union
+
+if TYPE_CHECKING:  # annotations only: the context module imports nothing at run time
+    from ..buffers import StaticBuffers
+    from ..config import OptimizerConfig
+    from ..distributed import Collectives
+    from ..families import Family
+    from ..hyperparams import HyperParams
+    from ..layout import Layout
+    from ..scaler import ConstantLossScaler, DynamicLossScaler
+    from . import StepTensors
+
+
+@dataclass(frozen=True)
+class StepContext:
+    config: "OptimizerConfig"
+    layout: "Layout"
+    buffers: "StaticBuffers"
+    hyper: "HyperParams"
+    kernels: ModuleType  # one of graphstep.kernels' implementations (fused, compiled, reference)
+    families: tuple["Family", ...]  # per param group: the optimizer family that updates it
+    tensors: "StepTensors"
+    scaler: Optional[Union["ConstantLossScaler", "DynamicLossScaler"]]
+    comm: "Collectives"
+    rank: int

@@ -1,0 +1,104 @@
+"""Non-finite check and global grad norm in one read of the (still loss-scaled) grads.
+
+No pass unscales the grads: the norm of the scaled grads times 1/scale is the norm of the unscaled ones,
+and the unscale itself is folded into the update's grad scale (stages/clip.py). A non-finite grad makes
+the sum of squares non-finite, which is the non-finite check; summing the squares across ranks (SUM
+all-reduce) carries a non-finite value to every rank, so all ranks decide the skip alike from the same
+number.
+
+Precision. One fp32 reduction over a whole buffer is inaccurate at scale (at 124M grads, GPT-2 small,
+``torch.dot`` and ``vector_norm`` were 0.3% and 2% off an fp64 sum), so the norm is two-level: fp32 norms
+of 4,096-element rows, then the sum of their squares in fp64 (a few thousand values: free). fp64 also
+keeps a large finite norm finite: squaring row norms above ~1.8e19 overflows fp32, which used to skip
+a step whose grads were all finite. A row whose own fp32 norm overflows (elements of ~3e17 and more) is
+recomputed scaled by 2**-64: up to ``RESCUE_ROWS`` such rows per buffer, picked by a fixed-size top-k so
+the step has the same ops (and no data-dependent shapes) whatever the grads hold. Beyond that many
+overflowing rows the step is treated as non-finite. Rows holding an inf or NaN stay non-finite.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from . import Stage, StepTensors
+
+# Row length of the two-level sum of squares: norms of 4,096-element rows, then the sum of their squares,
+# came within 3e-8 of an fp64 sum at 124M grads and ran as fast as one dot (12.8 against 13.6 ms, side by
+# side on the 2-core CPU).
+ROW = 4096
+MIN_ROW = 64
+RESCUE_ROWS = 64
+_DOWN = 2.0 ** -64
+_UP = 2.0 ** 64
+
+
+def row_length(numel: int) -> int:
+    """The largest power of two <= ROW dividing ``numel`` (buckets are padded to multiples of 128, so
+    usually no tail is left, and the step has the same ops at any size), or ROW with a tail."""
+    row = ROW
+    while row > MIN_ROW and numel % row:
+        row //= 2
+    return row if numel % row == 0 else ROW
+
+
+class SumOfSquares:
+    """fp64 0-d sum of squares of one flat grad buffer: one read, no copy, accurate at any length."""
+
+    def __init__(self, grad: torch.Tensor):
+        n = grad.numel()
+        row = row_length(n)
+        body = n - n % row
+        self.rows = grad[:body].view(-1, row)
+        self.tail = grad[body:]
+        self.row_norms = torch.empty(self.rows.shape[0], dtype=torch.float32, device=grad.device)
+        self.rescue = min(RESCUE_ROWS, self.rows.shape[0])
+
+    def __call__(self) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64, device=self.row_norms.device)
+        if self.rows.shape[0]:
+            torch.linalg.vector_norm(self.rows, dim=1, dtype=torch.float32, out=self.row_norms)
+            total = self._rescued_norms().square().sum()
+        if self.tail.numel():
+            total = total + torch.linalg.vector_norm(self.tail, dtype=torch.float64).square()
+        return total
+
+    def _rescued_norms(self) -> torch.Tensor:
+        norms = self.row_norms.to(torch.float64)
+        overflowed = torch.isinf(self.row_norms)
+        picked = torch.topk(overflowed.to(torch.float32), self.rescue, sorted=False).indices
+        scaled = torch.linalg.vector_norm(self.rows.index_select(0, picked) * _DOWN, dim=1, dtype=torch.float32)
+        rescued = torch.where(overflowed.index_select(0, picked), scaled.to(torch.float64) * _UP,
+                              norms.index_select(0, picked))
+        return norms.index_copy(0, picked, rescued)
+
+
+class ForeachSumOfSquares:
+    """fp64 0-d sum of squares of a list of separate grad tensors (``graphstep.wrap``'s grads)."""
+
+    def __init__(self, grads: Sequence[torch.Tensor]):
+        self.grads = list(grads)
+
+    def __call__(self) -> torch.Tensor:
+        norms = torch.stack(torch._foreach_norm(self.grads, 2)).to(torch.float64)
+        return norms.square().sum()
+
+
+def build_over(sums: Sequence[Callable[[], torch.Tensor]], t: StepTensors, comm) -> Stage:
+    """The norm stage over ``sums`` (each returns an fp64 0-d sum of squares of its grads)."""
+
+    def apply() -> None:
+        parts = [sum_of_squares() for sum_of_squares in sums]
+        sumsq = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+        comm.all_reduce_sum(sumsq, "grad-norm all_reduce")
+        norm = sumsq.sqrt()
+        t.nonfinite.copy_(torch.logical_not(torch.isfinite(norm)))
+        t.found_inf.copy_(t.nonfinite)
+        t.grad_norm.copy_(norm * t.inv_loss_scale)
+
+    return Stage("norm", apply)
+
+
+def build(ctx) -> Stage:
+    return build_over([SumOfSquares(g) for g in ctx.buffers.grad_shard], ctx.tensors, ctx.comm)

@@ -1,0 +1,145 @@
+"""No silent failure (issue 11's engine items): each case here failed silently or with an internal error
+before, and must now either work exactly or be refused with a message that names what to fix."""
+
+import warnings
+
+import pytest
+import torch
+
+import graphstep as gs
+from toy import loss_fn, tiny_transformer
+
+
+def engine(model, **config):
+    config.setdefault("capture", "eager")
+    return gs.get_optimizer(gs.OptimizerConfig(**config), model)
+
+
+def _linear(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return torch.nn.Linear(8, 8).to(dtype)
+
+
+def _backward(model, scale=1.0):
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+    (model(x).square().sum() * scale).backward()
+
+
+def test_grads_set_to_none_after_backward_are_not_applied():
+    # loss.backward(); model.zero_grad(set_to_none=True); opt.step() equals a step on zero grads.
+    discarded, zero = _linear(), _linear()
+    opts = [engine(m, lr=0.1, weight_decay=0.1, clip_grad=0.0) for m in (discarded, zero)]
+    _backward(discarded)
+    discarded.zero_grad(set_to_none=True)
+    _backward(zero)
+    opts[1].zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for opt in opts:
+            opt.step()
+    for a, b in zip(discarded.parameters(), zero.parameters()):
+        assert torch.equal(a, b)
+    _backward(discarded)  # the next backward starts from zero, not from the discarded grads
+    _backward(zero)
+    for a, b in zip(discarded.parameters(), zero.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("capture", ["eager", "graph"])
+def test_a_finite_grad_whose_square_overflows_fp32_is_not_skipped(capture):
+    model = _linear()
+    opt = engine(model, lr=0.1, clip_grad=1.0, capture=capture, capture_warmup_steps=1)
+    for _ in range(3):
+        opt.zero_grad()
+        _backward(model)
+        model.weight.grad[0, 0] = 3e19  # finite; its square is not
+        result = opt.step()
+    assert bool(result.update_successful)
+    assert torch.isfinite(result.grad_norm) and float(result.grad_norm) == pytest.approx(3e19, rel=1e-6)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_skip_by_norm_threshold_leaves_the_dynamic_loss_scale_as_a_clean_step_would():
+    # Megatron-Core's scaler reacts to inf/NaN only; a finite norm over the threshold skips the update.
+    skipped, clean = (tiny_transformer(dtype=torch.float16) for _ in range(2))
+    config = dict(fp16=True, lr=1e-3, initial_loss_scale=2.0 ** 10, loss_scale_window=2, hysteresis=1)
+    opt_skipped = engine(skipped, grad_norm_skip_threshold=1e-9, **config)
+    opt_clean = engine(clean, **config)
+    for step in range(5):
+        for model, opt in ((skipped, opt_skipped), (clean, opt_clean)):
+            opt.zero_grad()
+            opt.scale_loss(loss_fn(model, step)).backward()
+            result = opt.step()
+        assert not bool(opt_skipped.result.update_successful) and bool(result.update_successful)
+        assert torch.equal(opt_skipped.loss_scale, opt_clean.loss_scale)
+    assert float(opt_clean.loss_scale) == 2.0 ** 12  # it grew twice in 5 clean steps (window 2)
+
+
+def test_step_before_any_backward_warns_once():
+    model = _linear()
+    opt = engine(model, lr=0.1, weight_decay=0.1)
+    with pytest.warns(RuntimeWarning, match="before any backward"):
+        opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()  # once only
+        _backward(model)
+        opt.step()
+
+
+def test_no_warning_when_backward_ran_first():
+    model = _linear()
+    opt = engine(model, lr=0.1)
+    _backward(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: (_linear(dtype=torch.float64), {}),
+    lambda: (torch.nn.Sequential(_linear(), _linear(dtype=torch.float64)), {}),
+    lambda: (_linear(), {"params_dtype": torch.float64}),
+], ids=["fp64", "mixed fp32/fp64", "params_dtype fp64"])
+def test_float64_params_are_refused_at_build_with_a_clear_message(make):
+    model, config = make()
+    with pytest.raises(ValueError, match="float64.*model.float()"):
+        engine(model, lr=0.1, **config)
+
+
+def test_complex_params_are_refused_naming_the_param():
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(4, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="param 'w' is complex"):
+        engine(model, lr=0.1, bf16=True)
+
+
+def test_a_non_leaf_param_is_refused_naming_it():
+    model = _linear()
+    model._parameters["weight"] = model.weight * 2  # bypasses nn.Module's Parameter check
+    with pytest.raises(ValueError, match="param 'weight' is not a leaf"):
+        engine(model, lr=0.1)
+
+
+@pytest.mark.parametrize("field,value", [("lr", float("nan")), ("lr", float("inf")),
+                                         ("weight_decay", float("nan")), ("lr", "0.1")])
+def test_non_finite_or_non_numeric_group_hyperparameters_are_refused_before_the_step(field, value):
+    model = _linear()
+    opt = engine(model, lr=0.1)
+    _backward(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[0][field] = value
+    with pytest.raises((ValueError, TypeError), match=field):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("field,value", [("clip_grad", float("nan")), ("clip_grad", -1.0),
+                                         ("grad_norm_skip_threshold", float("nan"))])
+def test_non_finite_step_thresholds_are_refused(field, value):
+    model = _linear()
+    opt = engine(model, lr=0.1, clip_grad=1.0)
+    _backward(model)
+    setattr(opt, field, value)
+    with pytest.raises(ValueError, match="clip_grad|grad_norm_skip_threshold"):
+        opt.step()
