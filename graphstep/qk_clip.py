@@ -25,6 +25,16 @@ The pieces:
   (the distributed optimizer's fp32 main shards), through a build-time element → row index.
 
 The MAX all-reduce of the buffers over data-parallel ranks before ``clip_factors`` is the caller's.
+
+Inside the engine (``OptimizerConfig.qk_clip=True``) the stage ``graphstep/stages/qk_clip.py`` does all of
+it; the model only declares its attention layers and records their logits:
+
+    buffer = graphstep.qk_clip.register(attn, layout=HeadLayout(...), q=attn.q.weight, k=attn.k.weight)
+    ...  # in attn.forward, with the masked, scaled pre-softmax scores (b, heads, s_q, s_kv):
+    graphstep.qk_clip.record(attn, scores)
+
+``register`` gives the module a non-persistent buffer ``qk_clip_max_logits`` (num_heads,) at -inf and tags
+the weights, so the engine finds every registered layer among the params it trains, at build.
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
+
+from .kernels.muon import QKVSplit
 
 Scalar = Union[float, torch.Tensor]
 
@@ -157,3 +169,75 @@ def shard_row_index(start: int, numel: int, cols: int, device=None) -> torch.Ten
 def scale_flat_rows_(shard: torch.Tensor, factors: torch.Tensor, row_index: torch.Tensor) -> None:
     """``shard[i] *= factors[row_index[i]]`` in place (a 1-D shard of a weight; see ``shard_row_index``)."""
     shard.mul_(factors.index_select(0, row_index))
+
+
+# ---- registration: how the engine finds the layers to clip ---------------------------------------------
+BUFFER_NAME = "qk_clip_max_logits"
+_TAG = "_graphstep_qk_clip"
+
+
+@dataclass(frozen=True, eq=False)
+class Registration:
+    """One attention layer: its module (which holds the max-logit buffer), head layout and weights."""
+
+    module: torch.nn.Module
+    layout: HeadLayout
+    weights: tuple[tuple[str, torch.nn.Parameter], ...]  # ("q", W_q), ("k", W_k) or ("qkv", W_qkv)
+
+    @property
+    def max_logits(self) -> torch.Tensor:
+        """The module's current per-head running max (the engine makes it a view of one static buffer)."""
+        return getattr(self.module, BUFFER_NAME)
+
+
+def register(module: torch.nn.Module, *, layout: HeadLayout, q: Optional[torch.nn.Parameter] = None,
+             k: Optional[torch.nn.Parameter] = None, qkv: Optional[torch.nn.Parameter] = None) -> torch.Tensor:
+    """Declare ``module`` an attention layer for QK-clip; returns its max-logit buffer (num_heads,).
+
+    Give ``q`` and ``k`` (separate weights, ``layout.fused_qkv=False``) or ``qkv`` (Megatron's grouped
+    fused weight, ``layout.fused_qkv=True``), 2-D with rows first (``nn.Linear.weight``). A fused weight
+    without a ``qkv_split`` gets one from the layout, so Muon's ``muon_split_qkv`` orthogonalises its Q, K
+    and V apart. Register before ``get_optimizer``: the engine finds registrations at build. Biases are
+    not scaled (as in Megatron-Core): with a Q/K bias the clipped max is no longer exactly τ.
+    """
+    separate = q is not None or k is not None
+    if (qkv is not None) == separate or (separate and (q is None or k is None)):
+        raise ValueError("qk_clip.register: pass qkv= (fused QKV weight) or both q= and k= (separate weights)")
+    if layout.fused_qkv != (qkv is not None):
+        raise ValueError(f"qk_clip.register: {layout} declares {'a fused' if layout.fused_qkv else 'separate'} "
+                         f"QKV weight{'' if layout.fused_qkv else 's'}; pass {'qkv=' if layout.fused_qkv else 'q= and k='}")
+    weights = (("qkv", qkv),) if qkv is not None else (("q", q), ("k", k))
+    rows = {"qkv": layout.num_kv_groups * layout.fused_rows_per_group, "q": layout.num_heads * layout.head_dim,
+            "k": layout.num_kv_groups * layout.head_dim}
+    for kind, weight in weights:
+        if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2 or weight.size(0) != rows[kind]:
+            raise ValueError(f"qk_clip.register: {kind}= must be a 2-D nn.Parameter with {rows[kind]} rows for "
+                             f"{layout}, got {type(weight).__name__} of shape {tuple(weight.shape)}")
+        other = getattr(weight, _TAG, None)
+        if other is not None and other.module is not module:
+            raise ValueError(f"qk_clip.register: the {kind} weight is already registered with another module")
+    if qkv is not None and getattr(qkv, "qkv_split", None) is None:
+        qkv.qkv_split = QKVSplit(layout.num_kv_groups, layout.q_rows_per_group, layout.head_dim, layout.head_dim)
+    registration = Registration(module, layout, weights)
+    for _, weight in weights:
+        setattr(weight, _TAG, registration)
+    buffer = torch.full((layout.num_heads,), float("-inf"), device=weights[0][1].device)
+    module.register_buffer(BUFFER_NAME, buffer, persistent=False)
+    return buffer
+
+
+def record(module: torch.nn.Module, logits: torch.Tensor, *, head_dim: int = 1) -> None:
+    """``record_max_logits`` into ``module``'s registered buffer, in training mode only (eval forwards do
+    not count towards the next step's clip)."""
+    if module.training:
+        record_max_logits(getattr(module, BUFFER_NAME), logits, head_dim=head_dim)
+
+
+def registrations(params) -> list[Registration]:
+    """The registrations whose weights are among ``params``, in the order of their first weight there."""
+    found: dict[int, Registration] = {}
+    for p in params:
+        registration = getattr(p, _TAG, None)
+        if registration is not None:
+            found.setdefault(id(registration), registration)
+    return list(found.values())
