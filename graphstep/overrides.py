@@ -301,8 +301,8 @@ def build_family_param_groups(named_params: Sequence[tuple[str, torch.nn.Paramet
     embedding/output params (``is_embedding_or_output_parameter`` or ``shared_embedding``) or carry
     ``use_muon=False``; the rest go to ``muon_scalar_optimizer``. An override may name a param's family
     itself (``{ParamKey(...): {"optimizer": "adam"}}``), for any ``config.optimizer``; a key setting it
-    takes precedence over the rule. Without ``optimizer="muon"`` and without such overrides the groups are
-    those of ``build_param_groups``, unchanged.
+    takes precedence over the rule. For "adam" and "sgd" without such overrides the groups are those of
+    ``build_param_groups``, unchanged (no ``optimizer`` key).
 
     Family hyperparameters: Muon groups ``momentum`` (``muon_momentum``: live, so torch's OneCycleLR may
     cycle it), Lion groups ``betas`` = (``lion_beta1``, ``lion_beta2``), Adam groups ``betas``/``eps``,
@@ -324,8 +324,8 @@ def build_family_param_groups(named_params: Sequence[tuple[str, torch.nn.Paramet
         stripped[key] = override
     groups = build_param_groups(named_params, config, stripped if isinstance(config_overrides, dict)
                                 else config_overrides)
-    if config.optimizer != "muon" and not chosen:
-        return groups
+    if config.optimizer in ("adam", "sgd") and not chosen:
+        return groups  # build_param_groups already gives these families their hyperparameters
 
     def family_of(param, name: str) -> str:
         picked = {family for key, family in chosen.items() if key.matches(param, name)}

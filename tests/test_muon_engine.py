@@ -91,6 +91,25 @@ def test_an_override_routes_params_per_param_key_and_plain_adam_keeps_its_groups
         gs.get_optimizer(config(), muon_model(), config_overrides={gs.ParamKey(name="*"): {"optimizer": "rmsprop"}})
 
 
+def test_lion_alone_replays_bitwise_with_its_betas_live():
+    results = []
+    for mode in ("eager", "graph"):
+        model = tiny_transformer()
+        opt = gs.get_optimizer(config(optimizer="lion", lr=1e-3, capture=mode), model)
+        assert all(g["optimizer"] == "lion" and g["betas"] == (0.95, 0.98) and "momentum" not in g
+                   for g in opt.param_groups)
+        for step in range(8):
+            for group in opt.param_groups:
+                group["betas"] = (0.9 + 0.01 * step, 0.98)
+            opt.zero_grad()
+            loss_fn(model, step).backward()
+            opt.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert opt.captured and opt.recaptures == 0
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_a_vector_routed_to_muon_and_fp16_are_refused():
     with pytest.raises(ValueError, match="2-D matrices only"):
         gs.get_optimizer(config(), muon_model(), config_overrides={gs.ParamKey(name="*.bias"): {"optimizer": "muon"}})
