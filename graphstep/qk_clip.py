@@ -204,8 +204,8 @@ def register(module: torch.nn.Module, *, layout: HeadLayout, q: Optional[torch.n
     if (qkv is not None) == separate or (separate and (q is None or k is None)):
         raise ValueError("qk_clip.register: pass qkv= (fused QKV weight) or both q= and k= (separate weights)")
     if layout.fused_qkv != (qkv is not None):
-        raise ValueError(f"qk_clip.register: {layout} declares {'a fused' if layout.fused_qkv else 'separate'} "
-                         f"QKV weight{'' if layout.fused_qkv else 's'}; pass {'qkv=' if layout.fused_qkv else 'q= and k='}")
+        wanted = "a fused QKV weight; pass qkv=" if layout.fused_qkv else "separate QKV weights; pass q= and k="
+        raise ValueError(f"qk_clip.register: {layout} declares {wanted}")
     weights = (("qkv", qkv),) if qkv is not None else (("q", q), ("k", k))
     rows = {"qkv": layout.num_kv_groups * layout.fused_rows_per_group, "q": layout.num_heads * layout.head_dim,
             "k": layout.num_kv_groups * layout.head_dim}
