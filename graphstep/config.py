@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+<<<<<<< HEAD
 OPTIMIZERS = ("adam", "sgd", "muon", "lion")
+=======
+from .scaler import MAX_LOSS_SCALE, MIN_LOSS_SCALE
+
+OPTIMIZERS = ("adam", "sgd")
+>>>>>>> main
 CAPTURE_MODES = ("auto", "graph", "eager")
 KERNELS = ("fused", "compiled", "reference")
 INVALIDATION_POLICIES = ("recapture", "raise")
@@ -81,12 +88,6 @@ class OptimizerConfig:
     main_grads_dtype: torch.dtype = torch.float32
     """dtype grads accumulate in. float32 with half params accumulates every backward into an fp32
     main-grad buffer; the params' dtype accumulates into ``grad_flat`` directly."""
-
-    exp_avg_dtype: torch.dtype = torch.float32
-    """dtype of Adam's first moment (float32 only for now: the fused kernels need it)."""
-
-    exp_avg_sq_dtype: torch.dtype = torch.float32
-    """dtype of Adam's second moment (float32 only for now: the fused kernels need it)."""
 
     # ---- loss scaling --------------------------------------------------------------------------------
     loss_scale: Optional[float] = None
@@ -246,8 +247,39 @@ def _check_number(config: OptimizerConfig, field: str, *, low: float, low_open: 
         _fail(field, value, f"must lie in {left}{low}, {high}{right}")
 
 
+# What a value of each annotated type must be. bool is a subclass of int, so it is refused explicitly where
+# a number is meant: OptimizerConfig(bucket_size=True) is a mistake, not a bucket of one element.
+_TYPE_RULES = {
+    bool: (lambda v: isinstance(v, bool), "a bool (True or False)"),
+    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
+    float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number (int or float)"),
+    str: (lambda v: isinstance(v, str), "a str"),
+    torch.dtype: (lambda v: isinstance(v, torch.dtype), "a torch.dtype"),
+}
+
+
+def _check_types(config: OptimizerConfig) -> None:
+    """Every field against its annotation (Optional[X]: None or X), before any range check.
+
+    Without this, truthiness decides: ``fp16="False"`` is a non-empty string and would turn fp16 on.
+    """
+    hints = typing.get_type_hints(type(config))
+    for field in dataclasses.fields(config):
+        hint = hints[field.name]
+        value = getattr(config, field.name)
+        args = typing.get_args(hint)
+        optional = typing.get_origin(hint) is typing.Union and type(None) in args
+        base = next(a for a in args if a is not type(None)) if optional else hint
+        if value is None and optional:
+            continue
+        accepts, what = _TYPE_RULES[base]
+        if not accepts(value):
+            _fail(field.name, value, f"must be {what}{' or None' if optional else ''}, got {type(value).__name__}")
+
+
 def validate(config: OptimizerConfig) -> None:
-    """Raise ValueError naming the first field that is out of range or inconsistent with another."""
+    """Raise ValueError naming the first field of the wrong type, out of range or inconsistent with another."""
+    _check_types(config)
     _check_choice(config, "optimizer", OPTIMIZERS)
     _check_choice(config, "capture", CAPTURE_MODES)
     _check_choice(config, "kernel", KERNELS)
@@ -268,7 +300,7 @@ def validate(config: OptimizerConfig) -> None:
 
     if config.fp16 and config.bf16:
         _fail("bf16", True, "fp16 and bf16 are exclusive; set one")
-    for field in ("params_dtype", "main_params_dtype", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+    for field in ("params_dtype", "main_params_dtype", "main_grads_dtype"):
         value = getattr(config, field)
         if value is None and field == "params_dtype":
             continue
@@ -276,10 +308,6 @@ def validate(config: OptimizerConfig) -> None:
             _fail(field, value, "must be a torch floating dtype (float32, bfloat16, float16, float64)")
     if config.main_params_dtype not in (torch.float32, torch.float64):
         _fail("main_params_dtype", config.main_params_dtype, "must be torch.float32 or torch.float64")
-    for field in ("exp_avg_dtype", "exp_avg_sq_dtype"):
-        if getattr(config, field) != config.main_params_dtype:
-            _fail(field, getattr(config, field), f"must equal main_params_dtype ({config.main_params_dtype}): "
-                  "the fused kernels update state in the main params' dtype")
     half = (torch.float16, torch.bfloat16)
     if config.fp16 and config.params_dtype not in (None, torch.float16):
         _fail("params_dtype", config.params_dtype, "must be torch.float16 (or None) with fp16=True")
@@ -288,9 +316,11 @@ def validate(config: OptimizerConfig) -> None:
     if config.params_dtype in half and not (config.fp16 or config.bf16):
         _fail("params_dtype", config.params_dtype, "half params need fp16=True or bf16=True")
 
-    _check_number(config, "loss_scale", low=0.0, low_open=True, optional=True)
-    _check_number(config, "initial_loss_scale", low=0.0, low_open=True)
-    _check_number(config, "min_loss_scale", low=0.0, low_open=True)
+    # Scales live in fp32 tensors: scale and 1 / scale must both be finite there (graphstep.scaler).
+    for field in ("loss_scale", "initial_loss_scale", "min_loss_scale"):
+        value = getattr(config, field)
+        if value is not None and not MIN_LOSS_SCALE <= value <= MAX_LOSS_SCALE:  # NaN fails this too
+            _fail(field, value, "must lie in [2**-126, 2**127] (the scale and 1 / scale are fp32 tensors)")
     if config.min_loss_scale > config.initial_loss_scale:
         _fail("min_loss_scale", config.min_loss_scale,
               f"must not exceed initial_loss_scale={config.initial_loss_scale}")
@@ -307,7 +337,7 @@ def validate(config: OptimizerConfig) -> None:
 
     _check_number(config, "clip_grad", low=0.0, low_open=False)
     _check_number(config, "grad_norm_skip_threshold", low=0.0, low_open=True, high=math.inf, high_open=False)
-    if config.bucket_size is not None and (not isinstance(config.bucket_size, int) or config.bucket_size < 1):
+    if config.bucket_size is not None and config.bucket_size < 1:
         _fail("bucket_size", config.bucket_size, "must be a positive integer number of elements, or None")
     if (config.overlap_grad_reduce or config.overlap_param_gather) and not config.use_distributed_optimizer:
         field = "overlap_grad_reduce" if config.overlap_grad_reduce else "overlap_param_gather"

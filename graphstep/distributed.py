@@ -100,20 +100,27 @@ class Collectives:
         self._mp_derived = False
 
     # ---- build time (object collectives allowed here, never in the step) ------------------------------
-    def setup(self, layout, config) -> None:
+    def setup(self, layout, config, device) -> None:
         """Build-time checks over the data-parallel group; raises ValueError naming what differs.
 
         All ranks must plan the same layout (same params, shapes, groups, dtypes, buckets) and use the
         same config: otherwise the step's collectives would pair up buffers of different meaning (or
         hang). One ``all_gather_object`` here; the step itself never runs an object collective.
+
+        Then every group the step uses runs one small all-reduce on ``device``: NCCL creates a
+        communicator lazily, on a group's first collective, and that must not happen inside a CUDA
+        graph capture, whatever ``capture_warmup_steps`` says.
         """
         if self.timeout_s is None:
             self.timeout_s = config.distributed_timeout_s
         if self.mp_group is not None and not self._mp_derived:
             self.mp_group = derive_group(self.mp_group, self.timeout_s)
             self._mp_derived = True
-        if self.dp_size <= 1:
-            return
+        if self.dp_size > 1:
+            self._check_same_layout(layout, config)
+        self._warm_up(device)
+
+    def _check_same_layout(self, layout, config) -> None:
         mine = (layout.fingerprint(), _config_items(config))
         everyone: list = [None] * self.dp_size
         self._guard("layout check all_gather_object", self.dp_group,
@@ -124,6 +131,14 @@ class Collectives:
                 raise ValueError(f"graphstep: data-parallel rank {rank} and rank {other} "
                                  f"{_difference(mine, theirs, rank, other)}; every data-parallel rank must "
                                  "build the optimizer over the same model and OptimizerConfig")
+
+    def _warm_up(self, device) -> None:
+        probe = torch.zeros(1, device=device)
+        groups = ((self.dp_group if self.dp_size > 1 else None, "data-parallel"), (self.mp_group, "model-parallel"))
+        for group, kind in groups:
+            if group is not None:
+                self._guard("communicator warm-up all_reduce", group,
+                            lambda: _F.wait_tensor(_F.all_reduce_(probe, "sum", group.group_name)), kind=kind)
 
     # ---- the step's collectives ------------------------------------------------------------------------
     def all_reduce_sum(self, tensor: torch.Tensor, what: str) -> None:

@@ -14,11 +14,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from capture.devices import backend_for, device_scope
 from capture.profile import Ranges
 
 from . import overlap
 from . import overrides as overrides_mod
 from . import state_dict as state_dict_mod
+from .agreement import agreement_for
 from .buffers import StaticBuffers, allocate
 from .config import OptimizerConfig
 from .debug import StepReport, run_debug_step
@@ -103,6 +105,14 @@ def _static_inputs(buffers: StaticBuffers, hyper: HyperParams, tensors: StepTens
         return {**buffers.addresses(), **fixed}
 
     return named
+
+
+def _agreement(config: OptimizerConfig, device, comm: Collectives):
+    """How the ranks agree on recapturing (``RankAgreement.any``), or None: one process, or no capture."""
+    if backend_for(device, config.capture)[0] == "eager":
+        return None
+    agreement = agreement_for(comm.dp_group, comm.mp_group, config.distributed_timeout_s)
+    return None if agreement is None else agreement.any
 
 
 class _GradsSeen:
@@ -219,7 +229,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self.comm = Collectives(dp_group, dp_size, model_parallel_group, timeout_s=config.distributed_timeout_s)
         # The one build-time exchange with other ranks: all agree on the layout and config before any stage
         # pairs up buffers (and the model-parallel group gets its timeout). No stage factory talks to peers.
-        self.comm.setup(self.layout, config)
+        self.comm.setup(self.layout, config, device)
 
         ctx = StepContext(config, self.layout, self.buffers, self.hyper, get_kernels(config.kernel), families,
                           self.tensors, self.scaler, self.comm, rank)
@@ -230,7 +240,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self._runner = StepRunner(
             step_fn=chain(self.stages), eager_step_fn=chain(self.stages, ranges=self.ranges), device=device,
             mode=config.capture, warmup_steps=config.capture_warmup_steps, invalidation=config.capture_invalidation,
-            static_inputs=_static_inputs(self.buffers, self.hyper, self.tensors), baked_values=baked_values(self.stages))
+            static_inputs=_static_inputs(self.buffers, self.hyper, self.tensors), baked_values=baked_values(self.stages),
+            agree=_agreement(config, device, self.comm))
         self._overlap = overlap.install(ctx, config, model_chunks, may_capture=self._runner.may_capture)
         self._publish = chain(publish_chain(ctx))
         self._grads_seen = _GradsSeen(params)
@@ -271,7 +282,9 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                 closure()
         with self.ranges("graphstep.step"):
             self._prepare()
-            with self.comm.named_errors():  # a collective failing in a replay is named like an eager one
+            # Under the build device (where devices have a "current" one), so that a capture's side stream and
+            # graph land on it; a collective failing in a replay is named like an eager one.
+            with device_scope(self.device), self.comm.named_errors():
                 self._runner.run()
         # capture="auto" may have settled on eager at this step: the overlap hooks may run from now on.
         self._overlap.enabled = not self._runner.may_capture
@@ -285,7 +298,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
 
     @property
     def capture_backend(self) -> str:
-        """What runs the step: "cuda" (a CUDA graph), "replay" (the CPU replay backend) or "eager"."""
+        """What runs the step: the capture backend's name (a CUDA graph, the CPU replay backend, or eager;
+        see ``capture.devices.backend_for``)."""
         return self._runner.backend
 
     @property

@@ -8,8 +8,18 @@ The rules (Megatron-Core's param layout, see shared/reference/megatron-core-note
 - params fill buckets in backward order (the reverse of the model's order), because that is the order
   in which their grads become ready and a bucket can be reduced once all its grads are in;
 - each param starts on a multiple of ``PARAM_ALIGNMENT`` elements;
-- a bucket closes once it holds ``bucket_size`` elements, and its end is padded to a multiple of
-  lcm(dp, 128) so it splits into ``dp`` equal contiguous shards that ignore param boundaries.
+- a bucket closes as soon as the *unpadded* end of its last param, counted from the bucket's start,
+  reaches ``bucket_size`` (the alignment gaps between its params count, the padding after the last one
+  does not: ``_ParamAndGradBuffer.__init__`` in Megatron-Core's distributed/param_and_grad_buffer.py,
+  and the gold values of its tests/unit_tests/distributed/test_param_and_grad_buffer.py::test_bucket_sizes);
+- then the bucket's end is padded to a multiple of lcm(dp, 128) so it splits into ``dp`` equal contiguous
+  shards that ignore param boundaries, and the next bucket starts there.
+
+Megatron-Core pads param starts and bucket ends only for its distributed optimizer; graphstep always
+pads (the fused update runs over aligned views, sharded or not), so its buckets are those of Megatron's
+distributed-optimizer layout at every data-parallel size. Megatron also gives a ``shared_embedding``
+param a bucket of its own (so pipeline stages shard the tied embedding alike); graphstep has no pipeline
+parallelism and does not.
 
 One graphstep rule on top: inside a bucket, params are ordered by param group (then backward order).
 A bucket's grads all become ready together anyway, and this way each rank's shard of a bucket meets
@@ -229,15 +239,16 @@ def plan_layout(specs: Sequence[ParamSpec], dp_size: int = 1, bucket_size: Optio
     buffers: list[BufferLayout] = []
     for buffer_index, key in enumerate(keys):
         backward = [i for i in reversed(range(len(specs))) if (specs[i].dtype, specs[i].grad_dtype) == key]
-        # Split the backward-ordered params into buckets by accumulated (aligned) size.
+        # Split the backward-ordered params into buckets (the rule in the module docstring). ``used`` is
+        # where the open bucket's last param ends, relative to the bucket's start, before any padding.
         chunks: list[list[int]] = [[]]
-        filled = 0
+        used = 0
         for i in backward:
             chunks[-1].append(i)
-            filled += _round_up(specs[i].numel, PARAM_ALIGNMENT)
-            if filled >= bucket_size:
+            used = _round_up(used, PARAM_ALIGNMENT) + specs[i].numel
+            if used >= bucket_size:
                 chunks.append([])
-                filled = 0
+                used = 0
         if not chunks[-1]:
             chunks.pop()
 

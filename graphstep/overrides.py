@@ -3,8 +3,10 @@
 A ``ParamKey`` selects params by name glob, by a truthy attribute, or by a named predicate (any listed
 item matching is a match). Every override whose key matches a param is merged into one override for it;
 two that set one key to different values are an error. Params with equal merged overrides share a param
-group, the group without overrides first. ``build_param_groups`` turns that into the ``param_groups``
-the engine (and torch's LR schedulers) use.
+group; the group without overrides comes first, then the others sorted by their sorted (key, value)
+pairs, the order of Megatron-Core's ``_get_param_groups`` (megatron/core/optimizer/__init__.py). So the
+order of groups depends on the overrides only, never on the order of the model's params.
+``build_param_groups`` turns that into the ``param_groups`` the engine (and torch's LR schedulers) use.
 """
 
 from __future__ import annotations
@@ -113,11 +115,26 @@ def _validate_override(key: ParamKey, override) -> None:
             raise ValueError(f"override for {key}: {field}={value!r} must be {'> 0' if field == 'eps' else '>= 0'}")
 
 
+def _whole_optimizer_settings(config, override: dict) -> set:
+    """Keys of ``override`` that are settings of the whole optimizer (``OptimizerConfig`` fields that are
+    not override keys), e.g. ``optimizer``."""
+    return {field for field in override if field not in OVERRIDE_KEYS and field not in _RENAMED
+            and isinstance(field, str) and hasattr(config, field)}
+
+
+def _effective_override(config, override: dict) -> dict:
+    """``override`` without the whole-optimizer settings it repeats (checked equal to the config's): they
+    change nothing, so they do not split a group."""
+    repeated = _whole_optimizer_settings(config, override)
+    return {field: value for field, value in override.items() if field not in repeated}
+
+
 def check_config_overrides_consistency(config, config_overrides) -> bool:
     """Validate ``config_overrides``: ParamKey keys, ParamGroupOverride values with known keys only.
 
     Settings that cannot differ between groups (the optimizer itself, precision, capture) are not
-    ParamGroupOverride keys, so asking for them per group is an error naming the key.
+    ParamGroupOverride keys: an override may repeat the config's value (Megatron-Core's consistency check
+    accepts ``optimizer`` equal to the base one), a different value is an error naming the key.
     """
     if config_overrides is None:
         return True
@@ -130,15 +147,30 @@ def check_config_overrides_consistency(config, config_overrides) -> bool:
         for field in override if isinstance(override, dict) else ():
             if field in _RENAMED:
                 raise ValueError(f"override for {key}: {field!r} is not an override key; use {_RENAMED[field]}")
-            if field not in OVERRIDE_KEYS and hasattr(config, field):
-                raise ValueError(f"override for {key}: {field!r} is a setting of the whole optimizer and cannot "
-                                 f"be overridden per param group; allowed: {', '.join(OVERRIDE_KEYS)}")
-        _validate_override(key, override)
+        for field in _whole_optimizer_settings(config, override) if isinstance(override, dict) else ():
+            base = getattr(config, field)
+            if override[field] != base or isinstance(override[field], bool) != isinstance(base, bool):
+                raise ValueError(f"override for {key}: {field}={override[field]!r} differs from the config's "
+                                 f"{base!r}; {field!r} is a setting of the whole optimizer and cannot be overridden "
+                                 f"per param group; allowed: {', '.join(OVERRIDE_KEYS)}")
+        _validate_override(key, _effective_override(config, override) if isinstance(override, dict) else override)
     return True
 
 
+def _is_embedding_class(param: torch.nn.Parameter, name: str) -> bool:
+    """MuP's embedding class, Megatron-Core's order of evidence: a truthy ``shared_embedding``; else an
+    ``is_embedding_parameter`` attribute decides (even when False); only without both, "embedding" in the
+    lower-cased name. ``is_embedding_or_output_parameter`` alone does not make a param embedding-class: an
+    output layer's fan-in is the hidden width, so MuP scales it like a hidden matrix."""
+    if getattr(param, "shared_embedding", False):
+        return True
+    if hasattr(param, "is_embedding_parameter"):
+        return bool(param.is_embedding_parameter)
+    return "embedding" in name.lower()
+
+
 def _is_vector_like(param: torch.nn.Parameter, name: str) -> bool:
-    return param.ndim <= 1 or bool(getattr(param, "is_embedding_or_output_parameter", False))
+    return param.ndim <= 1 or _is_embedding_class(param, name)
 
 
 def get_standard_config_overrides(config) -> dict[ParamKey, ParamGroupOverride]:
@@ -147,25 +179,34 @@ def get_standard_config_overrides(config) -> dict[ParamKey, ParamGroupOverride]:
         ParamKey(name="*.bias", predicate=NamedPredicate("ndim_1", lambda p, _: p.ndim == 1)): {"wd_mult": 0.0},
     }
     if config.decoupled_lr is not None:
-        min_lr = config.decoupled_min_lr if config.decoupled_min_lr is not None else config.min_lr
+        # Without decoupled_min_lr the group keeps the config's min_lr, as in Megatron-Core (which sets
+        # min_lr here only when decoupled_min_lr is given).
         decoupled: ParamGroupOverride = {"max_lr": config.decoupled_lr}
-        if min_lr is not None:
-            decoupled["min_lr"] = min_lr
+        if config.decoupled_min_lr is not None:
+            decoupled["min_lr"] = config.decoupled_min_lr
         overrides[ParamKey(attr="is_embedding_or_output_parameter")] = decoupled
     return overrides
 
 
 def get_mup_config_overrides(config, mup_width_mult: float, optimizer_type: Optional[str] = None
                              ) -> dict[ParamKey, ParamGroupOverride]:
-    """MuP's per-class learning rates (and Adam's eps) for width multiplier ``mup_width_mult``.
+    """MuP's per-class learning rates (and Adam's eps) for width multiplier ``m = mup_width_mult``.
 
-    MuP keeps update sizes stable across widths so hyperparameters tuned on a narrow model transfer:
-    Adam: matrix-like params get lr / m and eps / m, vector-like ones (ndim <= 1, embedding/output params)
-    keep both. SGD: vector-like params get lr x m. Other optimizers: matrix-like lr / m. Nothing when
-    m == 1. The schedule floor scales with the peak (``min_lr`` x the same factor when ``config.min_lr``
-    is set, as in Megatron-Core), so ``min_lr <= max_lr`` still holds. Embedding/output params on
-    ``decoupled_lr`` keep their decoupled values. ``optimizer_type`` defaults to ``config.optimizer``;
-    any name containing "adam" follows the Adam rule.
+    MuP keeps update sizes stable across widths so hyperparameters tuned on a narrow model transfer. The
+    rules are Megatron-Core's ``get_mup_config_overrides`` (megatron/core/optimizer/__init__.py):
+
+    - classes: *embedding-class* as ``_is_embedding_class`` says; *vector-like* = embedding-class or
+      ndim <= 1; *matrix-like* = everything else, hidden matrices and the output layer alike;
+    - Adam (any name containing "adam"): matrix-like params get lr / m and eps / m;
+    - SGD: vector-like params get lr x m, matrix-like ones keep lr;
+    - other optimizers: matrix-like params get lr / m (no eps);
+    - with ``decoupled_lr`` set, params marked ``is_embedding_or_output_parameter`` keep their decoupled
+      lr (MuP sets no lr for them), though Adam's eps / m still applies to a matrix-like output layer;
+    - nothing when m == 1.
+
+    The schedule floor scales with the peak (``min_lr`` x the same factor when ``config.min_lr`` is set),
+    so ``min_lr <= max_lr`` still holds. ``optimizer_type`` defaults to ``config.optimizer``. graphstep has
+    no Muon, so no param is left out as Muon-managed.
     """
     if isinstance(mup_width_mult, bool) or not isinstance(mup_width_mult, (int, float)) \
             or not 0 < mup_width_mult < math.inf:
@@ -186,19 +227,27 @@ def get_mup_config_overrides(config, mup_width_mult: float, optimizer_type: Opti
             override["min_lr"] = config.min_lr * factor
         return override
 
+    def keeps_decoupled_lr(param) -> bool:
+        return decoupled and bool(getattr(param, "is_embedding_or_output_parameter", False))
+
     def matrix_like(param, name):
         return not _is_vector_like(param, name)
 
-    def vector_like_not_decoupled(param, name):
-        embedding = bool(getattr(param, "is_embedding_or_output_parameter", False))
-        return _is_vector_like(param, name) and not (decoupled and embedding)
+    def matrix_like_lr(param, name):
+        return matrix_like(param, name) and not keeps_decoupled_lr(param)
 
-    matrix_key = ParamKey(predicate=NamedPredicate("mup_matrix_like", matrix_like))
-    if "adam" in rule:
-        return {matrix_key: {**scaled_lr(1.0 / m), "eps": config.adam_eps / m}}
+    def vector_like_lr(param, name):
+        return _is_vector_like(param, name) and not keeps_decoupled_lr(param)
+
     if rule == "sgd":
-        return {ParamKey(predicate=NamedPredicate("mup_vector_like", vector_like_not_decoupled)): scaled_lr(m)}
-    return {matrix_key: scaled_lr(1.0 / m)}
+        return {ParamKey(predicate=NamedPredicate("mup_vector_like_lr", vector_like_lr)): scaled_lr(m)}
+    lr_key = ParamKey(predicate=NamedPredicate("mup_matrix_like_lr", matrix_like_lr))
+    if "adam" not in rule:
+        return {lr_key: scaled_lr(1.0 / m)}
+    eps: ParamGroupOverride = {"eps": config.adam_eps / m}
+    if not decoupled:  # both keys would select the same params: one key with both values
+        return {ParamKey(predicate=NamedPredicate("mup_matrix_like", matrix_like)): {**scaled_lr(1.0 / m), **eps}}
+    return {lr_key: scaled_lr(1.0 / m), ParamKey(predicate=NamedPredicate("mup_matrix_like_eps", matrix_like)): eps}
 
 
 def _merged_override(name: str, param, config_overrides: dict) -> dict:
@@ -207,7 +256,7 @@ def _merged_override(name: str, param, config_overrides: dict) -> dict:
     for key, override in config_overrides.items():
         if not key.matches(param, name):
             continue
-        for field, value in override.items():
+        for field, value in override.items():  # (already stripped of repeated whole-optimizer settings)
             if field in merged and merged[field] != value:
                 raise ValueError(f"param '{name}': {source[field]} sets {field}={merged[field]!r} but {key} sets "
                                  f"{field}={value!r}; make the keys disjoint or agree on the value")
@@ -222,25 +271,28 @@ def build_param_groups(named_params: Sequence[tuple[str, torch.nn.Parameter]], c
 
     ``config_overrides=None`` applies ``get_standard_config_overrides(config)``; ``{}`` applies none.
     Each group carries the floats the update reads (``lr``, ``weight_decay``, ``betas``/``eps`` or
-    ``momentum``) and what schedules need (``max_lr``, ``min_lr``, ``lr_mult``, ``wd_mult``,
-    ``start_wd``, ``end_wd``), plus ``param_names`` and the merged ``overrides``.
+    ``momentum``) and what schedules need (``max_lr``, ``min_lr`` — None when neither the config nor an
+    override sets it, read as 0 —, ``lr_mult``, ``wd_mult``, ``start_wd``, ``end_wd``), plus
+    ``param_names`` and the merged ``overrides``. Groups come in the order the module docstring gives.
     """
     if config_overrides is None:
         config_overrides = get_standard_config_overrides(config)
     check_config_overrides_consistency(config, config_overrides)
+    config_overrides = {key: _effective_override(config, override) for key, override in config_overrides.items()}
 
-    groups: dict[tuple, dict] = {(): None}  # the no-override group first, even if it stays empty
+    groups: dict[tuple, dict] = {}
     seen_names: set[str] = set()
     seen_params: dict[int, str] = {}
     for entry in named_params:
         name, param = _checked_entry(entry, seen_names, seen_params)
         merged = _merged_override(name, param, config_overrides)
         signature = tuple(sorted(merged.items()))
-        if groups.get(signature) is None:
+        if signature not in groups:
             groups[signature] = _new_group(config, merged, name)
         groups[signature]["params"].append(param)
         groups[signature]["param_names"].append(name)
-    return [group for group in groups.values() if group is not None]
+    # The no-override group (signature ()) sorts first: a shorter tuple that is a prefix of every other.
+    return [groups[signature] for signature in sorted(groups)]
 
 
 def _checked_entry(entry, seen_names: set, seen_params: dict) -> tuple[str, torch.nn.Parameter]:
@@ -263,10 +315,10 @@ def _checked_entry(entry, seen_names: set, seen_params: dict) -> tuple[str, torc
 
 
 def _new_group(config, override: dict, first_param_name: str) -> dict:
-    default_min_lr = config.min_lr if config.min_lr is not None else 0.0
+    # min_lr may stay None, as in Megatron-Core's groups: schedules read it as 0 (graphstep.scheduler).
     max_lr = override.get("max_lr", config.lr)
-    min_lr = override.get("min_lr", default_min_lr)
-    if min_lr > max_lr:
+    min_lr = override.get("min_lr", config.min_lr)
+    if min_lr is not None and min_lr > max_lr:
         raise ValueError(f"param '{first_param_name}': min_lr={min_lr} exceeds max_lr={max_lr} (merged override "
                          f"{override}); lower min_lr in the override or in OptimizerConfig")
     lr_mult = override.get("lr_mult", 1.0)

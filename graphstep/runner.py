@@ -17,6 +17,9 @@ A captured step goes stale when what it baked in changes. Before each replay the
   inputs' addresses before each replay as a last line of defence.
 With ``capture_invalidation="raise"`` both raise instead.
 
+With several ranks (``agree``, graphstep/agreement.py) every such decision is collective: before each
+run the ranks exchange whether their step went stale, and all recapture (or all raise) at the same step.
+
 The runner knows nothing of optimizers: it is given the step function(s), the static inputs and the
 baked values as plain callables over buffers and stages, and calls nothing back in the engine.
 """
@@ -40,13 +43,16 @@ RECAPTURE_WARNING_STREAK = 3
 class StepRunner:
     def __init__(self, *, step_fn: Callable[[], None], device, mode: str, warmup_steps: int, invalidation: str,
                  static_inputs: Callable[[], dict], baked_values: Callable[[], tuple],
-                 eager_step_fn: Optional[Callable[[], None]] = None, name: str = "graphstep.step",
+                 eager_step_fn: Optional[Callable[[], None]] = None, agree: Optional[Callable[[bool], bool]] = None,
+                 name: str = "graphstep.step",
                  stale_hint: str = "call opt.recapture() after replacing parameters or state tensors"):
         self._step_fn = step_fn
         self._eager_step_fn = eager_step_fn or step_fn  # what uncaptured steps run (e.g. with profiler ranges)
         self._static_inputs = static_inputs
         self._baked = BakedValues(baked_values)
         self._invalidation = invalidation
+        self._agree = agree  # any_rank(flag) -> bool, or None on one process
+        self._stale: Optional[str] = None  # why this rank's captured step must be recaptured, if it must
         self._warmup_steps = warmup_steps
         self._name, self._stale_hint = name, stale_hint
         self._steps = 0
@@ -68,7 +74,8 @@ class StepRunner:
 
     @property
     def backend(self) -> str:
-        """"cuda", "replay" or "eager": what runs (or will run, after the warm-up) the step."""
+        """The backend's name (``capture.devices.backend_for``): what runs, or will run after the warm-up,
+        the step."""
         return self._backend
 
     @property
@@ -88,15 +95,10 @@ class StepRunner:
 
     def on_replaced(self, names: list) -> None:
         """Params or buffers were replaced and have been adopted back (values copied into the static
-        tensors): a captured step recaptures, or raises with ``capture_invalidation="raise"``."""
-        if not self.captured:
-            return
-        if self._invalidation == "raise":
-            raise capture.StaleInputError(
-                f"replaced after capture: {', '.join(names)}; the captured step reads the static buffers. "
-                "Their values were copied back in; call opt.recapture() to continue")
-        logger.warning("graphstep: %s replaced after capture; adopted back, recapturing", ", ".join(names))
-        self._recapture()
+        tensors): a captured step recaptures at this step, or raises with ``capture_invalidation="raise"``
+        (on every rank, when several share the step)."""
+        if self.captured:
+            self._stale = f"replaced after capture: {', '.join(names)}"
 
     def close(self) -> None:
         """Free the captured graph and its memory pool; later steps run eagerly."""
@@ -114,20 +116,42 @@ class StepRunner:
             else:
                 self._eager_step_fn()
             return
-        self._check_baked()
+        self._settle_staleness()
         was_captured = self._graph.captured
         try:
             self._graph()
         except capture.StaleInputError:
             # The engine adopts replaced tensors before each step, so this guard firing means a tensor it
-            # does not own moved; recapturing over the current tensors is the only safe continuation.
-            if self._invalidation == "raise":
+            # does not own moved. One process recaptures over the current tensors; with several ranks a
+            # recapture on this rank alone would desynchronise the collectives, so it raises.
+            if self._invalidation == "raise" or self._agree is not None:
                 raise
             logger.warning("graphstep: a static input of the captured step moved; recapturing")
             self._recapture()
             self._graph()
         if not was_captured and self._graph.captured:
             self._baked.record()
+            if self._agree is not None:
+                self._agree(False)  # the closing bracket of the capture: no rank replays before all recorded
+
+    def _settle_staleness(self) -> None:
+        """Decide, together with the other ranks, whether the captured step must be recaptured now."""
+        reason, self._stale = self._stale, None
+        if reason is None and self._graph.captured:
+            changed = self._baked.change()
+            if changed is not None:
+                reason = f"a value baked into the captured step changed ({changed})"
+        if self._agree is not None and self._agree(reason is not None) and reason is None:
+            reason = "another rank's captured step went stale"
+        if reason is None:
+            self._recapture_streak = 0
+            return
+        if self._invalidation == "raise":
+            raise capture.StaleInputError(
+                f"{reason}; call opt.recapture() to continue (kernel='compiled' or 'reference' keeps every "
+                "hyperparameter live)")
+        logger.warning("graphstep: %s; recapturing", reason)
+        self._recapture()
 
     def _check_then_capture(self) -> None:
         self._check_first = False
@@ -138,17 +162,6 @@ class StepRunner:
             self._backend = "eager"
             return
         self._graph = self._new_graph(warmup=0)
-
-    def _check_baked(self) -> None:
-        changed = self._baked.change() if self._graph.captured else None
-        if changed is None:
-            self._recapture_streak = 0
-            return
-        if self._invalidation == "raise":
-            raise capture.CaptureError(f"a hyperparameter baked into the captured step changed ({changed}); "
-                                       "call opt.recapture(), or use kernel='compiled' or 'reference' to keep "
-                                       "it live")
-        self._recapture()
 
     def _recapture(self) -> None:
         self.recaptures += 1

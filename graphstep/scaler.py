@@ -8,7 +8,14 @@ on a non-finite step the growth tracker resets to 0 and the hysteresis tracker d
 at or below 0 the scale backs off (× ``backoff_factor``, never below ``min_scale``), and it is not reset,
 so each further non-finite step backs off again. On a clean step the growth tracker counts up; at
 ``growth_interval`` it resets, the hysteresis tracker refills to ``hysteresis`` and the scale grows
-(× ``growth_factor``, no upper bound).
+(× ``growth_factor``, capped at ``MAX_LOSS_SCALE``).
+
+One difference from Megatron-Core, whose scale has no upper bound: growth stops at ``MAX_LOSS_SCALE``
+= 2**127, the largest power of two a float32 holds. Uncapped, a long clean stretch (all-zero grads are
+"clean") doubles the scale to ``inf``; ``inf * backoff_factor`` is still ``inf`` and ``inf * grad`` is
+non-finite, so every later step would be skipped for good. torch's ``GradScaler`` refuses such growth too
+(``torch._amp_update_scale_`` keeps the scale when the grown one is not finite). The cap is a
+``torch.clamp`` on device, so the update stays free of host syncs.
 """
 
 from __future__ import annotations
@@ -18,9 +25,18 @@ from typing import Optional
 
 import torch
 
+MAX_LOSS_SCALE = 2.0**127
+"""The largest power of two a float32 holds: the dynamic scale never grows past it (and so stays finite)."""
+MIN_LOSS_SCALE = 2.0**-126
+"""The smallest normal float32: below it ``inv_scale = 1 / scale`` would overflow to inf."""
+
 
 def _scalar(value: float, device) -> torch.Tensor:
     return torch.full((), float(value), dtype=torch.float32, device=device)
+
+
+def _is_scale(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and MIN_LOSS_SCALE <= value <= MAX_LOSS_SCALE
 
 
 def _check_found_inf(found_inf: torch.Tensor) -> None:
@@ -30,23 +46,56 @@ def _check_found_inf(found_inf: torch.Tensor) -> None:
                         f"grads), got {found_inf!r:.80}")
 
 
-def _load(target: dict, state_dict: dict, owner: str) -> None:
-    """Copy ``state_dict``'s tensors into ``target``'s in place (addresses stay: they may be in a graph)."""
+def _checked_values(target: dict, state_dict, owner: str, integer_keys: tuple = ()) -> dict:
+    """The state dict's values as Python floats, after checking all of them (nothing is copied here).
+
+    Keys must match ``target`` exactly; each value is a number or a one-element real tensor; the scale lies
+    in [2**-126, 2**127]; the trackers are whole numbers (the growth tracker >= 0). A ValueError names the key.
+    Reading the values on the host is fine here: loading happens between steps, never inside one.
+    """
+    if not isinstance(state_dict, dict):
+        raise ValueError(f"{owner}.load_state_dict: expected a dict with keys {sorted(target)}, got "
+                         f"{type(state_dict).__name__}")
     missing = sorted(set(target) - set(state_dict))
-    unknown = sorted(set(state_dict) - set(target))
+    unknown = sorted(set(state_dict) - set(target), key=repr)
     if missing or unknown:
         raise ValueError(f"{owner}.load_state_dict: missing {missing}, unknown {unknown}; expected keys "
                          f"{sorted(target)}")
+    values = {}
+    for key in target:
+        value = state_dict[key]
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() \
+                and value.dtype != torch.bool:
+            value = value.detach().reshape(()).item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{owner}.load_state_dict: '{key}' must be a number or a one-element real tensor, "
+                             f"got {value!r:.80}")
+        value = float(value)
+        if key == "scale" and not _is_scale(value):
+            raise ValueError(f"{owner}.load_state_dict: 'scale'={value!r} must lie in [2**-126, 2**127]")
+        if key in integer_keys and not (math.isfinite(value) and value.is_integer()):
+            raise ValueError(f"{owner}.load_state_dict: '{key}'={value!r} must be a whole number")
+        if key == "growth_tracker" and value < 0:
+            raise ValueError(f"{owner}.load_state_dict: 'growth_tracker'={value!r} must be >= 0")
+        values[key] = value
+    return values
+
+
+def _load(target: dict, state_dict, owner: str, integer_keys: tuple = ()) -> None:
+    """Check everything, then copy into ``target``'s tensors in place (addresses stay: they may be in a
+    graph). A refused state dict leaves the scaler unchanged."""
+    values = _checked_values(target, state_dict, owner, integer_keys)
     for key, tensor in target.items():
-        tensor.copy_(torch.as_tensor(state_dict[key]).reshape(()))
+        tensor.fill_(values[key])
 
 
 class ConstantLossScaler:
     """A fixed loss scale (``OptimizerConfig.loss_scale``)."""
 
     def __init__(self, scale: float, device):
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
-            raise ValueError(f"ConstantLossScaler: scale={scale!r}: must be a finite number > 0")
+        if not _is_scale(scale):
+            raise ValueError(f"ConstantLossScaler: scale={scale!r}: must be a number in [2**-126, 2**127] "
+                             "(scale and 1 / scale finite in float32)")
         self.scale = _scalar(scale, device)
         self.inv_scale = _scalar(1.0 / scale, device)
 
@@ -57,9 +106,20 @@ class ConstantLossScaler:
     def state_dict(self) -> dict:
         return {"scale": self.scale.clone()}
 
+    def _targets(self) -> dict:
+        return {"scale": self.scale}
+
+    def validate_state_dict(self, state_dict: dict) -> None:
+        """Raise ValueError naming the key if ``load_state_dict(state_dict)`` would refuse it; change nothing."""
+        _checked_values(self._targets(), state_dict, "ConstantLossScaler")
+
     def load_state_dict(self, state_dict: dict) -> None:
-        _load({"scale": self.scale}, state_dict, "ConstantLossScaler")
+        """Validate everything, then copy in place; a refused state dict changes nothing."""
+        _load(self._targets(), state_dict, "ConstantLossScaler")
         torch.reciprocal(self.scale, out=self.inv_scale)
+
+
+_TRACKERS = ("growth_tracker", "hysteresis_tracker")
 
 
 class DynamicLossScaler:
@@ -67,9 +127,10 @@ class DynamicLossScaler:
 
     def __init__(self, initial_scale: float, min_scale: float, growth_interval: int, hysteresis: int, device,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5):
-        if not 0 < initial_scale < math.inf or not 0 < min_scale < math.inf:
+        if not _is_scale(initial_scale) or not _is_scale(min_scale):
             raise ValueError(f"DynamicLossScaler: initial_scale={initial_scale}, min_scale={min_scale}: both "
-                             "finite and > 0")
+                             "numbers in [2**-126, 2**127] (MIN_LOSS_SCALE, MAX_LOSS_SCALE: 1 / scale and scale stay "
+                             "finite in float32)")
         if any(isinstance(v, bool) or not isinstance(v, int) for v in (growth_interval, hysteresis)) \
                 or growth_interval < 1 or hysteresis < 1:
             raise ValueError(f"DynamicLossScaler: growth_interval={growth_interval}, hysteresis={hysteresis}: "
@@ -100,8 +161,9 @@ class DynamicLossScaler:
         grow = growth >= self.growth_interval
         back_off = bad & (hysteresis_left <= 0)
         backed_off = torch.clamp(self.scale * self.backoff_factor, min=self.min_scale)
-        self.scale.copy_(torch.where(back_off, backed_off,
-                                     torch.where(grow, self.scale * self.growth_factor, self.scale)))
+        # Capped: an overflowing product is inf, and clamp turns it into MAX_LOSS_SCALE (module docstring).
+        grown = torch.clamp(self.scale * self.growth_factor, max=MAX_LOSS_SCALE)
+        self.scale.copy_(torch.where(back_off, backed_off, torch.where(grow, grown, self.scale)))
         self.hysteresis_tracker.copy_(torch.where(grow, torch.full_like(hysteresis_left, self.hysteresis),
                                                   hysteresis_left))
         self.growth_tracker.copy_(torch.where(grow, torch.zeros_like(growth), growth))
@@ -111,9 +173,17 @@ class DynamicLossScaler:
         return {"scale": self.scale.clone(), "growth_tracker": self.growth_tracker.clone(),
                 "hysteresis_tracker": self.hysteresis_tracker.clone()}
 
+    def _targets(self) -> dict:
+        return {"scale": self.scale, "growth_tracker": self.growth_tracker,
+                "hysteresis_tracker": self.hysteresis_tracker}
+
+    def validate_state_dict(self, state_dict: dict) -> None:
+        """Raise ValueError naming the key if ``load_state_dict(state_dict)`` would refuse it; change nothing."""
+        _checked_values(self._targets(), state_dict, "DynamicLossScaler", _TRACKERS)
+
     def load_state_dict(self, state_dict: dict) -> None:
-        _load({"scale": self.scale, "growth_tracker": self.growth_tracker,
-               "hysteresis_tracker": self.hysteresis_tracker}, state_dict, "DynamicLossScaler")
+        """Validate everything, then copy in place; a refused state dict changes nothing."""
+        _load(self._targets(), state_dict, "DynamicLossScaler", _TRACKERS)
         torch.reciprocal(self.scale, out=self.inv_scale)
 
 

@@ -10,7 +10,8 @@ them into device tensors before the next step (DESIGN.md law 3), so a captured s
 nothing here touches a tensor.
 
 Learning rate of a group at step ``n`` (W = ``lr_warmup_steps``, D = ``lr_decay_steps``), times its
-``lr_mult``:
+``lr_mult``; a group's ``min_lr`` of None (graphstep's and Megatron-Core's groups carry ``config.min_lr``
+as is) counts as 0:
 
 - ``n <= W`` (when W > 0): linear warmup, ``init_lr + (max_lr - init_lr) * n / W``;
 - "constant": ``max_lr`` for ever (no floor, as in Megatron-Core);
@@ -62,6 +63,11 @@ def _check_int(name: str, value, minimum: int) -> None:
         _fail(f"{name}={value!r}: must be an integer >= {minimum}")
 
 
+def _floor(group: dict) -> float:
+    """The group's ``min_lr``, None read as 0."""
+    return 0.0 if group["min_lr"] is None else group["min_lr"]
+
+
 def validate_settings(settings: dict) -> None:
     """Raise ValueError naming the first setting that is out of range or inconsistent with another.
 
@@ -93,9 +99,10 @@ class ParamScheduler:
     """Megatron-Core's warmup/decay LR and weight-decay ramps over an optimizer's ``param_groups``.
 
     ``optimizer`` is anything with ``param_groups`` (graphstep's engine, or a plain torch optimizer whose
-    groups carry ``max_lr`` and ``min_lr``). A group without ``start_wd`` / ``end_wd`` keeps its current
-    ``weight_decay`` as both (written into the group, so a state-dict round trip sees it); ``lr_mult`` and
-    ``wd_mult`` default to 1. The constructor applies step 0 at once, like Megatron-Core's ``step(0)``.
+    groups carry ``max_lr`` and ``min_lr``; ``min_lr`` None means 0). A group without ``start_wd`` /
+    ``end_wd`` keeps its current ``weight_decay`` as both (written into the group, so a state-dict round
+    trip sees it); ``lr_mult`` and ``wd_mult`` default to 1. The constructor applies step 0 at once, like
+    Megatron-Core's ``step(0)``.
     """
 
     def __init__(self, optimizer, *, lr_warmup_steps: int, lr_decay_steps: int, lr_decay_style: str = "cosine",
@@ -113,7 +120,7 @@ class ParamScheduler:
                 if key not in group:
                     _fail(f"param group {g} has no {key!r} (graphstep's param groups carry it; for a plain "
                           "torch optimizer, add max_lr and min_lr to each group)")
-            if group["min_lr"] > group["max_lr"]:
+            if _floor(group) > group["max_lr"]:
                 _fail(f"param group {g}: min_lr={group['min_lr']} exceeds max_lr={group['max_lr']}")
             group.setdefault("start_wd", group.get("weight_decay", 0.0))
             group.setdefault("end_wd", group.get("weight_decay", 0.0))
@@ -128,7 +135,7 @@ class ParamScheduler:
 
     def get_lr(self, group: dict) -> float:
         """The learning rate of ``group`` at ``num_steps``, before its ``lr_mult``."""
-        max_lr, min_lr, n = group["max_lr"], group["min_lr"], self.num_steps
+        max_lr, min_lr, n = group["max_lr"], _floor(group), self.num_steps
         warmup, decay = self.lr_warmup_steps, self.lr_decay_steps
         if warmup > 0 and n <= warmup:
             return self.init_lr + (max_lr - self.init_lr) * n / warmup

@@ -35,7 +35,7 @@ the model's own params and grads) over the param count.
 
 Shapes: GPT-2 small (124M params, 148 tensors), many small tensors (10,000 x 4,096), one flat tensor
 (64M); sweeps for the plots: flat tensors of 1M-64M params, and 150 / 1,000 / 10,000 tensors at ~16M
-params in all. ``--quick`` divides the sizes by 8 (GPT-2 becomes perf/shapes.py's gpt2-quick; the many-small
+params in all. ``--quick`` divides the sizes by 8 (GPT-2 becomes graphstep/app/bench_shapes.py's gpt2-quick; the many-small
 shape keeps its 10,000 tensors at 512 elements), times fewer steps, one round, drops a flat sweep point
 and the eager row of the tensor sweep, and caps compiles at 30 s.
 
@@ -53,64 +53,39 @@ import gc
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Optional
+
+import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-STREAM_BYTES, ADAM_BYTES, NORM_BYTES = 8, 28, 4
-GRAPHSTEP_BYTES = ADAM_BYTES + NORM_BYTES          # 32: update + the one norm read (DESIGN.md §6)
-TORCH_AMP_BYTES = 8 + 4 + 8 + ADAM_BYTES           # 48: unscale r+w, norm r, clip r+w, AdamW
-PIPELINE_BYTES = {"stream": STREAM_BYTES, "graphstep-eager": GRAPHSTEP_BYTES,
-                  "graphstep-captured": GRAPHSTEP_BYTES, "graphstep-compiled": GRAPHSTEP_BYTES,
-                  "torch-foreach": TORCH_AMP_BYTES,
-                  "torch-fused": TORCH_AMP_BYTES, "torch-compiled": TORCH_AMP_BYTES}
-LABELS = {"stream": "memory stream x.mul_(1.0001)",
-          "graphstep-eager": "graphstep full step, eager",
-          "graphstep-captured": "graphstep full step, captured",
-          "graphstep-compiled": "graphstep full step, kernel='compiled', captured",
-          "torch-foreach": "torch GradScaler + clip + AdamW(foreach)",
-          "torch-fused": "torch GradScaler + clip + AdamW(fused)",
-          "torch-compiled": "torch GradScaler + compile(clip + AdamW(foreach))"}
+sys.path.insert(0, str(ROOT))  # the checkout's graphstep (its app holds the benchmark core), not an installed one
+from graphstep.app import bench_core as core  # noqa: E402
+from graphstep.app import bench_shapes  # noqa: E402
+from harness_report import (LABELS, STREAM_BYTES, GRAPHSTEP_BYTES, TORCH_AMP_BYTES,  # noqa: E402
+                            add_derived, done_when_checks, machine_info, markdown)
+
 MAIN_PIPELINES = ["graphstep-eager", "graphstep-captured", "graphstep-compiled", "torch-foreach", "torch-fused",
                   "torch-compiled"]
-LR, WEIGHT_DECAY, BETAS, EPS, CLIP, LOSS_SCALE = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0, 1024.0
-GRAD_STD = 1e-3  # the unscaled grads; the buffers hold them times LOSS_SCALE
-BASE_ROW = "graphstep-captured"
+GRAD_STD = 1e-3  # the unscaled grads; the buffers hold them times the loss scale
 
 
 # ---- shapes: (name, shape) lists; the worker builds tensors from them ------------------------------------
-def many_tensors(count: int, numel: int, cols: int = 64) -> list:
-    """``count`` 2-D weights of ~``numel`` elements (2-D, so all take weight decay: one param group)."""
-    rows = max(1, numel // cols)
-    return [(f"w{i}.weight", (rows, cols)) for i in range(count)]
-
-
-def flat_tensor(numel: int, cols: int = 4096) -> list:
-    """One contiguous 2-D weight of ``numel`` elements (a multiple of ``cols``)."""
-    return [("flat.weight", (max(1, numel // cols), cols))]
-
-
-def gpt2_shapes(quick: bool) -> list:
-    import shapes as shape_sets
-    return shape_sets.gpt2_quick() if quick else shape_sets.gpt2_small()
-
-
 def shape_plan(quick: bool) -> dict:
     """Every shape the run needs, by name: the three main ones and the two sweeps."""
     div = 8 if quick else 1
-    plan = {"gpt2": gpt2_shapes(quick), "many-small": many_tensors(10_000, 4096 // div),
-            "flat": flat_tensor(64 * 2**20 // div)}
+    gpt2 = bench_shapes.gpt2_quick() if quick else bench_shapes.gpt2_small()
+    plan = {"gpt2": gpt2, "many-small": bench_shapes.many_tensors(10_000, 4096 // div),
+            "flat": bench_shapes.flat_tensor(64 * 2**20 // div)}
     for numel in ((4 * 2**20, 16 * 2**20) if quick else (2**20, 4 * 2**20, 16 * 2**20)):
-        plan[f"flat-{numel // div // 1024}K"] = flat_tensor(numel // div)
+        plan[f"flat-{numel // div // 1024}K"] = bench_shapes.flat_tensor(numel // div)
     for count in (150, 1_000, 10_000):
-        plan[f"tensors-{count}"] = many_tensors(count, 16 * 2**20 // div // count)
+        plan[f"tensors-{count}"] = bench_shapes.many_tensors(count, 16 * 2**20 // div // count)
     return plan
 
 
@@ -119,214 +94,66 @@ def numel_of(shapes: list) -> int:
 
 
 # ---- worker side: build one pipeline, time it, count its ops, measure its memory -------------------------
-class OpCounter:
-    """Counts aten ops dispatched inside ``with`` (a proxy for kernel launches)."""
-
-    def __new__(cls):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        class _Counter(TorchDispatchMode):
-            count = 0
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                self.count += 1
-                return func(*args, **(kwargs or {}))
-        return _Counter()
-
-
-def make_model(shapes: list, device):
-    """An nn.Module whose named params follow ``shapes`` (params random, ~0.02 scale)."""
-    import torch
-
-    root = torch.nn.Module()
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    for name, shape in shapes:
-        module_name, leaf = name.split(".")
-        if not hasattr(root, module_name):
-            root.add_module(module_name, torch.nn.Module())
-        value = torch.randn(shape, generator=gen).mul_(0.02).to(device)
-        getattr(root, module_name).register_parameter(leaf, torch.nn.Parameter(value))
-    return root
-
-
-def make_gpt2_model(shapes: list, device):
-    """GPT-2's names are dotted paths: reuse bench_step's module builder for them."""
-    import torch
-    from bench_step import module_of
-
-    class _Inputs:  # the two attributes module_of reads
-        pass
-    inputs = _Inputs()
-    inputs.shapes = shapes
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(shape, generator=gen).mul_(0.02).to(device)) for _, shape in shapes]
-    return module_of(inputs, params)
-
-
-def source_grads(params, device) -> list:
-    """The grads every step starts from: N(0, GRAD_STD) times the loss scale, one per param."""
-    import torch
-
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    return [torch.randn(p.shape, generator=gen).mul_(GRAD_STD * LOSS_SCALE).to(device) for p in params]
-
-
 def tensor_bytes(tensors) -> int:
-    import torch
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def build_stream(numel: int, device):
-    import torch
-
-    x = torch.ones(numel, device=device)
-    return {"step": lambda: x.mul_(1.0001), "refill": None, "opt_bytes": 0, "numel": numel, "notes": ""}
-
-
-def build_graphstep(model, device, capture: str, kernel: str = "fused"):
-    """graphstep's full step with a static loss scale, so it does the torch pipeline's work: unscale,
-    inf check, clip, AdamW. Warm-up past the capture happens in ``time_row``."""
-    import torch
-    import graphstep as gs
-
-    config = gs.OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
-                                adam_beta2=BETAS[1], adam_eps=EPS, clip_grad=CLIP, loss_scale=LOSS_SCALE,
-                                capture=capture, kernel=kernel)
-    params = list(model.parameters())
-    opt = gs.get_optimizer(config, model)
-    grads = [p.main_grad for p in params]
-    sources = source_grads(params, device)
+def optimizer_bytes(pipeline: "core.Pipeline", model_bytes: int) -> int:
+    """Optimizer-owned tensor bytes: state, fp32 master copies and flat-buffer padding beyond the model's
+    own params and grads."""
+    opt = pipeline.optimizer
+    if isinstance(opt, torch.optim.AdamW):
+        return tensor_bytes(t for state in opt.state.values() for t in state.values())
     buffers = opt.buffers
     owned = tensor_bytes(t for ts in buffers.state.values() for t in ts)
     owned += tensor_bytes(m for m, p in zip(buffers.main_shard, buffers.param_flat) if m.data_ptr() != p.data_ptr())
     owned += tensor_bytes(g for g, f in zip(buffers.grad_shard, buffers.grad_flat) if g.data_ptr() != f.data_ptr())
-    model_bytes = tensor_bytes(params)
-    owned += tensor_bytes(buffers.param_flat) - model_bytes + tensor_bytes(buffers.grad_flat) - model_bytes
-    return {"step": opt.step, "refill": lambda: torch._foreach_copy_(grads, sources), "opt_bytes": owned,
-            "warmup_extra": config.capture_warmup_steps + 1 if capture == "graph" else 0,
-            "check": (lambda: f"captured={opt.captured}, backend={opt.capture_backend}"), "notes": ""}
+    return owned + tensor_bytes(buffers.param_flat) - model_bytes + tensor_bytes(buffers.grad_flat) - model_bytes
 
 
-def build_torch(model, device, variant: str):
-    """The idiomatic torch AMP step over the model's own params: unscale_, clip, step, update."""
-    import torch
-
-    params = list(model.parameters())
-    sources = source_grads(params, device)
-    for p, g in zip(params, sources):
-        p.grad = g.clone()
-    grads = [p.grad for p in params]
-    kwargs = {"fused": True} if variant == "torch-fused" else {"foreach": True}
-    opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, **kwargs)
-    scaler = torch.amp.GradScaler(device.type, init_scale=LOSS_SCALE, growth_interval=10**9)
-    scaler.scale(torch.ones((), device=device))  # GradScaler creates its scale tensor lazily, here
-    notes = ""
-    if variant == "torch-compiled":
-        plain_step = opt.step
-
-        def clip_and_step(*args, **kwargs):
-            torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
-            return plain_step()
-        opt.step = torch.compile(clip_and_step)  # scaler.step(opt) calls it unless it found an inf
-        notes = "clip_grad_norm_ runs inside scaler.step (skipped with it on inf)"
-
-    def step():
-        scaler.unscale_(opt)
-        if variant != "torch-compiled":
-            torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
-        scaler.step(opt)
-        scaler.update()
-
-    def opt_bytes():
-        return tensor_bytes(t for state in opt.state.values() for t in state.values())
-    return {"step": step, "refill": lambda: torch._foreach_copy_(grads, sources), "opt_bytes": opt_bytes,
-            "notes": notes}
+def build_row(spec: dict, device) -> tuple["core.Pipeline", int]:
+    """The row's pipeline and its param count. graphstep's full step runs with a static loss scale, so it
+    does the torch pipeline's work: unscale, inf check, clip, AdamW."""
+    pipeline = spec["pipeline"]
+    if pipeline == "stream":
+        return core.build_stream(spec["numel"], device), spec["numel"]
+    shapes = [(n, tuple(s)) for n, s in spec["shapes"]]
+    inputs = core.Inputs(shapes, device, seed=0, grad_std=GRAD_STD * core.LOSS_SCALE)
+    if pipeline.startswith("graphstep"):
+        built = core.build_graphstep(inputs, capture="eager" if pipeline == "graphstep-eager" else "graph",
+                                     loss_scale=core.LOSS_SCALE,
+                                     kernel="compiled" if pipeline == "graphstep-compiled" else "fused")
+    else:
+        built = core.build_torch_amp(inputs, variant=pipeline.removeprefix("torch-"))
+    return built, inputs.numel
 
 
-def make_timer(device):
-    """A function timing one call in ms: wall clock on CPU (kernels run synchronously), CUDA events on
-    a GPU (synchronizing after each step, so the untimed refill never overlaps a timed step)."""
-    import torch
-
-    if device.type == "cuda":
-        def timed(fn):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
-        return timed
-
-    def timed(fn):
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    return timed
-
-
-def time_row(built: dict, device, warmup: int, steps: int, repeat: int) -> dict:
-    """Median/p10/p90 ms of the block (of ``repeat`` blocks of ``steps``) with the lowest median."""
-    refill = built.get("refill") or (lambda: None)
-    step, timed = built["step"], make_timer(device)
+def time_row(built: "core.Pipeline", device, warmup: int, steps: int, repeat: int) -> dict:
+    """Median/p10/p90 ms of the block (of ``repeat`` blocks of ``steps``) with the lowest median; the grads
+    are refilled, untimed, before every step (unscale_ and the clip rewrite them in place)."""
     t0 = time.perf_counter()
-    for _ in range(warmup + built.get("warmup_extra", 0)):
-        refill()
-        step()
+    core.time_steps(built.step, device, warmup, 0, before=built.refill)
     warmup_s = time.perf_counter() - t0
-    best = None
-    for _ in range(repeat):
-        times = []
-        for _ in range(steps):
-            refill()
-            times.append(timed(step))
-        if best is None or statistics.median(times) < statistics.median(best):
-            best = times
-    ordered = sorted(best)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"median_ms": statistics.median(best), "p10_ms": pick(0.1), "p90_ms": pick(0.9),
-            "times_ms": best, "warmup_s": warmup_s}
-
-
-def count_ops(built: dict):
-    """Aten ops dispatched in one step, or why they could not be counted."""
-    (built.get("refill") or (lambda: None))()
-    try:
-        counter = OpCounter()
-        with counter:
-            built["step"]()
-        return counter.count, ""
-    except Exception as error:  # torch.compile refuses some dispatch modes
-        return None, f"ops not countable: {type(error).__name__}: {str(error)[:120]}"
+    blocks = [core.time_steps(built.step, device, 0, steps, before=built.refill) for _ in range(repeat)]
+    best = min(blocks, key=statistics.median)
+    return {**core.summarize(best), "times_ms": best, "warmup_s": warmup_s}
 
 
 def worker(spec: dict) -> dict:
     """Run one row in this (fresh) process and return its numbers."""
-    import torch
-
-    sys.path[:0] = [str(HERE), str(ROOT)]
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = core.pick_device()
     pipeline = spec["pipeline"]
     with torch.no_grad():
-        if pipeline == "stream":
-            built = build_stream(spec["numel"], device)
-        else:
-            shapes = [(n, tuple(s)) for n, s in spec["shapes"]]
-            model = (make_gpt2_model if spec["shape"] == "gpt2" else make_model)(shapes, device)
-            if pipeline.startswith("graphstep"):
-                built = build_graphstep(model, device, "eager" if pipeline == "graphstep-eager" else "graph",
-                                        kernel="compiled" if pipeline == "graphstep-compiled" else "fused")
-            else:
-                built = build_torch(model, device, pipeline)
-    numel = built.get("numel") or sum(p.numel() for p in model.parameters())
-    result = time_row(built, device, spec["warmup"], spec["steps"], spec["repeat"])
-    ops, ops_note = count_ops(built) if pipeline != "stream" else (1, "")
-    opt_bytes = built["opt_bytes"]() if callable(built["opt_bytes"]) else built["opt_bytes"]
-    notes = [n for n in (built["notes"], ops_note) if n]
-    if "check" in built:
-        notes.append(built["check"]())
+        t0 = time.perf_counter()
+        built, numel = build_row(spec, device)
+        build_s = time.perf_counter() - t0
+        result = time_row(built, device, spec["warmup"], spec["steps"], spec["repeat"])
+        result["warmup_s"] += build_s  # the capture (and a compile) happen while building
+        ops, ops_note = core.count_ops(built) if pipeline != "stream" else (1, "")
+    opt_bytes = 0 if built.optimizer is None else optimizer_bytes(built, 4 * numel)
+    notes = [n for n in (built.notes, ops_note) if n]
     if pipeline == "torch-compiled":
         from torch._inductor import metrics
         notes.append(f"inductor generated {metrics.generated_kernel_count} kernels")
@@ -414,59 +241,6 @@ def measure_bandwidth(args, when: str) -> dict:
     return {"when": when, **result}
 
 
-def add_derived(rows: list[dict], bandwidth_gbps: float) -> None:
-    """GB/s, % of stream bandwidth, the floor, and the ratio to graphstep captured on the same shape."""
-    base = {r["shape"]: r for r in rows if r["pipeline"] == BASE_ROW and "median_ms" in r}
-    for r in rows:
-        if "median_ms" not in r:
-            continue
-        moved = PIPELINE_BYTES[r["pipeline"]] * r["numel"]
-        r["bytes_per_param"] = PIPELINE_BYTES[r["pipeline"]]
-        r["gbps"] = moved / (r["median_ms"] * 1e-3) / 1e9
-        r["bw_fraction"] = r["gbps"] / bandwidth_gbps
-        r["floor_ms"] = moved / (bandwidth_gbps * 1e9) * 1e3
-        r["vs_floor"] = r["median_ms"] / r["floor_ms"]
-        if r["shape"] in base:
-            r["vs_graphstep_captured"] = r["median_ms"] / base[r["shape"]]["median_ms"]
-
-
-def find(rows, shape, pipeline) -> Optional[dict]:
-    return next((r for r in rows if r["shape"] == shape and r["pipeline"] == pipeline and "median_ms" in r), None)
-
-
-def done_when_checks(rows: list[dict], plan: dict) -> list[dict]:
-    """Issue 6's three checks, with the numbers they were decided on."""
-    checks = []
-    counts = sorted(int(s.split("-")[1]) for s in plan if s.startswith("tensors-"))
-    lo, hi = find(rows, f"tensors-{counts[0]}", BASE_ROW), find(rows, f"tensors-{counts[-1]}", BASE_ROW)
-    if lo and hi and lo["ops_per_step"] and hi["ops_per_step"]:
-        spread = abs(hi["ops_per_step"] - lo["ops_per_step"]) / min(lo["ops_per_step"], hi["ops_per_step"])
-        ok = spread <= 0.10
-        text = (f"{lo['ops_per_step']} ops at {counts[0]} tensors vs {hi['ops_per_step']} at {counts[-1]} "
-                f"(same ~{lo['numel'] / 1e6:.1f}M params): {spread:.0%} apart (<= 10%)")
-    else:
-        ok, text = False, "captured rows missing"
-    checks.append({"check": "captured ops/step independent of tensor count", "pass": ok, "detail": text})
-    gs_row, fused = find(rows, "many-small", BASE_ROW), find(rows, "many-small", "torch-fused")
-    if gs_row and fused:
-        speedup = fused["median_ms"] / gs_row["median_ms"]
-        ok, text = speedup >= 1.3, (f"torch fused pipeline {fused['median_ms']:.1f} ms / graphstep captured "
-                                    f"{gs_row['median_ms']:.1f} ms = {speedup:.2f}x (>= 1.3x)")
-    else:
-        ok, text = False, "rows missing"
-    checks.append({"check": "many-small: graphstep >= 1.3x faster than torch fused", "pass": ok, "detail": text})
-    flat = find(rows, "flat", BASE_ROW)
-    if flat:
-        ok = flat["vs_floor"] <= 1.3
-        text = (f"graphstep captured {flat['median_ms']:.1f} ms vs floor {flat['floor_ms']:.1f} ms "
-                f"({GRAPHSTEP_BYTES} B x {flat['numel'] / 1e6:.1f}M / measured bandwidth) = {flat['vs_floor']:.2f}x "
-                f"(<= 1.3x)")
-    else:
-        ok, text = False, "row missing"
-    checks.append({"check": "flat: graphstep within 1.3x of the bandwidth floor", "pass": ok, "detail": text})
-    return checks
-
-
 # ---- distributed rows: bench_distributed.py's table, parsed ---------------------------------------------
 def run_distributed(quick: bool, timeout_s: float) -> dict:
     """bench_distributed.py in its own process (it spawns its gloo ranks); its markdown rows, parsed."""
@@ -484,79 +258,6 @@ def run_distributed(quick: bool, timeout_s: float) -> dict:
     rows = [dict(zip(keys, (c.strip() for c in line.strip("|").split("|"))))
             for line in lines if line.startswith("| ") and line != header and not line.startswith("|--")]
     return {"command": " ".join(cmd[1:]), "title": lines[0] if lines else "", "columns": keys, "rows": rows}
-
-
-# ---- report ----------------------------------------------------------------------------------------------
-def machine_info(bandwidth: list[dict]) -> dict:
-    import torch
-
-    cpu = "unknown"
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor() or platform.machine()
-    info = {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu,
-            "cores": os.cpu_count(), "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available()}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-    info["stream_gbps"] = [b.get("gbps") for b in bandwidth]
-    return info
-
-
-def _f(value, spec: str) -> str:
-    return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
-
-
-def markdown(rows, checks, distributed, meta, args) -> str:
-    bw = meta["bandwidth_gbps"]
-    lines = [f"# graphstep perf harness ({'quick' if args.quick else 'full'})", "",
-             f"{meta['machine']['cpu']}, {meta['machine']['cores']} cores, {meta['machine']['threads']} torch "
-             f"threads, torch {meta['machine']['torch']}, device {rows[0].get('device', '?') if rows else '?'}; "
-             f"in-place stream bandwidth {bw:.1f} GB/s (best of {len(meta['bandwidth'])} measurements this run); "
-             f"{args.steps} timed steps after {args.warmup} warm-ups per run; each row's fastest of {args.repeat} "
-             f"runs (round-robin, one process each); 1-min load average before a row: {meta['load'][0]:.1f}–"
-             f"{meta['load'][1]:.1f} on {meta['machine']['cores']} cores (shared machine).", "",
-             "| shape | params / tensors | pipeline | ms/step | p10 | p90 | × graphstep captured | B/param moved "
-             "| GB/s | % BW | × floor | ops/step | optimizer B/param |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        if r["shape"] not in ("gpt2", "many-small", "flat"):
-            continue
-        lines.append(_row_line(r))
-    lines += ["", "Sweeps (the plots):", "",
-              "| shape | params / tensors | pipeline | ms/step | p10 | p90 | × graphstep captured | B/param moved "
-              "| GB/s | % BW | × floor | ops/step | optimizer B/param |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [_row_line(r) for r in rows if r["shape"] not in ("gpt2", "many-small", "flat")]
-    notes = [f"- {r['shape']} / {r['pipeline']}: {r['notes']}" for r in rows if r.get("notes")]
-    lines += ["", "Byte model per param: graphstep 32 B (AdamW 28 + norm read 4; unscale and clip folded into the "
-              "update); torch pipelines 48 B (unscale_ r+w 8, clip norm r 4, clip multiply r+w 8, AdamW 28); "
-              "DESIGN.md §6. × floor = ms / (bytes moved / stream bandwidth). Ops/step: aten ops under a "
-              "TorchDispatchMode for one step (captured: the replayed ops).", "", "Notes:", *notes, "",
-              "## Done-when checks (issue 6)", ""]
-    lines += [f"- **{'PASS' if c['pass'] else 'FAIL'}** {c['check']}: {c['detail']}" for c in checks]
-    if distributed is not None:
-        lines += ["", "## Distributed (perf/bench_distributed.py)", ""]
-        if distributed.get("error"):
-            lines.append(f"failed: {distributed['error']}")
-        if distributed.get("rows"):
-            cols = distributed["columns"]
-            lines += [distributed["title"], "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-            lines += ["| " + " | ".join(r.get(c, "") for c in cols) + " |" for r in distributed["rows"]]
-    if meta.get("plots"):
-        lines += ["", "Plots: " + ", ".join(meta["plots"])]
-    return "\n".join(lines) + "\n"
-
-
-def _row_line(r: dict) -> str:
-    size = f"{r.get('numel', 0) / 1e6:.1f}M / {r.get('tensors', '?')}" if "numel" in r else "—"
-    if "error" in r:
-        return f"| {r['shape']} | {size} | {LABELS[r['pipeline']]} | failed: {r['error']} | | | | | | | | | |"
-    return (f"| {r['shape']} | {size} | {LABELS[r['pipeline']]} | {r['median_ms']:.2f} | {r['p10_ms']:.2f} | "
-            f"{r['p90_ms']:.2f} | {_f(r.get('vs_graphstep_captured'), '.2f')} | {r['bytes_per_param']} | "
-            f"{r['gbps']:.1f} | {r['bw_fraction']:.0%} | {r['vs_floor']:.2f} | {_f(r['ops_per_step'], 'd')} | "
-            f"{r['opt_bytes_per_param']:.2f} |")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -594,7 +295,6 @@ def main(argv=None) -> int:
     if args.worker:
         Path(args.worker_out).write_text(json.dumps(worker(json.loads(Path(args.worker).read_text()))))
         return 0
-    sys.path[:0] = [str(HERE), str(ROOT)]
     started = time.perf_counter()
     plan = shape_plan(args.quick)
     specs = row_specs(plan, args)

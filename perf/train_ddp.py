@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 4 perf/train_ddp.py --steps 100 --overlap
     torchrun --nproc_per_node 8 perf/train_ddp.py --backend nccl  # one GPU per rank
 
-Each rank trains the same built-in GPT (graphstep.models.tiny) on its slice of every global batch;
+Each rank trains the same built-in GPT (graphstep.app.models.tiny) on its slice of every global batch;
 graphstep reduce-scatters the grads bucket by bucket, updates this rank's shard of the fp32 main params
 and Adam state, and all-gathers the new params, so every rank ends every step with the same model. Rank 0
 prints the loss and grad norm (the only host syncs, marked) and, at the end, checks that all ranks hold
@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from graphstep import models  # noqa: E402
+from graphstep.app import models  # noqa: E402
 from graphstep.config import OptimizerConfig  # noqa: E402
 from graphstep.engine import get_optimizer  # noqa: E402
 
@@ -41,9 +41,13 @@ def main(argv=None) -> None:
     parser.add_argument("--timeout", type=float, default=60.0, help="distributed_timeout_s")
     args = parser.parse_args(argv)
 
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.backend == "nccl" else "cpu"
+    if args.backend == "nccl":
+        # Before the group exists: NCCL's communicator, the capture's side stream and every kernel of this
+        # rank must land on this rank's GPU, not on GPU 0 (issue 17.3).
+        torch.cuda.set_device(device)
     dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))  # env:// from torchrun
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.backend == "nccl" else "cpu"
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if args.global_batch % world:
         raise SystemExit(f"--global-batch {args.global_batch} must be a multiple of the {world} ranks")

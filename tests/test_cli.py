@@ -1,18 +1,20 @@
-"""`graphstep demo` and `graphstep profile` from the command line: progress, summary, the loss-curve PNG,
-eager and captured bitwise equal, data-parallel ranks bounded in time, argparse errors."""
+"""`graphstep demo` and `graphstep profile` from the command line (graphstep.app.cli): progress, summary, the
+loss-curve PNG, eager and captured bitwise equal, data-parallel ranks bounded in time, argparse errors that
+name no internal function, the time estimate and the output folder said up front."""
 
 import io
 import json
 import math
+import os
 import re
-import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from graphstep import cli
-from graphstep.demo import DemoSettings, Progress, ProgressBar
-from graphstep.demo_dist import RankFailure, run_ranks
+from graphstep.app import cli
+from graphstep.app.demo import DemoSettings, Progress, ProgressBar, warmup_cosine
+from graphstep.app.demo_dist import RankFailure, run_ranks
 
 ROW = re.compile(r"^(eager|graph|auto)\s+(eager|replay|cuda)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\d+)\s+(\S+)$", re.M)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -55,6 +57,10 @@ def test_demo_eager_and_captured_are_bitwise_equal(capsys, tmp_path):
     png = tmp_path / "loss.png"
     assert png.read_bytes()[:8] == PNG_MAGIC
     assert f"loss curve: {png}" in out
+    # said up front, before the first progress line: how long, and where the PNG goes
+    intro = out[:out.index("eager step")]
+    assert re.search(r"^time: about \d+ (s|min) \(2 x 20 steps", intro, re.M), intro
+    assert f"output: {png} (--out DIR to choose)" in intro
 
 
 def test_demo_single_run_sgd_captured(capsys, tmp_path):
@@ -67,6 +73,18 @@ def test_demo_single_run_sgd_captured(capsys, tmp_path):
     assert (tmp_path / "loss.png").read_bytes()[:8] == PNG_MAGIC
 
 
+@pytest.mark.parametrize("load, threads", [(9.0, 1), (0.2, 2)])
+def test_demo_takes_one_thread_when_the_cores_are_busy(load, threads, capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    torch.set_num_threads(2)  # torch's default on two cores (the autouse fixture restores the count)
+    rows, out = run(capsys, tmp_path, "--steps", "2", "--batch-size", "2", "--capture", "eager")
+    assert torch.get_num_threads() == threads
+    assert f"on cpu ({threads} thread{'s' * (threads > 1)})" in out
+    busy = "note: the 2 cores are busy (1-min load average 9.0), so 1 intra-op thread: 2 would wait"
+    assert (busy in out) == (threads == 1), out
+
+
 def test_demo_fp16_reports_the_loss_scale(capsys, tmp_path):
     rows, out = run(capsys, tmp_path, "--steps", "4", "--precision", "fp16", "--batch-size", "2")
     assert rows["eager"]["scale"] == rows["graph"]["scale"] == "65536"
@@ -74,10 +92,9 @@ def test_demo_fp16_reports_the_loss_scale(capsys, tmp_path):
 
 
 def test_demo_world_size_2_is_bounded_and_summarized(capsys, tmp_path):
-    started = time.monotonic()
+    # Bounded by the demo's own --timeout (it raises past it), not by a wall-clock assertion here.
     rows, out = run(capsys, tmp_path, "--steps", "6", "--batch-size", "4", "--world-size", "2",
                     "--timeout", "90")
-    assert time.monotonic() - started < 90
     assert set(rows) == {"eager", "graph"} and rows["graph"]["backend"] == "replay"
     assert "params bitwise identical on all 2 ranks: True" in out
     assert "final losses equal, bitwise" in out
@@ -85,11 +102,10 @@ def test_demo_world_size_2_is_bounded_and_summarized(capsys, tmp_path):
 
 
 def test_a_failing_rank_is_named_not_waited_for():
-    started = time.monotonic()
+    # "raised" (its traceback came back), not "wrote no result within ..." (the deadline ran out).
     with pytest.raises(RankFailure, match=r"rank \d of 2 raised"):
         run_ranks(DemoSettings(steps=2, batch_size=2, device="no-such-device"), ["eager"], 2, every=1,
                   deadline_s=60)
-    assert time.monotonic() - started < 60
 
 
 def test_world_size_must_divide_the_batch(capsys, tmp_path):
@@ -133,12 +149,48 @@ def test_profile_writes_a_trace_and_prints_the_nvml_line(capsys, tmp_path):
     ["demo", "--no-such-flag"],
     ["profile", "--capture", "both"],
     ["profile", "--steps", "0"],
+    ["demo", "--lr", "fast"],
+    ["demo", "--timeout", "-3"],
+    ["demo", "--device", "gpu"],
+    ["profile", "--device", "no-such-device:0"],
+    ["profile", "--batch-size", "eight"],
 ])
 def test_bad_arguments_are_argparse_errors(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
     assert exit_info.value.code == 2
-    assert "usage: graphstep" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "usage: graphstep" in err
+    # one "error:" line, in the user's terms: no Python function name such as `invalid _positive_int value`
+    assert len([line for line in err.splitlines() if "error:" in line]) == 1, err
+    assert not re.search(r"(?<![\w-])_[a-z]\w*", err), err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--steps", "many"], "argument --steps: must be a positive integer, got 'many'"),
+    (["demo", "--lr", "fast"], "argument --lr: must be a positive number, got 'fast'"),
+    (["demo", "--device", "gpu"], "argument --device: 'gpu' is not a torch device"),
+    # parses as a device, but this process cannot allocate there (no such GPU, or a CPU-only torch)
+    (["demo", "--device", "cuda:999"], "argument --device: device 'cuda:999' is not usable here: "),
+    (["profile", "--device", "gpu"], "argument --device: 'gpu' is not a torch device"),
+])
+def test_bad_values_get_a_one_line_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.rstrip("\n").splitlines()[-1]
+    assert last.startswith(f"graphstep {argv[0]}: error: {message}"), last
+
+
+def test_version_is_the_package_version(capsys):
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+        version = tomllib.load(f)["project"]["version"]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"graphstep {version}\n"
 
 
 @pytest.mark.parametrize("command, flag", [("demo", "--world-size"), ("profile", "--capture")])
@@ -150,13 +202,8 @@ def test_help_exits_cleanly(command, flag, capsys):
 
 
 def test_warmup_cosine_schedule():
-    factor = cli.warmup_cosine(steps=100, warmup=10, floor=0.1)
+    factor = warmup_cosine(steps=100, warmup=10, floor=0.1)
     assert factor(0) == pytest.approx(0.1) and factor(9) == pytest.approx(1.0)
     assert factor(10) == pytest.approx(1.0)
     assert factor(100) == pytest.approx(0.1) and factor(1000) == pytest.approx(0.1)
     assert all(factor(s) >= factor(s + 1) for s in range(10, 100))
-
-
-def test_bench_script_is_found_in_a_checkout():
-    script = cli.find_bench_script()
-    assert script is not None and script.name == "bench_step.py"

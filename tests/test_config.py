@@ -1,6 +1,9 @@
 """OptimizerConfig validation: every bad value is refused with a message naming the field."""
 
+import dataclasses
 import math
+import re
+import typing
 
 import pytest
 import torch
@@ -23,8 +26,11 @@ BAD = [
     (dict(params_dtype=torch.bfloat16, fp16=True), "params_dtype"),
     (dict(params_dtype=torch.int32), "params_dtype"),
     (dict(main_params_dtype=torch.bfloat16), "main_params_dtype"),
-    (dict(exp_avg_dtype=torch.bfloat16), "exp_avg_dtype"),
     (dict(loss_scale=0.0), "loss_scale"),
+    (dict(loss_scale=2.0**128), "loss_scale"),
+    (dict(initial_loss_scale=2.0**128), "initial_loss_scale"),
+    (dict(initial_loss_scale=float("nan")), "initial_loss_scale"),
+    (dict(min_loss_scale=1e-39), "min_loss_scale"),
     (dict(min_loss_scale=8.0, initial_loss_scale=4.0), "min_loss_scale"),
     (dict(loss_scale_window=0), "loss_scale_window"),
     (dict(hysteresis=1.5), "hysteresis"),
@@ -86,3 +92,54 @@ def test_every_field_has_a_docstring():
             documented.add(a.target.id)
     fields = {f.name for f in __import__("dataclasses").fields(OptimizerConfig)}
     assert fields == documented
+
+
+# Issue 11.6: before the type check, truthiness decided, so fp16="False" turned fp16 on.
+WRONG_TYPES = [
+    (dict(fp16="False"), "fp16", "must be a bool"),
+    (dict(bf16=1), "bf16", "must be a bool"),
+    (dict(use_distributed_optimizer="no"), "use_distributed_optimizer", "must be a bool"),
+    (dict(overlap_grad_reduce="yes"), "overlap_grad_reduce", "must be a bool"),
+    (dict(log_num_zeros_in_grad=0), "log_num_zeros_in_grad", "must be a bool"),
+    (dict(decoupled_weight_decay="True"), "decoupled_weight_decay", "must be a bool"),
+    (dict(bucket_size=True), "bucket_size", "must be an int or None, got bool"),
+    (dict(bucket_size=1e6), "bucket_size", "must be an int or None, got float"),
+    (dict(loss_scale_window=True), "loss_scale_window", "must be an int, got bool"),
+    (dict(lr="3e-4"), "lr", "must be a number"),
+    (dict(clip_grad=True), "clip_grad", "must be a number"),
+    (dict(min_lr=False), "min_lr", "must be a number (int or float) or None"),
+    (dict(params_dtype="bfloat16"), "params_dtype", "must be a torch.dtype or None"),
+    (dict(optimizer=None), "optimizer", "must be a str"),
+]
+
+
+@pytest.mark.parametrize("kwargs, field, message", WRONG_TYPES, ids=[f for _, f, _ in WRONG_TYPES])
+def test_wrong_types_are_refused_naming_the_field(kwargs, field, message):
+    with pytest.raises(ValueError, match=rf"OptimizerConfig\.{field}=.*" + re.escape(message)):
+        OptimizerConfig(**kwargs)
+
+
+def test_every_field_refuses_a_value_of_no_accepted_type():
+    """Generic over the dataclass: a new field is covered the day it is added."""
+    hints = typing.get_type_hints(OptimizerConfig)
+    for field in dataclasses.fields(OptimizerConfig):
+        for wrong in (object(), [1], b"x"):
+            with pytest.raises(ValueError, match=rf"OptimizerConfig\.{field.name}=.*must be"):
+                OptimizerConfig(**{field.name: wrong})
+        if typing.get_origin(hints[field.name]) is not typing.Union:  # not Optional: None is wrong too
+            with pytest.raises(ValueError, match=rf"OptimizerConfig\.{field.name}=None"):
+                OptimizerConfig(**{field.name: None})
+
+
+def test_numbers_of_the_right_kind_still_pass():
+    c = OptimizerConfig(lr=1, min_lr=0, weight_decay=0, bucket_size=4096, loss_scale=2.0**127, fp16=True,
+                        params_dtype=torch.float16, initial_loss_scale=2**20)
+    assert (c.lr, c.bucket_size, c.loss_scale, c.initial_loss_scale) == (1, 4096, 2.0**127, 2**20)
+
+
+def test_the_unused_state_dtype_fields_are_gone():
+    # exp_avg_dtype / exp_avg_sq_dtype were validated but never used (state lives in main_params_dtype).
+    names = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    assert not names & {"exp_avg_dtype", "exp_avg_sq_dtype"}
+    with pytest.raises(TypeError, match="exp_avg_dtype"):
+        OptimizerConfig(exp_avg_dtype=torch.float32)

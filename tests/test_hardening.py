@@ -143,3 +143,52 @@ def test_non_finite_step_thresholds_are_refused(field, value):
     setattr(opt, field, value)
     with pytest.raises(ValueError, match="clip_grad|grad_norm_skip_threshold"):
         opt.step()
+
+
+def _snapshot(opt):
+    sd = opt.state_dict()
+    return [t.clone() for t in sd["main_params"]], {k: [t.clone() for t in v] for k, v in sd["state"].items()}, \
+        sd["step"].clone()
+
+
+@pytest.mark.parametrize("seed,initial_scale", [(0, 2.0 ** 120), (1, 2.0 ** 12), (2, 2.0 ** 12)])
+def test_non_finite_sweep_with_all_zero_stretches_never_corrupts_and_keeps_the_scale_bounded(seed, initial_scale):
+    """Random clean, all-zero, inf and NaN steps through eager and captured (capturing, then replayed)
+    steps with a dynamic loss scale that starts near the top: a skipped step changes nothing, captured
+    equals eager bitwise, and the scale stays finite within [min_loss_scale, 2**127]."""
+    import random
+
+    rng = random.Random(seed)
+    kinds = [rng.choice(["clean", "zero", "zero", "zero", "inf", "nan"]) for _ in range(40)]
+    config = dict(fp16=True, lr=1e-2, weight_decay=0.1, clip_grad=1.0, initial_loss_scale=initial_scale,
+                  min_loss_scale=1.0, loss_scale_window=2, hysteresis=1, capture_warmup_steps=2)
+    models = [tiny_transformer(dtype=torch.float16) for _ in range(2)]
+    opts = [engine(models[0], capture="eager", **config), engine(models[1], capture="graph", **config)]
+    applied_clean = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a first step on all-zero grads warns once
+        for step, kind in enumerate(kinds):
+            befores = []
+            for model, opt in zip(models, opts):
+                opt.zero_grad()
+                if kind != "zero":
+                    loss = loss_fn(model, step) * {"clean": 1.0, "inf": float("inf"), "nan": float("nan")}[kind]
+                    opt.scale_loss(loss).backward()
+                befores.append(_snapshot(opt))
+                result = opt.step()
+                scale = float(opt.loss_scale)
+                assert 1.0 <= scale <= 2.0 ** 127, (step, kind, scale)
+                if not bool(result.update_successful):
+                    main, state, count = _snapshot(opt)
+                    assert all(torch.equal(a, b) for a, b in zip(main, befores[-1][0])), (step, kind)
+                    assert all(torch.equal(a, b) for name in state for a, b in zip(state[name], befores[-1][1][name]))
+                    assert torch.equal(count, befores[-1][2])
+                else:
+                    assert kind in ("clean", "zero"), (step, kind)
+                    applied_clean += kind == "clean"
+            for a, b in zip(models[0].parameters(), models[1].parameters()):
+                assert torch.equal(a, b), (step, kind)
+            assert torch.equal(opts[0].loss_scale, opts[1].loss_scale)
+    assert opts[1].captured and opts[1].recaptures == 0
+    if initial_scale < 2.0 ** 16:
+        assert applied_clean > 0  # real updates were applied between the skips, not only zero steps

@@ -51,6 +51,21 @@ def test_layout_properties(case):
             assert bucket.numel % math.lcm(dp, BUCKET_ALIGNMENT) == 0
         assert buf.shard_numel == sum(b.numel for b in buckets) // dp
 
+    # Bucket membership follows Megatron-Core's closing rule over each buffer's backward order.
+    for buf in layout.buffers:
+        backward = [i for i in reversed(range(len(specs))) if (specs[i].dtype, specs[i].grad_dtype)
+                    == (buf.param_dtype, buf.grad_dtype)]
+        limit = bucket_size if bucket_size is not None else math.inf
+        expected, current, used = [], [], 0
+        for i in backward:
+            current.append(i)
+            used = math.ceil(used / PARAM_ALIGNMENT) * PARAM_ALIGNMENT + specs[i].numel
+            if used >= limit:
+                expected.append(sorted(current))
+                current, used = [], 0
+        expected += [sorted(current)] if current else []
+        assert [sorted(layout.buckets[b].params) for b in buf.buckets] == expected
+
     # Every element of every param is owned by exactly one rank, and shard offsets don't collide.
     owners = {p.index: [0] * p.numel for p in layout.params}
     for rank in range(dp):
@@ -95,6 +110,53 @@ def test_buckets_close_at_bucket_size_in_backward_order():
     assert len(layout.buckets) == 3
     first = layout.buckets[0]
     assert [specs[i].name for i in first.params] == ["p5", "p4"]
+
+
+def linear_stack(layers=10, width=95, bias=False):
+    """The model of Megatron-Core's test_bucket_sizes: ``layers`` x Linear(width, width), in model order."""
+    specs = []
+    for i in range(layers):
+        specs.append(ParamSpec(f"{i}.weight", (width, width), torch.float32, torch.float32, 0))
+        if bias:
+            specs.append(ParamSpec(f"{i}.bias", (width,), torch.float32, torch.float32, 0))
+    return specs
+
+
+def megatron_bucket_sizes(numels, bucket_size, dp):
+    """Gold values the way Megatron-Core's test_bucket_sizes derives them (distributed optimizer, no shared
+    embedding): walk the params backwards, align each start to 64, close the bucket once its unpadded
+    size reaches bucket_size; the padded size rounds that up to lcm(dp, 128)."""
+    unpadded, padded, used = [], [], 0
+    for numel in reversed(numels):
+        used = math.ceil(used / 64) * 64 + numel
+        if used >= bucket_size:
+            unpadded.append(used)
+            used = 0
+    if used:
+        unpadded.append(used)
+    multiple = math.lcm(dp, 128)
+    padded = [math.ceil(u / multiple) * multiple for u in unpadded]
+    return unpadded, padded
+
+
+def test_ten_linears_of_95_with_bucket_size_9050_make_megatrons_5_buckets():
+    """Issue 11.10: counting the 64-padded size of each param (9088 for a 95 x 95 weight) closed every
+    bucket after one weight, 10 buckets; Megatron-Core counts the unpadded end (9025, then 9088 + 9025)."""
+    layout = plan_layout(linear_stack(), 1, bucket_size=9050)
+    assert len(layout.buckets) == 5
+    assert [layout.params[i].name for i in layout.buckets[0].params] == ["9.weight", "8.weight"]
+
+
+@pytest.mark.parametrize("bucket_size", [9000, 9025, 9050, 18000, 18050, 20000])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dp", [1, 2, 3, 8])
+def test_bucket_sizes_match_megatron_cores_gold_values(bucket_size, bias, dp):
+    specs = linear_stack(bias=bias)
+    layout = plan_layout(specs, dp, bucket_size=bucket_size)
+    unpadded, padded = megatron_bucket_sizes([s.numel for s in specs], bucket_size, dp)
+    # One param group, so params sit in backward order and a bucket's unpadded size is its last param's end.
+    assert [max(layout.params[i].end for i in b.params) - b.start for b in layout.buckets] == unpadded
+    assert [b.numel for b in layout.buckets] == padded
 
 
 def test_separate_buffers_per_dtype_key():

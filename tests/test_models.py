@@ -1,11 +1,12 @@
-"""The built-in GPT and synthetic corpus: shapes, determinism from the seed, and that it learns."""
+"""The built-in GPT and synthetic corpus (graphstep.app.models): shapes, determinism from the seed, and that
+it learns."""
 
 import math
 
 import pytest
 import torch
 
-from graphstep import models
+from graphstep.app import models
 
 # Smaller than tiny() so the learning test takes a second or two.
 MICRO = models.tiny(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=64)

@@ -9,11 +9,15 @@ from graphstep.overrides import (NamedPredicate, ParamKey, build_param_groups, c
 
 
 class Net(torch.nn.Module):
-    """embed (2-D, embedding), proj (Linear with bias), norm (LayerNorm: two 1-D), head (2-D, output)."""
+    """embed (2-D, embedding), proj (Linear with bias), norm (LayerNorm: two 1-D), head (2-D, output).
+
+    Marked as Megatron-Core's language models mark them: the embedding with ``is_embedding_parameter``
+    and ``is_embedding_or_output_parameter``, the output layer with the latter only."""
 
     def __init__(self):
         super().__init__()
         self.embed = torch.nn.Embedding(10, 8)
+        self.embed.weight.is_embedding_parameter = True
         self.embed.weight.is_embedding_or_output_parameter = True
         self.proj = torch.nn.Linear(8, 8)
         self.norm = torch.nn.LayerNorm(8)
@@ -74,9 +78,9 @@ def test_merging_and_equal_overrides_share_a_group():
     by_name, groups = groups_of(gs.OptimizerConfig(lr=1e-3, weight_decay=0.1), overrides)
     assert summary(groups, "overrides", "lr", "weight_decay") == [
         (["norm.bias"], {}, 1e-3, 0.1),  # no override: first
-        (["embed.weight", "norm.weight"], {"wd_mult": 0.5}, 1e-3, 0.1 * 0.5),  # then by first appearance
+        (["proj.bias"], {"lr_mult": 2.0}, 1e-3 * 2.0, 0.1),  # then sorted by the (key, value) pairs
         (["proj.weight", "head.weight"], {"lr_mult": 2.0, "wd_mult": 0.5}, 1e-3 * 2.0, 0.1 * 0.5),
-        (["proj.bias"], {"lr_mult": 2.0}, 1e-3 * 2.0, 0.1),
+        (["embed.weight", "norm.weight"], {"wd_mult": 0.5}, 1e-3, 0.1 * 0.5),
     ]
     assert by_name["proj.weight"]["max_lr"] == 1e-3 and by_name["proj.weight"]["lr_mult"] == 2.0
 
@@ -87,6 +91,55 @@ def test_the_no_override_group_comes_first_even_when_its_params_come_last():
     assert [g["param_names"] for g in groups] == [["head.weight"],
                                                    ["embed.weight", "proj.weight", "proj.bias", "norm.weight",
                                                     "norm.bias"]]
+
+
+def test_group_order_follows_the_overrides_not_the_model_order():
+    """Issue 11.10: Megatron-Core sorts the groups (no-override first, then by sorted override items);
+    graphstep used to order them by first appearance, so reversing the model reordered the groups."""
+    config = gs.OptimizerConfig(lr=1e-3, decoupled_lr=5e-4, weight_decay=0.1)
+    overrides = {**get_standard_config_overrides(config), ParamKey(name="proj.*"): {"lr_mult": 0.5}}
+    named = list(Net().named_parameters())
+    forward = build_param_groups(named, config, overrides)
+    backward = build_param_groups(named[::-1], config, overrides)
+    expected = [{"lr_mult": 0.5}, {"lr_mult": 0.5, "wd_mult": 0.0}, {"max_lr": 5e-4}, {"wd_mult": 0.0}]
+    assert [g["overrides"] for g in forward] == [g["overrides"] for g in backward] == expected
+    assert [g["param_names"] for g in forward] == [["proj.weight"], ["proj.bias"], ["embed.weight", "head.weight"],
+                                                   ["norm.weight", "norm.bias"]]
+    assert [g["param_names"][::-1] for g in backward] == [g["param_names"] for g in forward]
+    # A model with a param that no override selects: its group comes first.
+    named.append(("extra", torch.nn.Parameter(torch.zeros(3, 3))))
+    assert build_param_groups(named[::-1], config, overrides)[0]["param_names"] == ["extra"]
+
+
+def test_min_lr_none_stays_none_in_the_groups():
+    """Issue 11.10: Megatron-Core's groups carry ``min_lr = config.min_lr`` even when it is None (its
+    scheduler reads that as 0); graphstep wrote 0.0 into the group."""
+    _, groups = groups_of(gs.OptimizerConfig(lr=1e-3, decoupled_lr=5e-4))
+    assert [g["min_lr"] for g in groups] == [None, None, None]
+    _, groups = groups_of(gs.OptimizerConfig(lr=1e-3, min_lr=1e-5, decoupled_lr=5e-4, decoupled_min_lr=2e-5))
+    assert [g["min_lr"] for g in groups] == [1e-5, 2e-5, 1e-5]
+
+
+def test_an_override_repeating_the_base_optimizer_is_accepted_and_changes_nothing():
+    """Issue 11.10: Megatron-Core's consistency check refuses ``optimizer`` only when it differs from the
+    config's. Repeating it changes nothing, so it does not split a group either."""
+    config = gs.OptimizerConfig(optimizer="adam")
+    same = {ParamKey(name="proj.*"): {"optimizer": "adam"}, ParamKey(name="head.*"): {"optimizer": "adam",
+                                                                                       "lr_mult": 0.5}}
+    assert check_config_overrides_consistency(config, same) is True
+    _, groups = groups_of(config, same)
+    assert summary(groups, "overrides", "lr") == [
+        (["embed.weight", "proj.weight", "proj.bias", "norm.weight", "norm.bias"], {}, 1e-3),
+        (["head.weight"], {"lr_mult": 0.5}, 1e-3 * 0.5),
+    ]
+    sgd = gs.OptimizerConfig(optimizer="sgd")
+    assert check_config_overrides_consistency(sgd, {ParamKey(name="*"): {"optimizer": "sgd"}}) is True
+    with pytest.raises(ValueError, match="optimizer='adam' differs from the config's 'sgd'"):
+        check_config_overrides_consistency(sgd, {ParamKey(name="*"): {"optimizer": "adam"}})
+    with pytest.raises(ValueError, match="fp16=True differs from the config's False"):
+        groups_of(config, {ParamKey(name="*"): {"fp16": True}})
+    with pytest.raises(ValueError, match="fp16=0 differs"):  # a bool setting is repeated only by a bool
+        groups_of(config, {ParamKey(name="*"): {"fp16": 0}})
 
 
 def test_empty_overrides_give_one_group_with_the_config_values():
@@ -131,8 +184,8 @@ def test_standard_overrides_drop_weight_decay_on_biases_and_1d():
     config = gs.OptimizerConfig(lr=1e-3, weight_decay=0.1, adam_eps=1e-8)
     _, groups = groups_of(config)
     assert summary(groups, "lr", "min_lr", "weight_decay", "wd_mult", "eps") == [
-        (["embed.weight", "proj.weight", "head.weight"], 1e-3, 0.0, 0.1, 1.0, 1e-8),
-        (["proj.bias", "norm.weight", "norm.bias"], 1e-3, 0.0, 0.0, 0.0, 1e-8),
+        (["embed.weight", "proj.weight", "head.weight"], 1e-3, None, 0.1, 1.0, 1e-8),
+        (["proj.bias", "norm.weight", "norm.bias"], 1e-3, None, 0.0, 0.0, 1e-8),
     ]
     # The glob alone catches a 2-D "bias"; the predicate alone a 1-D param of any name.
     key = next(iter(get_standard_config_overrides(config)))
@@ -142,15 +195,15 @@ def test_standard_overrides_drop_weight_decay_on_biases_and_1d():
 
 
 @pytest.mark.parametrize("decoupled_min_lr, min_lr, expected_floor", [(1e-5, 2e-5, 1e-5), (None, 2e-5, 2e-5),
-                                                                      (None, None, 0.0)])
+                                                                      (None, None, None)])
 def test_decoupled_lr_for_embedding_and_output(decoupled_min_lr, min_lr, expected_floor):
     config = gs.OptimizerConfig(lr=1e-3, min_lr=min_lr, decoupled_lr=5e-4, decoupled_min_lr=decoupled_min_lr,
                                 weight_decay=0.1)
     _, groups = groups_of(config)
     assert summary(groups, "lr", "max_lr", "min_lr", "weight_decay") == [
-        (["proj.weight"], 1e-3, 1e-3, min_lr or 0.0, 0.1),
+        (["proj.weight"], 1e-3, 1e-3, min_lr, 0.1),
         (["embed.weight", "head.weight"], 5e-4, 5e-4, expected_floor, 0.1),
-        (["proj.bias", "norm.weight", "norm.bias"], 1e-3, 1e-3, min_lr or 0.0, 0.0),
+        (["proj.bias", "norm.weight", "norm.bias"], 1e-3, 1e-3, min_lr, 0.0),
     ]
 
 
@@ -160,8 +213,8 @@ def test_mup_adam_scales_matrix_like_lr_and_eps():
     overrides = {**get_standard_config_overrides(config), **get_mup_config_overrides(config, m)}
     _, groups = groups_of(config, overrides)
     assert summary(groups, "lr", "min_lr", "eps", "weight_decay") == [
-        (["embed.weight", "head.weight"], 1e-3, 1e-4, 1e-8, 0.1),  # vector-like: embedding/output
-        (["proj.weight"], 1e-3 / m, 1e-4 / m, 1e-8 / m, 0.1),  # the one hidden matrix
+        (["embed.weight"], 1e-3, 1e-4, 1e-8, 0.1),  # vector-like: embedding-class
+        (["proj.weight", "head.weight"], 1e-3 / m, 1e-4 / m, 1e-8 / m, 0.1),  # matrix-like: hidden and output
         (["proj.bias", "norm.weight", "norm.bias"], 1e-3, 1e-4, 1e-8, 0.0),  # vector-like: 1-D
     ]
 
@@ -188,6 +241,71 @@ def test_mup_other_optimizers_scale_matrix_like_lr_without_eps():
         [{"max_lr": 1e-3 / 2.0, "eps": config.adam_eps / 2.0}]
 
 
+def _param(shape, **attrs):
+    param = torch.nn.Parameter(torch.zeros(shape))
+    for attr, value in attrs.items():
+        setattr(param, attr, value)
+    return param
+
+
+OUTPUT = dict(is_embedding_or_output_parameter=True)
+EMBEDDING = dict(is_embedding_parameter=True, is_embedding_or_output_parameter=True)
+# (name, shape, attrs, optimizer, decoupled) -> (lr factor, eps factor) at width multiplier m = 4;
+# "decoupled" means the param keeps decoupled_lr (factor None). Megatron-Core's get_mup_config_overrides.
+MUP_CLASSES = [
+    ("output_layer.weight", (6, 4), OUTPUT, "adam", False, 1 / 4, 1 / 4),  # output: a hidden matrix
+    ("output_layer.weight", (6, 4), OUTPUT, "lion", False, 1 / 4, 1),
+    ("output_layer.weight", (6, 4), OUTPUT, "sgd", False, 1, 1),
+    ("output_layer.weight", (6, 4), OUTPUT, "adam", True, None, 1 / 4),  # decoupled lr, but eps / m
+    ("output_layer.weight", (6, 4), OUTPUT, "lion", True, None, 1),
+    ("output_layer.weight", (6, 4), OUTPUT, "sgd", True, None, 1),
+    ("embedding.word_embeddings.weight", (6, 4), {}, "adam", False, 1, 1),  # by name: embedding-class
+    ("embedding.word_embeddings.weight", (6, 4), {}, "sgd", False, 4, 1),  # SGD: embedding-class lr x m
+    ("Model.Embedding_Table", (6, 4), {}, "sgd", False, 4, 1),  # the name test ignores case
+    ("embed.weight", (6, 4), EMBEDDING, "sgd", False, 4, 1),
+    ("embed.weight", (6, 4), EMBEDDING, "sgd", True, None, 1),
+    ("embed.weight", (6, 4), EMBEDDING, "adam", False, 1, 1),
+    ("embedding.weight", (6, 4), dict(is_embedding_parameter=False), "adam", False, 1 / 4, 1 / 4),  # attr decides
+    ("tied.weight", (6, 4), dict(shared_embedding=True, is_embedding_parameter=False), "adam", False, 1, 1),
+    ("tied.weight", (6, 4), dict(shared_embedding=True), "sgd", False, 4, 1),
+    ("layers.0.mlp.weight", (6, 4), {}, "adam", True, 1 / 4, 1 / 4),
+    ("layers.0.mlp.weight", (6, 4), {}, "sgd", False, 1, 1),
+    ("layers.0.norm.weight", (4,), {}, "sgd", True, 4, 1),
+    ("layers.0.norm.weight", (4,), {}, "adam", False, 1, 1),
+]
+
+
+@pytest.mark.parametrize("name, shape, attrs, optimizer, decoupled, lr_factor, eps_factor", MUP_CLASSES)
+def test_mup_param_classes_follow_megatron_core(name, shape, attrs, optimizer, decoupled, lr_factor, eps_factor):
+    """Issue 11.10: graphstep treated ``is_embedding_or_output_parameter`` as vector-like (so an output
+    layer kept the base lr and eps) and never looked at ``is_embedding_parameter``, ``shared_embedding``
+    or the name (so SGD left an embedding's lr alone)."""
+    config = gs.OptimizerConfig(optimizer="sgd" if optimizer == "sgd" else "adam", lr=1e-2, min_lr=1e-3,
+                                adam_eps=1e-6, decoupled_lr=3e-3 if decoupled else None)
+    overrides = {**get_standard_config_overrides(config), **get_mup_config_overrides(config, 4.0, optimizer)}
+    groups = build_param_groups([(name, _param(shape, **attrs))], config, overrides)
+    (group,) = [g for g in groups if g["params"]]
+    expected_lr = 3e-3 if lr_factor is None else 1e-2 * lr_factor
+    assert group["lr"] == pytest.approx(expected_lr, rel=1e-12)
+    assert group["eps"] == pytest.approx(1e-6 * eps_factor, rel=1e-12)
+
+
+def test_megatron_cores_own_mup_figures():
+    """The values Megatron-Core's unit test (test_optimizer_package_mup_overrides...) asserts, m = 2 / 3."""
+    adam = gs.OptimizerConfig(optimizer="adam", lr=0.1, min_lr=0.01, decoupled_lr=0.2, decoupled_min_lr=0.02,
+                              adam_eps=1e-6)
+    overrides = get_mup_config_overrides(adam, 2.0, "adam")
+    assert {"max_lr": 0.05, "min_lr": 0.005} in overrides.values() and {"eps": 5e-7} in overrides.values()
+    hidden, output = _param((2, 2)), _param((2, 2), **OUTPUT)
+    hidden_hits = [o for k, o in overrides.items() if k.matches(hidden, "decoder.layers.0.mlp.weight")]
+    output_hits = [o for k, o in overrides.items() if k.matches(output, "output_layer.weight")]
+    assert {"max_lr": 0.05, "min_lr": 0.005} in hidden_hits and {"eps": 5e-7} in hidden_hits
+    assert output_hits == [{"eps": 5e-7}]
+    sgd = get_mup_config_overrides(gs.OptimizerConfig(optimizer="sgd", lr=0.1, min_lr=0.01), 3.0, "sgd")
+    assert list(sgd.values()) == [{"max_lr": 0.30000000000000004, "min_lr": 0.03}]
+    assert next(iter(sgd)).matches(_param((2,)), "norm.weight")
+
+
 def test_mup_with_width_one_is_empty():
     for rule in ("adam", "sgd", "muon"):
         assert get_mup_config_overrides(gs.OptimizerConfig(), 1.0, rule) == {}
@@ -210,7 +328,7 @@ BAD = [
     (lambda: NamedPredicate("x", 3), TypeError, "NamedPredicate 'x': fn=3 is not callable"),
     (lambda: _groups_with({"lr": 1.0}), ValueError, r"ParamKey\(name=\['proj.\*'\]\): 'lr' .* use max_lr"),
     (lambda: _groups_with({"optimizer": "sgd"}), ValueError,
-     r"ParamKey\(name=\['proj.\*'\]\): 'optimizer' is a setting of the whole optimizer"),
+     r"ParamKey\(name=\['proj.\*'\]\): optimizer='sgd' differs .* 'optimizer' is a setting of the whole optimizer"),
     (lambda: _groups_with({"betas": (0.9, 0.9)}), ValueError, r"ParamKey\(name=\['proj.\*'\]\): unknown key 'betas'"),
     (lambda: _groups_with({"max_lr": -1.0}), ValueError, r"ParamKey\(name=\['proj.\*'\]\): max_lr=-1.0 must be >= 0"),
     (lambda: _groups_with({"eps": 0.0}), ValueError, "eps=0.0 must be > 0"),

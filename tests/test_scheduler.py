@@ -183,6 +183,37 @@ def test_drives_the_captured_engine():
     assert opt.param_groups[1]["weight_decay"] == 0.0  # the no-decay group keeps wd_mult 0
 
 
+@pytest.mark.parametrize("style", ["linear", "cosine", "inverse-square-root", "WSD", "constant"])
+def test_min_lr_none_is_read_as_zero(style):
+    """Issue 11.10: groups keep ``min_lr=None`` when the config has none (as Megatron-Core's do); every
+    curve must then equal the one floored at 0."""
+    extra = dict(wsd_decay_steps=30) if style == "WSD" else {}
+    none, zero = Groups({**BASE, "min_lr": None}), Groups({**BASE, "min_lr": 0.0})
+    scheds = [ParamScheduler(opt, **SCHEDULE, lr_decay_style=style, **extra) for opt in (none, zero)]
+    for _ in range(120):
+        assert none.param_groups[0]["lr"] == zero.param_groups[0]["lr"]
+        for sched in scheds:
+            sched.step()
+    assert none.param_groups[0]["min_lr"] is None  # read as 0, never rewritten
+    if style != "constant":
+        assert none.param_groups[0]["lr"] == 0.0
+
+
+def test_drives_the_engine_built_without_min_lr():
+    model = tiny_transformer()
+    opt = gs.get_optimizer(gs.OptimizerConfig(lr=1e-3, capture="eager"), model)
+    assert all(group["min_lr"] is None for group in opt.param_groups)
+    sched = ParamScheduler(opt, lr_warmup_steps=2, lr_decay_steps=4, lr_decay_style="linear")
+    lrs = []
+    for step in range(6):
+        opt.zero_grad()
+        loss_fn(model, step).backward()
+        opt.step()
+        lrs.append(opt.hyper.tensor("lr", 0).item())
+        sched.step()
+    assert lrs == pytest.approx([0.0, 5e-4, 1e-3, 5e-4, 0.0, 0.0])
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(lr_decay_style="step"), "lr_decay_style"),
     (dict(lr_wsd_decay_style="square"), "lr_wsd_decay_style"),

@@ -3,6 +3,7 @@
 import torch
 
 VOCAB, SEQ, WIDTH = 64, 8, 32
+GLOBAL_BATCH = 8  # the distributed tests' global batch, split evenly over the ranks
 
 
 def tiny_transformer(seed: int = 0, dtype=torch.float32) -> torch.nn.Module:
@@ -28,6 +29,15 @@ def loss_fn(model, step: int, batch_size: int = 4):
     inputs, targets = batch(step, batch_size)
     logits = model(inputs)
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def local_loss(model, step: int, rank: int, world_size: int, global_batch: int = GLOBAL_BATCH):
+    """Mean loss over this rank's slice of the global batch (rank-major, equal slices)."""
+    inputs, targets = batch(step, global_batch)
+    per_rank = global_batch // world_size
+    rows = slice(rank * per_rank, (rank + 1) * per_rank)
+    logits = model(inputs[rows])
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), targets[rows].reshape(-1))
 
 
 def decay_groups(model, weight_decay: float):

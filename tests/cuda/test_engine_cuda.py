@@ -1,57 +1,75 @@
-"""The engine on a GPU: CUDA-graph replay against eager, bitwise (skipped without an NVIDIA GPU)."""
+"""The engine on a GPU: CUDA-graph replay against eager, bitwise, for every precision and kernel (skipped
+without an NVIDIA GPU).
+
+Bitwise means everything a step owns or reports: the model params, every leaf of ``opt.state_dict()``
+(step count, fp32 main params, each state tensor, the loss scaler) and, step by step, the StepResult's
+found_inf (``update_successful``), grad norm and loss scale; and the captured run never recaptured.
+"""
 
 import pytest
 import torch
 
 import graphstep as gs
+from _bitwise import assert_state_equal
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA)")]
 
+DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else None
+PRECISIONS = {"fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True, "initial_loss_scale": 2.0**10}}
+INF_STEP = 17
+
 
 def tiny_model(seed=0):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)).cuda()
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)).to(DEVICE)
 
 
 def run(mode, precision, steps=40, kernel="fused"):
+    """``steps`` steps under a schedule with one inf grad; returns the model, the optimizer and each step's
+    (update_successful, grad_norm, loss_scale)."""
     model = tiny_model()
-    extra = {"bf16": {"bf16": True}, "fp16": {"fp16": True, "initial_loss_scale": 2.0**10}}.get(precision, {})
     opt = gs.get_optimizer(gs.OptimizerConfig(lr=1e-3, clip_grad=0.5, capture=mode, capture_warmup_steps=3,
-                                              kernel=kernel, **extra), model)
+                                              kernel=kernel, **PRECISIONS[precision]), model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    reported = []
     for step in range(steps):
-        x = torch.randn(16, 64, device="cuda", generator=g)
+        x = torch.randn(16, 64, device=DEVICE, generator=g)
         opt.zero_grad()
         opt.scale_loss(model(x.to(next(model.parameters()).dtype)).float().square().mean()).backward()
-        if step == 17:
+        if step == INF_STEP:
             next(model.parameters()).main_grad.view(-1)[0] = float("inf")
-        opt.step()
+        result = opt.step()
+        reported.append(tuple(t.clone() for t in (result.update_successful, result.grad_norm, result.loss_scale)))
         sched.step()
     torch.cuda.synchronize()
-    return model, opt
+    return model, opt, reported
 
 
+def assert_bitwise_equal(eager, graph):
+    (model_e, opt_e, reported_e), (model_g, opt_g, reported_g) = eager, graph
+    for i, (a, b) in enumerate(zip(model_e.parameters(), model_g.parameters())):
+        assert torch.equal(a, b), f"param {i}"
+    assert_state_equal(opt_e, opt_g)
+    for step, (a, b) in enumerate(zip(reported_e, reported_g)):
+        for name, x, y in zip(("found_inf", "grad_norm", "loss_scale"), a, b):
+            assert torch.equal(x, y), f"{name} at step {step}"
+    assert not reported_g[INF_STEP][0].item(), "the inf step must be skipped"
+
+
+@pytest.mark.parametrize("kernel", ["fused", "compiled"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_cuda_graph_replay_is_bitwise_equal_to_eager(precision):
-    eager_model, _ = run("eager", precision)
-    graph_model, graph_opt = run("graph", precision)
-    assert graph_opt.captured and graph_opt.capture_backend == "cuda"
-    for a, b in zip(eager_model.parameters(), graph_model.parameters()):
-        assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_compiled_kernel_in_a_cuda_graph_is_bitwise_equal_to_eager(precision):
-    # The Triton loop is compiled in the eager warm-up, then launched inside the captured graph.
-    eager_model, _ = run("eager", precision, kernel="compiled")
-    graph_model, graph_opt = run("graph", precision, kernel="compiled")
-    assert graph_opt.captured and graph_opt.capture_backend == "cuda" and graph_opt._runner.recaptures == 0
-    for a, b in zip(eager_model.parameters(), graph_model.parameters()):
-        assert torch.equal(a, b)
+def test_cuda_graph_replay_is_bitwise_equal_to_eager(precision, kernel):
+    # kernel="compiled": the Triton loop is compiled in the eager warm-up, then launched inside the graph.
+    eager = run("eager", precision, kernel=kernel)
+    graph = run("graph", precision, kernel=kernel)
+    opt = graph[1]
+    assert opt.captured and opt.capture_backend == "cuda"
+    assert opt.recaptures == 0
+    assert_bitwise_equal(eager, graph)
 
 
 def test_auto_captures_on_cuda():
-    model, opt = run("auto", "bf16", steps=10)
-    assert opt.captured
+    _, opt, _ = run("auto", "bf16", steps=10)
+    assert opt.captured and opt.recaptures == 0

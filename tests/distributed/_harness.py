@@ -5,7 +5,7 @@
 return values (through files in a temporary directory). It never hangs: processes are joined against one
 deadline and stragglers are killed. A rank that raised has its traceback re-raised in the parent.
 
-The model and data helpers are copies of tests/toy.py's (that file belongs to the engine tests).
+The model, data and metric helpers are tests/toy.py's, re-exported for the workers.
 """
 
 from __future__ import annotations
@@ -21,10 +21,6 @@ import traceback
 
 import torch
 import torch.multiprocessing as mp
-
-VOCAB, SEQ, WIDTH = 64, 8, 32
-GLOBAL_BATCH = 8
-
 
 class RankFailed(AssertionError):
     pass
@@ -101,43 +97,6 @@ def values(results: list) -> list:
     return [None if r is None else r[1] for r in results]
 
 
-# ---- model and data (copied from tests/toy.py) -----------------------------------------------------
-def tiny_transformer(seed: int = 0, dtype=torch.float32) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(
-        torch.nn.Embedding(VOCAB, WIDTH),
-        torch.nn.TransformerEncoderLayer(WIDTH, 4, 2 * WIDTH, dropout=0.0, batch_first=True),
-        torch.nn.LayerNorm(WIDTH),
-        torch.nn.Linear(WIDTH, VOCAB),
-    )
-    model[0].weight.is_embedding_or_output_parameter = True
-    model[3].weight.is_embedding_or_output_parameter = True
-    return model.to(dtype)
-
-
-def batch(step: int, batch_size: int = GLOBAL_BATCH):
-    g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def local_loss(model, step: int, rank: int, world_size: int, global_batch: int = GLOBAL_BATCH):
-    """Mean loss over this rank's slice of the global batch (rank-major, equal slices)."""
-    inputs, targets = batch(step, global_batch)
-    per_rank = global_batch // world_size
-    rows = slice(rank * per_rank, (rank + 1) * per_rank)
-    logits = model(inputs[rows])
-    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), targets[rows].reshape(-1))
-
-
-def relative_drift(params, reference, start):
-    """‖a − b‖ / ‖b − p₀‖ over all params: drift relative to how far the params moved (DESIGN.md §8)."""
-    num = sum(((a.detach().double() - b.detach().double()) ** 2).sum() for a, b in zip(params, reference))
-    den = sum(((b.detach().double() - s.double()) ** 2).sum() for b, s in zip(reference, start))
-    return (num / den).sqrt().item()
-
-
-def relative_error(params, reference):
-    num = sum(((a.detach().double() - b.detach().double()) ** 2).sum() for a, b in zip(params, reference))
-    den = sum((b.detach().double() ** 2).sum() for b in reference)
-    return (num / den).sqrt().item()
+# ---- model and data: the one copy lives in tests/toy.py (tests/conftest.py puts tests/ on sys.path,
+# and spawned ranks inherit the parent's sys.path) ------------------------------------------------------
+from toy import GLOBAL_BATCH, VOCAB, batch, local_loss, relative_drift, relative_error, tiny_transformer  # noqa: E402,F401

@@ -101,6 +101,30 @@ def capture_vs_eager(rank: int, world_size: int) -> dict:
     return out
 
 
+def one_rank_replaces_a_param(rank: int, world_size: int) -> dict:
+    """Capture, then only rank 1 replaces a param's tensor (same values) at step 5: every rank must
+    recapture at that step, and the run must equal an eager one bitwise."""
+    out = {}
+    for mode in ("eager", "graph"):
+        config = make_config("adam_fp32", world_size, capture=mode, capture_warmup_steps=1)
+        model = tiny_transformer()
+        opt = get_optimizer(config, model)
+        recaptured_at = []
+        for step in range(8):
+            opt.zero_grad()
+            local_loss(model, step, rank, world_size).backward()
+            if step == 5 and rank == 1:
+                weight = model[3].weight
+                weight.data = weight.detach().clone()  # a new tensor: the capture's addresses are stale
+            before = opt.recaptures
+            opt.step()
+            if opt.recaptures != before:
+                recaptured_at.append(step)
+        out[mode] = {"params": [p.detach().clone() for p in model.parameters()], "recaptured_at": recaptured_at,
+                     "captured": bool(opt.captured)}
+    return out
+
+
 def overlap(rank: int, world_size: int) -> dict:
     out = {}
     for name, changes, micro in (("plain", {}, 1),

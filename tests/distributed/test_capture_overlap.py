@@ -44,3 +44,15 @@ def test_overlap_hooks_launched_every_bucket_and_forward_waited_the_gathers(over
         assert result["plain"]["overlap"] == (0, 0)
         launched_accum, _ = result["overlap_accum"]["overlap"]
         assert launched_accum == 8 * result["overlap"]["num_buckets"]  # no_sync: only the last micro-batch
+
+
+def test_a_rank_local_recapture_makes_every_rank_recapture_at_the_same_step():
+    # A captured collective must be replayed by every rank from the same capture: rank 1 alone replaces a
+    # param, and both ranks recapture at that step (graphstep/agreement.py), staying equal to eager.
+    results = values(spawn(_workers.one_rank_replaces_a_param, 2, timeout=55))
+    for rank, result in enumerate(results):
+        assert result["graph"]["captured"]
+        assert result["graph"]["recaptured_at"] == [5], f"rank {rank}"
+        assert result["eager"]["recaptured_at"] == []
+        for a, b in zip(result["graph"]["params"], result["eager"]["params"]):
+            assert torch.equal(a, b), f"rank {rank}: replayed step differs from eager"

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+from capture.devices import is_cuda, synchronize
+
+import graphstep as gs
 
 from . import models
 
@@ -29,7 +32,7 @@ DEFAULT_WEIGHT_DECAY = {"adam": 0.1, "sgd": 1e-4}
 @dataclass(frozen=True)
 class DemoSettings:
     """What a demo run trains; the same settings give the same batches and initial params."""
-    steps: int = 300
+    steps: int = 200
     preset: str = "tiny"
     precision: str = "fp32"
     optimizer: str = "adam"
@@ -56,7 +59,7 @@ class Progress:
 @dataclass(frozen=True)
 class RunResult:
     label: str  # the capture mode asked for: "eager", "graph" or "auto"
-    backend: str  # what ran the optimizer step: "eager", "replay" or "cuda"
+    backend: str  # what ran the optimizer step: opt.capture_backend ("eager", "replay" or the CUDA graph's)
     losses: torch.Tensor  # (steps,) fp32 on the CPU: the loss of every step (global mean with ranks)
     times_ms: list
     skipped: int
@@ -78,9 +81,7 @@ def log_interval(settings: DemoSettings) -> int:
     return settings.log_every or max(1, settings.steps // 10)
 
 
-def optimizer_config(settings: DemoSettings, capture: str, distributed: bool = False):
-    import graphstep as gs
-
+def optimizer_config(settings: DemoSettings, capture: str, distributed: bool = False) -> gs.OptimizerConfig:
     lr = settings.lr if settings.lr is not None else DEFAULT_LR[settings.optimizer]
     precision = {"bf16": {"bf16": True},
                  # Megatron's 2**32 start would skip ~30 steps backing off; the demo's grads fit 2**16.
@@ -103,12 +104,38 @@ def warmup_cosine(steps: int, warmup: int, floor: float = 0.1):
     return factor
 
 
+def estimate_seconds(settings: DemoSettings, runs: int, world_size: int = 1) -> float:
+    """Roughly how long ``runs`` trainings with ``settings`` take here, measured rather than guessed: a
+    batch drawn plus forward and backward of this rank's slice at the run's precision, the best of the
+    second and third of three passes (the first pays one-time allocations; a busy machine slows any single
+    one). The optimizer step adds a few percent on the built-in presets (2 of ~60 ms on tiny), rounded up
+    to 10%; spawning ranks (each imports torch) a few seconds."""
+    device = torch.device(settings.device)
+    model_config = models.preset(settings.preset)
+    model = models.GPT(model_config, seed=settings.seed).to(device)
+    dtype = optimizer_config(settings, "eager").model_dtype
+    if dtype is not None:
+        model.to(dtype)
+    corpus = models.SyntheticCorpus(model_config.vocab_size, seed=settings.seed)
+    rows = slice(0, max(1, settings.batch_size // world_size))
+    seconds = []
+    for step in range(3):
+        started = time.perf_counter()
+        inputs, targets = corpus.batch(step, settings.batch_size, model_config.seq_len, device)
+        model(inputs[rows], targets[rows]).backward()
+        synchronize(device)
+        seconds.append(time.perf_counter() - started)
+    step_seconds = min(seconds[1:])
+    startup = 5.0 if world_size > 1 else 0.0
+    return runs * settings.steps * step_seconds * 1.1 + startup
+
+
 class StepTimer:
     """ms per step without a host sync per step: wall clock on the CPU (its kernels run synchronously),
     CUDA events on a GPU, read only when asked."""
 
     def __init__(self, device: torch.device):
-        self._cuda = device.type == "cuda"
+        self._cuda = is_cuda(device)
         self._pending: list = []
         self.times_ms: list[float] = []
 
@@ -148,8 +175,6 @@ def train(settings: DemoSettings, capture: str, report: Optional[Callable[[Progr
     """Train a fresh GPT with ``capture`` ("eager" | "graph" | "auto"); ``report`` gets a Progress every
     ``every`` steps (and at the first and last). With ``world_size > 1`` the default process group must be
     initialized: this rank trains on its slice of each global batch with the distributed optimizer."""
-    import graphstep as gs
-
     device = torch.device(settings.device)
     model_config = models.preset(settings.preset)
     model = models.GPT(model_config, seed=settings.seed).to(device)  # same seed: same params on all ranks
@@ -199,10 +224,12 @@ def train(settings: DemoSettings, capture: str, report: Optional[Callable[[Progr
         digests = [None] * world_size
         dist.all_gather_object(digests, digest)
         same = all(d == digests[0] for d in digests)
-    return RunResult(label=capture, backend=opt.capture_backend, losses=losses_cpu, times_ms=timer.collect(),
-                     skipped=int(skipped.item()),
-                     loss_scale=float(opt.loss_scale.item()) if opt.scaler is not None else None,
-                     params_sha256=digest, world_size=world_size, params_same_on_all_ranks=same)
+    run = RunResult(label=capture, backend=opt.capture_backend, losses=losses_cpu, times_ms=timer.collect(),
+                    skipped=int(skipped.item()),
+                    loss_scale=float(opt.loss_scale.item()) if opt.scaler is not None else None,
+                    params_sha256=digest, world_size=world_size, params_same_on_all_ranks=same)
+    opt.close()  # free this run's captured graph (and its pool) before the next run builds its own
+    return run
 
 
 class ProgressBar:

@@ -3,7 +3,8 @@
 Writes a torch.profiler Chrome trace (open it in chrome://tracing or Perfetto), brackets the steps with
 cudaProfilerStart/Stop for ``nsys profile --capture-range=cudaProfilerApi`` when CUDA is present (the
 stage ranges are NVTX ranges there), and prints GPU telemetry through NVML, or the one line
-"no NVIDIA GPU (NVML not found)".
+"no NVIDIA GPU (NVML not found)". torch's own ``USDT:`` trace lines around the profiler are dropped from
+stderr (graphstep.app.quiet).
 """
 
 from __future__ import annotations
@@ -13,9 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from capture.devices import is_cuda
 from capture.profile import gpu_telemetry, nsys_window
 
+import graphstep as gs
+
 from . import models
+from .options import default_out_dir
+from .quiet import drop_stderr_lines
 
 
 @dataclass(frozen=True)
@@ -27,10 +33,9 @@ class ProfileSummary:
 
 
 def run_profile(*, steps: int = 10, preset: str = "tiny", capture: str = "eager", precision: str = "fp32",
-                batch_size: int = 8, out_dir: str = "graphstep-profile", device: str = "cpu",
-                out=None) -> ProfileSummary:
-    import graphstep as gs
-
+                batch_size: int = 8, out_dir=None, device: str = "cpu", out=None) -> ProfileSummary:
+    """Profile ``steps`` steps after 3 unprofiled ones; the trace goes to ``out_dir`` (default: out/profile
+    in a checkout, else the temp dir; see graphstep.app.options.default_out_dir)."""
     out = out or sys.stdout
     device = torch.device(device)
     model_config = models.preset(preset)
@@ -51,16 +56,16 @@ def run_profile(*, steps: int = 10, preset: str = "tiny", capture: str = "eager"
     for step in range(3):  # warm-up (and the capture, with capture="graph") outside the window
         train_step(step)
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
+    if is_cuda(device):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with nsys_window(), torch.profiler.profile(activities=activities) as prof:
-        for step in range(3, 3 + steps):
-            train_step(step)
-
-    path = Path(out_dir)
+    path = Path(out_dir) if out_dir is not None else default_out_dir("profile")
     path.mkdir(parents=True, exist_ok=True)
     trace = path / "trace.json"
-    prof.export_chrome_trace(str(trace))
+    with drop_stderr_lines():
+        with nsys_window(), torch.profiler.profile(activities=activities) as prof:
+            for step in range(3, 3 + steps):
+                train_step(step)
+        prof.export_chrome_trace(str(trace))
     stage_ms = {e.key: e.cpu_time_total / 1e3 / steps for e in prof.key_averages() if e.key.startswith("graphstep.")}
     telemetry = gpu_telemetry().summary()
     print(f"graphstep profile: {steps} steps of GPT {preset} ({precision}, capture={capture}, step ran "

@@ -1,4 +1,4 @@
-"""Parameter-shape sets shared by the benchmarks under perf/: (name, shape) lists, no tensors.
+"""Parameter-shape sets shared by the benchmarks (``graphstep bench``, perf/): (name, shape) lists, no tensors.
 
 ``gpt2_small()`` is GPT-2 small as HF's GPT2LMHeadModel lays it out (Conv1D weights are (in, out)),
 with the head tied to ``wte``: 124,439,808 params in 148 tensors.
@@ -39,6 +39,17 @@ def gpt2_quick() -> Shapes:
 
 
 SETS = {"gpt2-small": gpt2_small, "gpt2-quick": gpt2_quick}
+
+
+def many_tensors(count: int, numel: int, cols: int = 64) -> Shapes:
+    """``count`` 2-D weights of ~``numel`` elements each (2-D, so all take weight decay: one param group)."""
+    rows = max(1, numel // cols)
+    return [(f"w{i}.weight", (rows, cols)) for i in range(count)]
+
+
+def flat_tensor(numel: int, cols: int = 4096) -> Shapes:
+    """One contiguous 2-D weight of ``numel`` elements (rounded down to a multiple of ``cols``)."""
+    return [("flat.weight", (max(1, numel // cols), cols))]
 
 
 def numel(shapes: Shapes) -> int:

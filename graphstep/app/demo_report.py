@@ -46,7 +46,10 @@ def compare(results: Sequence[RunResult]) -> Optional[tuple[bool, str]]:
 
 def plot_losses(results: Sequence[RunResult], path: Path, title: str, floor: Optional[float] = None) -> Path:
     """Both runs' per-step losses on one plot (the captured run dashed over the eager one)."""
-    import matplotlib
+    try:
+        import matplotlib  # the app extra: imported here only, so the rest of the app runs without it
+    except ImportError:
+        raise ImportError("the loss-curve PNG needs matplotlib: pip install 'graphstep[app]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,0 +1,180 @@
+"""The optimizer step, side by side in one process, on GPT-2 small's parameter shapes (``graphstep bench``).
+
+What each row runs over the same ~124M fp32 params in 148 tensors, with the same random fp32 grads:
+
+- memory stream: ``x.mul_(1.0001)`` over one buffer of the same numel: this machine's in-place
+  bandwidth (8 bytes per element, read + write), the context for every GB/s below;
+- ``torch._fused_adamw_`` once over one flat buffer: the floor an Adam step can reach (DESIGN.md §6);
+- ``torch.optim.AdamW(fused=True)`` and ``AdamW(foreach=True)`` with two param groups (decay and
+  no-decay, the standard overrides), and ``AdamW(fused=True)`` after ``clip_grad_norm_``;
+- graphstep's step: without clipping (``clip_grad=0``, no loss scaling; the norm pass still runs, as
+  the non-finite check) and the full step (``clip_grad=1.0``: norm, non-finite check, clip folded into
+  the update), eager, and the full step captured (CPU replay backend, or a CUDA graph on a GPU), with
+  the default fused kernel and with ``kernel="compiled"``.
+
+Bytes per param: Adam over fp32 must read param, grad, m, v and write param, m, v (28 B); the full step
+also reads the grads once for the norm (32 B) — DESIGN.md §6. GB/s is those bytes over the median time:
+how close each row comes to the machine's stream bandwidth for the work it has to do.
+
+One pipeline is built at a time and freed before the next (each holds ~2 GB at GPT-2 small).
+
+    graphstep bench [--quick] [--steps 20] [--warmup 3] [--json out.json] [--only fused-floor,...]
+    graphstep bench --interleave --steps 25 --only fused-floor,graphstep-full,...  # the README's tables
+    python perf/bench_step.py [same flags]    # the same, from a checkout
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from . import bench_core as core
+from . import bench_shapes
+from .bench_rows import Row, add_ratios, markdown
+
+FULL_BYTES = core.GRAPHSTEP_BYTES
+# key: (label, kind, bytes per param, builder). Builders return a bench_core.Pipeline.
+PIPELINES = {
+    "stream": ("memory stream: x.mul_(1.0001), same numel", "stream", core.STREAM_BYTES,
+               lambda i: core.build_stream(i.numel, i.device)),
+    "fused-floor": ("torch._fused_adamw_, one flat buffer (floor)", "update", core.ADAM_BYTES,
+                    core.build_fused_floor),
+    "adamw-fused": ("torch AdamW(fused=True)", "update", core.ADAM_BYTES,
+                    lambda i: core.build_torch_adamw(i, fused=True)),
+    "adamw-foreach": ("torch AdamW(foreach=True)", "update", core.ADAM_BYTES,
+                      lambda i: core.build_torch_adamw(i, fused=False)),
+    # clip_grad=0 turns the clip off but not the norm pass: it doubles as the non-finite check, so the
+    # engine still reads the grads once more than a bare update (32 B, not 28).
+    "graphstep-update": ("graphstep, no clip (eager, clip_grad=0; norm/inf check still run)", "update", FULL_BYTES,
+                         lambda i: core.build_graphstep(i, clip_grad=0.0)),
+    "adamw-fused-clip": ("torch clip_grad_norm_ + AdamW(fused=True)", "full", FULL_BYTES,
+                         lambda i: core.build_torch_adamw(i, fused=True, clip=True)),
+    "graphstep-full": ("graphstep, full step (eager, clip_grad=1.0)", "full", FULL_BYTES,
+                       lambda i: core.build_graphstep(i)),
+    "graphstep-full-graph": ("graphstep, full step (capture='graph')", "full", FULL_BYTES,
+                             lambda i: core.build_graphstep(i, capture="graph")),
+    # kernel="compiled": one compiled loop that reads the grads without writing them back (torch's fused
+    # kernels write them whenever given a grad scale, i.e. on every clipped or loss-scaled step: 36 B).
+    "graphstep-full-compiled": ("graphstep, full step, kernel='compiled' (eager)", "full", FULL_BYTES,
+                                lambda i: core.build_graphstep(i, kernel="compiled")),
+    "graphstep-full-compiled-graph": ("graphstep, full step, kernel='compiled' (capture='graph')", "full",
+                                      FULL_BYTES, lambda i: core.build_graphstep(i, capture="graph", kernel="compiled")),
+    "graphstep-update-stage": ("graphstep update stage alone (fused kernel over group views)", "update",
+                               core.ADAM_BYTES, core.build_graphstep_update_stage),
+    # The grad refill stands in for the next backward's scaled grads and is timed with the step (8 B).
+    "torch-amp": ("torch GradScaler.unscale_ + clip_grad_norm_ + AdamW(fused) + update", "scaled",
+                  core.TORCH_AMP_BYTES, lambda i: core.build_torch_amp(i, refill_in_step=True)),
+    "graphstep-scaled": ("graphstep full step with loss scale (unscale + clip folded in)", "scaled", FULL_BYTES,
+                         lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE)),
+    "graphstep-scaled-compiled": ("graphstep full step with loss scale, kernel='compiled'", "scaled", FULL_BYTES,
+                                  lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel="compiled")),
+}
+
+
+def new_row(key: str) -> Row:
+    label, kind, nbytes, _ = PIPELINES[key]
+    return Row(key, label, kind, nbytes)
+
+
+def run_pipeline(key: str, inputs: core.Inputs, warmup: int, steps: int) -> Row:
+    """One row built, timed and freed on its own."""
+    return run_interleaved([key], inputs, warmup, steps)[0]
+
+
+def run_interleaved(keys: list[str], inputs: core.Inputs, warmup: int, rounds: int) -> list[Row]:
+    """Every row of ``keys`` built at once and timed round-robin (see ``bench_core.time_interleaved``).
+    A row that fails to build or run keeps its error; the others still run."""
+    rows = {key: new_row(key) for key in keys}
+    steps = {}
+    for key in keys:
+        try:
+            steps[key] = PIPELINES[key][3](inputs).step
+        except Exception as error:  # a broken row must not lose the others
+            rows[key].error = f"{type(error).__name__}: {error}"
+    try:
+        times = core.time_interleaved(steps, inputs.device, warmup, rounds) if steps else {}
+    except Exception as error:
+        times = {}
+        for key in steps:
+            rows[key].error = f"{type(error).__name__}: {error}"
+    finally:
+        steps = None
+        core.free_memory(inputs.device)
+    return [rows[key].fill(times[key], inputs.numel) if key in times else rows[key] for key in keys]
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="graphstep bench", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", choices=sorted(bench_shapes.SETS), default="gpt2-small",
+                        help="parameter-shape set (graphstep/app/bench_shapes.py); default gpt2-small")
+    parser.add_argument("--quick", action="store_true", help="the small gpt2-quick set, 10 steps")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per row (default 20, quick 10)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before timing (default 3)")
+    parser.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu, cuda, cuda:1 ...")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated row keys to run, of: " + ", ".join(PIPELINES))
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run every row this many times, round-robin, and keep each row's fastest run "
+                             "(its lowest median): steadier on a shared, noisy machine (default 1)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="build every row at once and time them round-robin, one step of each per round "
+                             "(--steps rounds): the steadiest ratios on a shared machine; needs memory for "
+                             "all rows at once (~2 GB each at GPT-2 small), so pick rows with --only")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.shapes = "gpt2-quick"
+    if args.steps is None:
+        args.steps = 10 if args.quick else 20
+    if args.steps < 1 or args.warmup < 0 or args.repeat < 1:
+        parser.error("--steps and --repeat must be >= 1, --warmup >= 0")
+    if args.interleave and args.repeat > 1:
+        parser.error("--interleave times every row in the same rounds: raise --steps instead of --repeat")
+    keys = list(PIPELINES) if args.only is None else [k.strip() for k in args.only.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in PIPELINES]
+    if unknown:
+        parser.error(f"--only: unknown row(s) {', '.join(unknown)}; choose from {', '.join(PIPELINES)}")
+    args.keys = keys
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = core.pick_device(args.device)
+    shapes = bench_shapes.SETS[args.shapes]()
+    inputs = core.Inputs(shapes, device, args.seed)
+    meta = {"shapes": args.shapes, "numel": inputs.numel, "tensors": len(shapes), "device": core.device_name(device),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "steps": args.steps,
+            "warmup": args.warmup, "repeat": args.repeat, "interleave": args.interleave}
+    best: dict[str, Row] = {}
+    if args.interleave:
+        print(f"running {', '.join(args.keys)} interleaved ...", file=sys.stderr, flush=True)
+        best = {row.key: row for row in run_interleaved(args.keys, inputs, args.warmup, args.steps)}
+    for repeat in range(0 if args.interleave else args.repeat):
+        for key in args.keys:
+            print(f"running {key} ({repeat + 1}/{args.repeat}) ...", file=sys.stderr, flush=True)
+            row = run_pipeline(key, inputs, args.warmup, args.steps)
+            kept = best.get(key)
+            if kept is None or kept.error or (not row.error and row.median_ms < kept.median_ms):
+                best[key] = row
+    rows = [best[key] for key in args.keys]
+    add_ratios(rows)
+    print(markdown(rows, meta))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""The benchmark core shared by ``graphstep bench`` (graphstep/app/bench.py), perf/harness.py,
+perf/bench_capture.py and perf/gpu_check.py: the timers, the inputs and the pipelines they time.
+
+Every pipeline is built from one ``Inputs`` (flat fp32 sources of initial params and grads over a shape
+set) and comes back as a ``Pipeline``: the step to time, and the untimed ``refill`` that restores the
+grads a step rewrites in place (torch's unscale_ and clip, graphstep's fused kernel under a grad scale).
+
+Timing is wall clock on the CPU (kernels run synchronously there) and device events elsewhere, with one
+synchronisation after all timed steps; ``time_interleaved`` runs several pipelines round-robin so that a
+shared machine's slow phases fall on every row alike.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from capture.devices import accelerator_available, is_cuda, synchronize
+
+from . import bench_shapes
+
+LR, WEIGHT_DECAY, BETAS, EPS, CLIP = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
+LOSS_SCALE = 1024.0
+# Bytes each pipeline must move per fp32 param and step (DESIGN.md §6): Adam reads param, grad, m, v and
+# writes param, m, v (28); graphstep adds one grad read for the norm, which is also the inf check (32);
+# torch's AMP pipeline adds unscale_ (read + write grads, 8), the clip norm (read, 4) and the clip
+# multiply (read + write, 8): 48. The memory stream reads and writes each element: 8.
+STREAM_BYTES, ADAM_BYTES, NORM_BYTES = 8, 28, 4
+GRAPHSTEP_BYTES = ADAM_BYTES + NORM_BYTES
+TORCH_AMP_BYTES = 8 + 4 + 8 + ADAM_BYTES
+
+
+# ---- devices -------------------------------------------------------------------------------------------
+def pick_device(name: str = "auto") -> torch.device:
+    """``name`` as a torch.device; "auto" is the accelerator when there is one, else the CPU."""
+    if name != "auto":
+        return torch.device(name)
+    if accelerator_available():
+        return torch.accelerator.current_accelerator()
+    return torch.device("cpu")
+
+
+def device_name(device: torch.device) -> str:
+    """A human name for the device (the GPU's model, or the CPU's)."""
+    if is_cuda(device):
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def free_memory(device: torch.device) -> None:
+    """Drop what the last pipeline left behind (its caching-allocator blocks too on a GPU)."""
+    gc.collect()
+    if is_cuda(device):
+        torch.cuda.empty_cache()
+
+
+# ---- timing --------------------------------------------------------------------------------------------
+def time_interleaved(steps_by_key: dict[str, Callable[[], object]], device: torch.device, warmup: int,
+                     rounds: int, before: Optional[dict[str, Callable[[], object]]] = None) -> dict[str, list[float]]:
+    """ms per call of each step, timed in ``rounds`` round-robin rounds (one call of every step per round).
+
+    ``before[key]``, when given, runs before every call of that step, untimed (a grad refill). A shared
+    machine's slow phases then fall on every row alike instead of on whichever row ran in them: the
+    ratios between rows are what this steadies.
+    """
+    before = before or {}
+    for key, step in steps_by_key.items():
+        for _ in range(warmup):
+            _call(before.get(key))
+            step()
+    on_cpu = device.type == "cpu"  # device events elsewhere; on the CPU the wall time is the step's
+    synchronize(device)
+    marks: dict[str, list] = {key: [] for key in steps_by_key}
+    for _ in range(rounds):
+        for key, step in steps_by_key.items():
+            _call(before.get(key))
+            if on_cpu:
+                t0 = time.perf_counter()
+                step()
+                marks[key].append((time.perf_counter() - t0) * 1e3)
+            else:  # the refill sits between the previous end and this start on the stream: never timed
+                start, end = torch.Event(device=device, enable_timing=True), torch.Event(device=device,
+                                                                                       enable_timing=True)
+                start.record()
+                step()
+                end.record()
+                marks[key].append((start, end))
+    if on_cpu:
+        return marks
+    synchronize(device)  # the one sync: after all timed steps
+    return {key: [start.elapsed_time(end) for start, end in pairs] for key, pairs in marks.items()}
+
+
+def time_steps(step: Callable[[], object], device: torch.device, warmup: int, steps: int,
+               before: Optional[Callable[[], object]] = None) -> list[float]:
+    """ms per call of ``step``, ``steps`` timed calls after ``warmup`` untimed ones."""
+    return time_interleaved({"step": step}, device, warmup, steps, {"step": before} if before else None)["step"]
+
+
+def _call(fn: Optional[Callable[[], object]]) -> None:
+    if fn is not None:
+        fn()
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """The ``q`` quantile of already sorted values (nearest rank below)."""
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def summarize(times: list[float]) -> dict:
+    """Median, p10 and p90 of a list of ms timings."""
+    ordered = sorted(times)
+    return {"median_ms": statistics.median(times), "p10_ms": percentile(ordered, 0.1),
+            "p90_ms": percentile(ordered, 0.9)}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched inside ``with`` (a CPU proxy for kernel launches; inductor's kernels
+    and a CUDA graph's replayed kernels are invisible to it: use torch.profiler there)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(pipeline: "Pipeline") -> tuple[Optional[int], str]:
+    """Aten ops dispatched in one step of ``pipeline``, or (None, why they could not be counted)."""
+    _call(pipeline.refill)
+    try:
+        counter = OpCounter()
+        with counter:
+            pipeline.step()
+        return counter.count, ""
+    except Exception as error:  # torch.compile refuses some dispatch modes
+        return None, f"ops not countable: {type(error).__name__}: {str(error)[:120]}"
+
+
+# ---- the shared inputs ---------------------------------------------------------------------------------
+class Inputs:
+    """One flat fp32 source of initial params and one of grads over a shape set; every pipeline copies
+    from them, so all rows start from the same numbers."""
+
+    def __init__(self, shapes: bench_shapes.Shapes, device: torch.device, seed: int = 0,
+                 grad_std: float = 1e-3):
+        self.shapes = shapes
+        self.numel = bench_shapes.numel(shapes)
+        self.device = device
+        generator = torch.Generator(device=device).manual_seed(seed)
+        self.param_flat = torch.randn(self.numel, generator=generator, device=device).mul_(0.02)
+        self.grad_flat = torch.randn(self.numel, generator=generator, device=device).mul_(grad_std)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` cut into one view per shape of the set."""
+        out, start = [], 0
+        for _, shape in self.shapes:
+            n = math.prod(shape)
+            out.append(flat[start:start + n].view(shape))
+            start += n
+        return out
+
+    def new_params(self) -> list[torch.nn.Parameter]:
+        return [torch.nn.Parameter(v.clone()) for v in self.views(self.param_flat)]
+
+    def decay_groups(self, params) -> list[dict]:
+        """Two param groups by the standard rule: weight decay except on biases and 1-D params."""
+        pairs = list(zip(self.shapes, params))
+        decay = [p for (name, shape), p in pairs if not bench_shapes.is_no_decay(name, shape)]
+        no_decay = [p for (name, shape), p in pairs if bench_shapes.is_no_decay(name, shape)]
+        return [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
+
+    def module(self, params: list[torch.nn.Parameter]) -> torch.nn.Module:
+        """An nn.Module whose named_parameters() carry the shape set's dotted names (``h.0.attn.c_attn.weight``)."""
+        root = torch.nn.Module()
+        for (name, _), p in zip(self.shapes, params):
+            *path, leaf = name.split(".")
+            module = root
+            for part in path:
+                if not hasattr(module, part):
+                    module.add_module(part, torch.nn.Module())
+                module = getattr(module, part)
+            module.register_parameter(leaf, p)
+            if name in ("wte", "wpe"):
+                p.is_embedding_or_output_parameter = True
+        return root
+
+
+@dataclass
+class Pipeline:
+    """One benchmarked step. ``refill`` (untimed) restores the grads the step rewrites in place; the
+    objects the step closes over are freed with it."""
+
+    step: Callable[[], object]
+    refill: Optional[Callable[[], object]] = None
+    optimizer: object = None
+    notes: str = ""
+
+
+# ---- the pipelines -------------------------------------------------------------------------------------
+def build_stream(numel: int, device: torch.device) -> Pipeline:
+    """``x.mul_(1.0001)`` over one buffer: the in-place bandwidth every GB/s is read against."""
+    x = torch.ones(numel, device=device)
+    return Pipeline(lambda: x.mul_(1.0001))
+
+
+def build_fused_floor(inputs: Inputs) -> Pipeline:
+    """``torch._fused_adamw_`` once over one flat buffer: the floor an Adam step can reach."""
+    param, grad = inputs.param_flat.clone(), inputs.grad_flat.clone()
+    exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
+    step_t = torch.zeros((), dtype=torch.float32, device=param.device)
+
+    def step():
+        step_t.add_(1)
+        torch._fused_adamw_([param], [grad], [exp_avg], [exp_avg_sq], [], [step_t], lr=LR, beta1=BETAS[0],
+                            beta2=BETAS[1], weight_decay=WEIGHT_DECAY, eps=EPS, amsgrad=False, maximize=False)
+    return Pipeline(step)
+
+
+def _params_with_grads(inputs: Inputs) -> tuple[list, list, Callable[[], object]]:
+    """Fresh params whose .grad are views of one grad buffer, and the refill that restores that buffer."""
+    params = inputs.new_params()
+    grad_flat = inputs.grad_flat.clone()  # own copy: unscale_ and the clip rewrite grads in place
+    for p, g in zip(params, inputs.views(grad_flat)):
+        p.grad = g
+    return params, [p.grad for p in params], lambda: grad_flat.copy_(inputs.grad_flat)
+
+
+def build_torch_adamw(inputs: Inputs, *, fused: bool, clip: bool = False) -> Pipeline:
+    """``torch.optim.AdamW`` (fused or foreach) over two param groups, optionally after clip_grad_norm_."""
+    params, _, refill = _params_with_grads(inputs)
+    opt = torch.optim.AdamW(inputs.decay_groups(params), lr=LR, betas=BETAS, eps=EPS,
+                            **({"fused": True} if fused else {"foreach": True}))
+
+    def step():
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
+        opt.step()
+    return Pipeline(step, refill, opt)
+
+
+def build_torch_amp(inputs: Inputs, *, variant: str = "fused", refill_in_step: bool = False) -> Pipeline:
+    """The idiomatic torch AMP step: ``GradScaler.unscale_`` + ``clip_grad_norm_`` + ``scaler.step(AdamW)``
+    + ``scaler.update()``. ``variant``: "fused" | "foreach" | "compiled" (clip + AdamW(foreach).step under
+    ``torch.compile``; unscale_ and the skip-on-inf check stay GradScaler's). ``refill_in_step`` times the
+    grad refill with the step (it stands in for the next backward's scaled grads: 8 B/param)."""
+    params, _, refill = _params_with_grads(inputs)
+    kwargs = {"fused": True} if variant == "fused" else {"foreach": True}
+    opt = torch.optim.AdamW(inputs.decay_groups(params), lr=LR, betas=BETAS, eps=EPS, **kwargs)
+    scaler = torch.amp.GradScaler(inputs.device.type, init_scale=LOSS_SCALE, growth_interval=10**9)
+    scaler.scale(torch.ones((), device=inputs.device))  # GradScaler creates its scale tensor lazily, here
+    notes = ""
+    if variant == "compiled":
+        plain_step = opt.step
+
+        def clip_and_step(*args, **kwargs):
+            torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
+            return plain_step()
+        opt.step = torch.compile(clip_and_step)  # scaler.step(opt) calls it unless it found an inf
+        notes = "clip_grad_norm_ runs inside scaler.step (skipped with it on inf)"
+
+    def step():
+        scaler.unscale_(opt)
+        if variant != "compiled":
+            torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
+        scaler.step(opt)
+        scaler.update()
+        if refill_in_step:
+            refill()
+    return Pipeline(step, None if refill_in_step else refill, opt, notes)
+
+
+def graphstep_config(*, clip_grad: float = CLIP, capture: str = "eager", loss_scale=None, kernel: str = "fused"):
+    """The benchmarks' OptimizerConfig: AdamW with these hyperparameters, fp32."""
+    import graphstep as gs
+
+    return gs.OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
+                              adam_beta2=BETAS[1], adam_eps=EPS, clip_grad=clip_grad, capture=capture,
+                              loss_scale=loss_scale, kernel=kernel)
+
+
+def build_graphstep(inputs: Inputs, *, clip_grad: float = CLIP, capture: str = "eager", loss_scale=None,
+                    kernel: str = "fused") -> Pipeline:
+    """graphstep's step over a fresh model of the shape set; with ``capture="graph"`` the warm-up steps and
+    the capture run here, so the first timed call is a replay."""
+    import graphstep as gs
+
+    config = graphstep_config(clip_grad=clip_grad, capture=capture, loss_scale=loss_scale, kernel=kernel)
+    params = inputs.new_params()
+    opt = gs.get_optimizer(config, inputs.module(params))
+    grads = [p.main_grad for p in params]  # views of the engine's flat grad buffer (p.grad too, for fp32)
+    sources = inputs.views(inputs.grad_flat)
+
+    def refill():
+        torch._foreach_copy_(grads, sources)
+    with torch.no_grad():
+        refill()
+        if capture == "graph":
+            for _ in range(config.capture_warmup_steps + 1):  # the eager warm-up and the capture itself
+                opt.step()
+                refill()
+    notes = f"captured={opt.captured}, backend={opt.capture_backend}" if capture == "graph" else ""
+    return Pipeline(opt.step, refill, opt, notes)
+
+
+def build_graphstep_update_stage(inputs: Inputs) -> Pipeline:
+    """The engine's update stage alone (the fused kernel over the group views), without the norm pass."""
+    built = build_graphstep(inputs, clip_grad=0.0, capture="eager")
+    built.step()  # refresh the hyperparameter tensors once
+    update = next(stage for stage in built.optimizer.stages if stage.name == "update")
+    return Pipeline(update.apply, built.refill, built.optimizer)

@@ -1,0 +1,80 @@
+"""``graphstep bench``'s rows: one result per pipeline, the ratio columns and the markdown table."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .bench_core import summarize
+
+
+@dataclass
+class Row:
+    key: str
+    label: str
+    kind: str  # "stream" | "update" | "full" | "scaled": what the ratio column compares against
+    bytes_per_elem: int
+    median_ms: float = math.nan
+    p10_ms: float = math.nan
+    p90_ms: float = math.nan
+    gbps: float = math.nan
+    vs_graphstep: float = math.nan
+    vs_floor: float = math.nan
+    error: Optional[str] = None
+    times_ms: list = field(default_factory=list)
+
+    def fill(self, times: list[float], numel: int) -> "Row":
+        """Set the timing columns from ``times`` (ms per step) over ``numel`` params."""
+        self.times_ms = times
+        stats = summarize(times)
+        self.median_ms, self.p10_ms, self.p90_ms = stats["median_ms"], stats["p10_ms"], stats["p90_ms"]
+        self.gbps = self.bytes_per_elem * numel / (self.median_ms * 1e-3) / 1e9
+        return self
+
+
+# The row each kind's "× graphstep" column divides by.
+ENGINE_ROW = {"update": "graphstep-update", "full": "graphstep-full", "scaled": "graphstep-scaled"}
+
+
+def add_ratios(rows: list[Row]) -> None:
+    """× fused floor (over the one-buffer ``_fused_adamw_``) and × graphstep (over its eager row of the kind)."""
+    by_key = {r.key: r for r in rows if not r.error}
+    floor = by_key.get("fused-floor")
+    for r in rows:
+        if r.kind == "stream" or r.error:
+            continue
+        if floor is not None:
+            r.vs_floor = r.median_ms / floor.median_ms
+        engine = by_key.get(ENGINE_ROW.get(r.kind, ""))
+        if engine is not None:
+            r.vs_graphstep = r.median_ms / engine.median_ms
+
+
+def _fmt(value: float, spec: str) -> str:
+    return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def markdown(rows: list[Row], meta: dict) -> str:
+    """The results table with a one-line header saying what was run where."""
+    how = (", every row timed in the same round-robin rounds." if meta.get("interleave")
+           else f", fastest of {meta['repeat']} runs per row." if meta["repeat"] > 1 else ".")
+    lines = [
+        f"{meta['shapes']}: {meta['numel'] / 1e6:.1f}M fp32 params in {meta['tensors']} tensors, "
+        f"{meta['device']}, {meta['threads']} threads, torch {meta['torch']}; "
+        f"{meta['steps']} timed steps after {meta['warmup']} warm-ups" + how,
+        "",
+        "| step | ms/step (median) | p10 | p90 | × graphstep | × fused floor | bytes/param | GB/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if r.error:
+            lines.append(f"| {r.label} | failed: {r.error} | | | | | | |")
+            continue
+        lines.append(f"| {r.label} | {r.median_ms:.1f} | {r.p10_ms:.1f} | {r.p90_ms:.1f} | "
+                     f"{_fmt(r.vs_graphstep, '.2f')} | {_fmt(r.vs_floor, '.2f')} | {r.bytes_per_elem} | "
+                     f"{r.gbps:.1f} |")
+    lines += ["", "× graphstep: time over graphstep's eager row of the same kind (no clip, or full step); "
+              "× fused floor: over the one-buffer `_fused_adamw_`. GB/s: bytes/param × params / median time "
+              "(28 = Adam's read p,g,m,v + write p,m,v; 32 = plus the norm's grad read; DESIGN.md §6)."]
+    return "\n".join(lines)

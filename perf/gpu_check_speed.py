@@ -1,0 +1,123 @@
+"""perf/gpu_check.py's speed parts: kernels per replay, captured vs eager, the bandwidth floor, host time.
+
+The pipelines and timers are graphstep/app/bench_core.py's (the same ones ``graphstep bench`` and
+perf/harness.py time). On the CPU (the dry run) the sizes shrink, kernels are counted as dispatched aten
+ops (what the replay backend replays), and the GPU goals are recorded as ``skipped: no CUDA``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from capture.devices import is_cuda, synchronize
+from graphstep.app import bench_core as core
+from graphstep.app import bench_shapes
+from gpu_check_numerics import NO_CUDA, record
+
+TENSOR_COUNTS = (150, 1_000, 10_000)
+SPEEDUP_GOAL, FLOOR_GOAL = 3.0, 1.15
+
+
+def _sizes(small: bool) -> dict:
+    return {"sweep_total": 10_000 * 128 if small else 16 * 2**20,  # same total at every tensor count
+            "many_small_numel": 64 if small else 256,             # elements per tensor, 10,000 tensors
+            "flat": 64 * 2**20, "stream": 256 * 2**20}          # the flat step and the HBM stream (GPU only)
+
+
+def kernels_per_replay(pipeline: core.Pipeline, device, replays: int = 5) -> tuple[float, str]:
+    """Kernels one replay launches (torch.profiler's device activities, memcpy/memset excluded) on a GPU;
+    on the CPU, the aten ops one replay dispatches."""
+    if not is_cuda(device):
+        count, note = core.count_ops(pipeline)
+        return (float("nan") if count is None else float(count)), note or "aten ops dispatched per replay"
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            pipeline.step()
+        synchronize(device)
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset"))]
+    return len(kernels) / replays, "CUDA kernels per replay (torch.profiler)"
+
+
+def part_kernels(device, small: bool) -> list[dict]:
+    """Kernels per replay at 150 / 1,000 / 10,000 tensors of the same total size: equal counts expected
+    (the captured step's work follows the buckets, not the params)."""
+    total = _sizes(small)["sweep_total"]
+    counts, how = {}, ""
+    for tensors in TENSOR_COUNTS:
+        inputs = core.Inputs(bench_shapes.many_tensors(tensors, total // tensors, cols=64), device)
+        pipeline = core.build_graphstep(inputs, capture="graph")
+        counts[tensors], how = kernels_per_replay(pipeline, device)
+        pipeline = None
+        core.free_memory(device)
+    values = list(counts.values())
+    ok = all(v == values[0] for v in values) and values[0] == values[0]  # equal, and not NaN
+    detail = ", ".join(f"{v:g} at {t} tensors" for t, v in counts.items()) + f" ({how}, ~{total / 1e6:.2f}M params)"
+    return [record("kernels-per-replay-independent-of-tensor-count", "pass" if ok else "fail", detail,
+                   per_tensor_count={str(t): v for t, v in counts.items()})]
+
+
+def host_ms(step, steps: int = 50) -> float:
+    """Median host (CPU) time of one call, without waiting for the device: what a replay costs the CPU."""
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def part_speed(device, small: bool) -> list[dict]:
+    """Captured vs eager at 10,000 small tensors (goal >= 3x on a GPU), CPU time per replay, and the
+    flat 64M step against the measured HBM bandwidth floor (goal <= 1.15x)."""
+    sizes = _sizes(small)
+    steps = 10 if small else 50
+    inputs = core.Inputs(bench_shapes.many_tensors(10_000, sizes["many_small_numel"], cols=64), device)
+    pipelines = {"eager": core.build_graphstep(inputs, capture="eager"),
+                 "captured": core.build_graphstep(inputs, capture="graph")}
+    times = core.time_interleaved({k: p.step for k, p in pipelines.items()}, device, 3, steps,
+                                  before={k: p.refill for k, p in pipelines.items()})
+    eager_ms, captured_ms = (statistics.median(times[k]) for k in ("eager", "captured"))
+    host = {k: host_ms(p.step, steps) for k, p in pipelines.items()}
+    synchronize(device)
+    numbers = {"eager_ms": eager_ms, "captured_ms": captured_ms, "tensors": 10_000, "numel": inputs.numel}
+    out = []
+    speedup = eager_ms / captured_ms
+    if is_cuda(device):
+        out.append(record("captured-vs-eager-10k-tensors", "pass" if speedup >= SPEEDUP_GOAL else "fail",
+                          f"eager {eager_ms:.3f} ms / captured {captured_ms:.3f} ms = {speedup:.2f}x "
+                          f"(goal >= {SPEEDUP_GOAL}x) at 10,000 x {sizes['many_small_numel']} params", **numbers))
+    else:
+        out.append(record("captured-vs-eager-10k-tensors", NO_CUDA,
+                          f"CPU replay for reference: {speedup:.2f}x ({eager_ms:.2f} vs {captured_ms:.2f} ms)", **numbers))
+    out.append(record("cpu-time-per-replay", "pass",
+                      f"host time per call: replay {host['captured'] * 1e3:.0f} us, eager step {host['eager'] * 1e3:.0f} us "
+                      f"(informational; on a GPU the replay returns before its kernels finish)",
+                      replay_host_us=host["captured"] * 1e3, eager_host_us=host["eager"] * 1e3))
+    pipelines = inputs = None
+    core.free_memory(device)
+    out.append(flat_vs_floor(device, sizes) if is_cuda(device) else record("flat-64M-vs-hbm-floor", NO_CUDA))
+    return out
+
+
+def flat_vs_floor(device, sizes: dict) -> dict:
+    """The captured full step over one flat 64M-param tensor against 32 B/param at the stream bandwidth."""
+    stream = core.build_stream(sizes["stream"], device)
+    stream_ms = statistics.median(core.time_steps(stream.step, device, 3, 20))
+    bandwidth = core.STREAM_BYTES * sizes["stream"] / (stream_ms * 1e-3)
+    stream = None
+    core.free_memory(device)
+    inputs = core.Inputs(bench_shapes.flat_tensor(sizes["flat"]), device)
+    pipeline = core.build_graphstep(inputs, capture="graph")
+    step_ms = statistics.median(core.time_steps(pipeline.step, device, 3, 20, before=pipeline.refill))
+    floor_ms = core.GRAPHSTEP_BYTES * inputs.numel / bandwidth * 1e3
+    ratio = step_ms / floor_ms
+    return record("flat-64M-vs-hbm-floor", "pass" if ratio <= FLOOR_GOAL else "fail",
+                  f"captured step {step_ms:.3f} ms vs floor {floor_ms:.3f} ms ({core.GRAPHSTEP_BYTES} B x "
+                  f"{inputs.numel / 1e6:.1f}M at the measured {bandwidth / 1e9:.0f} GB/s) = {ratio:.2f}x "
+                  f"(goal <= {FLOOR_GOAL}x)", step_ms=step_ms, floor_ms=floor_ms, stream_gbps=bandwidth / 1e9)

@@ -1,0 +1,27 @@
+"""Shared test setup.
+
+The shared helpers live in importable modules next to this file, one copy each:
+- ``toy.py``: the small transformer, the deterministic data stream, the per-rank loss and the drift
+  metrics of DESIGN.md §8 (used by the engine tests and by every spawned rank);
+- ``distributed/_harness.py``: spawning gloo ranks on 127.0.0.1 on a free port, bounded in time.
+
+This conftest puts tests/ on ``sys.path`` (pytest does so for a conftest's folder), so ``import toy``
+works from tests/distributed too, and ranks spawned from a test inherit that path. It also gives the
+engine tests one builder, the ``make_engine`` fixture.
+"""
+
+import pytest
+
+import graphstep as gs
+
+
+@pytest.fixture
+def make_engine():
+    """``make_engine(model, **config)``: a graphstep optimizer, eager and unclipped unless told otherwise."""
+
+    def build(model, **config):
+        config.setdefault("capture", "eager")
+        config.setdefault("clip_grad", 0.0)
+        return gs.get_optimizer(gs.OptimizerConfig(**config), model)
+
+    return build

@@ -1,0 +1,63 @@
+"""perf/gpu_check.py's CPU dry run, end to end, so the GPU check cannot rot between GPU loans.
+
+Runs it as a subprocess (perf/ is never imported by the tests) and reads its JSON: every check is listed,
+the GPU-only ones are skipped because there is no CUDA, and the ones the CPU can run passed.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+# Every check the script owns; the ones that only mean something on a GPU are skipped in the dry run.
+GPU_ONLY = {"pytest-tests-cuda", "replay-without-host-sync", "captured-vs-eager-10k-tensors", "flat-64M-vs-hbm-floor",
+            "memory-flat-over-10-recaptures", "capture-with-pinned-memory-thread", "nccl-world1-collectives-captured",
+            "nccl-world1-distributed-optimizer", "graphstep-profile-capture-graph"}
+CPU_RUNNABLE = {f"bitwise-{p}-{k}" for p in ("fp32", "bf16", "fp16") for k in ("fused", "compiled")} | {
+    "preflight", "bitwise-negative-control", "forced-recapture", "cpu-time-per-replay",
+    "kernels-per-replay-independent-of-tensor-count"}
+# Rows for features later issues add: they run where OptimizerConfig accepts them, else skip saying so.
+FEATURE_ROWS = {"family-muon", "family-fp8", "family-offload"}
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: run perf/gpu_check.py itself (the dry run is for CPU-only machines)")
+    out = tmp_path_factory.mktemp("gpu_check")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(ROOT / "perf" / "gpu_check.py"), str(out), "--cpu", "--no-install"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    summary = json.loads((out / "gpu_check.json").read_text())
+    return proc, summary, out
+
+
+def test_dry_run_lists_every_check(dry_run):
+    _, summary, out = dry_run
+    names = [c["check"] for c in summary["checks"]]
+    assert sorted(names) == sorted(GPU_ONLY | CPU_RUNNABLE | FEATURE_ROWS)
+    table = (out / "gpu_check.md").read_text()
+    assert [name for name in names if f"| {name} |" not in table] == []
+
+
+def test_gpu_checks_are_skipped_for_want_of_cuda(dry_run):
+    _, summary, _ = dry_run
+    by_name = {c["check"]: c for c in summary["checks"]}
+    assert {name: by_name[name]["status"] for name in GPU_ONLY} == {name: "skipped: no CUDA" for name in GPU_ONLY}
+
+
+def test_cpu_runnable_checks_pass_and_the_run_exits_zero(dry_run):
+    proc, summary, _ = dry_run
+    by_name = {c["check"]: c for c in summary["checks"]}
+    failed = {n: (by_name[n]["status"], by_name[n]["detail"]) for n in CPU_RUNNABLE if by_name[n]["status"] != "pass"}
+    assert not failed
+    for name in FEATURE_ROWS:  # a feature the config accepts must pass; one it rejects is skipped with why
+        status = by_name[name]["status"]
+        assert status == "pass" or status.startswith("skipped: OptimizerConfig does not accept"), (name, status)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert all(p["exit_code"] in (0, None) for p in summary["parts"])
