@@ -16,13 +16,9 @@ from typing import Optional
 
 import torch
 
-<<<<<<< HEAD
-OPTIMIZERS = ("adam", "sgd", "muon", "lion")
-=======
 from .scaler import MAX_LOSS_SCALE, MIN_LOSS_SCALE
 
-OPTIMIZERS = ("adam", "sgd")
->>>>>>> main
+OPTIMIZERS = ("adam", "sgd", "muon", "lion")
 CAPTURE_MODES = ("auto", "graph", "eager")
 KERNELS = ("fused", "compiled", "reference")
 INVALIDATION_POLICIES = ("recapture", "raise")
