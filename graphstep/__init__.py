@@ -3,14 +3,16 @@
 See README.md for the training loop and shared/DESIGN.md for the data flow and the laws.
 """
 
-from . import checkpoint
+from . import checkpoint, qk_clip
 from .config import OptimizerConfig
 from .debug import NanOrigin, StepReport
 from .distributed import CollectiveError
 from .engine import GraphstepOptimizer, StepResult, get_optimizer
+from .kernels.muon import QKVSplit
 from .layout import Layout, ParamSpec, plan_layout
 from .overrides import (NamedPredicate, ParamGroupOverride, ParamKey, check_config_overrides_consistency,
                         get_mup_config_overrides, get_standard_config_overrides)
+from .qk_clip import HeadLayout
 from .scaler import ConstantLossScaler, DynamicLossScaler, scaler_from_config
 from .scheduler import ParamScheduler
 from .wrap import CapturedOptimizer, wrap
@@ -38,4 +40,7 @@ __all__ = [
     "DynamicLossScaler",
     "scaler_from_config",
     "ParamScheduler",
+    "QKVSplit",
+    "HeadLayout",
+    "qk_clip",
 ]

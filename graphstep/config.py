@@ -18,7 +18,7 @@ import torch
 
 from .scaler import MAX_LOSS_SCALE, MIN_LOSS_SCALE
 
-OPTIMIZERS = ("adam", "sgd")
+OPTIMIZERS = ("adam", "sgd", "muon", "lion")
 CAPTURE_MODES = ("auto", "graph", "eager")
 KERNELS = ("fused", "compiled", "reference")
 INVALIDATION_POLICIES = ("recapture", "raise")
@@ -29,7 +29,8 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 class OptimizerConfig:
     # ---- general -------------------------------------------------------------------------------------
     optimizer: str = "adam"
-    """Update rule: "adam" (Adam/AdamW, see ``decoupled_weight_decay``) or "sgd" (with momentum)."""
+    """Update rule: "adam" (Adam/AdamW, see ``decoupled_weight_decay``), "sgd" (with momentum), "lion",
+    or "muon" (2-D hidden matrices; the other params go to ``muon_scalar_optimizer``)."""
 
     lr: float = 1e-3
     """Peak learning rate; the initial ``lr`` of every param group without an override."""
@@ -146,6 +147,53 @@ class OptimizerConfig:
     hyperparameter a device tensor, the grads only read: the fastest full step, after a compile of a few
     seconds on first use (needs a C++ compiler on the CPU, Triton on a GPU). "reference": plain tensor
     ops with every hyperparameter a device tensor (the test oracle; slower)."""
+
+    # ---- Muon, Lion and QK-clip (Megatron-Core's names and defaults; issue 14) ------------------------------
+    muon_momentum: float = 0.95
+    """Muon's EMA momentum μ in [0, 1): ``m = μ·m + (1 − μ)·g``; the initial ``momentum`` of Muon groups
+    (live: a schedule may change it every step)."""
+
+    muon_nesterov: bool = False
+    """Muon: update with ``(1 − μ)·g + μ·m`` instead of ``m``."""
+
+    muon_num_ns_steps: int = 5
+    """Newton–Schulz iterations per step (a multiple of 5 for "quintic", at least 8 for "polar_express")."""
+
+    muon_coefficient_type: str = "quintic"
+    """Newton–Schulz coefficients: "quintic" (five tuples, cycled), "simple" or "polar_express"."""
+
+    muon_scale_mode: str = "spectral"
+    """Update scale of an (r, c) matrix: "spectral" √max(r, c), "shape_scaling" √max(1, r/c) or
+    "unit_rms_norm" √(r/c)."""
+
+    muon_extra_scale_factor: float = 1.0
+    """Extra factor on Muon's update (0.2 ≈ AdamW's update RMS)."""
+
+    muon_fp32_matmul_prec: str = "medium"
+    """Newton–Schulz matmuls: "medium" in bf16 after normalising; "high" / "highest" in fp32."""
+
+    muon_split_qkv: bool = True
+    """Orthogonalise fused QKV weights (params with ``qkv_split``) as separate Q, K and V matrices."""
+
+    muon_scalar_optimizer: str = "adam"
+    """With ``optimizer="muon"``: the family of the params Muon does not take (not 2-D, embedding/output,
+    ``use_muon=False``): "adam" or "lion"."""
+
+    lion_beta1: float = 0.95
+    """Lion's interpolation β1 in [0, 1) (the sign of ``β1·m + (1 − β1)·g`` is the update)."""
+
+    lion_beta2: float = 0.98
+    """Lion's momentum decay β2 in [0, 1)."""
+
+    qk_clip: bool = False
+    """After each step, shrink W_q / W_k of registered attention layers whose max logit exceeded
+    ``qk_clip_threshold`` (graphstep.qk_clip.register; MuonClip)."""
+
+    qk_clip_threshold: float = 100.0
+    """QK-clip's τ > 0: the largest attention logit a clipped layer may produce on the same inputs."""
+
+    qk_clip_alpha: float = 0.5
+    """QK-clip's α in (0, 1): W_q rows scale by η^α, W_k rows by η^(1−α)."""
 
     def __post_init__(self) -> None:
         validate(self)
@@ -291,3 +339,35 @@ def validate(config: OptimizerConfig) -> None:
         field = "overlap_grad_reduce" if config.overlap_grad_reduce else "overlap_param_gather"
         _fail(field, True, "needs use_distributed_optimizer=True")
     _check_number(config, "distributed_timeout_s", low=0.0, low_open=True)
+    _validate_muon_lion_qk_clip(config)
+
+
+def _validate_muon_lion_qk_clip(config: OptimizerConfig) -> None:
+    """The Muon, Lion and QK-clip fields (issue 14), and what they need of the rest of the config."""
+    from .kernels.muon import SCALE_MODES
+    from .kernels.newton_schulz import COEFFICIENT_SETS, MATMUL_PRECISIONS, coefficient_schedule
+
+    _check_number(config, "muon_momentum", low=0.0, low_open=False, high=1.0)
+    _check_choice(config, "muon_coefficient_type", tuple(COEFFICIENT_SETS))
+    _check_choice(config, "muon_scale_mode", SCALE_MODES)
+    _check_choice(config, "muon_fp32_matmul_prec", MATMUL_PRECISIONS)
+    _check_choice(config, "muon_scalar_optimizer", ("adam", "lion"))
+    steps = config.muon_num_ns_steps
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        _fail("muon_num_ns_steps", steps, "must be an int")
+    try:
+        coefficient_schedule(config.muon_coefficient_type, steps)
+    except ValueError as exc:
+        _fail("muon_num_ns_steps", steps, str(exc))
+    _check_number(config, "muon_extra_scale_factor", low=0.0, low_open=True)
+    _check_number(config, "lion_beta1", low=0.0, low_open=False, high=1.0)
+    _check_number(config, "lion_beta2", low=0.0, low_open=False, high=1.0)
+    _check_number(config, "qk_clip_threshold", low=0.0, low_open=True)
+    _check_number(config, "qk_clip_alpha", low=0.0, low_open=True, high=1.0)
+    if config.optimizer in ("muon", "lion"):
+        if config.fp16:
+            _fail("fp16", True, f"optimizer={config.optimizer!r} does not train fp16 params (Megatron-Core rejects "
+                  "it too): use bf16=True")
+        if config.main_params_dtype != torch.float32:
+            _fail("main_params_dtype", config.main_params_dtype,
+                  f"optimizer={config.optimizer!r} runs on fp32 main params: use torch.float32")

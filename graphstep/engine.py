@@ -80,7 +80,8 @@ def _named_trainable_params(model_chunks) -> list[tuple[str, torch.nn.Parameter]
     return named
 
 
-def _param_spec(config: OptimizerConfig, name: str, p: torch.nn.Parameter, group: int) -> ParamSpec:
+def _param_spec(config: OptimizerConfig, name: str, p: torch.nn.Parameter, group: int,
+                batch_by_shape: bool = False) -> ParamSpec:
     """The layout's view of one param, refusing dtypes graphstep does not train."""
     if p.is_complex():
         raise ValueError(f"param '{name}' is complex ({p.dtype}): graphstep trains real floating-point params "
@@ -93,7 +94,7 @@ def _param_spec(config: OptimizerConfig, name: str, p: torch.nn.Parameter, group
         raise ValueError(f"{source}: graphstep trains float32, bfloat16 and float16 params (its norm and update "
                          "kernels run in fp32 over fp32 main params); cast the model with model.float()")
     grad_dtype = config.main_grads_dtype if dtype in _HALF else dtype
-    return ParamSpec(name, tuple(p.shape), dtype, grad_dtype, group)
+    return ParamSpec(name, tuple(p.shape), dtype, grad_dtype, group, batch_by_shape)
 
 
 def _static_inputs(buffers: StaticBuffers, hyper: HyperParams, tensors: StepTensors):
@@ -151,6 +152,11 @@ def _defaults(config: OptimizerConfig) -> dict:
     if config.optimizer == "adam":
         return {"lr": config.lr, "weight_decay": config.weight_decay, "eps": config.adam_eps,
                 "betas": (config.adam_beta1, config.adam_beta2)}
+    if config.optimizer == "lion":
+        return {"lr": config.lr, "weight_decay": config.weight_decay,
+                "betas": (config.lion_beta1, config.lion_beta2)}
+    if config.optimizer == "muon":  # 'momentum' (not 'betas'): OneCycleLR cycles the Muon groups' momentum
+        return {"lr": config.lr, "weight_decay": config.weight_decay, "momentum": config.muon_momentum}
     return {"lr": config.lr, "weight_decay": config.weight_decay, "momentum": config.sgd_momentum,
             "nesterov": config.sgd_nesterov}
 
@@ -188,7 +194,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             raise TypeError(f"get_optimizer: config must be an OptimizerConfig, got {type(config).__name__}")
         self.config = config
         named = _named_trainable_params(model_chunks)
-        groups = overrides_mod.build_param_groups(named, config, config_overrides)  # validates the overrides
+        # Validates the overrides; routes each param to its optimizer family (the groups' "optimizer" key).
+        groups = overrides_mod.build_family_param_groups(named, config, config_overrides)
         self._building = True
         super().__init__(groups, _defaults(config))
         self._building = False
@@ -200,8 +207,9 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"param '{name}' is on {p.device}, others on {device}: put the model on one "
                                  "device before get_optimizer")
         group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
-        specs = [_param_spec(config, name, p, group_of[id(p)]) for name, p in named]
         families = families_of(self.param_groups, config.optimizer)
+        specs = [_param_spec(config, name, p, group_of[id(p)], families[group_of[id(p)]].batch_by_shape)
+                 for name, p in named]
 
         dp_group, rank, dp_size = _data_parallel(config, process_group)
         self.layout = plan_layout(specs, dp_size, config.bucket_size)

@@ -1,12 +1,17 @@
 """Optimizer families: what the update stage needs to know to run one, declared in one place.
 
-A family (Adam, SGD; next Muon, Lion) is:
+A family (Adam, SGD, Lion, Muon) is:
 
 - its **kernel**, one function per implementation module in ``graphstep/kernels/`` (``fused``,
-  ``compiled``, ``reference``) with one signature across them;
+  ``compiled``, ``reference``) with one signature across them; or, for a family whose math has one
+  implementation (Lion, Muon), its own kernels module (``Family.kernels``), which then also declares
+  the family's live fields;
 - its **hyperparameters**: which ``HyperParams`` field feeds which kernel keyword;
 - its **state**: the names of the optimizer-state buffers it keeps per element;
-- its **call**: how the update stage hands a group's views and hyperparameters to the kernel.
+- its **call**: how the update stage hands a group's views and hyperparameters to the kernel;
+- its **views** (optional): how a group's slice of the flat buffers is cut for the kernel. The default is
+  one flat view per segment (elementwise rules); Muon needs whole matrices, batched by shape
+  (``graphstep/matrix_views.py``).
 
 Which hyperparameters are live (0-d device tensors a captured step reads anew every replay) and which
 are baked (Python floats the kernel takes; a capture records them, the engine guards them and
@@ -15,7 +20,8 @@ with the family's fields at build by ``live_fields``. The update stage resolves 
 once at build; the per-step path does no name look-ups.
 
 Adding an elementwise family: write its kernel in each implementation module (or in those that support
-it), add a ``Family`` below to ``FAMILIES``, and accept its name in ``OptimizerConfig.optimizer``.
+it; or one module of its own, ``Family.kernels``), add a ``Family`` below to ``FAMILIES``, and accept
+its name in ``OptimizerConfig.optimizer``.
 Nothing in the runner, the engine or the stages changes; param groups choose a family through their
 ``optimizer`` key (a config override), defaulting to ``OptimizerConfig.optimizer``.
 """
@@ -24,9 +30,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
+
+from . import matrix_views
+from .kernels import lion as lion_kernels
+from .kernels import muon as muon_kernels
 
 
 @dataclass(frozen=True)
@@ -36,6 +46,23 @@ class GroupViews:
     params: list[torch.Tensor]  # main params (fp32)
     grads: list[torch.Tensor]  # grads in the main params' dtype
     state: Mapping[str, list[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class ViewSources:
+    """Per flat buffer, the tensors a group's views are cut from (this rank's shard of each)."""
+
+    main: list[torch.Tensor]  # main params (fp32)
+    grads: list[torch.Tensor]  # grads in the main params' dtype
+    state: Mapping[str, list[torch.Tensor]]
+
+
+def flat_views(ctx, group: int, segments: Sequence, sources: ViewSources) -> GroupViews:
+    """The default view builder: one flat view per segment of the group in this rank's shard."""
+    def cut(tensors):
+        return [tensors[s.buffer][s.shard_start:s.shard_end] for s in segments]
+
+    return GroupViews(cut(sources.main), cut(sources.grads), {name: cut(t) for name, t in sources.state.items()})
 
 
 @dataclass(frozen=True)
@@ -52,10 +79,27 @@ class Family:
     hyperparameters: tuple[tuple[str, str], ...]  # (kernel keyword, HyperParams field)
     state_names: Callable[[object], tuple[str, ...]]  # config -> names of the per-element state buffers
     call: Callable[..., None]  # call(kernels, views, scalars, config, grad_scale, **hyperparameters)
+    kernels: Optional[ModuleType] = None
+    """The family's own kernels module, used whatever ``OptimizerConfig.kernel`` says; None: the
+    configured implementation (fused, compiled, reference)."""
+    views: Callable[..., GroupViews] = flat_views
+    """views(ctx, group, segments, sources) -> the views ``call`` hands to the kernel."""
+    check: Optional[Callable[..., None]] = None
+    """check(ctx, group): raise at build when the family cannot run this group (e.g. sharding)."""
+
+    @property
+    def batch_by_shape(self) -> bool:
+        """Whether the family needs whole matrices (its own view builder): the layout then sorts its groups'
+        params by shape so same-shape matrices are evenly spaced."""
+        return self.views is not flat_views
+
+    def kernels_for(self, configured: ModuleType) -> ModuleType:
+        """The kernels module this family's groups run: its own, else the configured implementation."""
+        return self.kernels if self.kernels is not None else configured
 
     def live_fields(self, kernels: ModuleType) -> frozenset[str]:
         """The fields of this family that ``kernels`` reads from device tensors (the rest are baked)."""
-        return frozenset(field for _, field in self.hyperparameters) & kernels.LIVE_FIELDS
+        return frozenset(field for _, field in self.hyperparameters) & self.kernels_for(kernels).LIVE_FIELDS
 
 
 def _adam(kernels, views: GroupViews, scalars: StepScalars, config, grad_scale, **hyper) -> None:
@@ -84,7 +128,40 @@ SGD = Family(
     call=_sgd,
 )
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (ADAM, SGD)}
+
+
+def _lion(kernels, views: GroupViews, scalars: StepScalars, config, grad_scale, **hyper) -> None:
+    kernels.lion(views.params, views.grads, views.state["exp_avg"], grad_scale=grad_scale,
+                 found_inf=scalars.found_inf, **hyper)
+
+
+def _muon(kernels, views: GroupViews, scalars: StepScalars, config, grad_scale, **hyper) -> None:
+    kernels.muon(views.params, views.grads, views.state["momentum_buffer"], nesterov=config.muon_nesterov,
+                 decoupled=config.decoupled_weight_decay, grad_scale=grad_scale, found_inf=scalars.found_inf,
+                 ns_steps=config.muon_num_ns_steps, coefficient_type=config.muon_coefficient_type,
+                 scale_mode=config.muon_scale_mode, extra_scale_factor=config.muon_extra_scale_factor,
+                 fp32_matmul_prec=config.muon_fp32_matmul_prec, qkv_splits=views.qkv_splits, **hyper)
+
+
+LION = Family(
+    name="lion",
+    hyperparameters=(("lr", "lr"), ("beta1", "beta1"), ("beta2", "beta2"), ("weight_decay", "weight_decay")),
+    state_names=lambda config: lion_kernels.STATE_NAMES,
+    call=_lion,
+    kernels=lion_kernels,
+)
+
+MUON = Family(
+    name="muon",
+    hyperparameters=(("lr", "lr"), ("weight_decay", "weight_decay"), ("momentum", "momentum")),
+    state_names=lambda config: muon_kernels.STATE_NAMES,
+    call=_muon,
+    kernels=muon_kernels,
+    views=matrix_views.matrix_views,
+    check=matrix_views.check_unsharded,
+)
+
+FAMILIES: dict[str, Family] = {family.name: family for family in (ADAM, SGD, LION, MUON)}
 
 
 def get_family(name: str) -> Family:

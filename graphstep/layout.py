@@ -24,7 +24,8 @@ parallelism and does not.
 One graphstep rule on top: inside a bucket, params are ordered by param group (then backward order).
 A bucket's grads all become ready together anyway, and this way each rank's shard of a bucket meets
 each group in one contiguous segment, so the fused update runs over a few large views (one per bucket
-and group) instead of one per parameter.
+and group) instead of one per parameter. Inside a group whose specs say ``batch_by_shape`` (Muon's),
+params are further ordered by shape, so same-shape matrices are contiguous and evenly spaced.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class ParamSpec:
     dtype: torch.dtype
     grad_dtype: torch.dtype
     group: int
+    batch_by_shape: bool = False  # its group's update batches same-shape matrices (Muon): sort by shape
 
     @property
     def numel(self) -> int:
@@ -207,6 +209,12 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def _in_bucket_key(spec: ParamSpec) -> tuple:
+    """Group first; within a group that batches by shape (Muon), shape next, so same-shape matrices are
+    contiguous and evenly spaced (one (n, r, c) view covers them: matrix_views.py)."""
+    return (spec.group, spec.shape if spec.batch_by_shape else ())
+
+
 def plan_layout(specs: Sequence[ParamSpec], dp_size: int = 1, bucket_size: Optional[int] = None) -> Layout:
     """Place ``specs`` (in model order) into flat buffers, buckets and per-rank shards."""
     if dp_size < 1:
@@ -248,7 +256,7 @@ def plan_layout(specs: Sequence[ParamSpec], dp_size: int = 1, bucket_size: Optio
         shard_offset = 0
         bucket_indices = []
         for chunk in chunks:
-            ordered = sorted(chunk, key=lambda i: specs[i].group)  # stable: backward order within a group
+            ordered = sorted(chunk, key=lambda i: _in_bucket_key(specs[i]))  # stable: backward order within
             start = offset
             for i in ordered:
                 spec = specs[i]

@@ -15,7 +15,7 @@ silently keeps a stale value (DESIGN.md law 3).
 
     norm (non-finite check + global grad norm, one read of the grads) → zeros (optional)
       → clip (coefficient, skip threshold, folded grad scale) → update (per-family kernels)
-      → copy_back → loss_scale (scaler update, result flags)
+      → qk_clip (with ``qk_clip=True``) → copy_back → loss_scale (scaler update, result flags)
 
 With several data-parallel ranks ``reduce`` (reduce-scatter) runs first and ``gather`` (all-gather)
 after the copy-back.
@@ -118,14 +118,17 @@ def baked_values(stages: Sequence[Stage]) -> Callable[[], tuple]:
 
 def default_chain(ctx: StepContext) -> list[Stage]:
     """The step's stages, in order, for the context's layout and config."""
-    from . import clip, gather, loss_scale, norm, reduce, update, zeros
+    from . import clip, gather, loss_scale, norm, qk_clip, reduce, update, zeros
 
     sharded = ctx.layout.dp_size > 1
     stages = [reduce.build(ctx)] if sharded else []
     stages.append(norm.build(ctx))
     if ctx.tensors.num_zeros is not None:
         stages.append(zeros.build(ctx))
-    stages += [clip.build(ctx), update.build(ctx), update.build_copy_back(ctx)]
+    stages += [clip.build(ctx), update.build(ctx)]
+    if ctx.config.qk_clip:
+        stages.append(qk_clip.build(ctx))
+    stages.append(update.build_copy_back(ctx))
     if sharded:
         stages.append(gather.build(ctx))
     stages.append(loss_scale.build(ctx))

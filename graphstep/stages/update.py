@@ -1,7 +1,9 @@
 """The update on the main params, skip folded in; and the copy back into the model params.
 
 One kernel call per param group, over that group's segments of this rank's shard (a few large views:
-one per bucket, see layout.py), through the group's optimizer family (graphstep/families.py). The step
+one per bucket, see layout.py; Muon's groups: one (n, r, c) view per run of same-shape matrices, see
+matrix_views.py), through the group's optimizer family (graphstep/families.py), whose view builder cuts
+the views once, here, at build. The step
 count advances by ``1 - found_inf`` before the kernels, so a skipped step leaves it, like the params and
 the state, bitwise unchanged.
 
@@ -19,12 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from ..families import GroupViews, StepScalars
+from ..families import StepScalars, ViewSources
 from . import Stage
-
-
-def _segment_views(tensors, segments) -> list[torch.Tensor]:
-    return [tensors[s.buffer][s.shard_start:s.shard_end] for s in segments]
 
 
 def build(ctx) -> Stage:
@@ -36,17 +34,19 @@ def build(ctx) -> Stage:
     casts = [(g, torch.empty_like(g, dtype=main_dtype)) for g in grad_sources if g.dtype != main_dtype]
     cast_of = {id(source): target for source, target in casts}
     kernel_grads = [cast_of.get(id(g), g) for g in grad_sources]
+    sources = ViewSources(buffers.main_shard, kernel_grads, buffers.state)
 
     scalars = StepScalars(t.step, t.found_inf)
-    calls = []  # (family call, views, live kwargs, baked (keyword, row, column))
+    calls = []  # (family call, family kernels, views, live kwargs, baked (keyword, row, column))
     baked_sources = []  # (group, field, row, column), for the baked report
     segments = ctx.layout.segments(ctx.rank)
     for group, family in enumerate(ctx.families):
+        if family.check is not None:
+            family.check(ctx, group)
         mine = [s for s in segments if s.group == group]
         if not mine:
             continue  # this rank owns nothing of the group
-        views = GroupViews(_segment_views(buffers.main_shard, mine), _segment_views(kernel_grads, mine),
-                           {name: _segment_views(tensors, mine) for name, tensors in buffers.state.items()})
+        views = family.views(ctx, group, mine, sources)
         live = family.live_fields(kernels)
         live_kwargs, baked = {}, []
         for keyword, field in family.hyperparameters:
@@ -56,7 +56,7 @@ def build(ctx) -> Stage:
                 row, column = hyper.position(field, group)
                 baked.append((keyword, row, column))
                 baked_sources.append((group, field, row, column))
-        calls.append((family.call, views, live_kwargs, tuple(baked)))
+        calls.append((family.call, family.kernels_for(kernels), views, live_kwargs, tuple(baked)))
 
     clip_row, clip_column = hyper.position("clip_grad")
     scaled = ctx.scaler is not None
@@ -70,11 +70,11 @@ def build(ctx) -> Stage:
             target.copy_(source)
         t.step.add_(1.0 - t.found_inf)
         grad_scale = t.grad_scale if uses_grad_scale() else None
-        for call, views, live_kwargs, baked in calls:
+        for call, family_kernels, views, live_kwargs, baked in calls:
             kwargs = dict(live_kwargs)
             for keyword, row, column in baked:
                 kwargs[keyword] = host[row][column]
-            call(kernels, views, scalars, config, grad_scale, **kwargs)
+            call(family_kernels, views, scalars, config, grad_scale, **kwargs)
 
     def baked_values() -> tuple:
         values = tuple((f"group {group}", field, host[row][column]) for group, field, row, column in baked_sources)

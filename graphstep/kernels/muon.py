@@ -1,0 +1,157 @@
+"""Muon's update over batches of same-shape matrices: one call of the kernels per distinct shape.
+
+    muon(params, grads, momentum_buffers, *, lr, weight_decay, momentum, nesterov, decoupled,
+         grad_scale, found_inf, ns_steps, coefficient_type, scale_mode, extra_scale_factor,
+         fp32_matmul_prec, qkv_splits=None, eps=NS_EPS) -> None
+
+``params``, ``grads`` and ``momentum_buffers`` are lists of 3-D fp32 views (n, r, c), one entry per
+distinct shape (the layout keeps same-shape matrices contiguous); params and buffers are updated in
+place, grads are only read. Per matrix, in EO 0.3.0's order (notes §1, EO
+``OrthogonalizedOptimizer.step``):
+
+1. grads divided by ``grad_scale`` (loss-scale unscale and clip coefficient folded in; None = 1);
+2. weight decay first: decoupled ``p ← p + (−wd·lr)·p`` (EO's ``p.add_(p, alpha=-(wd*lr))``, which
+   rounds differently from ``p *= 1 − lr·wd``), or L2 ``g ← g + wd·p`` when ``decoupled=False``;
+3. EMA momentum ``m ← lerp(m, g, 1 − μ)``; the update is ``lerp(g, m, μ)`` with nesterov, else ``m``;
+4. Newton–Schulz (newton_schulz.py), times the shape scale and ``extra_scale_factor``;
+5. ``p ← p + (−lr)·O``.
+
+The scalar steps use ``torch.addcmul`` with a 0-d hyperparameter tensor, which on the CPU rounds
+exactly like EO's ``add_(x, alpha=float)`` (fp64 hyperparameter tensors, the engine's CPU dtype, then
+reproduce EO's Python-double scalars bitwise). lr, weight_decay and momentum are 0-d device tensors
+(LIVE_FIELDS): a schedule changing them never needs a recapture. The rest are Python values fixed at
+build. ``found_inf`` (0-d fp32, 1.0 = skip) leaves params and momentum bitwise unchanged through
+``torch.where``; nothing reads a device value on the host.
+
+Split QKV: a fused QKV weight in Megatron's grouped layout is orthogonalised as three matrices (all Q
+rows, all K rows, all V rows), each scaled by its own shape, when its entry of ``qkv_splits`` is a
+``QKVSplit``; all n matrices of the entry are split the same way, still in batched calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .newton_schulz import NS_EPS, newton_schulz
+
+LIVE_FIELDS = frozenset({"lr", "weight_decay", "momentum"})
+BAKED_FIELDS = frozenset({"nesterov", "decoupled", "ns_steps", "coefficient_type", "scale_mode",
+                          "extra_scale_factor", "fp32_matmul_prec"})
+STATE_NAMES = ("momentum_buffer",)
+SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
+
+
+def scale_factor(rows: int, cols: int, scale_mode: str) -> float:
+    """The update scale for a (rows, cols) matrix, as EO's ``get_muon_scale_factor`` computes it."""
+    if scale_mode == "spectral":
+        return max(rows, cols) ** 0.5
+    if scale_mode == "shape_scaling":
+        return max(1, rows / cols) ** 0.5
+    if scale_mode == "unit_rms_norm":
+        return (rows / cols) ** 0.5
+    raise ValueError(f"muon scale_mode={scale_mode!r}: must be one of {', '.join(map(repr, SCALE_MODES))}")
+
+
+@dataclass(frozen=True)
+class QKVSplit:
+    """Megatron's fused QKV rows: ``num_groups`` query groups, each ``q_rows + k_rows + v_rows`` rows.
+
+    ``q_rows`` = heads per group × kv_channels, ``k_rows`` = ``v_rows`` = kv_channels (GQA); with tensor
+    parallelism, the local groups. Q, K and V are each gathered over all groups into one matrix
+    (num_groups·q_rows, cols), etc., orthogonalised and scaled by that matrix's shape.
+    """
+
+    num_groups: int
+    q_rows: int
+    k_rows: int
+    v_rows: int
+
+    @property
+    def rows_per_group(self) -> int:
+        return self.q_rows + self.k_rows + self.v_rows
+
+    def check(self, rows: int) -> None:
+        if rows != self.num_groups * self.rows_per_group:
+            raise ValueError(f"{self}: a fused QKV weight with {rows} rows does not hold {self.num_groups} groups "
+                             f"of {self.rows_per_group} rows; pass the local (tensor-parallel) group count")
+
+
+def orthogonalize(update: torch.Tensor, *, ns_steps: int, coefficient_type: str, scale_mode: str,
+                  extra_scale_factor: float, fp32_matmul_prec: str, eps: float = NS_EPS) -> torch.Tensor:
+    """NS of each matrix of ``update`` (n, r, c) times its shape scale and ``extra_scale_factor``."""
+    orth = newton_schulz(update, num_steps=ns_steps, coefficient_type=coefficient_type,
+                         fp32_matmul_prec=fp32_matmul_prec, eps=eps)
+    # Two multiplies by Python floats, as EO does: `update * scale_factor * extra_scale_factor`.
+    orth = orth * scale_factor(update.size(-2), update.size(-1), scale_mode)
+    return orth * extra_scale_factor if extra_scale_factor != 1.0 else orth
+
+
+def orthogonalize_qkv(update: torch.Tensor, split: QKVSplit, **ns_options) -> torch.Tensor:
+    """``orthogonalize`` of the gathered Q, K and V matrices of each fused weight in ``update`` (n, R, C).
+
+    Returns (n, R, C) with every row back in its fused position. When K and V have the same shape they
+    go through one batched call of 2n matrices, so a split costs two NS calls, not three.
+    """
+    n, rows, cols = update.shape
+    split.check(rows)
+    grouped = update.reshape(n, split.num_groups, split.rows_per_group, cols)
+    q, k, v = torch.split(grouped, (split.q_rows, split.k_rows, split.v_rows), dim=2)
+    gather = lambda part: part.reshape(n, -1, cols)  # noqa: E731 - (n, groups·rows, cols), a copy
+    q_orth = orthogonalize(gather(q), **ns_options)
+    if split.k_rows == split.v_rows:
+        k_orth, v_orth = orthogonalize(torch.cat((gather(k), gather(v))), **ns_options).split(n)
+    else:
+        k_orth, v_orth = orthogonalize(gather(k), **ns_options), orthogonalize(gather(v), **ns_options)
+    parts = [part.reshape(n, split.num_groups, -1, cols) for part in (q_orth, k_orth, v_orth)]
+    return torch.cat(parts, dim=2).reshape(n, rows, cols)
+
+
+def _check_views(params, grads, momentum_buffers, qkv_splits) -> None:
+    if not len(params) == len(grads) == len(momentum_buffers) == len(qkv_splits):
+        raise ValueError(f"muon: {len(params)} params, {len(grads)} grads, {len(momentum_buffers)} momentum buffers"
+                         f" and {len(qkv_splits)} qkv_splits: pass one entry of each per shape")
+    for param, grad, buf in zip(params, grads, momentum_buffers):
+        if param.dim() != 3 or param.shape != grad.shape or param.shape != buf.shape:
+            raise ValueError(f"muon expects (n, rows, cols) views of equal shape for param, grad and momentum "
+                             f"buffer, got {tuple(param.shape)}, {tuple(grad.shape)}, {tuple(buf.shape)}")
+        if param.dtype != torch.float32 or buf.dtype != torch.float32:
+            raise TypeError(f"muon runs on fp32 main params and state, got {param.dtype} / {buf.dtype}")
+
+
+def muon(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], momentum_buffers: Sequence[torch.Tensor],
+         *, lr: torch.Tensor, weight_decay: torch.Tensor, momentum: torch.Tensor, nesterov: bool, decoupled: bool,
+         grad_scale: Optional[torch.Tensor], found_inf: torch.Tensor, ns_steps: int, coefficient_type: str,
+         scale_mode: str, extra_scale_factor: float, fp32_matmul_prec: str,
+         qkv_splits: Optional[Sequence[Optional[QKVSplit]]] = None, eps: float = NS_EPS) -> None:
+    """One Muon step over each (n, r, c) entry, in place; see the module docstring for the rule."""
+    qkv_splits = list(qkv_splits) if qkv_splits is not None else [None] * len(params)
+    _check_views(params, grads, momentum_buffers, qkv_splits)
+    ns_options = dict(ns_steps=ns_steps, coefficient_type=coefficient_type, scale_mode=scale_mode,
+                      extra_scale_factor=extra_scale_factor, fp32_matmul_prec=fp32_matmul_prec, eps=eps)
+    keep = found_inf == 0
+    neg_lr = -lr
+    neg_decay = -(weight_decay * lr)
+    # lerp wants its tensor weight in the input's dtype; the cast of the fp64 (1 - μ) rounds like the
+    # Python float EO passes.
+    momentum_weight = (1 - momentum).to(torch.float32)
+    nesterov_weight = momentum.to(torch.float32)
+    for param, grad, buf, split in zip(params, grads, momentum_buffers, qkv_splits):
+        if grad_scale is not None:
+            grad = grad / grad_scale
+        if decoupled:
+            decayed = torch.addcmul(param, neg_decay, param)
+        else:
+            grad = grad + weight_decay * param
+            decayed = param
+        new_buf = buf.lerp(grad, momentum_weight)
+        update = grad.lerp(new_buf, nesterov_weight) if nesterov else new_buf
+        if split is None:
+            orth = orthogonalize(update, **ns_options)
+        else:
+            orth = orthogonalize_qkv(update, split, **ns_options)
+        new_param = torch.addcmul(decayed, neg_lr, orth)
+        param.copy_(torch.where(keep, new_param, param))
+        buf.copy_(torch.where(keep, new_buf, buf))

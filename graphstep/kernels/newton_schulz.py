@@ -1,0 +1,126 @@
+"""Newton–Schulz orthogonalisation over a batch of same-shape matrices, as Muon uses it.
+
+``newton_schulz(x)`` takes ``x`` of shape (n, r, c) and returns, per matrix, an approximation of the
+polar factor U Vᵀ of its SVD U S Vᵀ (Muon's "zeroth power"). The rules follow emerging-optimizers (EO)
+0.3.0, which Megatron-Core pins (facts from ../shared/reference/megatron-core-wave2-notes.md §1, checked
+against EO's ``muon_utils.newton_schulz``):
+
+1. transpose when r > c, so the Gram matrix X Xᵀ is the smaller one;
+2. Frobenius-normalise each matrix in fp32: X / max(‖X‖_F, eps), eps = 1e-7 (EO 0.3.0; 1e-15 at HEAD);
+3. "medium" precision: cast to bf16 after normalising and run the matmuls in bf16; "high"/"highest":
+   fp32 matmuls under that torch matmul precision (EO sets the global precision around the iteration;
+   on CUDA "high" means TF32, on this CPU build "high" and "highest" compute alike);
+4. per step, with coefficients (a, b, c): A = X Xᵀ; B = b·A + c·A²; X = a·X + B·X, each a batched
+   matmul (bmm, baddbmm) so that n matrices cost the same number of kernels as one;
+5. back to fp32, un-transpose.
+
+The batched ops round like EO's per-matrix mm/addmm on the CPU (checked bitwise in the tests), so a
+batch of n equals n separate calls.
+
+Everything here is capture-safe: no host reads; the coefficients are Python floats fixed at build
+(they are constants of the method, not schedulable hyperparameters).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+# EO 0.3.0 normalisation floor (torch.optim.Muon uses the same 1e-7; EO HEAD moved to 1e-15).
+NS_EPS = 1e-7
+
+# (a, b, c) per iteration. Sources:
+# - "simple": Keller Jordan's Muon (also torch.optim.Muon's default), one tuple repeated.
+# - "quintic": five tuples from modded-nanogpt, used by EO as its default; cycled, so the step count must
+#   be a multiple of 5 (EO raises otherwise).
+# - "polar_express": Amsel, Persson, Musco, Gower, "The Polar Express" (arXiv:2505.16932), Algorithm 1:
+#   eight minimax-optimal quintics, the first seven divided by the safety factor (1.01, 1.01³, 1.01⁵);
+#   rounded to 4 decimals as EO lists them (EO PR #74 restored these after issue #73). EO requires at
+#   least 8 steps and repeats the last tuple beyond 8 (EO PR #91, following the paper).
+COEFFICIENT_SETS: dict[str, tuple[tuple[float, float, float], ...]] = {
+    "simple": ((3.4445, -4.7750, 2.0315),),
+    "quintic": (
+        (4.0848, -6.8946, 2.9270),
+        (3.9505, -6.3029, 2.6377),
+        (3.7418, -5.5913, 2.3037),
+        (2.8769, -3.1427, 1.2046),
+        (2.8366, -3.0525, 1.2012),
+    ),
+    "polar_express": (
+        (8.2051, -22.9019, 16.4607),
+        (4.0664, -2.8612, 0.5184),
+        (3.9096, -2.8234, 0.5250),
+        (3.2856, -2.4153, 0.4853),
+        (2.2779, -1.6198, 0.3985),
+        (1.8726, -1.2307, 0.3585),
+        (1.8564, -1.2132, 0.3568),
+        (1.8750, -1.2500, 0.3750),
+    ),
+}
+
+MATMUL_PRECISIONS = ("medium", "high", "highest")
+
+
+def coefficient_schedule(coefficient_type: str, num_steps: int) -> tuple[tuple[float, float, float], ...]:
+    """The (a, b, c) of each of the ``num_steps`` iterations, by EO's rules for each set."""
+    if coefficient_type not in COEFFICIENT_SETS:
+        raise ValueError(f"muon coefficient_type={coefficient_type!r}: must be one of "
+                         f"{', '.join(map(repr, COEFFICIENT_SETS))}")
+    if num_steps < 1:
+        raise ValueError(f"muon num_ns_steps={num_steps}: must be at least 1")
+    table = COEFFICIENT_SETS[coefficient_type]
+    if coefficient_type == "simple":
+        return table * num_steps
+    if coefficient_type == "polar_express":
+        if num_steps < len(table):
+            raise ValueError(f"muon num_ns_steps={num_steps}: polar_express is tuned for {len(table)} steps; "
+                             f"use at least {len(table)} (later steps repeat the last tuple)")
+        return table + table[-1:] * (num_steps - len(table))
+    if num_steps % len(table):
+        raise ValueError(f"muon num_ns_steps={num_steps}: {coefficient_type!r} cycles {len(table)} tuples; "
+                         f"use a multiple of {len(table)}")
+    return table * (num_steps // len(table))
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str):
+    """torch's global fp32 matmul precision set to ``precision`` for the block, restored after.
+
+    A host-side setting: under capture it decides which kernels are recorded. On this CPU build
+    "medium" lets oneDNN run fp32 matmuls in reduced precision, so the fp32 path must not inherit it.
+    """
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def newton_schulz(x: torch.Tensor, *, num_steps: int, coefficient_type: str = "quintic",
+                  fp32_matmul_prec: str = "medium", eps: float = NS_EPS) -> torch.Tensor:
+    """Orthogonalise each matrix of ``x`` (n, r, c), fp32; returns a new fp32 (n, r, c) tensor."""
+    if x.dim() != 3:
+        raise ValueError(f"newton_schulz expects a batch of matrices (n, rows, cols), got shape {tuple(x.shape)}; "
+                         f"use x.unsqueeze(0) for a single matrix")
+    if x.dtype != torch.float32:
+        raise TypeError(f"newton_schulz expects float32 input (Muon runs on fp32 main params), got {x.dtype}")
+    if fp32_matmul_prec not in MATMUL_PRECISIONS:
+        raise ValueError(f"muon fp32_matmul_prec={fp32_matmul_prec!r}: must be one of "
+                         f"{', '.join(map(repr, MATMUL_PRECISIONS))}")
+    schedule = coefficient_schedule(coefficient_type, num_steps)
+    transpose = x.size(-2) > x.size(-1)
+    if transpose:
+        x = x.mT
+    # Same op form as torch.nn.functional.normalize over the last two dims (what EO calls).
+    X = x / x.norm(2, dim=(-2, -1), keepdim=True).clamp_min(eps)
+    with matmul_precision(fp32_matmul_prec):
+        if fp32_matmul_prec == "medium":
+            X = X.to(torch.bfloat16)
+        for a, b, c in schedule:
+            A = torch.bmm(X, X.mT)
+            B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+            X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)
+    X = X.to(torch.float32)
+    return X.mT if transpose else X

@@ -1,0 +1,100 @@
+"""Whole-matrix views for Muon: a group's params as (n, rows, cols) batches, one per run of equal shapes.
+
+Newton–Schulz orthogonalises whole matrices, so Muon cannot run over the flat segments the elementwise
+families use. The layout places a Muon group's params in each bucket sorted by shape (layout.py), each
+starting on a multiple of ``PARAM_ALIGNMENT``, so n same-shape matrices sit at evenly spaced offsets. One
+``as_strided`` view (n, r, c) with batch stride = that spacing covers all of them in every buffer kind
+(main params, grads, momentum) without a copy: the kernel then runs one batched Newton–Schulz per run,
+and the step's op count depends on the number of distinct shapes, not of matrices.
+
+A run breaks where the shape, the buffer or the QKV split changes, or the spacing is uneven; each run is
+one entry of the kernel's lists. Nothing here assumes the layout's order for correctness, only for speed.
+
+Fused QKV weights: with ``OptimizerConfig.muon_split_qkv`` a param carrying ``qkv_split`` (a
+``graphstep.QKVSplit``; ``graphstep.qk_clip.register(..., qkv=...)`` sets it from the head layout) is
+orthogonalised as separate Q, K and V matrices. A param named like Megatron's ``linear_qkv.weight``
+without one is refused: its head layout cannot be read off the tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+import torch
+
+from .kernels.muon import QKVSplit
+
+MEGATRON_QKV_SUFFIX = "linear_qkv.weight"
+
+
+@dataclass(frozen=True)
+class MatrixViews:
+    """One Muon group: parallel lists of (n, r, c) views, one entry per run of same-shape matrices."""
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    state: Mapping[str, list[torch.Tensor]]
+    qkv_splits: list[Optional[QKVSplit]] = field(default_factory=list)
+
+
+def check_unsharded(ctx, group: int) -> None:
+    """Muon needs whole matrices on one rank; element-wise shards of the distributed optimizer cut them."""
+    if ctx.layout.dp_size > 1:
+        names = [p.name for p in ctx.layout.params if p.group == group][:3]
+        raise ValueError(f"optimizer family 'muon' (param group {group}: {', '.join(names)}, ...) with "
+                         f"{ctx.layout.dp_size} data-parallel ranks: the distributed optimizer shards params "
+                         "element-wise, which cuts Muon's matrices, and layer-wise sharding (each rank owning "
+                         "whole matrices) is not supported yet. Train Muon with use_distributed_optimizer=False "
+                         "on one rank, or route these params to 'adam'/'lion'")
+
+
+def qkv_split_of(param: torch.Tensor, name: str, shape: tuple, config) -> Optional[QKVSplit]:
+    """The split a fused QKV weight is orthogonalised with, or None (see the module docstring)."""
+    if not config.muon_split_qkv:
+        return None
+    split = getattr(param, "qkv_split", None)
+    if split is None:
+        if name.endswith(MEGATRON_QKV_SUFFIX):
+            raise ValueError(f"param '{name}' looks like Megatron's fused QKV weight and muon_split_qkv=True, but "
+                             "its head layout is unknown: set param.qkv_split = graphstep.QKVSplit(num_groups, "
+                             "q_rows, k_rows, v_rows) (or register its attention with graphstep.qk_clip."
+                             "register(..., qkv=...)), or set muon_split_qkv=False")
+        return None
+    if not isinstance(split, QKVSplit):
+        raise TypeError(f"param '{name}'.qkv_split is a {type(split).__name__}, expected a graphstep.QKVSplit")
+    split.check(shape[0])
+    return split
+
+
+def matrix_views(ctx, group: int, segments: Sequence, sources) -> MatrixViews:
+    """The (n, r, c) views of group ``group``'s params in ``sources`` (a families.ViewSources)."""
+    layout, config = ctx.layout, ctx.config
+    owned = {r.param: r for r in layout.owned_ranges(ctx.rank)}
+    places = sorted((p for p in layout.params if p.group == group), key=lambda p: (p.buffer, p.start))
+    runs: list[list] = []  # [buffer, shape, split, first shard offset, spacing, count]
+    for place in places:
+        if len(place.shape) != 2:
+            raise ValueError(f"param '{place.name}' of shape {place.shape} is in a Muon group: Muon orthogonalises "
+                             "2-D matrices only; route it to the scalar optimizer (muon_scalar_optimizer)")
+        mine = owned[place.index]  # whole: check_unsharded ran first
+        split = qkv_split_of(ctx.buffers.params[place.index], place.name, place.shape, config)
+        run = runs[-1] if runs else None
+        if (run is not None and run[:3] == [place.buffer, place.shape, split]
+                and (run[5] == 1 or mine.shard_start - run[3] == run[4] * run[5])):
+            if run[5] == 1:
+                run[4] = mine.shard_start - run[3]
+            run[5] += 1
+        else:
+            runs.append([place.buffer, place.shape, split, mine.shard_start, 0, 1])
+
+    def cut(tensors):
+        views = []
+        for buffer, (rows, cols), _, start, spacing, count in runs:
+            base = tensors[buffer]
+            views.append(base.as_strided((count, rows, cols), (spacing or rows * cols, cols, 1),
+                                         base.storage_offset() + start))
+        return views
+
+    return MatrixViews(cut(sources.main), cut(sources.grads), {name: cut(t) for name, t in sources.state.items()},
+                       [run[2] for run in runs])
