@@ -207,3 +207,10 @@ def test_warmup_cosine_schedule():
     assert factor(10) == pytest.approx(1.0)
     assert factor(100) == pytest.approx(0.1) and factor(1000) == pytest.approx(0.1)
     assert all(factor(s) >= factor(s + 1) for s in range(10, 100))
+
+
+def test_demo_trains_with_muon_and_qk_clip_bitwise_equal_captured(capsys, tmp_path):
+    rows, out = run(capsys, tmp_path, "--steps", "4", "--optimizer", "muon", "--qk-clip", "--batch-size", "2")
+    assert set(rows) == {"eager", "graph"} and rows["graph"]["backend"] == "replay"
+    assert "final losses equal, bitwise" in out and "muon lr 0.003" in out and "qk-clip at 20" in out
+

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+import graphstep as gs
 from graphstep.app import models
 
 # Smaller than tiny() so the learning test takes a second or two.
@@ -100,3 +101,17 @@ def test_loss_decreases_with_adamw():
     assert all(math.isfinite(x) for x in losses)
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 0.5, (first, last)
+
+
+def test_qk_clip_preset_registers_every_attention_and_records_its_max_logits():
+    model = models.GPT(models.tiny(qk_clip=True))
+    attentions = [m for m in model.modules() if isinstance(m, models.CausalSelfAttention)]
+    assert len(gs.qk_clip.registrations(model.parameters())) == len(attentions) == models.tiny().n_layers
+    buffer = getattr(attentions[0], gs.qk_clip.BUFFER_NAME)
+    assert attentions[0].qkv.bias is None and torch.isinf(buffer).all()  # nothing recorded yet
+    model(torch.randint(0, 256, (2, 16)))
+    assert torch.isfinite(buffer).all()  # each head's max logit of that forward
+    model.eval()
+    before = buffer.clone()
+    model(torch.randint(0, 256, (2, 16)) * 0)
+    assert torch.equal(buffer, before)  # eval forwards do not count

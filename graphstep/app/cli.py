@@ -2,7 +2,7 @@
 
     graphstep --version
     graphstep demo    [--steps 200] [--preset tiny] [--precision fp32|bf16|fp16] [--capture both|eager|graph|auto]
-                      [--optimizer adam|sgd] [--world-size 1] [--batch-size 16] [--seed 0] [--lr ...]
+                      [--optimizer adam|sgd|muon] [--qk-clip] [--world-size 1] [--batch-size 16] [--seed 0] [--lr ...]
                       [--log-every ...] [--out DIR] [--threads N] [--device cpu]
     graphstep profile [--steps 10] [--preset tiny] [--capture eager|graph] [--precision ...] [--out DIR]
     graphstep bench   [flags of the optimizer-step benchmark, graphstep.app.bench]
@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import models
-from .demo import PRECISIONS, DemoSettings, ProgressBar, estimate_seconds, log_interval, optimizer_config, train
+from .demo import DEMO_QK_CLIP_THRESHOLD, PRECISIONS, DemoSettings, ProgressBar, estimate_seconds, log_interval, optimizer_config, train
 from .options import default_out_dir, package_version, positive_float, positive_int, torch_device
 
 CAPTURES = ("both", "eager", "graph", "auto")
@@ -46,7 +46,11 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capture", choices=CAPTURES, default="both",
                         help="how the optimizer step runs (OptimizerConfig.capture); 'both' (default) trains "
                              "twice, eager then graph, and checks that the two are bitwise equal")
-    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="default adam")
+    parser.add_argument("--optimizer", choices=("adam", "sgd", "muon"), default="adam",
+                        help="default adam; muon trains the hidden matrices with Muon and the rest with Adam")
+    parser.add_argument("--qk-clip", action="store_true",
+                        help="QK-clip (MuonClip): the attention records its max logits and the step rescales "
+                             f"W_q/W_k so that none exceeds {DEMO_QK_CLIP_THRESHOLD:g}")
     parser.add_argument("--world-size", type=positive_int, default=1,
                         help="data-parallel ranks: N > 1 spawns N gloo ranks on 127.0.0.1 with the distributed "
                              "optimizer, each training on its slice of each global batch (default 1: in-process)")
@@ -54,7 +58,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequences per step, over all ranks (default 16)")
     parser.add_argument("--seed", type=int, default=0, help="model init and corpus seed (default 0)")
     parser.add_argument("--lr", type=positive_float, default=None,
-                        help="peak learning rate (default adam 1e-3, sgd 0.1)")
+                        help="peak learning rate (default adam 1e-3, sgd 0.1, muon 3e-3)")
     parser.add_argument("--log-every", type=positive_int, default=None,
                         help="progress line every N steps when not on a terminal (default: steps / 10)")
     parser.add_argument("--out", default=None,
@@ -71,7 +75,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings_from(args: argparse.Namespace) -> DemoSettings:
     return DemoSettings(steps=args.steps, preset=args.preset, precision=args.precision, optimizer=args.optimizer,
-                        batch_size=args.batch_size, seed=args.seed, lr=args.lr, log_every=args.log_every,
+                        qk_clip=args.qk_clip, batch_size=args.batch_size, seed=args.seed, lr=args.lr, log_every=args.log_every,
                         device=args.device)
 
 
@@ -145,7 +149,8 @@ def _print_intro(settings: DemoSettings, captures: Sequence[str], world: int, ou
     ranks = f"{world} gloo ranks x {settings.batch_size // world}" if world > 1 else f"batch {settings.batch_size}"
     thread_note = f" ({threads} thread{'s' * (threads > 1)})" if world == 1 and on_cpu else ""
     print(f"graphstep demo: GPT {settings.preset} ({num_params / 1e6:.2f}M params, {model_config.n_layers} layers, "
-          f"d_model {model_config.d_model}), {settings.optimizer} lr {config.lr:g} wd {config.weight_decay:g}, "
+          f"d_model {model_config.d_model}), {settings.optimizer} lr {config.lr:g} wd {config.weight_decay:g}"
+          f"{f', qk-clip at {config.qk_clip_threshold:g}' if config.qk_clip else ''}, "
           f"{settings.precision}, {ranks}x{model_config.seq_len}, {settings.steps} steps on {settings.device}"
           f"{thread_note}, capture: {' then '.join(captures)}", file=out, flush=True)
     floor = models.SyntheticCorpus(model_config.vocab_size, seed=settings.seed).entropy_rate()

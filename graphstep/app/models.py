@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import graphstep as gs
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -47,6 +49,11 @@ class GPTConfig:
 
     d_ff: int = 512
     """Hidden width of each block's MLP."""
+
+    qk_clip: bool = False
+    """Attention ready for QK-clip (``graphstep.qk_clip``): the fused QKV weight in Megatron's grouped layout
+    (rows [q_h; k_h; v_h] per head, no bias, so a clipped max logit is exactly the threshold), registered
+    at construction, and each head's max attention logit recorded in every training forward."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff"):
@@ -86,15 +93,35 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_heads = config.n_heads
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.qk_clip = config.qk_clip
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=not config.qk_clip)
         self.proj = nn.Linear(config.d_model, config.d_model)
+        if config.qk_clip:
+            head_dim = config.d_model // config.n_heads
+            layout = gs.HeadLayout(config.n_heads, config.n_heads, head_dim, fused_qkv=True)
+            gs.qk_clip.register(self, layout=layout, qkv=self.qkv.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qk_clip:
+            return self._forward_recording_logits(x)
         batch, seq, width = x.shape
         q, k, v = self.qkv(x).split(width, dim=-1)
         # (batch, seq, width) -> (batch, heads, seq, head_dim)
         q, k, v = (t.view(batch, seq, self.n_heads, width // self.n_heads).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+    def _forward_recording_logits(self, x: torch.Tensor) -> torch.Tensor:
+        # The scores are materialised (SDPA does not return them) so QK-clip sees each head's max logit.
+        batch, seq, width = x.shape
+        head_dim = width // self.n_heads
+        q, k, v = self.qkv(x).view(batch, seq, self.n_heads, 3, head_dim).unbind(3)  # grouped layout
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        scores = (q @ k.transpose(-2, -1)) * head_dim ** -0.5
+        future = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+        gs.qk_clip.record(self, scores)  # (batch, heads, seq, seq): heads on dim 1
+        y = scores.softmax(dim=-1) @ v
         return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
 
 
