@@ -444,3 +444,32 @@ def _make_nested_holes():
 
 def test_placeholders_nested_in_list_arguments_bitwise():
     _run_both(_make_nested_holes, 30)
+
+
+def test_replay_keeps_the_matmul_precision_each_op_was_recorded_under():
+    # A step that runs some matmuls at "highest" inside a job at "medium" (Muon's Newton-Schulz) must
+    # replay them at "highest", not at whatever the global setting is when the replay runs.
+    a = torch.randn(4, 128, 256, generator=torch.Generator().manual_seed(0))
+    out = torch.zeros(4, 128, 128)
+
+    def step():
+        previous = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        try:
+            torch.bmm(a, a.transpose(1, 2), out=out)
+        finally:
+            torch.set_float32_matmul_precision(previous)
+
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        step()
+        eager = out.clone()
+        g = capture.graph(step, warmup=0, backend="replay")
+        g()  # records
+        out.zero_()
+        g()  # replays under the global "medium"
+        assert torch.equal(out, eager)
+        assert torch.get_float32_matmul_precision() == "medium"  # the caller's setting is restored
+    finally:
+        torch.set_float32_matmul_precision(previous)

@@ -44,6 +44,10 @@ class Instr:
     works: tuple
     out_spec: Any = None
     release: tuple = ()
+    # torch's fp32 matmul precision when the op was recorded: a step may set it around some matmuls
+    # (Muon's Newton-Schulz runs "highest" inside a "medium" job); replay restores it per op, as the
+    # kernels a CUDA graph captured keep the precision they were launched with.
+    matmul_precision: str = "highest"
     # Filled by Program._compile: the call without pytree work at replay.
     baked: Optional[tuple] = None  # (args, kwargs) when no tensor is involved
     template: Optional[list] = None  # [args list, kwargs dict] with holes for tensors
@@ -221,16 +225,25 @@ class Program:
         # the list), but replay enters the dispatcher from the top: no_grad keeps
         # autograd from recording them or refusing in-place updates of leaf params, and
         # autocast is disabled so a caller's autocast region cannot recast them.
-        with torch.no_grad(), torch._C._DisableAutocast():
-            for ins in self.instrs:
-                args, kwargs = self._call_args(ins, env)
-                out = ins.func(*args, **kwargs)
-                for path, slot in ins.out_paths:
-                    env[slot] = _at(out, path)
-                for path in ins.work_paths:
-                    _c10d.wait(_at(out, path))
-                for slot in ins.release:
-                    env[slot] = None
+        caller_precision = precision = torch.get_float32_matmul_precision()
+        try:
+            with torch.no_grad(), torch._C._DisableAutocast():
+                for ins in self.instrs:
+                    if ins.matmul_precision != precision:
+                        precision = ins.matmul_precision
+                        torch.set_float32_matmul_precision(precision)
+                    args, kwargs = self._call_args(ins, env)
+                    out = ins.func(*args, **kwargs)
+                    for path, slot in ins.out_paths:
+                        env[slot] = _at(out, path)
+                    for path in ins.work_paths:
+                        _c10d.wait(_at(out, path))
+                    for slot in ins.release:
+                        env[slot] = None
+        finally:
+            if precision != caller_precision:
+                torch.set_float32_matmul_precision(caller_precision)
+        with torch.no_grad():
             for captured, slot in self.out_binds:
                 _refresh(captured, env[slot])
             for ref, slot in self.escaped:

@@ -30,6 +30,9 @@ graph would do to a step:
 * Custom ops (`torch.library`, any namespace but torch's own) are recorded as one op
   and called again at each replay; their body runs with the dispatch state of the
   caller, so a torch.compile'd kernel inside sees what it saw in warm-up.
+* Each op replays under the fp32 matmul precision (`torch.set_float32_matmul_precision`)
+  it was recorded under, as a CUDA graph's kernels keep the precision they were launched
+  with; the caller's setting is restored after the replay.
 * c10d collectives (`c10d.allreduce_`, `c10d._reduce_scatter_base_`, ...) are replayed;
   the ProcessGroup and ReduceOp objects are baked by reference, and every Work an op
   returns is waited on at once, at recording and at replay (a stronger sync than an
@@ -231,7 +234,8 @@ class _Recorder(TorchDispatchMode):
                 _c10d.wait(y)
         self.device_rule.observe(func, tensors)
         out_spec = tree_flatten(out)[1] if (binds or works) else None
-        self.instrs.append(Instr(func, spec, leaves, tuple(subs), tuple(binds), tuple(works), out_spec))
+        self.instrs.append(Instr(func, spec, leaves, tuple(subs), tuple(binds), tuple(works), out_spec,
+                                 matmul_precision=torch.get_float32_matmul_precision()))
         return out
 
 
