@@ -131,6 +131,17 @@ class Graph:
         self._captured = True
         return out
 
+    def stale_inputs(self) -> Optional[str]:
+        """Why the next replay would refuse (a static input moved or changed), or None. The same check
+        the replay runs first, for owners that must decide before replaying (several ranks agreeing)."""
+        if not self._captured or self._guard is None:
+            return None
+        try:
+            self._guard.verify()
+        except StaleInputError as exc:
+            return str(exc)
+        return None
+
     def invalidate(self) -> None:
         """Drop the capture; the next call captures anew (without a new warm-up)."""
         self._backend.reset()

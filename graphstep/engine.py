@@ -207,7 +207,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"param '{name}' is on {p.device}, others on {device}: put the model on one "
                                  "device before get_optimizer")
         group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
-        families = families_of(self.param_groups, config.optimizer)
+        self._families = families = families_of(self.param_groups, config.optimizer)
         specs = [_param_spec(config, name, p, group_of[id(p)], families[group_of[id(p)]].batch_by_shape)
                  for name, p in named]
 
@@ -277,6 +277,10 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             replaced += self.buffers.readopt_params()  # also rebinds grads a user set to None (as zeros)
         if replaced:
             self._runner.on_replaced(replaced)
+        for g, (group, family) in enumerate(zip(self.param_groups, self._families)):
+            problem = family.group_problem(group, self.config) if family.group_problem is not None else None
+            if problem is not None:
+                raise ValueError(f"graphstep: param group {g}: {problem}")
         self.hyper.refresh(self.param_groups, {"clip_grad": self.clip_grad,
                                                "grad_norm_skip_threshold": self.grad_norm_skip_threshold})
 

@@ -86,6 +86,10 @@ class Family:
     """views(ctx, group, segments, sources) -> the views ``call`` hands to the kernel."""
     check: Optional[Callable[..., None]] = None
     """check(ctx, group): raise at build when the family cannot run this group (e.g. sharding)."""
+    group_problem: Optional[Callable[[dict, object], Optional[str]]] = None
+    """group_problem(param_group, config): what in a group's current values the built step cannot honour
+    (a schedule switching on momentum the build gave no buffers for), in words; None when all is well.
+    The engine asks before each step and refuses the step with it."""
 
     @property
     def batch_by_shape(self) -> bool:
@@ -121,11 +125,23 @@ ADAM = Family(
     call=_adam,
 )
 
+def _sgd_group_problem(group: dict, config) -> Optional[str]:
+    if config.sgd_momentum == 0 and group.get("momentum", 0.0) != 0:
+        return (f"momentum={group['momentum']!r}, but the optimizer was built with sgd_momentum=0 and keeps no "
+                "momentum buffers: build it with sgd_momentum > 0 to schedule momentum (torch's OneCycleLR "
+                "cycles it unless cycle_momentum=False)")
+    if "nesterov" in group and bool(group["nesterov"]) != config.sgd_nesterov:
+        return (f"nesterov={group['nesterov']!r}: fixed at build by OptimizerConfig.sgd_nesterov="
+                f"{config.sgd_nesterov}; build a new optimizer to change it")
+    return None
+
+
 SGD = Family(
     name="sgd",
     hyperparameters=(("lr", "lr"), ("weight_decay", "weight_decay"), ("momentum", "momentum")),
     state_names=lambda config: ("momentum_buffer",) if config.sgd_momentum > 0 else (),
     call=_sgd,
+    group_problem=_sgd_group_problem,
 )
 
 

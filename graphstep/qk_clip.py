@@ -29,7 +29,7 @@ The MAX all-reduce of the buffers over data-parallel ranks before ``clip_factors
 Inside the engine (``OptimizerConfig.qk_clip=True``) the stage ``graphstep/stages/qk_clip.py`` does all of
 it; the model only declares its attention layers and records their logits:
 
-    buffer = graphstep.qk_clip.register(attn, layout=HeadLayout(...), q=attn.q.weight, k=attn.k.weight)
+    graphstep.qk_clip.register(attn, layout=HeadLayout(...), q=attn.q.weight, k=attn.k.weight)
     ...  # in attn.forward, with the masked, scaled pre-softmax scores (b, heads, s_q, s_kv):
     graphstep.qk_clip.record(attn, scores)
 
@@ -104,16 +104,18 @@ def record_max_logits(buffer: torch.Tensor, logits: torch.Tensor, *, head_dim: i
 
 def clip_factors(max_logits: torch.Tensor, layout: HeadLayout, threshold: Scalar,
                  alpha: Scalar) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per query group (η^α, η^(1−α)) with η = τ / S_g where S_g > τ, else exactly 1.
+    """Per query group (η^α, η^(1−α)) with η = τ / S_g where τ < S_g < inf, else exactly 1.
 
     ``max_logits`` (num_heads,): per-head maxima; S_g is the max over the group's heads (GQA shares one
-    key between them). Dividing by ``where(S_g > τ, S_g, τ)`` keeps every intermediate finite.
+    key between them). Dividing by ``where(over, S_g, τ)`` keeps every intermediate finite. A non-finite
+    S_g (an overflowed score, typically on a step that is skipped anyway) leaves the group unscaled:
+    τ / inf = 0 would zero W_q and W_k for good.
     """
     if max_logits.shape != (layout.num_heads,):
         raise ValueError(f"clip_factors: max_logits of shape {tuple(max_logits.shape)}, expected "
                          f"({layout.num_heads},) for {layout}")
     group_max = max_logits.float().view(layout.num_kv_groups, layout.heads_per_group).amax(dim=1)
-    over = group_max > threshold
+    over = (group_max > threshold) & torch.isfinite(group_max)
     eta = threshold / torch.where(over, group_max, threshold)
     return eta ** alpha, eta ** (1 - alpha)
 
@@ -191,8 +193,13 @@ class Registration:
 
 
 def register(module: torch.nn.Module, *, layout: HeadLayout, q: Optional[torch.nn.Parameter] = None,
-             k: Optional[torch.nn.Parameter] = None, qkv: Optional[torch.nn.Parameter] = None) -> torch.Tensor:
-    """Declare ``module`` an attention layer for QK-clip; returns its max-logit buffer (num_heads,).
+             k: Optional[torch.nn.Parameter] = None, qkv: Optional[torch.nn.Parameter] = None) -> None:
+    """Declare ``module`` an attention layer for QK-clip, with a max-logit buffer (num_heads,) at -inf.
+
+    Record into it with ``record(module, logits)`` only: at build the engine moves every layer's buffer
+    into one static tensor (one all-reduce for all layers) and points the module's attribute at its
+    slice, so a reference to the buffer taken before the build would no longer be read (and, as for the
+    params, move or cast the model before ``get_optimizer``, not after).
 
     Give ``q`` and ``k`` (separate weights, ``layout.fused_qkv=False``) or ``qkv`` (Megatron's grouped
     fused weight, ``layout.fused_qkv=True``), 2-D with rows first (``nn.Linear.weight``). A fused weight
@@ -223,7 +230,6 @@ def register(module: torch.nn.Module, *, layout: HeadLayout, q: Optional[torch.n
         setattr(weight, _TAG, registration)
     buffer = torch.full((layout.num_heads,), float("-inf"), device=weights[0][1].device)
     module.register_buffer(BUFFER_NAME, buffer, persistent=False)
-    return buffer
 
 
 def record(module: torch.nn.Module, logits: torch.Tensor, *, head_dim: int = 1) -> None:

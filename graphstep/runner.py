@@ -122,12 +122,13 @@ class StepRunner:
             self._graph()
         except capture.StaleInputError:
             # The engine adopts replaced tensors before each step, so this guard firing means a tensor it
-            # does not own moved. One process recaptures over the current tensors; with several ranks a
-            # recapture on this rank alone would desynchronise the collectives, so it raises.
-            if self._invalidation == "raise" or self._agree is not None:
+            # does not own moved; recapturing over the current tensors is the only safe continuation. (With
+            # several ranks, _settle_staleness has already checked the inputs and agreed on it.)
+            if self._invalidation == "raise":
                 raise
             logger.warning("graphstep: a static input of the captured step moved; recapturing")
             self._recapture()
+            was_captured = False
             self._graph()
         if not was_captured and self._graph.captured:
             self._baked.record()
@@ -137,6 +138,9 @@ class StepRunner:
     def _settle_staleness(self) -> None:
         """Decide, together with the other ranks, whether the captured step must be recaptured now."""
         reason, self._stale = self._stale, None
+        if reason is None and self._agree is not None:
+            # Several ranks: a moved input is one more rank-local reason, decided here, before the replay.
+            reason = self._graph.stale_inputs()
         if reason is None and self._graph.captured:
             changed = self._baked.change()
             if changed is not None:

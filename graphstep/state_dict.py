@@ -14,9 +14,10 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
 
 import torch
+import torch.distributed
 
 STATE_DICT_FORMAT = "graphstep/1"
 _TOP_KEYS = ("format", "layout", "rank", "step", "main_params", "state", "param_groups", "scaler", "clip_grad",
@@ -237,13 +238,10 @@ def check_scaler(opt, saved: Any, where: str, name=None) -> None:
     check_mapping(saved, where, tuple(live), allowed=tuple(live))
     for key, like in live.items():
         check_tensor(saved[key], name(key), like)
-    if not float(saved["scale"]) > 0:
-        raise _fail(name("scale"), f"is {float(saved['scale'])}: must be > 0")
-    for key in ("growth_tracker", "hysteresis_tracker"):
-        if key in saved and float(saved[key]) != math.floor(float(saved[key])):
-            raise _fail(name(key), f"is {float(saved[key])}: must be a whole number")
-    if "growth_tracker" in saved and float(saved["growth_tracker"]) < 0:
-        raise _fail(name("growth_tracker"), "is negative")
+    try:  # the values: exactly the scaler's own rules (scale in [2**-126, 2**127], whole trackers, ...)
+        opt.scaler.validate_state_dict(saved)
+    except ValueError as exc:
+        raise _fail(where, f"is refused by the loss scaler: {exc}") from None
 
 
 def apply_common(opt, step, group_updates, scaler_state, clip_grad, skip_threshold) -> None:
@@ -257,11 +255,48 @@ def apply_common(opt, step, group_updates, scaler_state, clip_grad, skip_thresho
     opt.grad_norm_skip_threshold = skip_threshold
 
 
+def refuse_together(opt, validate: Callable[[], Any], what: str) -> Any:
+    """``validate()`` on this rank, then agree with the other data-parallel ranks (one small all-reduce):
+    a rank that refuses its checkpoint refuses for all, so none of them copies anything and none waits in
+    the post-load all-gather for a rank that raised. Returns what ``validate`` returned."""
+    error = None
+    try:
+        validated = validate()
+    except (ValueError, TypeError) as exc:
+        error = exc
+    group = opt.comm.dp_group
+    if opt.layout.dp_size > 1 and group is not None:
+        refused = torch.tensor([0.0 if error is None else 1.0 + opt.rank], device=opt.tensors.step.device)
+        torch.distributed.all_reduce(refused, op=torch.distributed.ReduceOp.MAX, group=group)
+        if error is None and refused.item() > 0:  # host read: loading happens between steps
+            raise StateDictError(f"{what}: data-parallel rank {int(refused.item()) - 1} refused the checkpoint "
+                                 "(see its error); nothing was loaded on any rank")
+    if error is not None:
+        raise error
+    return validated
+
+
 # ---- load -----------------------------------------------------------------------------------------------
 @torch.no_grad()
 def load_state_dict(opt, state_dict: Any) -> None:
-    """Validate everything, then copy into the existing buffers (addresses never change) and refresh the
-    model params. A refused checkpoint raises ``StateDictError`` naming the key; nothing has changed."""
+    """Validate everything (on every data-parallel rank, refusing together), then copy into the existing
+    buffers (addresses never change) and refresh the model params. A refused checkpoint raises
+    ``StateDictError`` naming the key; nothing has changed on any rank."""
+    states, updates = refuse_together(opt, lambda: _validate(opt, state_dict), "load_state_dict")
+
+    # Everything is valid: copy. Nothing below can fail on a checked value.
+    for target, source in zip(opt.buffers.main_shard, state_dict["main_params"]):
+        target.copy_(source)
+    for name, tensors in opt.buffers.state.items():
+        for target, source in zip(tensors, states[name]):
+            target.copy_(source)
+    apply_common(opt, state_dict["step"], updates, state_dict["scaler"], state_dict["clip_grad"],
+                 state_dict["grad_norm_skip_threshold"])
+    opt.publish_params()
+
+
+def _validate(opt, state_dict: Any) -> tuple:
+    """Every check of a flat load, nothing copied: (the state tensors by name, the group updates)."""
     where = "state_dict"
     check_mapping(state_dict, where, _TOP_KEYS, allowed=_TOP_KEYS)
     if not plain_equal(state_dict["format"], STATE_DICT_FORMAT):
@@ -283,13 +318,4 @@ def load_state_dict(opt, state_dict: Any) -> None:
     updates = check_param_groups(opt, state_dict["param_groups"], f"{where}['param_groups']", check_indices=True)
     check_scaler(opt, state_dict["scaler"], f"{where}['scaler']")
     check_thresholds(state_dict["clip_grad"], state_dict["grad_norm_skip_threshold"], where)
-
-    # Everything is valid: copy. Nothing below can fail on a checked value.
-    for target, source in zip(opt.buffers.main_shard, state_dict["main_params"]):
-        target.copy_(source)
-    for name, tensors in opt.buffers.state.items():
-        for target, source in zip(tensors, states[name]):
-            target.copy_(source)
-    apply_common(opt, state_dict["step"], updates, state_dict["scaler"], state_dict["clip_grad"],
-                 state_dict["grad_norm_skip_threshold"])
-    opt.publish_params()
+    return states, updates

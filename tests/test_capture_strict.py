@@ -251,3 +251,19 @@ def test_the_first_collective_on_a_group_during_the_recording_is_refused():
     assert refused is not None and "lazy_init" in refused
     assert "first collective on process group" in refused and "c10d.allreduce_" in refused
     assert warmed_captured
+
+
+def test_a_live_input_given_a_new_shape_at_the_same_address_is_refused_before_any_op():
+    x = torch.ones(4)
+    y = torch.zeros(4)
+
+    def step():
+        y.add_(x)
+
+    g = capture.graph(step, warmup=0, backend="replay")
+    g()
+    x.data = x.data[:2]  # same data pointer, another shape: the graph would still read 4 elements
+    before = y.clone()
+    with pytest.raises(capture.StaleInputError, match="replaced after capture"):
+        g()
+    assert torch.equal(y, before)  # refused before any op ran

@@ -192,3 +192,23 @@ def test_non_finite_sweep_with_all_zero_stretches_never_corrupts_and_keeps_the_s
     assert opts[1].captured and opts[1].recaptures == 0
     if initial_scale < 2.0 ** 16:
         assert applied_clean > 0  # real updates were applied between the skips, not only zero steps
+
+
+def test_a_schedule_switching_on_sgd_momentum_without_buffers_is_refused_with_what_to_do():
+    model = _linear()
+    opt = engine(model, optimizer="sgd", lr=0.1, sgd_momentum=0.0)
+    torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)  # cycles momentum by default
+    _backward(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="sgd_momentum > 0.*cycle_momentum=False"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+def test_a_per_group_nesterov_change_is_refused_not_ignored():
+    model = _linear()
+    opt = engine(model, optimizer="sgd", lr=0.1, sgd_momentum=0.9)
+    opt.param_groups[0]["nesterov"] = True
+    _backward(model)
+    with pytest.raises(ValueError, match="nesterov=True: fixed at build"):
+        opt.step()

@@ -193,3 +193,11 @@ def test_capture_safe_and_live_threshold_under_replay():
     assert graph.num_replays == 2
     assert torch.equal(weight, eager_weight)
     assert torch.isinf(buffer).all()  # reset at the end of each step
+
+
+def test_a_non_finite_max_logit_leaves_its_group_unscaled():
+    # An overflowed score (+inf) or NaN must not turn into eta = tau / inf = 0 and zero W_q and W_k.
+    layout = HeadLayout(3, 3, 2)
+    q_factor, k_factor = clip_factors(torch.tensor([float("inf"), float("nan"), 250.0]), layout, 100.0, 0.5)
+    assert torch.equal(q_factor[:2], torch.ones(2)) and torch.equal(k_factor[:2], torch.ones(2))
+    torch.testing.assert_close(q_factor[2] * k_factor[2], torch.tensor(100 / 250))

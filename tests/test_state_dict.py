@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import graphstep as gs
+from toy import loss_fn, tiny_transformer
 
 CONFIGS = {
     # fp16 params: separate fp32 main params and a dynamic loss scaler.
@@ -289,3 +290,27 @@ def test_malformed_sharded_state_dicts_are_refused_or_round_trip(sharded_setup, 
         assert same(snapshot(opt), before), f"refused load changed the optimizer: {path}"
     else:
         assert same(decoded(gs.checkpoint.sharded_state_dict(opt)), bad), f"no exact round trip: {path}"
+
+
+@pytest.mark.parametrize("scale", [3e38, 1e-39])
+def test_a_scale_the_scaler_refuses_is_refused_before_anything_is_copied(scale):
+    # A finite fp32 scale outside [2**-126, 2**127] passed the old checks, then the scaler refused it
+    # after the main params and the step had been copied.
+    model = tiny_transformer()
+    opt = gs.get_optimizer(gs.OptimizerConfig(lr=1e-3, loss_scale=1024.0, capture="eager"), model)
+    for step in range(2):
+        opt.zero_grad()
+        opt.scale_loss(loss_fn(model, step)).backward()
+        opt.step()
+    saved = opt.state_dict()
+    for step in range(2, 4):
+        opt.zero_grad()
+        opt.scale_loss(loss_fn(model, step)).backward()
+        opt.step()
+    before = opt.state_dict()
+    saved["scaler"] = {"scale": torch.tensor(scale)}
+    with pytest.raises(ValueError, match="scaler"):
+        opt.load_state_dict(saved)
+    after = opt.state_dict()
+    assert torch.equal(before["step"], after["step"])
+    assert all(torch.equal(a, b) for a, b in zip(before["main_params"], after["main_params"]))

@@ -135,3 +135,28 @@ def test_state_dict_round_trip_keeps_the_schedule_live():
     assert float(wrapped.param_groups[0]["lr"]) == plain.param_groups[0]["lr"]
     for a, b in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_baked_value_is_still_guarded_after_a_moved_input_forced_a_recapture():
+    # The recapture after a moved static input must record the baked values anew; otherwise a later
+    # weight-decay change would replay the old value forever.
+    torch.manual_seed(0)
+    model, reference = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    reference.load_state_dict(model.state_dict())
+    wrapped = gs.wrap(torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1, fused=True))
+    plain = torch.optim.AdamW(reference.parameters(), lr=0.1, weight_decay=0.1, fused=True)
+    for step in range(8):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        if step == 3:
+            for m in (model, reference):
+                m.weight.data = m.weight.data.clone()  # a static input moves
+        if step == 5:
+            for o in (wrapped, plain):
+                o.param_groups[0]["weight_decay"] = 0.5  # a baked value changes
+        for m, o in ((model, wrapped), (reference, plain)):
+            m(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+    assert wrapped.recaptures == 2
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a, b)

@@ -15,8 +15,9 @@ reference to the Python object, and one to its storage), and before each replay 
 Either failure raises `StaleInputError` naming the tensor by the op and user source line that first
 read it during the capture, before any op runs (nothing is half-applied).
 
-Cost: a replay dereferences each weak reference and compares each tensor's data pointer (one list
-comprehension each, ~0.2 µs per tensor); only when an object is gone does it look at storages.
+Cost: a replay dereferences each weak reference and compares each tensor's data pointer, shape, stride
+and dtype (one list comprehension each, well under a microsecond per tensor); only when an object is
+gone does it look at storages.
 A replaced tensor is recognised by its data pointer: new memory that happens to land at the old
 address, with the old layout, is what the graph reads anyway.
 """
@@ -40,14 +41,14 @@ class WeakInputs:
     def __init__(self) -> None:
         self.handles: list[InputHandle] = []
         self._refs: list[weakref.ref] = []
-        self._ptrs: list[int] = []
+        self._signatures: list[tuple] = []
 
     def add(self, t: torch.Tensor, where: str) -> int:
         """Hold `t` weakly; its index in `fetch()`'s list."""
         handle = InputHandle(t, where)
         self.handles.append(handle)
         self._refs.append(handle.ref)
-        self._ptrs.append(handle.data_ptr)
+        self._signatures.append(handle.signature)
         return len(self.handles) - 1
 
     def __len__(self) -> int:
@@ -57,10 +58,10 @@ class WeakInputs:
         """Every input tensor, in `add` order; StaleInputError naming the first freed or replaced one."""
         tensors = [ref() for ref in self._refs]
         try:
-            ptrs = [t.data_ptr() for t in tensors]
+            signatures = [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors]
         except AttributeError:  # an object is gone (None has no data_ptr): the per-handle path
             return [handle.get() for handle in self.handles]
-        if ptrs != self._ptrs:
+        if signatures != self._signatures:
             for handle in self.handles:
                 handle.get()  # raises for the first replaced one
         return tensors
@@ -69,7 +70,8 @@ class WeakInputs:
 class InputHandle:
     """A weak hold on one pre-existing tensor of a recorded step; `get()` returns it or raises."""
 
-    __slots__ = ("where", "ref", "data_ptr", "_storage_ref", "_size", "_stride", "_offset", "_dtype", "_device")
+    __slots__ = ("where", "ref", "data_ptr", "signature", "_storage_ref", "_size", "_stride", "_offset", "_dtype",
+                 "_device")
 
     def __init__(self, t: torch.Tensor, where: str) -> None:
         self.where = where  # "float32[4, 3] on cpu first read by aten.add_.Tensor at step.py:12 (p.add_(g))"
@@ -78,14 +80,15 @@ class InputHandle:
         self._storage_ref = _storage_ref(t)
         self._size, self._stride, self._offset = tuple(t.size()), tuple(t.stride()), t.storage_offset()
         self._dtype, self._device = t.dtype, t.device
+        self.signature = (self.data_ptr, t.shape, t.stride(), t.dtype)  # what fetch() compares in one pass
 
     def get(self) -> torch.Tensor:
         t = self.ref()
         if t is not None:
-            if t.data_ptr() != self.data_ptr:
+            if (t.data_ptr(), t.shape, t.stride(), t.dtype) != self.signature:
                 raise StaleInputError(f"a tensor the captured step reads was replaced after capture: {self.where}, "
-                                      f"now {_describe(t)} at 0x{t.data_ptr():x} (was 0x{self.data_ptr:x}); "
-                                      f"{_ADVICE}")
+                                      f"now {_describe(t)} stride {tuple(t.stride())} at 0x{t.data_ptr():x} (was "
+                                      f"0x{self.data_ptr:x}); {_ADVICE}")
             return t
         rebuilt = self._from_storage()
         if rebuilt is None:

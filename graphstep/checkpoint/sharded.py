@@ -238,24 +238,8 @@ def load_sharded_state_dict(opt, sd: Any) -> None:
 
 
 def validate_everywhere(opt, sd: Any) -> dict:
-    """``validate`` on this rank, then agree with the other data-parallel ranks (one small all-reduce):
-    a rank whose ranges are bad refuses for all, so none of them copies and none waits in the publish's
-    all-gather for a rank that raised."""
-    error = None
-    try:
-        plan = validate(opt, sd)
-    except (ValueError, TypeError) as exc:
-        error = exc
-    group = getattr(getattr(opt, "comm", None), "dp_group", None)
-    if opt.layout.dp_size > 1 and group is not None:
-        refused = torch.tensor([0.0 if error is None else 1.0 + opt.rank], device=opt.tensors.step.device)
-        dist.all_reduce(refused, op=dist.ReduceOp.MAX, group=group)
-        if error is None and refused.item() > 0:
-            raise flat.StateDictError(f"load_sharded_state_dict: data-parallel rank {int(refused.item()) - 1} "
-                                      "refused the checkpoint (see its error); nothing was loaded on any rank")
-    if error is not None:
-        raise error
-    return plan
+    """``validate`` on this rank, refusing together with the other data-parallel ranks."""
+    return flat.refuse_together(opt, lambda: validate(opt, sd), "load_sharded_state_dict")
 
 
 def validate(opt, sd: Any) -> dict:

@@ -8,7 +8,7 @@ flat slice and its element → row index (the distributed optimizer's shards cut
 
 Each step (device work only, no branch): MAX all-reduce of the maxima over the data-parallel group (a
 head's max over all micro-batches of all ranks); per layer, per query group g, η_g = τ / S_g where
-S_g > τ, else exactly 1 (``graphstep.qk_clip.clip_factors``: S_g ≤ 0, -inf or NaN keep 1); rows of W_q
+τ < S_g < inf, else exactly 1 (``graphstep.qk_clip.clip_factors``: S_g ≤ 0, ±inf or NaN keep 1); rows of W_q
 times η^α, rows of W_k times η^(1−α), V untouched; then every buffer back to -inf for the next step's
 forwards. The copy-back (and, with several ranks, the all-gather) then carries the scaled main params
 to the model params. Megatron-Core runs QK-clip after ``optimizer.step()`` whether or not the step was

@@ -114,3 +114,27 @@ def refuse_on_one_rank(rank: int, world_size: int) -> dict:
     unchanged = all(torch.equal(a[1], b[1]) for a, b in zip(before[0].values(), after[0].values())) and \
         all(torch.equal(a, b) for a, b in zip(before[1], after[1]))
     return {"message": message, "unchanged": unchanged}
+
+
+def refuse_flat_on_one_rank(rank: int, world_size: int) -> dict:
+    """The flat (per-rank) state dict, NaN on the last rank only: every rank refuses, nothing changes, and
+    no rank is left waiting in the post-load all-gather."""
+    import torch
+
+    model = tiny_transformer()
+    opt = get_optimizer(make_config("adam", world_size), model)
+    train(model, opt, rank, world_size, 0, 2)
+    sd = opt.state_dict()
+    train(model, opt, rank, world_size, 2, 1)
+    before = (owned_state(opt), params(model))
+    if rank == world_size - 1:
+        sd["state"]["exp_avg"][0][0] = float("nan")
+    try:
+        opt.load_state_dict(sd)
+        message = None
+    except ValueError as exc:
+        message = str(exc)
+    after = (owned_state(opt), params(model))
+    unchanged = all(torch.equal(a[1], b[1]) for a, b in zip(before[0].values(), after[0].values())) and \
+        all(torch.equal(a, b) for a, b in zip(before[1], after[1]))
+    return {"message": message, "unchanged": unchanged}

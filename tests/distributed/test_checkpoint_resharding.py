@@ -106,3 +106,10 @@ def test_a_checkpoint_bad_on_one_rank_is_refused_on_all_with_nothing_changed():
     assert "NaN" in results[1]["message"] and "exp_avg." in results[1]["message"]
     assert "rank 1 refused" in results[0]["message"]
     assert all(r["unchanged"] for r in results)
+
+
+def test_a_flat_state_dict_bad_on_one_rank_is_refused_on_all_with_nothing_changed():
+    results = values(spawn(W.refuse_flat_on_one_rank, 2, timeout=55))
+    assert "NaN" in results[1]["message"] or "nan" in results[1]["message"]
+    assert "rank 1 refused" in results[0]["message"]
+    assert all(r["unchanged"] for r in results)
