@@ -153,6 +153,13 @@ class Collectives:
                         lambda: _F.wait_tensor(_F.all_reduce_(tensor, "sum", self.mp_group.group_name)),
                         kind="model-parallel")
 
+    def all_reduce_max(self, tensor: torch.Tensor, what: str) -> None:
+        """Elementwise MAX of ``tensor`` in place over the data-parallel group (e.g. fp8 amaxes)."""
+        if self.dp_size > 1:
+            self._named(what)
+            self._guard(what, self.dp_group,
+                        lambda: _F.wait_tensor(_F.all_reduce_(tensor, "max", self.dp_group.group_name)))
+
     def reduce_scatter(self, shard: torch.Tensor, whole: torch.Tensor, what: str, *, op: str = "sum",
                        key: Optional[tuple] = None) -> None:
         """``shard`` ← this rank's piece of ``whole`` reduced (``op``: "avg" or "sum") over the dp group.
