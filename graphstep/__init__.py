@@ -3,6 +3,7 @@
 See README.md for the training loop and shared/DESIGN.md for the data flow and the laws.
 """
 
+from . import fp8
 from .config import OptimizerConfig
 from .debug import NanOrigin, StepReport
 from .distributed import CollectiveError
@@ -37,4 +38,5 @@ __all__ = [
     "DynamicLossScaler",
     "scaler_from_config",
     "ParamScheduler",
+    "fp8",
 ]
