@@ -5,13 +5,13 @@ import torch
 
 import graphstep as gs
 from graphstep import fp8
-from toy import loss_fn, tiny_transformer
+from toy import VOCAB, batch, loss_fn, tiny_transformer
 
 DELAYED = dict(amax_history_len=3, amax_compute_algo="max")
 
 
-def fp8_model(recipe="tensorwise", dtype=torch.float8_e4m3fn, model_dtype=torch.float32, margin=0):
-    model = tiny_transformer(dtype=model_dtype)
+def fp8_model(recipe="tensorwise", dtype=torch.float8_e4m3fn, model_dtype=torch.float32, margin=0, device="cpu"):
+    model = tiny_transformer(dtype=model_dtype).to(device)
     fp8.convert(model, recipe=recipe, dtype=dtype, margin=margin, **(DELAYED if recipe == "delayed" else {}))
     return model
 
@@ -110,14 +110,16 @@ def test_a_skipped_step_leaves_every_fp8_byte_unchanged(recipe):
     assert not all(torch.equal(a, b) for a, b in zip(before[:weights], changed[:weights]))
 
 
-def _run(recipe, capture, steps=10, model_dtype=torch.float32, inject_at=(), **config):
-    model = fp8_model(recipe, model_dtype=model_dtype)
+def _run(recipe, capture, steps=10, model_dtype=torch.float32, inject_at=(), device="cpu", **config):
+    model = fp8_model(recipe, model_dtype=model_dtype, device=device)
     opt = gs.get_optimizer(fp8_config(recipe, capture=capture, capture_warmup_steps=2, clip_grad=1.0, lr=3e-3,
                                       **config), model)
     results = []
     for step in range(steps):
         opt.zero_grad()
-        opt.scale_loss(loss_fn(model, step)).backward()
+        inputs, targets = batch(step)
+        logits = model(inputs.to(device)).float().reshape(-1, VOCAB)
+        opt.scale_loss(torch.nn.functional.cross_entropy(logits, targets.to(device).reshape(-1))).backward()
         if step in inject_at:
             fp8_weights(model)[-1].main_grad[0, 0] = float("nan")
         opt.step()
@@ -152,6 +154,17 @@ def test_captured_step_is_bitwise_equal_to_eager(recipe, precision):
     for p in eager.parameters():
         if not fp8.is_fp8(p):
             assert p.dtype == PRECISIONS[precision].get("model_dtype", torch.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA graph capture)")
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_cuda_graph_step_is_bitwise_equal_to_eager(recipe):
+    kwargs = dict(PRECISIONS["bf16"], inject_at=(6,), device="cuda")
+    eager_opt, eager, _ = _run(recipe, "eager", **kwargs)
+    graph_opt, graph, _ = _run(recipe, "graph", **kwargs)
+    assert graph_opt.captured
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(eager_opt, eager), snapshot(graph_opt, graph)))
 
 
 def test_fp8_buffer_is_one_byte_per_element():
