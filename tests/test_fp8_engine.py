@@ -240,3 +240,18 @@ def test_tensorwise_checkpoint_round_trip_requantizes_the_same_bytes():
     for a, b in zip(fp8_weights(model_a), fp8_weights(model_b)):
         assert torch.equal(a.fp8_meta.scale, b.fp8_meta.scale)
         assert torch.equal(a.fp8_meta.scale_inv, b.fp8_meta.scale_inv)
+
+
+def test_debug_step_runs_over_fp8_weights_and_names_a_nan_origin():
+    model = fp8_model()
+    opt = gs.get_optimizer(fp8_config(), model)
+    loss_fn(model, 0).backward()
+    report = opt.debug_step()
+    assert report.update_successful and report.nan_origin is None
+    assert "requantize" in [stage.name for stage in report.stages]
+    opt.zero_grad()
+    loss_fn(model, 1).backward()
+    fp8_weights(model)[0].main_grad[0, 0] = float("nan")
+    report = opt.debug_step()
+    assert not report.update_successful
+    assert report.nan_origin is not None and report.nan_origin.tensor == "grad"
