@@ -80,3 +80,20 @@ def both_recipes(rank: int, world_size: int) -> dict:
 
 def capture_vs_eager(rank: int, world_size: int) -> dict:
     return {mode: train("delayed", rank, world_size, capture=mode) for mode in ("eager", "graph")}
+
+
+def overlap_vs_plain(rank: int, world_size: int) -> dict:
+    """The same fp8 run with ``overlap_param_gather`` (all-gathers deferred to forward pre-hooks) and without."""
+    out = {}
+    for overlap in (False, True):
+        model = tiny_transformer(dtype=torch.bfloat16)
+        fp8.convert(model)
+        opt = get_optimizer(fp8_config("tensorwise", world_size, overlap_param_gather=overlap,
+                                       overlap_grad_reduce=overlap), model)
+        for step in range(6):
+            opt.zero_grad()
+            local_loss(model, step, rank, world_size).backward()
+            opt.step()
+        opt.finish_param_gather()
+        out[overlap] = {"params": [_raw(p) for p in model.parameters()], "counts": opt.overlap_counts}
+    return out

@@ -76,3 +76,10 @@ def test_captured_step_equals_eager_on_two_ranks():
             assert e["ok"] == g["ok"]
             for key in ("bytes", "scale", "scale_inv", "history"):
                 assert all(torch.equal(a, b) for a, b in zip(e[key], g[key])), f"rank {rank}, step {step}: {key}"
+
+
+def test_deferred_fp8_all_gathers_give_the_same_bytes_as_plain_ones():
+    results = values(spawn(workers.overlap_vs_plain, 2, timeout=120))
+    for rank, result in enumerate(results):
+        assert result[True]["counts"]["waited_gathers"] > 0  # the forward hooks did wait on deferred gathers
+        assert all(torch.equal(a, b) for a, b in zip(result[False]["params"], result[True]["params"])), rank
