@@ -101,3 +101,15 @@ def test_convert_refuses_bad_arguments_and_empty_choices():
     net = Net()
     assert fp8.convert(net, modules=lambda name, module: name == "out") == ["out"]
     assert net.fc1.weight.dtype == torch.float32
+
+
+def test_convert_refuses_a_tied_weight():
+    net = Net()
+    net.fc2.weight = torch.nn.Parameter(net.fc1.weight.detach().t().contiguous())
+    head = torch.nn.Linear(8, 16, bias=False)
+    head.weight = net.embed.weight  # tied to the embedding, not marked as output
+    net.head = head
+    with pytest.raises(ValueError, match="shared.*untie"):
+        fp8.convert(net)
+    assert net.embed.weight.dtype == torch.float32
+    assert net.fc1.weight.dtype == torch.float32  # refused before converting anything

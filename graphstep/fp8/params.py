@@ -20,7 +20,10 @@ Forward dequantizes, then multiplies: ``x @ (data * scale_inv).to(x.dtype).T``. 
 would need fp8 activations as well, a different numeric recipe; not used here.)
 
 Convert the model on the device it will train on: the scale tensors live on the param's device and
-``Module.to`` does not move attributes of a param.
+``Module.to`` does not move attributes of a param. Without graphstep's optimizer nothing zeroes
+``main_grad`` between steps (``opt.zero_grad()`` does). Code that reads a Linear's weight instead of
+calling the module sees fp8 bytes: torch's fused inference path of ``nn.TransformerEncoderLayer`` (taken
+in eval mode under ``no_grad``) does; turn it off with ``torch.backends.mha.set_fastpath_enabled(False)``.
 """
 
 from __future__ import annotations
@@ -118,13 +121,19 @@ def convert(model: torch.nn.Module, recipe: str = "tensorwise", dtype: torch.dty
     if recipe == "tensorwise" and amax_history_len != 1:
         raise ValueError("amax_history_len applies to the delayed recipe only: leave it 1 with 'tensorwise'")
     choose = modules or _default_filter
+    owners: dict[int, list[str]] = {}  # param id -> every name it is registered under (tied weights)
+    for param_name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(param_name)
+    chosen = [(name, module) for name, module in model.named_modules()
+              if type(module) is torch.nn.Linear and not is_fp8(module.weight) and choose(name, module)]
+    for name, module in chosen:  # all checks before any change: a refused call leaves the model as it was
+        if len(owners.get(id(module.weight), [])) > 1:
+            raise ValueError(f"fp8.convert: the weight of '{name}' is shared "
+                             f"({', '.join(owners[id(module.weight)])}); converting it would untie it. "
+                             "Leave it out with modules=...")
     converted = []
-    for name, module in model.named_modules():
-        if type(module) is not torch.nn.Linear or not choose(name, module):
-            continue
+    for name, module in chosen:
         weight = module.weight
-        if is_fp8(weight):
-            continue
         values = weight.detach().to(torch.float32)
         first_amax = amax(values)
         scale = scale_from_amax(first_amax, dtype, margin)
