@@ -182,7 +182,8 @@ def test_a_skipped_step_changes_nothing_bitwise(recipe, dtype):
     else:
         fp8.requantize_delayed(new, fp8.amax(new), data, scale, scale_inv, history, torch.tensor(1.0), 0, "max")
     for old, now in zip(snapshot, (data, scale, scale_inv, history)):
-        assert old.reshape(-1).view(torch.uint8).numpy().tobytes() == now.reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert old.reshape(-1).view(torch.uint8).numpy().tobytes() == \
+            now.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def test_fp8_max_and_unknown_dtypes():
