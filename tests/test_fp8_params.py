@@ -113,3 +113,25 @@ def test_convert_refuses_a_tied_weight():
         fp8.convert(net)
     assert net.embed.weight.dtype == torch.float32
     assert net.fc1.weight.dtype == torch.float32  # refused before converting anything
+
+
+def test_model_state_dict_round_trip_restores_bytes_and_scales_in_place():
+    source = Net()
+    fp8.convert(source, recipe="delayed", amax_history_len=2)
+    with torch.no_grad():
+        source.fc1.weight.fp8_meta.scale.mul_(2)  # make the state differ from a fresh conversion
+        source.fc1.weight.fp8_meta.amax_history[1] = 0.5
+    saved = source.state_dict()
+    assert {"fc1.weight_scale", "fc1.weight_scale_inv", "fc1.weight_amax_history"} <= set(saved)
+    target = Net()
+    with torch.no_grad():
+        target.fc1.weight.mul_(3)
+    fp8.convert(target, recipe="delayed", amax_history_len=2)
+    meta = target.fc1.weight.fp8_meta
+    target.load_state_dict(saved)
+    assert target.fc1.weight.fp8_meta is meta  # same tensors, updated in place
+    for name in ("scale", "scale_inv", "amax_history"):
+        assert torch.equal(getattr(meta, name), getattr(source.fc1.weight.fp8_meta, name))
+    assert torch.equal(target.fc1.weight.view(torch.uint8), source.fc1.weight.view(torch.uint8))
+    tokens = torch.tensor([[1, 2, 3]])
+    assert torch.equal(target(tokens), source(tokens))

@@ -19,8 +19,11 @@ or the CPU replay backend records like any other.
 Forward dequantizes, then multiplies: ``x @ (data * scale_inv).to(x.dtype).T``. (``torch._scaled_mm``
 would need fp8 activations as well, a different numeric recipe; not used here.)
 
-Convert the model on the device it will train on: the scale tensors live on the param's device and
-``Module.to`` does not move attributes of a param. Without graphstep's optimizer nothing zeroes
+Convert the model on the device and in the dtype it will train in: the scale tensors live on the param's
+device, ``Module.to`` does not move attributes of a param, and a later ``model.bfloat16()`` would cast the
+fp8 weights and their scales too. The scaling tensors are also the layer's buffers
+(``weight_scale``, ``weight_scale_inv``, ``weight_amax_history``), so ``model.state_dict()`` saves a
+complete fp8 weight and ``load_state_dict`` into a converted model restores it in place. Without graphstep's optimizer nothing zeroes
 ``main_grad`` between steps (``opt.zero_grad()`` does). Code that reads a Linear's weight instead of
 calling the module sees fp8 bytes: torch's fused inference path of ``nn.TransformerEncoderLayer`` (taken
 in eval mode under ``no_grad``) does; turn it off with ``torch.backends.mha.set_fastpath_enabled(False)``.
@@ -146,6 +149,11 @@ def convert(model: torch.nn.Module, recipe: str = "tensorwise", dtype: torch.dty
         param.fp8_meta = meta
         param.main_grad = torch.zeros(weight.shape, dtype=grad_dtype, device=values.device)
         module.weight = param
+        # The same tensors as module buffers, so model.state_dict() holds a complete fp8 weight (bytes and
+        # scales) and load_state_dict copies into them in place.
+        module.register_buffer("weight_scale", meta.scale)
+        module.register_buffer("weight_scale_inv", meta.scale_inv)
+        module.register_buffer("weight_amax_history", meta.amax_history)
         module.__class__ = Fp8Linear
         converted.append(name)
     if not converted:
