@@ -140,7 +140,7 @@ def publish_chain(ctx: StepContext) -> list[Stage]:
     from . import gather, requantize, update
 
     stages = [update.build_copy_back(ctx)]
-    fp8_requantize = requantize.build(ctx, honour_skip=False)
+    fp8_requantize = requantize.build(ctx, publish=True)
     if fp8_requantize is not None:
         stages.append(fp8_requantize)
     if ctx.layout.dp_size > 1:

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from ..fp8 import is_fp8, requantize_current, requantize_delayed
+from ..fp8 import is_fp8, quantize, requantize_current, requantize_delayed
 from ..fp8.scaling import FP8_DTYPES
 from . import Stage
 
@@ -47,11 +47,13 @@ def _pieces(ctx) -> list[tuple[torch.Tensor, torch.Tensor, object]]:
     return pieces
 
 
-def build(ctx, *, honour_skip: bool = True) -> Optional[Stage]:
+def build(ctx, *, publish: bool = False) -> Optional[Stage]:
     """The requantize stage, or None when the model has no fp8 weights.
 
-    ``honour_skip=False`` (publishing main params after a checkpoint load) requantizes whatever the last
-    step's ``found_inf`` was.
+    ``publish=True`` (``publish_params``, after a checkpoint load copied into the main params) requantizes
+    whatever the last step's ``found_inf`` was, and for the delayed recipe only recasts with the current
+    scale: no amax enters the history, since no step ran. (A bitwise resume of the delayed recipe loads the
+    optimizer's state, then the model's: the fp8 layers' buffers hold the bytes, scales and history.)
     """
     pieces = _pieces(ctx)
     if not pieces:
@@ -61,9 +63,17 @@ def build(ctx, *, honour_skip: bool = True) -> Optional[Stage]:
     amaxes = torch.zeros(len(pieces), dtype=torch.float32, device=device)
     amax_views = [amaxes[k] for k in range(len(pieces))]
     owned = [(main, amax_views[k]) for k, (main, _, _) in enumerate(pieces) if main.numel() > 0]
-    found_inf = ctx.tensors.found_inf if honour_skip else torch.zeros((), dtype=torch.float32, device=device)
+    found_inf = torch.zeros((), dtype=torch.float32, device=device) if publish else ctx.tensors.found_inf
     margin, algo = config.fp8_margin, config.fp8_amax_compute_algo
     delayed = config.fp8_recipe == "delayed"
+
+    if publish and delayed:
+        def recast() -> None:
+            for main, data, meta in pieces:
+                data.copy_(quantize(main, meta.scale, data.dtype))
+                meta.scale_inv.copy_(torch.reciprocal(meta.scale))
+
+        return Stage("requantize", recast)
 
     def apply() -> None:
         amaxes.zero_()
