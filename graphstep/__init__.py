@@ -3,7 +3,7 @@
 See README.md for the training loop and shared/DESIGN.md for the data flow and the laws.
 """
 
-from . import checkpoint, qk_clip
+from . import checkpoint, fp8, qk_clip
 from .config import OptimizerConfig
 from .debug import NanOrigin, StepReport
 from .distributed import CollectiveError
@@ -43,4 +43,5 @@ __all__ = [
     "QKVSplit",
     "HeadLayout",
     "qk_clip",
+    "fp8",
 ]

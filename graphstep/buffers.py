@@ -22,6 +22,8 @@ from typing import Sequence
 
 import torch
 
+from .fp8 import is_fp8
+from .fp8.engine_support import main_values
 from .layout import Layout
 
 _GRAD = operator.attrgetter("grad")
@@ -137,7 +139,7 @@ class StaticBuffers:
                     if owned.param == i:
                         size = owned.param_end - owned.param_start
                         self.main_shard[place.buffer][owned.shard_start:owned.shard_start + size].copy_(
-                            values.reshape(-1)[owned.param_start:owned.param_end])
+                            main_values(p, values).reshape(-1)[owned.param_start:owned.param_end])
             p.data = view
             adopted.append(f"param '{place.name}'")
         self.bind_grads()
@@ -169,7 +171,8 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
     """Allocate ``layout`` and make ``params`` (in layout order) views of it, values preserved.
 
     The main params are seeded from the params' values *before* any cast to the model dtype, so a model
-    built in fp32 and trained in bf16 keeps its fp32 initialisation in the main params.
+    built in fp32 and trained in bf16 keeps its fp32 initialisation in the main params. An fp8 weight
+    (graphstep.fp8) seeds them with its dequantized values.
     """
     if len(params) != len(layout.params):
         raise ValueError(f"allocate: {len(params)} params for a layout of {len(layout.params)}")
@@ -206,12 +209,13 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
         if main_shard[buf].data_ptr() == param_flat[buf].data_ptr():
             continue  # fp32 on one rank: main params are the params
         size = owned.param_end - owned.param_start
-        source = originals[owned.param].reshape(-1)[owned.param_start:owned.param_end]
+        source = main_values(params[owned.param], originals[owned.param]).reshape(-1)
+        source = source[owned.param_start:owned.param_end]
         main_shard[buf][owned.shard_start:owned.shard_start + size].copy_(source)
 
     for i, p in enumerate(params):
         p.main_grad = buffers.grad_view(i)
-        if not buffers.grads_in_param_dtype(i):
+        if not buffers.grads_in_param_dtype(i) and not is_fp8(p):  # fp8 backward writes main_grad itself
             buffers.main_grad_hooks.append(p.register_post_accumulate_grad_hook(_accumulate_into_main_grad))
     buffers.record_bindings()
     buffers.bind_grads()

@@ -195,6 +195,21 @@ class OptimizerConfig:
     qk_clip_alpha: float = 0.5
     """QK-clip's α in (0, 1): W_q rows scale by η^α, W_k rows by η^(1−α)."""
 
+    # ---- fp8 primary weights (graphstep.fp8) ---------------------------------------------------------
+    fp8_recipe: Optional[str] = None
+    """How the step requantizes fp8 weights (made by ``graphstep.fp8.convert``) after the update: None (the
+    model has no fp8 weights), "tensorwise" (current scaling: the scale from the new values' amax) or
+    "delayed" (cast with the previous scale, the next from the amax history). Megatron-Core's name."""
+
+    fp8_margin: int = 0
+    """fp8 scale = fp8_max / amax / 2**fp8_margin (Megatron-Core's ``fp8_margin``)."""
+
+    fp8_amax_history_len: int = 1
+    """Delayed recipe: how many past amaxes the next scale is computed from."""
+
+    fp8_amax_compute_algo: str = "most_recent"
+    """Delayed recipe: the next scale from the history's "max" or its "most_recent" amax."""
+
     def __post_init__(self) -> None:
         validate(self)
 
@@ -340,6 +355,7 @@ def validate(config: OptimizerConfig) -> None:
         _fail(field, True, "needs use_distributed_optimizer=True")
     _check_number(config, "distributed_timeout_s", low=0.0, low_open=True)
     _validate_muon_lion_qk_clip(config)
+    _validate_fp8(config)
 
 
 def _validate_muon_lion_qk_clip(config: OptimizerConfig) -> None:
@@ -371,3 +387,19 @@ def _validate_muon_lion_qk_clip(config: OptimizerConfig) -> None:
         if config.main_params_dtype != torch.float32:
             _fail("main_params_dtype", config.main_params_dtype,
                   f"optimizer={config.optimizer!r} runs on fp32 main params: use torch.float32")
+
+
+
+def _validate_fp8(config: OptimizerConfig) -> None:
+    if config.fp8_recipe is not None:
+        _check_choice(config, "fp8_recipe", ("tensorwise", "delayed"))
+    _check_choice(config, "fp8_amax_compute_algo", ("max", "most_recent"))
+    for field, minimum in (("fp8_margin", 0), ("fp8_amax_history_len", 1)):
+        value = getattr(config, field)
+        if value < minimum:
+            _fail(field, value, f"must be an integer >= {minimum}")
+    if config.fp8_recipe == "tensorwise" and config.fp8_amax_history_len != 1:
+        _fail("fp8_amax_history_len", config.fp8_amax_history_len,
+              "applies to fp8_recipe='delayed' only; leave it 1 with 'tensorwise'")
+    if config.fp8_recipe is not None and config.main_params_dtype != torch.float32:
+        _fail("main_params_dtype", config.main_params_dtype, "must be torch.float32 with fp8 weights")

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 _F = torch.ops._c10d_functional
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class CollectiveError(RuntimeError):
@@ -154,8 +155,9 @@ class Collectives:
                         kind="model-parallel")
 
     def all_reduce_max(self, tensor: torch.Tensor, what: str) -> None:
-        """MAX ``tensor`` in place over the data-parallel group only (e.g. QK-clip's per-head max logits:
-        heads are replicated across data-parallel ranks, split, not replicated, across model-parallel ones)."""
+        """Elementwise MAX of ``tensor`` in place over the data-parallel group only (QK-clip's per-head max
+        logits, fp8 amaxes: replicated across data-parallel ranks, split, not replicated, across model-parallel
+        ones)."""
         if self.dp_size > 1:
             self._named(what)
             self._guard(what, self.dp_group,
@@ -173,8 +175,13 @@ class Collectives:
         self._start(shard, what, launch, key)
 
     def all_gather(self, whole: torch.Tensor, mine: torch.Tensor, what: str, *, key: Optional[tuple] = None) -> None:
-        """``whole`` ← every rank's ``mine``, in rank order; in place when ``mine`` is this rank's slice."""
+        """``whole`` ← every rank's ``mine``, in rank order; in place when ``mine`` is this rank's slice.
+
+        fp8 tensors (graphstep.fp8 weights) travel as their bytes: gloo has no fp8 type, and a byte copy is
+        exact for any dtype. 1 byte per element either way."""
         self._named(what)
+        if whole.dtype in _FP8_DTYPES:
+            whole, mine = whole.view(torch.uint8), mine.view(torch.uint8)
         launch = lambda: _F.all_gather_into_tensor_out(mine, self.dp_size, self.dp_group.group_name, out=whole)
         self._start(whole, what, launch, key)
 

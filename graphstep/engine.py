@@ -26,6 +26,8 @@ from .config import OptimizerConfig
 from .debug import StepReport, run_debug_step
 from .distributed import Collectives, derive_group
 from .families import families_of, state_names
+from .fp8 import engine_support as fp8_support
+from .fp8 import is_fp8
 from .hyperparams import HyperParams
 from .kernels import get_kernels
 from .layout import ParamSpec, plan_layout
@@ -86,14 +88,14 @@ def _param_spec(config: OptimizerConfig, name: str, p: torch.nn.Parameter, group
     if p.is_complex():
         raise ValueError(f"param '{name}' is complex ({p.dtype}): graphstep trains real floating-point params "
                          "only (store a complex weight as torch.view_as_real of a real parameter)")
-    dtype = config.model_dtype or p.dtype
+    dtype = p.dtype if is_fp8(p) else (config.model_dtype or p.dtype)  # fp8 weights stay fp8
     if not dtype.is_floating_point:
         raise ValueError(f"param '{name}' has dtype {dtype}: only floating-point params can be trained")
     if dtype == torch.float64:
         source = "params_dtype=torch.float64" if config.model_dtype is not None else f"param '{name}' is float64"
         raise ValueError(f"{source}: graphstep trains float32, bfloat16 and float16 params (its norm and update "
                          "kernels run in fp32 over fp32 main params); cast the model with model.float()")
-    grad_dtype = config.main_grads_dtype if dtype in _HALF else dtype
+    grad_dtype = config.main_grads_dtype if dtype in _HALF or is_fp8(p) else dtype
     return ParamSpec(name, tuple(p.shape), dtype, grad_dtype, group, batch_by_shape)
 
 
@@ -207,6 +209,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"param '{name}' is on {p.device}, others on {device}: put the model on one "
                                  "device before get_optimizer")
         group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
+        fp8_support.check_against_config(config, named)
         self._families = families = families_of(self.param_groups, config.optimizer)
         specs = [_param_spec(config, name, p, group_of[id(p)], families[group_of[id(p)]].batch_by_shape)
                  for name, p in named]

@@ -15,7 +15,8 @@ silently keeps a stale value (DESIGN.md law 3).
 
     norm (non-finite check + global grad norm, one read of the grads) → zeros (optional)
       → clip (coefficient, skip threshold, folded grad scale) → update (per-family kernels)
-      → qk_clip (with ``qk_clip=True``) → copy_back → loss_scale (scaler update, result flags)
+      → qk_clip (with ``qk_clip=True``) → copy_back → requantize (fp8 weights only)
+      → loss_scale (scaler update, result flags)
 
 With several data-parallel ranks ``reduce`` (reduce-scatter) runs first and ``gather`` (all-gather)
 after the copy-back.
@@ -118,7 +119,7 @@ def baked_values(stages: Sequence[Stage]) -> Callable[[], tuple]:
 
 def default_chain(ctx: StepContext) -> list[Stage]:
     """The step's stages, in order, for the context's layout and config."""
-    from . import clip, gather, loss_scale, norm, qk_clip, reduce, update, zeros
+    from . import clip, gather, loss_scale, norm, qk_clip, reduce, requantize, update, zeros
 
     sharded = ctx.layout.dp_size > 1
     stages = [reduce.build(ctx)] if sharded else []
@@ -127,8 +128,11 @@ def default_chain(ctx: StepContext) -> list[Stage]:
         stages.append(zeros.build(ctx))
     stages += [clip.build(ctx), update.build(ctx)]
     if ctx.config.qk_clip:
-        stages.append(qk_clip.build(ctx))
+        stages.append(qk_clip.build(ctx))  # on the main params: before the copy-back and the requantize
     stages.append(update.build_copy_back(ctx))
+    fp8_requantize = requantize.build(ctx)  # None without fp8 weights
+    if fp8_requantize is not None:
+        stages.append(fp8_requantize)
     if sharded:
         stages.append(gather.build(ctx))
     stages.append(loss_scale.build(ctx))
@@ -137,9 +141,12 @@ def default_chain(ctx: StepContext) -> list[Stage]:
 
 def publish_chain(ctx: StepContext) -> list[Stage]:
     """Main params → model params (and the all-gather across ranks): what a checkpoint load runs."""
-    from . import gather, update
+    from . import gather, requantize, update
 
     stages = [update.build_copy_back(ctx)]
+    fp8_requantize = requantize.build(ctx, publish=True)
+    if fp8_requantize is not None:
+        stages.append(fp8_requantize)
     if ctx.layout.dp_size > 1:
         stages.append(gather.build(ctx, deferrable=False))
     return stages

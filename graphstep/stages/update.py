@@ -23,6 +23,7 @@ import torch
 
 from ..families import StepScalars, ViewSources
 from . import Stage
+from .requantize import is_fp8_buffer
 
 
 def build(ctx) -> Stage:
@@ -103,7 +104,7 @@ def _copy_back_pairs(ctx) -> list:
     buffers, layout = ctx.buffers, ctx.layout
     pairs = []
     for b, buf in enumerate(layout.buffers):
-        if buffers.main_is_param[b]:
+        if buffers.main_is_param[b] or is_fp8_buffer(buf):  # fp8: the requantize stage writes those bytes
             continue
         if layout.dp_size == 1:
             pairs.append((buffers.param_flat[b], buffers.main_shard[b]))

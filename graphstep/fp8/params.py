@@ -1,0 +1,162 @@
+"""fp8 weights a model can train with, without Transformer Engine: ``convert`` and ``Fp8Linear``.
+
+The representation (and why). A converted weight is an ``nn.Parameter`` whose storage *is* the fp8
+bytes (1 byte per element, ``dtype=torch.float8_e4m3fn`` or ``float8_e5m2``), carrying an
+:class:`Fp8Meta` with its per-tensor ``scale`` / ``scale_inv`` (and the amax history of the delayed
+recipe) as 0-d / 1-d fp32 tensors. Its high-precision grad does not go through ``.grad``: autograd
+casts a grad to its input's dtype, so an fp8 leaf could only ever receive an fp8 grad. Instead the
+linear's own autograd function adds the weight grad into ``weight.main_grad`` (bf16 or fp32, Megatron-
+Core's "gradient accumulation fusion" route) and returns no grad for the fp8 tensor, so ``.grad``
+stays None. Under graphstep's optimizer ``main_grad`` is a view of the static grad buffer.
+
+Why not a tensor subclass that reports a high-precision dtype (Transformer Engine's Float8Tensor)?
+graphstep keeps every param a view of a flat static buffer and checks bindings by data pointer every
+step; a wrapper subclass has no storage of its own, and every capture backend would have to see
+through it. A plain fp8 tensor plus plain fp32 scale tensors are ordinary static tensors: the step
+that requantizes them (graphstep/stages/requantize.py) is a handful of elementwise ops a CUDA graph
+or the CPU replay backend records like any other.
+
+Forward dequantizes, then multiplies: ``x @ (data * scale_inv).to(x.dtype).T``. (``torch._scaled_mm``
+would need fp8 activations as well, a different numeric recipe; not used here.)
+
+Convert the model on the device and in the dtype it will train in: the scale tensors live on the param's
+device, ``Module.to`` does not move attributes of a param, and a later ``model.bfloat16()`` would cast the
+fp8 weights and their scales too. The scaling tensors are also the layer's buffers
+(``weight_scale``, ``weight_scale_inv``, ``weight_amax_history``), so ``model.state_dict()`` saves a
+complete fp8 weight and ``load_state_dict`` into a converted model restores it in place. Without graphstep's optimizer nothing zeroes
+``main_grad`` between steps (``opt.zero_grad()`` does). Code that reads a Linear's weight instead of
+calling the module sees fp8 bytes: torch's fused inference path of ``nn.TransformerEncoderLayer`` (taken
+in eval mode under ``no_grad``) does; turn it off with ``torch.backends.mha.set_fastpath_enabled(False)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from .scaling import AMAX_COMPUTE_ALGOS, RECIPES, amax, dequantize, fp8_max, quantize, scale_from_amax
+
+
+@dataclass(frozen=True)
+class Fp8Meta:
+    """The scaling state of one fp8 weight: static tensors, updated in place by the optimizer step."""
+
+    recipe: str  # "tensorwise" | "delayed"
+    dtype: torch.dtype
+    scale: torch.Tensor  # 0-d fp32: the scale the next cast uses (delayed) / the last cast used (tensorwise)
+    scale_inv: torch.Tensor  # 0-d fp32: 1 / the scale the current data was cast with
+    amax_history: torch.Tensor  # 1-d fp32, newest first (length 1 for tensorwise)
+    margin: int = 0
+    amax_compute_algo: str = "most_recent"
+
+
+def is_fp8(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a weight converted by :func:`convert`."""
+    return getattr(param, "fp8_meta", None) is not None
+
+
+def dequantized(param: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The high-precision values an fp8 weight stands for (a new tensor)."""
+    return dequantize(param.detach(), param.fp8_meta.scale_inv, dtype)
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        w = dequantized(weight, x.dtype)
+        ctx.save_for_backward(x, w)
+        ctx.weight = weight
+        ctx.has_bias = bias is not None
+        return torch.nn.functional.linear(x, w, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w = ctx.saved_tensors
+        grad_x = grad_out @ w
+        flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
+        # The weight grad goes to main_grad (bf16/fp32); the fp8 leaf itself gets none (see module doc).
+        ctx.weight.main_grad.add_(flat_grad.t() @ x.reshape(-1, x.shape[-1]))
+        grad_bias = flat_grad.sum(0) if ctx.has_bias else None
+        return grad_x, None, grad_bias
+
+
+class Fp8Linear(torch.nn.Linear):
+    """An ``nn.Linear`` whose weight is an fp8 param (see the module docstring); bias unchanged."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Fp8LinearFunction.apply(x, self.weight, self.bias)
+
+
+def _default_filter(name: str, module: torch.nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    if weight is None or weight.dim() != 2:
+        return False
+    return not getattr(weight, "is_embedding_or_output_parameter", False)
+
+
+def convert(model: torch.nn.Module, recipe: str = "tensorwise", dtype: torch.dtype = torch.float8_e4m3fn,
+            modules: Optional[Callable[[str, torch.nn.Module], bool]] = None, *, margin: int = 0,
+            amax_history_len: int = 1, amax_compute_algo: str = "most_recent",
+            grad_dtype: torch.dtype = torch.float32) -> list[str]:
+    """Turn the weights of chosen ``nn.Linear`` layers of ``model`` into fp8 params, in place.
+
+    ``modules(name, module) -> bool`` chooses among the ``nn.Linear`` layers; the default takes every
+    2-D Linear weight not marked ``is_embedding_or_output_parameter``. Each chosen layer becomes an
+    :class:`Fp8Linear` whose weight holds ``quantize(w, scale)`` with ``scale`` from the weight's own amax
+    (both recipes start so; the delayed recipe records that amax as its first history entry), plus a
+    ``main_grad`` of ``grad_dtype`` that backward accumulates into. Biases and all other params keep their
+    dtype. ``margin``, ``amax_history_len`` and ``amax_compute_algo`` are Megatron-Core's ``fp8_margin``,
+    ``fp8_amax_history_len`` and ``fp8_amax_compute_algo``; the optimizer's config must match them.
+    Returns the names of the converted layers.
+    """
+    fp8_max(dtype)  # validates the dtype
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe={recipe!r}: must be one of {', '.join(map(repr, RECIPES))}")
+    if amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+        raise ValueError(f"amax_compute_algo={amax_compute_algo!r}: must be one of "
+                         f"{', '.join(map(repr, AMAX_COMPUTE_ALGOS))}")
+    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+        raise ValueError(f"margin={margin!r}: must be an integer >= 0")
+    if isinstance(amax_history_len, bool) or not isinstance(amax_history_len, int) or amax_history_len < 1:
+        raise ValueError(f"amax_history_len={amax_history_len!r}: must be an integer >= 1")
+    if recipe == "tensorwise" and amax_history_len != 1:
+        raise ValueError("amax_history_len applies to the delayed recipe only: leave it 1 with 'tensorwise'")
+    choose = modules or _default_filter
+    owners: dict[int, list[str]] = {}  # param id -> every name it is registered under (tied weights)
+    for param_name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(param_name)
+    chosen = [(name, module) for name, module in model.named_modules()
+              if type(module) is torch.nn.Linear and not is_fp8(module.weight) and choose(name, module)]
+    for name, module in chosen:  # all checks before any change: a refused call leaves the model as it was
+        if len(owners.get(id(module.weight), [])) > 1:
+            raise ValueError(f"fp8.convert: the weight of '{name}' is shared "
+                             f"({', '.join(owners[id(module.weight)])}); converting it would untie it. "
+                             "Leave it out with modules=...")
+    converted = []
+    for name, module in chosen:
+        weight = module.weight
+        values = weight.detach().to(torch.float32)
+        first_amax = amax(values)
+        scale = scale_from_amax(first_amax, dtype, margin)
+        history = torch.zeros(amax_history_len, dtype=torch.float32, device=values.device)
+        history[0] = first_amax
+        meta = Fp8Meta(recipe, dtype, scale, torch.reciprocal(scale), history, margin, amax_compute_algo)
+        param = torch.nn.Parameter(quantize(values, scale, dtype), requires_grad=weight.requires_grad)
+        for attr, value in vars(weight).items():  # keep markers such as is_embedding_or_output_parameter
+            setattr(param, attr, value)
+        param.fp8_meta = meta
+        param.main_grad = torch.zeros(weight.shape, dtype=grad_dtype, device=values.device)
+        module.weight = param
+        # The same tensors as module buffers, so model.state_dict() holds a complete fp8 weight (bytes and
+        # scales) and load_state_dict copies into them in place.
+        module.register_buffer("weight_scale", meta.scale)
+        module.register_buffer("weight_scale_inv", meta.scale_inv)
+        module.register_buffer("weight_amax_history", meta.amax_history)
+        module.__class__ = Fp8Linear
+        converted.append(name)
+    if not converted:
+        raise ValueError("fp8.convert: no nn.Linear layer was chosen (the default skips embedding/output "
+                         "weights): pass modules=lambda name, module: ... to choose")
+    return converted
