@@ -18,7 +18,6 @@ from capture.devices import backend_for, device_scope
 from capture.profile import Ranges
 
 from . import overlap
-from . import overrides as overrides_mod
 from . import state_dict as state_dict_mod
 from .agreement import agreement_for
 from .buffers import StaticBuffers, allocate
@@ -31,6 +30,7 @@ from .fp8 import is_fp8
 from .hyperparams import HyperParams
 from .kernels import get_kernels
 from .layout import ParamSpec, plan_layout
+from .routing import build_family_param_groups
 from .runner import StepRunner
 from .scaler import scaler_from_config
 from .stages import StepTensors, baked_values, chain, default_chain, publish_chain
@@ -197,7 +197,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self.config = config
         named = _named_trainable_params(model_chunks)
         # Validates the overrides; routes each param to its optimizer family (the groups' "optimizer" key).
-        groups = overrides_mod.build_family_param_groups(named, config, config_overrides)
+        groups = build_family_param_groups(named, config, config_overrides)
         self._building = True
         super().__init__(groups, _defaults(config))
         self._building = False

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from .params import dequantized, is_fp8
+from .params import is_fp8
 
 
 def check_against_config(config, named: Sequence[tuple[str, torch.nn.Parameter]]) -> None:

@@ -38,8 +38,6 @@ import torch
 from .newton_schulz import NS_EPS, newton_schulz
 
 LIVE_FIELDS = frozenset({"lr", "weight_decay", "momentum"})
-BAKED_FIELDS = frozenset({"nesterov", "decoupled", "ns_steps", "coefficient_type", "scale_mode",
-                          "extra_scale_factor", "fp32_matmul_prec"})
 STATE_NAMES = ("momentum_buffer",)
 SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
 

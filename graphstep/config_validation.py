@@ -1,0 +1,188 @@
+"""Validation of ``OptimizerConfig``: every field's type, range and consistency with the others, in one
+place; ``validate`` raises ValueError naming the first field that is wrong and what it must be."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from typing import TYPE_CHECKING
+
+import torch
+
+from .config import _FLOAT_DTYPES, CAPTURE_MODES, INVALIDATION_POLICIES, KERNELS, OPTIMIZERS
+from .scaler import MAX_LOSS_SCALE, MIN_LOSS_SCALE
+
+if TYPE_CHECKING:
+    from .config import OptimizerConfig
+
+
+def _fail(field: str, value, allowed: str) -> None:
+    raise ValueError(f"OptimizerConfig.{field}={value!r}: {allowed}")
+
+
+def _check_choice(config: OptimizerConfig, field: str, choices: tuple) -> None:
+    value = getattr(config, field)
+    if value not in choices:
+        _fail(field, value, "must be one of " + ", ".join(repr(c) for c in choices))
+
+
+def _check_number(config: OptimizerConfig, field: str, *, low: float, low_open: bool, high: float = math.inf,
+                  high_open: bool = True, optional: bool = False) -> None:
+    value = getattr(config, field)
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        _fail(field, value, "must be a number")
+    too_low = value <= low if low_open else value < low
+    too_high = value >= high if high_open else value > high
+    if too_low or too_high:
+        left = "(" if low_open else "["
+        right = ")" if high_open else "]"
+        _fail(field, value, f"must lie in {left}{low}, {high}{right}")
+
+
+# What a value of each annotated type must be. bool is a subclass of int, so it is refused explicitly where
+# a number is meant: OptimizerConfig(bucket_size=True) is a mistake, not a bucket of one element.
+_TYPE_RULES = {
+    bool: (lambda v: isinstance(v, bool), "a bool (True or False)"),
+    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
+    float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number (int or float)"),
+    str: (lambda v: isinstance(v, str), "a str"),
+    torch.dtype: (lambda v: isinstance(v, torch.dtype), "a torch.dtype"),
+}
+
+
+def _check_types(config: OptimizerConfig) -> None:
+    """Every field against its annotation (Optional[X]: None or X), before any range check.
+
+    Without this, truthiness decides: ``fp16="False"`` is a non-empty string and would turn fp16 on.
+    """
+    hints = typing.get_type_hints(type(config))
+    for field in dataclasses.fields(config):
+        hint = hints[field.name]
+        value = getattr(config, field.name)
+        args = typing.get_args(hint)
+        optional = typing.get_origin(hint) is typing.Union and type(None) in args
+        base = next(a for a in args if a is not type(None)) if optional else hint
+        if value is None and optional:
+            continue
+        accepts, what = _TYPE_RULES[base]
+        if not accepts(value):
+            _fail(field.name, value, f"must be {what}{' or None' if optional else ''}, got {type(value).__name__}")
+
+
+def validate(config: OptimizerConfig) -> None:
+    """Raise ValueError naming the first field of the wrong type, out of range or inconsistent with another."""
+    _check_types(config)
+    _check_choice(config, "optimizer", OPTIMIZERS)
+    _check_choice(config, "capture", CAPTURE_MODES)
+    _check_choice(config, "kernel", KERNELS)
+    _check_choice(config, "capture_invalidation", INVALIDATION_POLICIES)
+
+    _check_number(config, "lr", low=0.0, low_open=False)
+    for field in ("min_lr", "decoupled_lr", "decoupled_min_lr"):
+        _check_number(config, field, low=0.0, low_open=False, optional=True)
+    if config.min_lr is not None and config.min_lr > config.lr:
+        _fail("min_lr", config.min_lr, f"must not exceed lr={config.lr}")
+    _check_number(config, "weight_decay", low=0.0, low_open=False)
+    _check_number(config, "adam_beta1", low=0.0, low_open=False, high=1.0)
+    _check_number(config, "adam_beta2", low=0.0, low_open=False, high=1.0)
+    _check_number(config, "adam_eps", low=0.0, low_open=True)
+    _check_number(config, "sgd_momentum", low=0.0, low_open=False, high=1.0)
+    if config.sgd_nesterov and config.sgd_momentum == 0:
+        _fail("sgd_nesterov", True, "needs sgd_momentum > 0")
+
+    if config.fp16 and config.bf16:
+        _fail("bf16", True, "fp16 and bf16 are exclusive; set one")
+    for field in ("params_dtype", "main_params_dtype", "main_grads_dtype"):
+        value = getattr(config, field)
+        if value is None and field == "params_dtype":
+            continue
+        if value not in _FLOAT_DTYPES:
+            _fail(field, value, "must be a torch floating dtype (float32, bfloat16, float16, float64)")
+    if config.main_params_dtype not in (torch.float32, torch.float64):
+        _fail("main_params_dtype", config.main_params_dtype, "must be torch.float32 or torch.float64")
+    half = (torch.float16, torch.bfloat16)
+    if config.fp16 and config.params_dtype not in (None, torch.float16):
+        _fail("params_dtype", config.params_dtype, "must be torch.float16 (or None) with fp16=True")
+    if config.bf16 and config.params_dtype not in (None, torch.bfloat16):
+        _fail("params_dtype", config.params_dtype, "must be torch.bfloat16 (or None) with bf16=True")
+    if config.params_dtype in half and not (config.fp16 or config.bf16):
+        _fail("params_dtype", config.params_dtype, "half params need fp16=True or bf16=True")
+
+    # Scales live in fp32 tensors: scale and 1 / scale must both be finite there (graphstep.scaler).
+    for field in ("loss_scale", "initial_loss_scale", "min_loss_scale"):
+        value = getattr(config, field)
+        if value is not None and not MIN_LOSS_SCALE <= value <= MAX_LOSS_SCALE:  # NaN fails this too
+            _fail(field, value, "must lie in [2**-126, 2**127] (the scale and 1 / scale are fp32 tensors)")
+    if config.min_loss_scale > config.initial_loss_scale:
+        _fail("min_loss_scale", config.min_loss_scale,
+              f"must not exceed initial_loss_scale={config.initial_loss_scale}")
+    for field in ("loss_scale_window", "hysteresis", "capture_warmup_steps"):
+        value = getattr(config, field)
+        minimum = 0 if field == "capture_warmup_steps" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            _fail(field, value, f"must be an integer >= {minimum}")
+
+    if config.kernel == "compiled" and config.capture == "graph" and config.capture_warmup_steps < 1:
+        _fail("capture_warmup_steps", config.capture_warmup_steps,
+              "kernel='compiled' compiles on its first step, which must run before a CUDA graph is captured: "
+              "use capture_warmup_steps >= 1")
+
+    _check_number(config, "clip_grad", low=0.0, low_open=False)
+    _check_number(config, "grad_norm_skip_threshold", low=0.0, low_open=True, high=math.inf, high_open=False)
+    if config.bucket_size is not None and config.bucket_size < 1:
+        _fail("bucket_size", config.bucket_size, "must be a positive integer number of elements, or None")
+    if (config.overlap_grad_reduce or config.overlap_param_gather) and not config.use_distributed_optimizer:
+        field = "overlap_grad_reduce" if config.overlap_grad_reduce else "overlap_param_gather"
+        _fail(field, True, "needs use_distributed_optimizer=True")
+    _check_number(config, "distributed_timeout_s", low=0.0, low_open=True)
+    _validate_muon_lion_qk_clip(config)
+    _validate_fp8(config)
+
+
+def _validate_muon_lion_qk_clip(config: OptimizerConfig) -> None:
+    """The Muon, Lion and QK-clip fields (issue 14), and what they need of the rest of the config."""
+    from .kernels.muon import SCALE_MODES
+    from .kernels.newton_schulz import COEFFICIENT_SETS, MATMUL_PRECISIONS, coefficient_schedule
+
+    _check_number(config, "muon_momentum", low=0.0, low_open=False, high=1.0)
+    _check_choice(config, "muon_coefficient_type", tuple(COEFFICIENT_SETS))
+    _check_choice(config, "muon_scale_mode", SCALE_MODES)
+    _check_choice(config, "muon_fp32_matmul_prec", MATMUL_PRECISIONS)
+    _check_choice(config, "muon_scalar_optimizer", ("adam", "lion"))
+    steps = config.muon_num_ns_steps
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        _fail("muon_num_ns_steps", steps, "must be an int")
+    try:
+        coefficient_schedule(config.muon_coefficient_type, steps)
+    except ValueError as exc:
+        _fail("muon_num_ns_steps", steps, str(exc))
+    _check_number(config, "muon_extra_scale_factor", low=0.0, low_open=True)
+    _check_number(config, "lion_beta1", low=0.0, low_open=False, high=1.0)
+    _check_number(config, "lion_beta2", low=0.0, low_open=False, high=1.0)
+    _check_number(config, "qk_clip_threshold", low=0.0, low_open=True)
+    _check_number(config, "qk_clip_alpha", low=0.0, low_open=True, high=1.0)
+    if config.optimizer in ("muon", "lion"):
+        if config.fp16:
+            _fail("fp16", True, f"optimizer={config.optimizer!r} does not train fp16 params (Megatron-Core rejects "
+                  "it too): use bf16=True")
+        if config.main_params_dtype != torch.float32:
+            _fail("main_params_dtype", config.main_params_dtype,
+                  f"optimizer={config.optimizer!r} runs on fp32 main params: use torch.float32")
+
+
+def _validate_fp8(config: OptimizerConfig) -> None:
+    if config.fp8_recipe is not None:
+        _check_choice(config, "fp8_recipe", ("tensorwise", "delayed"))
+    _check_choice(config, "fp8_amax_compute_algo", ("max", "most_recent"))
+    for field, minimum in (("fp8_margin", 0), ("fp8_amax_history_len", 1)):
+        value = getattr(config, field)
+        if value < minimum:
+            _fail(field, value, f"must be an integer >= {minimum}")
+    if config.fp8_recipe == "tensorwise" and config.fp8_amax_history_len != 1:
+        _fail("fp8_amax_history_len", config.fp8_amax_history_len,
+              "applies to fp8_recipe='delayed' only; leave it 1 with 'tensorwise'")
+    if config.fp8_recipe is not None and config.main_params_dtype != torch.float32:
+        _fail("main_params_dtype", config.main_params_dtype, "must be torch.float32 with fp8 weights")
