@@ -241,7 +241,8 @@ def check_scaler(opt, saved: Any, where: str, name=None) -> None:
     try:  # the values: exactly the scaler's own rules (scale in [2**-126, 2**127], whole trackers, ...)
         opt.scaler.validate_state_dict(saved)
     except ValueError as exc:
-        raise _fail(where, f"is refused by the loss scaler: {exc}") from None
+        key = next((k for k in live if f"'{k}'" in str(exc)), None)  # the scaler names the key it refused
+        raise _fail(where if key is None else name(key), f"is refused by the loss scaler: {exc}") from None
 
 
 def apply_common(opt, step, group_updates, scaler_state, clip_grad, skip_threshold) -> None:

@@ -7,12 +7,21 @@ The shared helpers live in importable modules next to this file, one copy each:
 
 This conftest puts tests/ on ``sys.path`` (pytest does so for a conftest's folder), so ``import toy``
 works from tests/distributed too, and ranks spawned from a test inherit that path. It also gives the
-engine tests one builder, the ``make_engine`` fixture.
+engine tests one builder, the ``make_engine`` fixture, and gives CI a deterministic hypothesis profile.
 """
 
+import os
+
 import pytest
+from hypothesis import settings
 
 import graphstep as gs
+
+# CI (CI=true): the property tests draw the same examples every run and have no per-example deadline, so
+# a busy 2-core machine cannot turn them red by chance; locally they keep drawing fresh examples.
+settings.register_profile("ci", derandomize=True, deadline=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture
