@@ -165,10 +165,6 @@ def test_flat_state_dict_still_round_trips_with_torch_save(tmp_path):
 
 
 # ---- a captured step survives a load -------------------------------------------------------------------
-def recaptures(opt):
-    return getattr(opt, "recaptures", None) if hasattr(opt, "recaptures") else opt._runner.recaptures
-
-
 def test_captured_step_replays_after_a_load_without_recapture(tmp_path):
     source = tiny_transformer(seed=2)
     opt_src = engine(source, **ADAM)
@@ -180,12 +176,12 @@ def test_captured_step_replays_after_a_load_without_recapture(tmp_path):
         model = tiny_transformer()
         opt = engine(model, capture=capture, capture_warmup_steps=1, **ADAM)
         train(model, opt, 3)  # warm-up, capture, replay
-        count = recaptures(opt)
+        count = opt.recaptures
         gs.checkpoint.load(opt, tmp_path / "ckpt")
         train(model, opt, 4, start=3)
         if capture == "graph":
             assert opt.captured and opt.capture_backend == "replay"
-            assert recaptures(opt) == count == 0
+            assert opt.recaptures == count == 0
         runs[capture] = [p.detach().clone() for p in model.parameters()]
     for a, b in zip(runs["graph"], runs["eager"]):
         assert torch.equal(a, b)
