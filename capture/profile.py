@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from typing import ContextManager, Optional
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Ranges", "nsys_window", "gpu_telemetry", "Telemetry"]
+__all__ = ["Ranges", "nsys_window", "gpu_telemetry", "Telemetry", "OpCounter"]
 
 _OFF = contextlib.nullcontext()
 
@@ -167,3 +168,17 @@ def gpu_telemetry() -> Telemetry:
             pynvml.nvmlShutdown()
         except Exception:
             pass
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched inside ``with OpCounter() as c:`` (``c.count``): on the CPU a proxy
+    for kernel launches; a CUDA graph's replayed kernels and inductor's fused kernels are invisible to it
+    (use torch.profiler there)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from capture.profile import OpCounter
 
 import capture
 from graphstep.kernels import muon as muon_kernels
@@ -343,20 +343,10 @@ def test_no_host_sync_or_unsafe_op(precision):
                                         fp32_matmul_prec=precision, qkv_splits=splits)) == []
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def count_ops(batch, rows, cols):
     params, bufs, gen = make_problem(12, shapes=[(rows, cols)], batch=batch)
     grads = grads_like(params, gen)
-    with _CountOps() as counter:
+    with OpCounter() as counter:
         run_graphstep(params, bufs, grads, lr=0.02, wd=0.1, mu=0.95, nesterov=True)
     return counter.count
 

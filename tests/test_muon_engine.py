@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from capture.profile import OpCounter
 
 import graphstep as gs
 from graphstep.kernels.muon import QKVSplit
@@ -199,16 +199,6 @@ def test_one_cycle_lr_cycles_muon_momentum_live_and_state_dict_round_trips():
 
 # ---------------------------------------------------------------- batched by shape
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def count_step_ops(num, rows, cols):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(cols, rows, bias=False) for _ in range(num)],
@@ -216,7 +206,7 @@ def count_step_ops(num, rows, cols):
     opt = gs.get_optimizer(config(capture="eager"), model)
     assert sum(len(g["params"]) for g in opt.param_groups if g["optimizer"] == "muon") == num
     sum((p * torch.randn_like(p)).sum() for p in model.parameters()).backward()
-    with _CountOps() as counter:
+    with OpCounter() as counter:
         opt.step()
     return counter.count
 

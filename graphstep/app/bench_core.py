@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from capture.profile import OpCounter
 
 from capture.devices import accelerator_available, is_cuda, synchronize
 
@@ -120,19 +120,6 @@ def summarize(times: list[float]) -> dict:
     ordered = sorted(times)
     return {"median_ms": statistics.median(times), "p10_ms": percentile(ordered, 0.1),
             "p90_ms": percentile(ordered, 0.9)}
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched inside ``with`` (a CPU proxy for kernel launches; inductor's kernels
-    and a CUDA graph's replayed kernels are invisible to it: use torch.profiler there)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def count_ops(pipeline: "Pipeline") -> tuple[Optional[int], str]:

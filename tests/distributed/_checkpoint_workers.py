@@ -94,8 +94,6 @@ def resume(rank: int, world_size: int, root: str, names: tuple, bucket_sizes: tu
 
 def refuse_on_one_rank(rank: int, world_size: int) -> dict:
     """A sharded state dict whose last rank's slice holds a NaN: every rank refuses, nothing changes."""
-    import torch
-
     model = tiny_transformer()
     opt = get_optimizer(make_config("adam", world_size), model)
     train(model, opt, rank, world_size, 0, 2)
@@ -105,22 +103,12 @@ def refuse_on_one_rank(rank: int, world_size: int) -> dict:
     if rank == world_size - 1:
         key = next(k for k, v in sd.items() if k.startswith("optimizer.state.exp_avg.") and v.local_shards())
         sd[key].local_shards()[0].tensor[0] = float("nan")
-    try:
-        opt.load_sharded_state_dict(sd)
-        message = None
-    except ValueError as exc:
-        message = str(exc)
-    after = (owned_state(opt), params(model))
-    unchanged = all(torch.equal(a[1], b[1]) for a, b in zip(before[0].values(), after[0].values())) and \
-        all(torch.equal(a, b) for a, b in zip(before[1], after[1]))
-    return {"message": message, "unchanged": unchanged}
+    return _refused_load(opt, model, before, lambda: opt.load_sharded_state_dict(sd))
 
 
 def refuse_flat_on_one_rank(rank: int, world_size: int) -> dict:
     """The flat (per-rank) state dict, NaN on the last rank only: every rank refuses, nothing changes, and
     no rank is left waiting in the post-load all-gather."""
-    import torch
-
     model = tiny_transformer()
     opt = get_optimizer(make_config("adam", world_size), model)
     train(model, opt, rank, world_size, 0, 2)
@@ -129,8 +117,16 @@ def refuse_flat_on_one_rank(rank: int, world_size: int) -> dict:
     before = (owned_state(opt), params(model))
     if rank == world_size - 1:
         sd["state"]["exp_avg"][0][0] = float("nan")
+    return _refused_load(opt, model, before, lambda: opt.load_state_dict(sd))
+
+
+def _refused_load(opt, model, before, load) -> dict:
+    """Run ``load``; its error message (None if it loaded) and whether the owned state and params are
+    still ``before``."""
+    import torch
+
     try:
-        opt.load_state_dict(sd)
+        load()
         message = None
     except ValueError as exc:
         message = str(exc)
