@@ -17,6 +17,7 @@ import torch.distributed as dist
 from capture.devices import backend_for, device_scope
 from capture.profile import Ranges
 
+from . import experts as experts_mod
 from . import overlap
 from . import state_dict as state_dict_mod
 from .agreement import agreement_for
@@ -51,15 +52,19 @@ class StepResult:
 
 
 def get_optimizer(config: OptimizerConfig, model_chunks, config_overrides=None, process_group=None,
-                  model_parallel_group=None) -> "GraphstepOptimizer":
+                  model_parallel_group=None, expert_data_parallel_group=None) -> "GraphstepOptimizer":
     """Build the engine over ``model_chunks`` (an nn.Module or a list of them).
 
     ``config_overrides``: None applies the standard overrides (no weight decay on biases and 1-D params,
     ``decoupled_lr`` for embedding/output params); ``{}`` applies none. ``process_group``: the
     data-parallel group (default WORLD when torch.distributed is initialised and the distributed optimizer
     is on). ``model_parallel_group``: summed over as well for the grad norm and the non-finite check.
+    ``expert_data_parallel_group``: the group MoE expert params (marked ``allreduce=False`` or
+    ``is_expert_parallel=True``) are sharded and reduced over instead of ``process_group``; see
+    graphstep/experts.py for the rules.
     """
-    return GraphstepOptimizer(config, model_chunks, config_overrides, process_group, model_parallel_group)
+    return GraphstepOptimizer(config, model_chunks, config_overrides, process_group, model_parallel_group,
+                              expert_data_parallel_group)
 
 
 def _named_trainable_params(model_chunks) -> list[tuple[str, torch.nn.Parameter]]:
@@ -99,12 +104,14 @@ def _param_spec(config: OptimizerConfig, name: str, p: torch.nn.Parameter, group
     return ParamSpec(name, tuple(p.shape), dtype, grad_dtype, group, batch_by_shape)
 
 
-def _static_inputs(buffers: StaticBuffers, hyper: HyperParams, tensors: StepTensors):
+def _static_inputs(buffers: StaticBuffers, hyper: HyperParams, tensors: StepTensors,
+                   expert_buffers: Optional[StaticBuffers] = None):
     """What a capture guards before each replay: every static buffer, the hyperparameters, the scalars."""
     fixed = {"hyperparameters": hyper.values, **tensors.named()}
 
     def named() -> dict:
-        return {**buffers.addresses(), **fixed}
+        experts = {} if expert_buffers is None else {f"expert {k}": v for k, v in expert_buffers.addresses().items()}
+        return {**buffers.addresses(), **experts, **fixed}
 
     return named
 
@@ -191,7 +198,7 @@ def _data_parallel(config: OptimizerConfig, process_group) -> tuple[Optional[dis
 
 class GraphstepOptimizer(torch.optim.Optimizer):
     def __init__(self, config: OptimizerConfig, model_chunks, config_overrides=None, process_group=None,
-                 model_parallel_group=None):
+                 model_parallel_group=None, expert_data_parallel_group=None):
         if not isinstance(config, OptimizerConfig):
             raise TypeError(f"get_optimizer: config must be an OptimizerConfig, got {type(config).__name__}")
         self.config = config
@@ -215,10 +222,17 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                  for name, p in named]
 
         dp_group, rank, dp_size = _data_parallel(config, process_group)
-        self.layout = plan_layout(specs, dp_size, config.bucket_size)
+        # MoE expert params get a domain of their own over the expert data-parallel group (experts.py);
+        # None: there is none, or they join the dense layout (one process).
+        dense, expert = experts_mod.split(named)
+        expert_group = experts_mod.expert_group(config, named, expert, expert_data_parallel_group, dp_group, dp_size,
+                                                model_parallel_group)
+        if expert_group is None:
+            dense, expert = list(range(len(named))), []
+        self.layout = plan_layout([specs[i] for i in dense], dp_size, config.bucket_size)
         self.rank = rank
         self.device = device
-        self.buffers = allocate(self.layout, params, rank=rank, device=device,
+        self.buffers = allocate(self.layout, [params[i] for i in dense], rank=rank, device=device,
                                 main_dtype=config.main_params_dtype, state_names=state_names(families, config))
         self.hyper = HyperParams(len(self.param_groups), device)
         self.scaler = scaler_from_config(config, device)
@@ -242,17 +256,24 @@ class GraphstepOptimizer(torch.optim.Optimizer):
 
         ctx = StepContext(config, self.layout, self.buffers, self.hyper, get_kernels(config.kernel), families,
                           self.tensors, self.scaler, self.comm, rank)
-        self.stages = default_chain(ctx)
+        self.experts = None if expert_group is None else experts_mod.build_domain(
+            ctx, expert_group, [specs[i] for i in expert], [params[i] for i in expert], device=device,
+            state_names=state_names(families, config))
+        """The expert params' domain (layout, buffers, comm over the expert data-parallel group), or None."""
+        expert_ctx = None if self.experts is None else self.experts.ctx
+        self.stages = default_chain(ctx, expert_ctx)
         self.ranges = Ranges()
         """Profiler ranges: set ``opt.ranges.enabled = True`` for an NVTX / torch.profiler range per stage
         of eager steps and one around each replay; off, the step runs without them."""
         self._runner = StepRunner(
             step_fn=chain(self.stages), eager_step_fn=chain(self.stages, ranges=self.ranges), device=device,
             mode=config.capture, warmup_steps=config.capture_warmup_steps, invalidation=config.capture_invalidation,
-            static_inputs=_static_inputs(self.buffers, self.hyper, self.tensors), baked_values=baked_values(self.stages),
+            static_inputs=_static_inputs(self.buffers, self.hyper, self.tensors,
+                                         None if self.experts is None else self.experts.buffers),
+            baked_values=baked_values(self.stages),
             agree=_agreement(config, device, self.comm))
         self._overlap = overlap.install(ctx, config, model_chunks, may_capture=self._runner.may_capture)
-        self._publish = chain(publish_chain(ctx))
+        self._publish = chain(publish_chain(ctx, expert_ctx))
         self._grads_seen = _GradsSeen(params)
         self.result = StepResult(self.tensors.update_successful, self.tensors.grad_norm, self.tensors.num_zeros,
                                  self.tensors.loss_scale)
@@ -275,9 +296,11 @@ class GraphstepOptimizer(torch.optim.Optimizer):
     def _prepare(self) -> None:
         """Host-side work before the device step: keep the static bindings, refresh the hyperparameters."""
         self._grads_seen.check()
-        replaced = self.buffers.restore_replaced_buffers()
-        if not self.buffers.bindings_intact():
-            replaced += self.buffers.readopt_params()  # also rebinds grads a user set to None (as zeros)
+        replaced = []
+        for buffers in self._domain_buffers():
+            replaced += buffers.restore_replaced_buffers()
+            if not buffers.bindings_intact():
+                replaced += buffers.readopt_params()  # also rebinds grads a user set to None (as zeros)
         if replaced:
             self._runner.on_replaced(replaced)
         for g, (group, family) in enumerate(zip(self.param_groups, self._families)):
@@ -322,8 +345,9 @@ class GraphstepOptimizer(torch.optim.Optimizer):
 
     def recapture(self) -> None:
         """Adopt replaced params and buffers back into the static buffers; capture anew at the next step."""
-        self.buffers.restore_replaced_buffers()
-        self.buffers.readopt_params()
+        for buffers in self._domain_buffers():
+            buffers.restore_replaced_buffers()
+            buffers.readopt_params()
         self._runner.invalidate()
 
     def close(self) -> None:
@@ -376,7 +400,12 @@ class GraphstepOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero every grad in place (``set_to_none`` is ignored: the grad buffers are static)."""
-        self.buffers.zero_grad()
+        for buffers in self._domain_buffers():
+            buffers.zero_grad()
+
+    def _domain_buffers(self) -> list[StaticBuffers]:
+        """The dense buffers, then the expert domain's (graphstep/experts.py) when there is one."""
+        return [self.buffers] if self.experts is None else [self.buffers, self.experts.buffers]
 
     # ---- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -19,6 +19,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed
 
+from .experts import refuse_checkpoint
+
 STATE_DICT_FORMAT = "graphstep/1"
 _TOP_KEYS = ("format", "layout", "rank", "step", "main_params", "state", "param_groups", "scaler", "clip_grad",
              "grad_norm_skip_threshold")
@@ -34,6 +36,7 @@ class StateDictError(ValueError):
 
 def state_dict(opt) -> dict:
     """This rank's flat buffers, exact, for ``torch.save`` flows at the same layout."""
+    refuse_checkpoint(opt, "state_dict")
     opt.finish_param_gather()
     groups = []
     index = {id(p): i for i, p in enumerate(opt.buffers.params)}
@@ -283,6 +286,7 @@ def load_state_dict(opt, state_dict: Any) -> None:
     """Validate everything (on every data-parallel rank, refusing together), then copy into the existing
     buffers (addresses never change) and refresh the model params. A refused checkpoint raises
     ``StateDictError`` naming the key; nothing has changed on any rank."""
+    refuse_checkpoint(opt, "load_state_dict")
     states, updates = refuse_together(opt, lambda: _validate(opt, state_dict), "load_state_dict")
 
     # Everything is valid: copy. Nothing below can fail on a checked value.

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .. import state_dict as flat
+from ..experts import refuse_checkpoint
 
 FORMAT = "graphstep-sharded"
 FORMAT_VERSION = 1
@@ -141,6 +142,7 @@ def sharded_state_dict(opt, *, snapshot: bool = False) -> dict:
     The per-param entries are views of the live buffers (no copy) unless ``snapshot``: then they are
     copies, so the dict keeps the state of this call while training goes on (what an async save needs).
     """
+    refuse_checkpoint(opt, "sharded_state_dict")
     opt.finish_param_gather()
     take = (lambda buf, start, size: buf[start:start + size].clone()) if snapshot else \
         (lambda buf, start, size: buf[start:start + size])
@@ -157,6 +159,7 @@ def sharded_state_dict(opt, *, snapshot: bool = False) -> dict:
 def load_template(opt, json_sizes: dict[str, int]) -> dict:
     """Fresh tensors shaped like ``sharded_state_dict(opt)`` for DCP to load into (``json_sizes``: the
     saved lengths of the JSON entries, from the checkpoint's metadata)."""
+    refuse_checkpoint(opt, "load")
     sd = _build(opt, lambda buf, start, size: torch.empty(size, dtype=buf.dtype, device=buf.device))
     sd[STEP_KEY] = torch.empty_like(opt.tensors.step)
     if opt.scaler is not None:
@@ -234,6 +237,7 @@ def _check_entry(opt, value: Any, key: str, place, owned, nonnegative: bool) -> 
 def load_sharded_state_dict(opt, sd: Any) -> None:
     """Validate ``sd`` (see the module docstring) entirely, then copy into the static buffers and publish
     the params (collective with several ranks). A refused checkpoint names the key; nothing changed."""
+    refuse_checkpoint(opt, "load_sharded_state_dict")
     apply_validated(opt, validate_everywhere(opt, sd))
 
 

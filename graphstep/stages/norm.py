@@ -100,5 +100,7 @@ def build_over(sums: Sequence[Callable[[], torch.Tensor]], t: StepTensors, comm)
     return Stage("norm", apply)
 
 
-def build(ctx) -> Stage:
-    return build_over([SumOfSquares(g) for g in ctx.buffers.grad_shard], ctx.tensors, ctx.comm)
+def build(ctx, *others) -> Stage:
+    """``others``: further domains' contexts (expert params, graphstep/experts.py), whose sums of squares join
+    this one's before its single all-reduce."""
+    return build_over([SumOfSquares(g) for c in (ctx, *others) for g in c.buffers.grad_shard], ctx.tensors, ctx.comm)

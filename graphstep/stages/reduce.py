@@ -60,11 +60,12 @@ class BucketReduce:
 def bucket_reduces(ctx) -> list[BucketReduce]:
     """The reduce-scatter of every bucket, in bucket (= backward) order."""
     layout, buffers = ctx.layout, ctx.buffers
+    inv_dp = 1.0 / (ctx.average_over or layout.dp_size)  # experts: the full data-parallel size (experts.py)
     reduces = []
     for bucket in layout.buckets:
         grads = buffers.grad_flat[bucket.buffer][bucket.start:bucket.end]
         shard = buffers.grad_shard[bucket.buffer][bucket.shard_offset:bucket.shard_offset + bucket.shard_numel]
-        reduces.append(BucketReduce(bucket.index, bucket.params, grads, shard, 1.0 / layout.dp_size,
+        reduces.append(BucketReduce(bucket.index, bucket.params, grads, shard, inv_dp,
                                     grads.dtype == torch.float16,
                                     f"grad reduce-scatter of bucket {bucket.index} (of {len(layout.buckets)})"))
     return reduces

@@ -26,7 +26,9 @@ from . import Stage
 from .requantize import is_fp8_buffer
 
 
-def build(ctx) -> Stage:
+def build(ctx, *, advance_step: bool = True) -> Stage:
+    """``advance_step=False``: a second domain's update (expert params) in the same step, which must not
+    advance the one step count the first already advanced."""
     buffers, hyper, kernels, t, config = ctx.buffers, ctx.hyper, ctx.kernels, ctx.tensors, ctx.config
 
     # The grads the kernel reads must have the main params' dtype; half grads get an fp32 scratch copy.
@@ -69,7 +71,8 @@ def build(ctx) -> Stage:
     def apply() -> None:
         for source, target in casts:
             target.copy_(source)
-        t.step.add_(1.0 - t.found_inf)
+        if advance_step:
+            t.step.add_(1.0 - t.found_inf)
         grad_scale = t.grad_scale if uses_grad_scale() else None
         for call, family_kernels, views, live_kwargs, baked in calls:
             kwargs = dict(live_kwargs)
