@@ -7,7 +7,6 @@ once, and ``step`` only refreshes the hyperparameter tensors (host side) and app
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,6 +27,7 @@ from .distributed import Collectives, derive_group
 from .families import families_of, state_names
 from .fp8 import engine_support as fp8_support
 from .fp8 import is_fp8
+from .grads_seen import GradsSeen
 from .hyperparams import HyperParams
 from .kernels import get_kernels
 from .layout import ParamSpec, plan_layout
@@ -104,14 +104,14 @@ def _param_spec(config: OptimizerConfig, name: str, p: torch.nn.Parameter, group
     return ParamSpec(name, tuple(p.shape), dtype, grad_dtype, group, batch_by_shape)
 
 
-def _static_inputs(buffers: StaticBuffers, hyper: HyperParams, tensors: StepTensors,
-                   expert_buffers: Optional[StaticBuffers] = None):
-    """What a capture guards before each replay: every static buffer, the hyperparameters, the scalars."""
+def _static_inputs(domains: list[StaticBuffers], hyper: HyperParams, tensors: StepTensors):
+    """What a capture guards before each replay: every static buffer (the expert domain's prefixed), the
+    hyperparameters, the scalars."""
     fixed = {"hyperparameters": hyper.values, **tensors.named()}
 
     def named() -> dict:
-        experts = {} if expert_buffers is None else {f"expert {k}": v for k, v in expert_buffers.addresses().items()}
-        return {**buffers.addresses(), **experts, **fixed}
+        return {**{("expert " if d else "") + k: v for d, b in enumerate(domains) for k, v in b.addresses().items()},
+                **fixed}
 
     return named
 
@@ -122,38 +122,6 @@ def _agreement(config: OptimizerConfig, device, comm: Collectives):
         return None
     agreement = agreement_for(comm.dp_group, comm.mp_group, config.distributed_timeout_s)
     return None if agreement is None else agreement.any
-
-
-class _GradsSeen:
-    """Warns once when a step runs before any backward since build.
-
-    The update then reads all-zero grads and applies weight decay (and momentum) to every param:
-    graphstep steps every param it holds, like Megatron-Core's buffers, where torch's optimizers skip
-    params whose ``.grad`` is None. One-shot hooks: the first grad to arrive removes them all, so later
-    backwards pay nothing.
-    """
-
-    def __init__(self, params):
-        self.seen = False
-        self._warned = False
-        self._handles = [p.register_post_accumulate_grad_hook(self._arrived) for p in params]
-
-    def _arrived(self, _param) -> None:
-        self.seen = True
-        self.remove()
-
-    def remove(self) -> None:
-        handles, self._handles = self._handles, []
-        for handle in handles:
-            handle.remove()
-
-    def check(self) -> None:
-        if not self.seen and not self._warned:
-            self._warned = True
-            warnings.warn("graphstep: step() ran before any backward: every grad is zero, so this step applies "
-                          "only weight decay (and momentum) to every param. graphstep steps all the params it "
-                          "holds (torch's optimizers skip params without grads); run backward first",
-                          RuntimeWarning, stacklevel=4)
 
 
 def _defaults(config: OptimizerConfig) -> dict:
@@ -222,13 +190,9 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                  for name, p in named]
 
         dp_group, rank, dp_size = _data_parallel(config, process_group)
-        # MoE expert params get a domain of their own over the expert data-parallel group (experts.py);
-        # None: there is none, or they join the dense layout (one process).
-        dense, expert = experts_mod.split(named)
-        expert_group = experts_mod.expert_group(config, named, expert, expert_data_parallel_group, dp_group, dp_size,
-                                                model_parallel_group)
-        if expert_group is None:
-            dense, expert = list(range(len(named))), []
+        # MoE expert params: a domain of their own over the expert data-parallel group (experts.py), or none.
+        dense, expert, expert_group = experts_mod.plan(config, named, expert_data_parallel_group, dp_group, dp_size,
+                                                       model_parallel_group)
         self.layout = plan_layout([specs[i] for i in dense], dp_size, config.bucket_size)
         self.rank = rank
         self.device = device
@@ -268,13 +232,12 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self._runner = StepRunner(
             step_fn=chain(self.stages), eager_step_fn=chain(self.stages, ranges=self.ranges), device=device,
             mode=config.capture, warmup_steps=config.capture_warmup_steps, invalidation=config.capture_invalidation,
-            static_inputs=_static_inputs(self.buffers, self.hyper, self.tensors,
-                                         None if self.experts is None else self.experts.buffers),
+            static_inputs=_static_inputs(self._domain_buffers(), self.hyper, self.tensors),
             baked_values=baked_values(self.stages),
             agree=_agreement(config, device, self.comm))
         self._overlap = overlap.install(ctx, config, model_chunks, may_capture=self._runner.may_capture)
         self._publish = chain(publish_chain(ctx, expert_ctx))
-        self._grads_seen = _GradsSeen(params)
+        self._grads_seen = GradsSeen(params)
         self.result = StepResult(self.tensors.update_successful, self.tensors.grad_norm, self.tensors.num_zeros,
                                  self.tensors.loss_scale)
 

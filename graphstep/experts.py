@@ -73,11 +73,17 @@ class ExpertGroup:
     average_over: int
 
 
-def split(named: Sequence[tuple[str, torch.nn.Parameter]]) -> tuple[list[int], list[int]]:
-    """(dense indices, expert indices) into ``named``, each in model order."""
-    dense = [i for i, (_, p) in enumerate(named) if not is_expert_param(p)]
+def plan(config, named: Sequence[tuple[str, torch.nn.Parameter]], expert_data_parallel_group,
+         dp_group: Optional[dist.ProcessGroup], dp_size: int,
+         model_parallel_group) -> tuple[list[int], list[int], Optional[ExpertGroup]]:
+    """(dense indices, expert indices into ``named``, the expert group); with no expert domain every param
+    is dense and the group is None. Validates as ``expert_group`` does."""
     experts = [i for i, (_, p) in enumerate(named) if is_expert_param(p)]
-    return dense, experts
+    group = expert_group(config, named, experts, expert_data_parallel_group, dp_group, dp_size, model_parallel_group)
+    if group is None:
+        return list(range(len(named))), [], None
+    expert_set = set(experts)
+    return [i for i in range(len(named)) if i not in expert_set], experts, group
 
 
 def expert_group(config, named, expert_indices: list[int], expert_data_parallel_group,
