@@ -38,10 +38,12 @@ Three rules, each with its reason:
    experts (silently wrong); pass the expert data-parallel group (``process_group`` itself when the
    expert-parallel size is 1).
 
-Not yet: checkpoints of the expert domain (``refuse_checkpoint``), overlapping the expert collectives
-with backward or forward (the expert reduce-scatters and all-gathers run inside the step; the dense ones
-overlap as configured), Muon on sharded experts (Newton–Schulz needs whole matrices), QK-clip on expert
-weights, and the debugger's non-finite provenance for expert params (its stage table covers them).
+Checkpoints: ``opt.state_dict()`` (exact, per rank, same layout) holds the expert domain under
+``"experts"``; the reshardable format refuses it (``refuse_checkpoint``). Not yet: overlapping the expert
+collectives with backward or forward (the expert reduce-scatters and all-gathers run inside the step; the
+dense ones overlap as configured), Muon on sharded experts (Newton–Schulz needs whole matrices), QK-clip
+on expert weights, and the debugger's non-finite provenance for expert params (its stage table covers
+them).
 """
 
 from __future__ import annotations
@@ -136,12 +138,16 @@ def expert_group(config, named, expert_indices: list[int], expert_data_parallel_
 
 
 def refuse_checkpoint(opt, what: str) -> None:
-    """Checkpoints do not cover the expert domain yet: refuse rather than save or load half an optimizer."""
+    """The reshardable format does not cover the expert domain yet: refuse rather than save half an optimizer.
+
+    Its entries are keyed by param name, and an expert's name is local to its expert-parallel rank (rank 0's
+    ``experts.0`` is not rank 1's), so two different experts would meet under one key; its JSON entries
+    (groups, metadata) are saved once, for all ranks, while the expert params differ between them."""
     if getattr(opt, "experts", None) is not None:
-        raise NotImplementedError(f"{what}: graphstep's checkpoints do not include the expert params' domain "
-                                  "(expert_data_parallel_group) yet, and saving only the dense params' state would "
-                                  "lose the experts' on reload. Save the model's params, or train without "
-                                  "expert_data_parallel_group where a checkpoint of the optimizer is needed")
+        raise NotImplementedError(f"{what}: the reshardable checkpoint format (graphstep.checkpoint) does not "
+                                  "cover expert params (expert_data_parallel_group) yet: their names are local to "
+                                  "each expert-parallel rank. Use opt.state_dict() / opt.load_state_dict() (exact, "
+                                  "per rank, same layout), which include the expert params' state")
 
 
 @dataclass(frozen=True)

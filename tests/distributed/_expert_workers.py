@@ -139,14 +139,53 @@ def train(name: str, rank: int, world_size: int, ep: int, steps: int = STEPS, **
 
 
 def parity(rank: int, world_size: int, cases: tuple) -> dict:
-    """Every (name, ep, changes) case, then eager against captured (replay backend) bitwise."""
+    """Every (name, ep, changes) case."""
+    return {(name, ep): train(name, rank, world_size, ep, **dict(changes)) for name, ep, changes in cases}
+
+
+def capture_and_resume(rank: int, world_size: int) -> dict:
+    """Eager against captured (replay backend), then a state_dict resume."""
     out = {}
-    for name, ep, changes in cases:
-        out[(name, ep)] = train(name, rank, world_size, ep, **dict(changes))
     for mode in ("eager", "graph"):
         out[("capture", mode)] = train("adam_fp32", rank, world_size, 2, steps=10, capture=mode,
                                        capture_warmup_steps=2)
+    out["resume"] = resume(rank, world_size, 2)
     return out
+
+
+def resume(rank: int, world_size: int, ep: int, steps: int = 8, save_at: int = 4) -> dict:
+    """Adam: ``opt.state_dict()`` saved (through torch.save) after ``save_at`` steps, loaded into a fresh
+    model and optimizer, trained on; against the uninterrupted run, bitwise."""
+    import io
+
+    config = make_config("adam_fp32", True)
+    group = expert_groups(world_size, ep)
+
+    def run(model, opt, first: int, last: int) -> None:
+        for step in range(first, last):
+            opt.zero_grad()
+            opt.scale_loss(rank_loss(model, step, rank)).backward()
+            opt.step()
+
+    model = local_model(ep, rank % ep)
+    opt = get_optimizer(config, model, expert_data_parallel_group=group)
+    run(model, opt, 0, save_at)
+    saved, model_saved = io.BytesIO(), {k: v.clone() for k, v in model.state_dict().items()}
+    torch.save(opt.state_dict(), saved)
+    run(model, opt, save_at, steps)
+
+    fresh = local_model(ep, rank % ep)
+    fresh.load_state_dict(model_saved)
+    reopened = get_optimizer(config, fresh, expert_data_parallel_group=group)
+    saved.seek(0)
+    state = torch.load(saved, weights_only=True)
+    without_experts = {k: v for k, v in state.items() if k != "experts"}
+    refused = _error(lambda: reopened.load_state_dict(without_experts))  # every rank refuses alike
+    reopened.load_state_dict(state)
+    run(fresh, reopened, save_at, steps)
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+    moved = not all(torch.equal(a, b) for a, b in zip(model.parameters(), local_model(ep, rank % ep).parameters()))
+    return {"bitwise": same, "moved": moved, "has_experts": "experts" in state, "refused": refused}
 
 
 def _error(build) -> str:
@@ -175,6 +214,5 @@ def refusals(rank: int, world_size: int) -> dict:
             expert_data_parallel_group=dist.group.WORLD)),
     }
     opt = get_optimizer(make_config("sgd_fp32", True), local_model(2, rank), expert_data_parallel_group=mine)
-    out["state_dict"] = _error(opt.state_dict)
     out["sharded_state_dict"] = _error(lambda: gs.checkpoint.sharded_state_dict(opt))
     return out

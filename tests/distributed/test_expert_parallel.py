@@ -31,6 +31,11 @@ def runs():
     return values(spawn(W.parity, WORLD, CASES, timeout=58))
 
 
+@pytest.fixture(scope="module")
+def captured():
+    return values(spawn(W.capture_and_resume, WORLD, timeout=58))
+
+
 def _lists(result: dict, ref: dict):
     """Rank params and the oracle's for the same names (the rank's dense params and its own experts)."""
     names = sorted(result["params"])
@@ -91,14 +96,21 @@ def test_replicas_of_the_same_experts_and_all_dense_params_agree_bitwise(runs):
                 assert torch.equal(mine[name], theirs[name]), f"ranks {rank} and {peer} differ in {name}"
 
 
-def test_eager_and_captured_steps_are_bitwise_equal(runs):
-    for rank, result in enumerate(runs):
+def test_eager_and_captured_steps_are_bitwise_equal(captured):
+    for rank, result in enumerate(captured):
         eager, graph = result[("capture", "eager")], result[("capture", "graph")]
         assert graph["captured"] and not eager["captured"], rank
         assert graph["ok"] == eager["ok"] and False in graph["ok"], rank  # the inf step is replayed, skipped
         assert graph["norms"] == eager["norms"], rank
         for name, value in eager["params"].items():
             assert torch.equal(graph["params"][name], value), f"rank {rank}: {name}"
+
+
+def test_state_dict_resumes_the_expert_domain_bitwise(captured):
+    for rank, result in enumerate(captured):
+        resumed = result["resume"]
+        assert resumed["has_experts"] and resumed["bitwise"] and resumed["moved"], f"rank {rank}: {resumed}"
+        assert "state_dict['experts'] is missing" in resumed["refused"], resumed["refused"]
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +124,7 @@ def refusals():
     ("experts_without_group", "no expert_data_parallel_group was given"),
     ("group_without_experts", "no trainable param is marked as an expert param"),
     ("outside_the_dp_group", "outside the data-parallel group"),
-    ("state_dict", "do not include the expert params' domain"),
-    ("sharded_state_dict", "do not include the expert params' domain"),
+    ("sharded_state_dict", "does not cover expert params"),
 ])
 def test_bad_input_is_refused_with_what_to_do(refusals, case, words):
     for rank, result in enumerate(refusals):
