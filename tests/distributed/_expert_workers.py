@@ -128,13 +128,14 @@ def train(name: str, rank: int, world_size: int, ep: int, steps: int = STEPS, **
         result = opt.step()
         ok.append(bool(result.update_successful.item()))
         norms.append(float(result.grad_norm.item()))
+    opt.finish_param_gather()
     params = {}
     for key, value in _named(model).items():
         if key.startswith("experts."):
             _, j, rest = key.split(".", 2)
             key = f"experts.{LOCAL * ep_rank + int(j)}.{rest}"
         params[key] = value
-    return {"params": params, "ok": ok, "norms": norms, "captured": opt.captured,
+    return {"params": params, "ok": ok, "norms": norms, "captured": opt.captured, "overlap": opt.overlap_counts,
             "expert_dp_size": opt.experts.layout.dp_size, "stages": [s.name for s in opt.stages]}
 
 
@@ -144,8 +145,9 @@ def parity(rank: int, world_size: int, cases: tuple) -> dict:
 
 
 def capture_and_resume(rank: int, world_size: int) -> dict:
-    """Eager against captured (replay backend), then a state_dict resume."""
-    out = {}
+    """Eager against captured (replay backend), a state_dict resume, and the dense collectives overlapped
+    with backward and forward (the expert ones run in the step)."""
+    out = {"overlap": train("sgd_fp32", rank, world_size, 2, overlap_grad_reduce=True, overlap_param_gather=True)}
     for mode in ("eager", "graph"):
         out[("capture", mode)] = train("adam_fp32", rank, world_size, 2, steps=10, capture=mode,
                                        capture_warmup_steps=2)

@@ -65,6 +65,16 @@ def test_sgd_fp32_matches_the_single_process_holding_all_experts(runs, ep):
                 assert abs(a - b) <= 1e-5 * b, f"rank {rank} (ep={ep}) step {step}: grad norm {a} vs {b}"
 
 
+def test_overlapped_dense_collectives_next_to_in_step_expert_ones_match_the_single_process(captured):
+    ref = oracle("sgd_fp32", 2)
+    for rank, result in enumerate(captured):
+        overlapped = result["overlap"]
+        assert overlapped["overlap"]["launched_reduces"] > 0 and overlapped["overlap"]["waited_gathers"] > 0
+        err = relative_error(*_lists(overlapped, ref)[:2])
+        assert err < 1e-5, f"rank {rank}: relative error {err:.2e}"
+        assert overlapped["ok"] == ref["ok"], rank
+
+
 def test_adam_fp32_matches_the_single_process_within_1e_3_of_the_motion(runs):
     ref = oracle("adam_fp32", 2)
     for rank, result in enumerate(runs):
