@@ -42,8 +42,7 @@ Checkpoints: ``opt.state_dict()`` (exact, per rank, same layout) holds the exper
 ``"experts"``; the reshardable format refuses it (``refuse_checkpoint``). Not yet: overlapping the expert
 collectives with backward or forward (the expert reduce-scatters and all-gathers run inside the step; the
 dense ones overlap as configured), Muon on sharded experts (Newton–Schulz needs whole matrices), QK-clip
-on expert weights, and the debugger's non-finite provenance for expert params (its stage table covers
-them).
+on expert weights.
 """
 
 from __future__ import annotations

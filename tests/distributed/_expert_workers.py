@@ -217,4 +217,13 @@ def refusals(rank: int, world_size: int) -> dict:
     }
     opt = get_optimizer(make_config("sgd_fp32", True), local_model(2, rank), expert_data_parallel_group=mine)
     out["sharded_state_dict"] = _error(lambda: gs.checkpoint.sharded_state_dict(opt))
+    # The debugger finds a non-finite expert grad in the expert domain's buffers (rank 1 only holds it).
+    model = local_model(2, rank)
+    opt = get_optimizer(make_config("sgd_fp32", True), model, expert_data_parallel_group=mine)
+    rank_loss(model, 0, rank).backward()
+    if rank == 1:
+        _poison(model.experts[1].weight)
+    report = opt.debug_step()
+    out["debug"] = {"origin": str(report.nan_origin), "ok": report.update_successful,
+                    "stages": [stage.name for stage in report.stages]}
     return out

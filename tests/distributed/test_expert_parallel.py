@@ -139,3 +139,12 @@ def refusals():
 def test_bad_input_is_refused_with_what_to_do(refusals, case, words):
     for rank, result in enumerate(refusals):
         assert words in result[case], f"rank {rank}: {result[case]}"
+
+
+def test_the_debugger_names_a_non_finite_expert_grad(refusals):
+    for rank, result in enumerate(refusals):
+        debug = result["debug"]
+        assert debug["ok"] is False, rank  # skipped on both ranks
+        assert "expert_average" in debug["stages"] and "expert_update" in debug["stages"], debug["stages"]
+    assert refusals[1]["debug"]["origin"] == "first non-finite value: grad of 'experts.1.weight' (after backward)"
+    assert refusals[0]["debug"]["origin"] == "None"  # rank 0's own buffers stay finite; it skips all the same
