@@ -235,7 +235,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             static_inputs=_static_inputs(self._domain_buffers(), self.hyper, self.tensors),
             baked_values=baked_values(self.stages),
             agree=_agreement(config, device, self.comm))
-        self._overlap = overlap.install(ctx, config, model_chunks, may_capture=self._runner.may_capture)
+        self._overlap = overlap.install(ctx, config, model_chunks, may_capture=self._runner.may_capture,
+                                        experts=expert_ctx)
         self._publish = chain(publish_chain(ctx, expert_ctx))
         self._grads_seen = GradsSeen(params)
         self.result = StepResult(self.tensors.update_successful, self.tensors.grad_norm, self.tensors.num_zeros,

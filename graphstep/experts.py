@@ -39,10 +39,9 @@ Three rules, each with its reason:
    expert-parallel size is 1).
 
 Checkpoints: ``opt.state_dict()`` (exact, per rank, same layout) holds the expert domain under
-``"experts"``; the reshardable format refuses it (``refuse_checkpoint``). Not yet: overlapping the expert
-collectives with backward or forward (the expert reduce-scatters and all-gathers run inside the step; the
-dense ones overlap as configured), Muon on sharded experts (Newton–Schulz needs whole matrices), QK-clip
-on expert weights.
+``"experts"``; the reshardable format refuses it (``refuse_checkpoint``). ``overlap_grad_reduce`` and
+``overlap_param_gather`` hook the expert collectives as well (graphstep.overlap.Overlaps). Not yet: Muon
+on sharded experts (Newton–Schulz needs whole matrices), QK-clip on expert weights.
 """
 
 from __future__ import annotations

@@ -156,7 +156,51 @@ class Overlap:
                     self._handles.append(module.register_forward_pre_hook(make_pre_hook(tuple(buckets))))
 
 
-def install(ctx, config, model_chunks=None, *, may_capture: bool) -> Overlap:
+class Overlaps:
+    """Several domains' hooks driven as one (the dense params' and the MoE expert params', each over its own
+    group: graphstep/experts.py). Same interface as ``Overlap``; the counts are summed."""
+
+    def __init__(self, parts: list[Overlap]):
+        self._parts = parts
+
+    @property
+    def enabled(self) -> bool:
+        return any(part.enabled for part in self._parts)
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        for part in self._parts:
+            part.enabled = value
+
+    @property
+    def launched_reduces(self) -> int:
+        return sum(part.launched_reduces for part in self._parts)
+
+    @property
+    def waited_gathers(self) -> int:
+        return sum(part.waited_gathers for part in self._parts)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for part in self._parts:
+                stack.enter_context(part.no_sync())
+            yield
+
+    def finish(self) -> None:
+        for part in self._parts:
+            part.finish()
+
+    def remove(self) -> None:
+        for part in self._parts:
+            part.remove()
+
+
+def install(ctx, config, model_chunks=None, *, may_capture: bool, experts=None) -> Overlap | Overlaps:
     """The engine's overlap hooks (an inert Overlap when neither overlap option is on). ``may_capture``:
-    the step is or may be captured, so the hooks start switched off."""
-    return Overlap(ctx, config, model_chunks, may_capture=may_capture)
+    the step is or may be captured, so the hooks start switched off. ``experts``: the expert domain's
+    context, whose collectives (over the expert data-parallel group) get hooks of their own."""
+    dense = Overlap(ctx, config, model_chunks, may_capture=may_capture)
+    if experts is None:
+        return dense
+    return Overlaps([dense, Overlap(experts, config, model_chunks, may_capture=may_capture)])

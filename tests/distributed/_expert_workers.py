@@ -83,7 +83,7 @@ def _named(model) -> dict:
     return {name: p.detach().clone().float() for name, p in model.named_parameters()}
 
 
-def oracle(name: str, world_size: int, ep: int, steps: int = STEPS, **changes) -> dict:
+def oracle(name: str, world_size: int, ep: int, steps: int = STEPS, inf_step=INF_STEP, **changes) -> dict:
     """One process, every expert: the loss is the mean over the ranks of each rank's local loss."""
     model = TinyMoE(LOCAL * ep)
     start = _named(model)
@@ -93,7 +93,7 @@ def oracle(name: str, world_size: int, ep: int, steps: int = STEPS, **changes) -
         opt.zero_grad()
         loss = sum(rank_loss(model, step, r, LOCAL * (r % ep)) for r in range(world_size)) / world_size
         opt.scale_loss(loss).backward()
-        if step == INF_STEP:
+        if step == inf_step:
             _poison(model.experts[LOCAL * (INF_RANK % ep)].weight)
         result = opt.step()
         ok.append(bool(result.update_successful.item()))
@@ -113,8 +113,9 @@ def expert_groups(world_size: int, ep: int):
     return groups[dist.get_rank() % ep]
 
 
-def train(name: str, rank: int, world_size: int, ep: int, steps: int = STEPS, **changes) -> dict:
-    """Rank ``rank``'s run; params renamed to the oracle's expert indices."""
+def train(name: str, rank: int, world_size: int, ep: int, steps: int = STEPS, inf_step=INF_STEP, **changes) -> dict:
+    """Rank ``rank``'s run; params renamed to the oracle's expert indices. ``inf_step=None``: no injection
+    (with overlap_grad_reduce a grad poisoned after backward would miss the reduce its hook launched)."""
     ep_rank = rank % ep
     model = local_model(ep, ep_rank)
     opt = get_optimizer(make_config(name, True, **changes), model,
@@ -123,7 +124,7 @@ def train(name: str, rank: int, world_size: int, ep: int, steps: int = STEPS, **
     for step in range(steps):
         opt.zero_grad()
         opt.scale_loss(rank_loss(model, step, rank)).backward()
-        if step == INF_STEP and rank == INF_RANK:
+        if step == inf_step and rank == INF_RANK:
             _poison(model.experts[0].weight)
         result = opt.step()
         ok.append(bool(result.update_successful.item()))
@@ -136,6 +137,7 @@ def train(name: str, rank: int, world_size: int, ep: int, steps: int = STEPS, **
             key = f"experts.{LOCAL * ep_rank + int(j)}.{rest}"
         params[key] = value
     return {"params": params, "ok": ok, "norms": norms, "captured": opt.captured, "overlap": opt.overlap_counts,
+            "buckets": len(opt.layout.buckets) + len(opt.experts.layout.buckets),
             "expert_dp_size": opt.experts.layout.dp_size, "stages": [s.name for s in opt.stages]}
 
 
@@ -145,9 +147,10 @@ def parity(rank: int, world_size: int, cases: tuple) -> dict:
 
 
 def capture_and_resume(rank: int, world_size: int) -> dict:
-    """Eager against captured (replay backend), a state_dict resume, and the dense collectives overlapped
-    with backward and forward (the expert ones run in the step)."""
-    out = {"overlap": train("sgd_fp32", rank, world_size, 2, overlap_grad_reduce=True, overlap_param_gather=True)}
+    """Eager against captured (replay backend), a state_dict resume, and the collectives (dense and expert)
+    overlapped with backward and forward."""
+    out = {"overlap": train("sgd_fp32", rank, world_size, 2, inf_step=None, overlap_grad_reduce=True,
+                            overlap_param_gather=True)}
     for mode in ("eager", "graph"):
         out[("capture", mode)] = train("adam_fp32", rank, world_size, 2, steps=10, capture=mode,
                                        capture_warmup_steps=2)
