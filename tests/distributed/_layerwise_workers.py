@@ -26,6 +26,7 @@ from toy import VOCAB, WIDTH
 STEPS = 4
 INF_STEP = 1  # the last rank makes one Muon grad non-finite: every rank must skip
 GRAD_QUANTUM = 2.0 ** -10
+CONTINUE = 2  # steps after a checkpoint save or load
 
 
 def deep_model(seed: int = 0) -> torch.nn.Module:
@@ -110,7 +111,7 @@ def parity(rank: int, world_size: int, cases: tuple) -> dict:
 
 
 def save_checkpoint(rank: int, world_size: int, root: str) -> dict:
-    """Train STEPS on exact grads, save, train STEPS more: the uninterrupted run and the state at the save."""
+    """Train STEPS on exact grads, save, train CONTINUE more: the uninterrupted run and the state at the save."""
     model = deep_model()
     opt = gs.get_optimizer(make_config(world_size), model)
     for step in range(STEPS):
@@ -119,21 +120,33 @@ def save_checkpoint(rank: int, world_size: int, root: str) -> dict:
         opt.step()
     gs.checkpoint.save(opt, os.path.join(root, "muon"), model=model)
     at_save = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for step in range(STEPS, 2 * STEPS):
+    for step in range(STEPS, STEPS + CONTINUE):
         opt.zero_grad()
         _backward_exact(model, mean_exact_grads(model, step, 4))
         opt.step()
-    return {"at_save": at_save, "final": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {"at_save": at_save, "final": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "owners": owners_of(opt)}
+
+
+def owners_of(opt) -> dict[str, int]:
+    """Muon param name -> the rank whose shard holds it (read off the layout: the same on every rank)."""
+    layout, out = opt.layout, {}
+    for bucket in layout.buckets:
+        if bucket.whole_matrices:
+            for i in bucket.params:
+                out[layout.params[i].name] = (layout.params[i].start - bucket.start) // bucket.shard_numel
+    return out
 
 
 def resume_checkpoint(rank: int, world_size: int, root: str) -> dict:
-    """A fresh model (another seed) at this data-parallel size: load, then the same STEPS more."""
+    """A fresh model (another seed) at this data-parallel size: load, then the same CONTINUE steps."""
     model = deep_model(seed=1)
     opt = gs.get_optimizer(make_config(world_size), model)
     gs.checkpoint.load(opt, os.path.join(root, "muon"), model=model)
     at_load = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for step in range(STEPS, 2 * STEPS):
+    for step in range(STEPS, STEPS + CONTINUE):
         opt.zero_grad()
         _backward_exact(model, mean_exact_grads(model, step, 4))
         opt.step()
-    return {"at_load": at_load, "final": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {"at_load": at_load, "final": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "owners": owners_of(opt)}
