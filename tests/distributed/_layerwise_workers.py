@@ -24,7 +24,8 @@ from _harness import local_loss
 from toy import VOCAB, WIDTH
 
 STEPS = 4
-INF_STEP = 1  # the last rank makes one Muon grad non-finite: every rank must skip
+INF_STEP = 1  # the last rank makes grads non-finite (one element of a Muon matrix's): every rank must skip
+MUON_VICTIM = 3  # index in model.parameters() of 1.self_attn.out_proj.weight
 GRAD_QUANTUM = 2.0 ** -10
 CONTINUE = 2  # steps after a checkpoint save or load
 
@@ -76,25 +77,27 @@ def run(rank: int, world_size: int, *, grads: str, reference_world: int = 0, cap
     ok = []
     for step in range(steps):
         opt.zero_grad()
+        # In the backward itself (not written into the grads after it): with overlap_grad_reduce the
+        # reduce-scatter may already have left when backward returns.
+        poison = step == INF_STEP and rank == world_size - 1
         if grads == "exact":
             given = (mean_exact_grads(model, step, reference_world) if reference_world
                      else exact_grads(model, step, rank))
+            if poison:
+                given[MUON_VICTIM].view(-1)[5] = float("inf")
             _backward_exact(model, given)
         else:
-            ranks = reference_world or world_size
-            if reference_world:  # the single process sees every rank's slice: the global batch
-                local_loss(model, step, 0, 1, 12).backward()
-            else:
-                local_loss(model, step, rank, ranks, 12).backward()
-        if step == INF_STEP and rank == world_size - 1:
-            model[1].linear1.weight.main_grad.view(-1)[5] = float("inf")
+            # the single process sees every rank's slice: the global batch
+            loss = local_loss(model, step, 0, 1, 12) if reference_world else local_loss(model, step, rank,
+                                                                                         world_size, 12)
+            (loss * float("inf") if poison else loss).backward()
         ok.append(bool(opt.step().update_successful.item()))
     opt.finish_param_gather()
     owned = sorted(opt.layout.params[o.param].name for o in opt.layout.owned_ranges(opt.rank)
                    if opt.layout.params[o.param].name in muon_names(opt))
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "start": start, "ok": ok,
             "muon": sorted(muon_names(opt)), "owned_muon": owned, "captured": opt.captured,
-            "buckets": [(b.whole_matrices, b.numel) for b in opt.layout.buckets]}
+            "buckets": [(b.whole_matrices, b.numel) for b in opt.layout.buckets], "overlap": opt.overlap_counts}
 
 
 CASES = {
@@ -102,6 +105,7 @@ CASES = {
     "exact_graph": dict(grads="exact", capture="graph", capture_warmup_steps=1),
     "exact_medium": dict(grads="exact", muon_fp32_matmul_prec="medium"),
     "data": dict(grads="data", clip_grad=0.5),
+    "data_overlap": dict(grads="data", clip_grad=0.5, overlap_grad_reduce=True, overlap_param_gather=True),
 }
 
 

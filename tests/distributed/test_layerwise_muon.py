@@ -24,7 +24,8 @@ from _harness import relative_drift, spawn, values
 
 pytestmark = pytest.mark.distributed
 
-CASES_BY_WORLD = {2: ("exact_eager", "exact_graph", "exact_medium", "data"), 4: ("exact_eager", "exact_graph", "data")}
+CASES_BY_WORLD = {2: ("exact_eager", "exact_graph", "exact_medium", "data", "data_overlap"),
+                  4: ("exact_eager", "exact_graph", "data")}
 EXPECTED_OK = [step != W.INF_STEP for step in range(W.STEPS)]
 
 
@@ -90,6 +91,20 @@ def test_data_parallel_training_matches_the_single_process_within_the_drift(rank
             drift = relative_drift([run["params"][n] for n in names], [ref["params"][n] for n in names],
                                    [ref["start"][n] for n in names])
             assert drift < bound, f"rank {rank}/{world_size}: drift {drift:.2e} of the motion ({len(names)} params)"
+
+
+def test_overlapped_reduce_and_gather_give_the_same_params_bitwise(ranks):
+    # 2 ranks only (the 4-rank spawn stays < 60 s). The layer-wise bucket is launched from a backward hook
+    # once its last matrix's grad lands, like any bucket; the deferred all-gathers finish in a forward.
+    world_size, results = ranks
+    if "data_overlap" not in CASES_BY_WORLD[world_size]:
+        return
+    for rank, result in enumerate(results):
+        run = result["data_overlap"]
+        counts = run["overlap"]
+        assert counts["launched_reduces"] >= (W.STEPS - 1) * len(run["buckets"]) and counts["waited_gathers"] > 0
+        assert run["ok"] == EXPECTED_OK, f"rank {rank}"
+        assert not _mismatches(run["params"], result["data"]["params"]), f"rank {rank}"
 
 
 def test_all_ranks_hold_identical_params(ranks):
