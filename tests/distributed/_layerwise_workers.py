@@ -106,6 +106,7 @@ CASES = {
     "exact_medium": dict(grads="exact", muon_fp32_matmul_prec="medium"),
     "data": dict(grads="data", clip_grad=0.5),
     "data_overlap": dict(grads="data", clip_grad=0.5, overlap_grad_reduce=True, overlap_param_gather=True),
+    "data_bf16": dict(grads="data", clip_grad=0.5, bf16=True),  # bf16 params, fp32 main params and grads
 }
 
 
