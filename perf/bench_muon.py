@@ -178,7 +178,8 @@ def _layerwise_worker(rank: int, world: int, port: int, outdir: str, layers: int
             times.append((time.perf_counter() - start) * 1e3)
     sent = 0.0
     for bucket in opt.layout.buckets:
-        size = opt.buffers.grad_flat[bucket.buffer].element_size() + opt.buffers.param_flat[bucket.buffer].element_size()
+        size = (opt.buffers.grad_flat[bucket.buffer].element_size()
+                + opt.buffers.param_flat[bucket.buffer].element_size())
         sent += (world - 1) / world * bucket.numel * size  # reduce-scatter + all-gather, ring
     balance = layerwise.balance(opt.layout)
     params = sum(p.numel() for p in model.parameters())
@@ -209,8 +210,10 @@ def layerwise_rows(worlds, layers: int, d: int, rounds: int, warmup: int) -> lis
     import torch.multiprocessing as mp
 
     rows = []
-    print(f"\nLayer-wise Muon (distributed optimizer, captured), {layers * 4} matrices of {d}x{d}, gloo, 1 thread/rank")
-    print("| ranks | step ms | comm MB/step/rank | DDP all-reduce MB | padding | NS max/mean | GPT-2 small NS max/mean, padding |")
+    print(f"\nLayer-wise Muon (distributed optimizer, captured), {layers * 4} matrices of {d}x{d}, gloo, "
+          "1 thread/rank")
+    print("| ranks | step ms | comm MB/step/rank | DDP all-reduce MB | padding | NS max/mean "
+          "| GPT-2 small NS max/mean, padding |")
     print("|---:|---:|---:|---:|---:|---:|---|")
     for world in worlds:
         with socket.socket() as s:

@@ -52,7 +52,8 @@ def test_lpt_is_within_graham_bound_of_the_optimum(costs, dp):
 
 
 def test_lpt_takes_matrices_by_decreasing_cost_to_the_least_loaded_rank_lowest_first():
-    # 7 → r0; 5 → r1; 4 → r2; 3 (index 0) → r2 (4 < 5 < 7); 3 (index 4) → r1 (5 < 7); 1 → r0 (7, 8, 7: r0 first)
+    # 7 → r0; 5 → r1; 4 → r2; 3 (index 0) → r2 (4 < 5 < 7); 3 (index 4) → r1 (5 < 7);
+    # 1 → r0 (loads 7, 8, 7: the lower rank first)
     assert layerwise.assign_owners([3, 7, 4, 5, 3, 1], 3) == (2, 0, 2, 1, 1, 0)
     assert layerwise.assign_owners([3, 7], 2, loads=[10, 0]) == (1, 1)  # earlier loads carried
 
