@@ -17,6 +17,9 @@ Everything here is pure (shapes and integers in, integers out), deterministic on
   cost (ties: lower index first) each go to the least-loaded rank (ties: lower rank). Graham's bound holds:
   the most-loaded rank carries at most (4/3 − 1/(3·dp)) times the optimum, and at most the mean plus the
   largest cost;
+  graphstep.layout carries the loads from one buffer's layer-wise bucket to the next (as Megatron-Core
+  carries them across buckets), so matrices of several dtypes are balanced together, at the price of
+  padding where a rank's share of one buffer is smaller than another rank's;
 - ``plan_sections(...)``: each rank's matrices in section order (param group, then shape, then the order
   given, so same-shape matrices of a group are contiguous and evenly spaced for the batched update) with
   their offsets, and the common section size.

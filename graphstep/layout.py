@@ -260,6 +260,7 @@ def plan_layout(specs: Sequence[ParamSpec], dp_size: int = 1, bucket_size: Optio
             keys.append(key)
 
     placements: dict[int, ParamPlacement] = {}
+    ns_loads = [0] * dp_size  # Newton–Schulz cost per rank over the layer-wise buckets planned so far
     buckets: list[Bucket] = []
     buffers: list[BufferLayout] = []
     for buffer_index, key in enumerate(keys):
@@ -293,7 +294,8 @@ def plan_layout(specs: Sequence[ParamSpec], dp_size: int = 1, bucket_size: Optio
             # GPT-2 small at dp = 4, 33% at dp = 8). The price: its reduce-scatter waits for the last
             # matrix's grad, so overlap_grad_reduce overlaps only the element-sharded buckets.
             costs = [layerwise.ns_cost(specs[i].shape) for i in whole]
-            owners = layerwise.assign_owners(costs, dp_size)
+            owners = layerwise.assign_owners(costs, dp_size, ns_loads)  # balance across buffers too
+            ns_loads = [a + b for a, b in zip(ns_loads, layerwise.rank_loads(costs, owners, dp_size))]
             sections = layerwise.plan_sections(
                 [specs[i].numel for i in whole], [_in_bucket_key(specs[i]) for i in whole], owners, dp_size,
                 param_alignment=PARAM_ALIGNMENT, section_alignment=BUCKET_ALIGNMENT)

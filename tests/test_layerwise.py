@@ -86,6 +86,7 @@ def test_layout_gives_each_rank_whole_matrices_and_leaves_the_rest_as_before(cas
     if dp == 1 or not whole:
         assert not layer_wise
         return
+    loads = [0] * dp  # carried from buffer to buffer
     for buf in layout.buffers:
         mine = [i for i in whole if layout.params[i].buffer == buf.index]
         buckets = [layout.buckets[b] for b in buf.buckets]
@@ -95,9 +96,11 @@ def test_layout_gives_each_rank_whole_matrices_and_leaves_the_rest_as_before(cas
         bucket = buckets[-1]  # after the element-sharded buckets
         assert bucket.whole_matrices and sorted(bucket.params) == sorted(mine)
         assert bucket.numel % math.lcm(dp, BUCKET_ALIGNMENT) == 0
-        # The owners are LPT's over NS cost, in backward order.
+        # The owners are LPT's over NS cost, in backward order, the loads of earlier buffers carried.
         backward = sorted(mine, reverse=True)
-        owners = layerwise.assign_owners([layerwise.ns_cost(specs[i].shape) for i in backward], dp)
+        costs = [layerwise.ns_cost(specs[i].shape) for i in backward]
+        owners = layerwise.assign_owners(costs, dp, loads)
+        loads = [a + b for a, b in zip(loads, layerwise.rank_loads(costs, owners, dp))]
         for i, owner in zip(backward, owners):
             place = layout.params[i]
             lo, hi = bucket.shard_range(owner)
@@ -134,6 +137,18 @@ def test_same_shape_matrices_of_a_rank_are_evenly_spaced_for_one_batched_view():
         for shape in set(shapes):
             starts = [p.start for p in mine if p.shape == shape]
             assert len({b - a for a, b in zip(starts, starts[1:])}) <= 1
+
+
+def test_matrices_of_two_buffers_are_balanced_together():
+    # Two equal matrices per dtype: planned alone, each buffer would give rank 0 and rank 1 one of each.
+    # With the loads carried (as Megatron-Core carries them across buckets), 4 equal matrices over 4 ranks:
+    # one each. The price is padding: each buffer's bucket has two empty sections, as many bytes as its
+    # two matrices.
+    specs = [ParamSpec(f"w{i}", (32, 32), dtype, torch.float32, 0, True)
+             for i, dtype in enumerate([torch.float32, torch.float32, torch.bfloat16, torch.bfloat16])]
+    balance = layerwise.balance(plan_layout(specs, 4, None))
+    assert balance.loads == (32 ** 3,) * 4
+    assert balance.padding_fraction == 1.0
 
 
 def test_an_element_sharded_muon_layout_is_refused_with_what_to_do():
