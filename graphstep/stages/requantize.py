@@ -78,7 +78,10 @@ def build(ctx, *, publish: bool = False) -> Optional[Stage]:
     def apply() -> None:
         amaxes.zero_()
         for main, target in owned:
-            torch.amax(main.abs(), dim=0, out=target)  # NaN propagates: a NaN amax gives scale 1
+            # max |x| = max(|min|, |max|): one reading pass, no |x| temporary. NaN propagates through
+            # aminmax and maximum: a NaN amax gives scale 1.
+            low, high = torch.aminmax(main)
+            torch.maximum(low.abs(), high.abs(), out=target)
         comm.all_reduce_max(amaxes, "fp8 amax all-reduce (max)")
         for (main, data, meta), amax_value in zip(pieces, amax_views):
             if delayed:
