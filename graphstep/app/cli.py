@@ -32,8 +32,9 @@ import torch
 import graphstep as gs
 
 from . import models
-from .demo import DEMO_QK_CLIP_THRESHOLD, PRECISIONS, DemoSettings, ProgressBar, estimate_seconds, log_interval, optimizer_config, train
+from .demo import DEMO_QK_CLIP_THRESHOLD, DemoSettings, ProgressBar, estimate_seconds, log_interval, optimizer_config, train
 from .options import default_out_dir, package_version, positive_float, positive_int, torch_device
+from .precision import PRECISIONS
 
 CAPTURES = ("both", "eager", "graph", "auto")
 

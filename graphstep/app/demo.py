@@ -22,7 +22,7 @@ from capture.devices import is_cuda, synchronize
 import graphstep as gs
 
 from . import models
-from .precision import PRECISIONS, config_flags, prepare
+from .precision import config_flags, prepare
 # Muon: 3e-3 reached a lower loss than 1e-3 on the tiny preset (2.25 against 2.69 after 60 steps; Adam at
 # 1e-3: 2.75), measured when Muon was added. Its other params train with Adam at the same lr.
 DEFAULT_LR = {"adam": 1e-3, "sgd": 0.1, "muon": 3e-3}

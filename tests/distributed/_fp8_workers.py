@@ -99,7 +99,7 @@ def overlap_vs_plain(rank: int, world_size: int) -> dict:
     return out
 
 
-# ---- checkpoints (tests/distributed/test_fp8_checkpoint.py) ----------------------------------------------
+# ---- checkpoints (tests/distributed/test_fp8_checkpoint_resharding.py) ----------------------------------------------
 def _fp8_state(model) -> list:
     """Every byte of the model: fp8 bytes and their scale, scale_inv, amax history; the other params."""
     out = []
