@@ -52,8 +52,8 @@ def build(ctx, *, publish: bool = False) -> Optional[Stage]:
 
     ``publish=True`` (``publish_params``, after a checkpoint load copied into the main params) requantizes
     whatever the last step's ``found_inf`` was, and for the delayed recipe only recasts with the current
-    scale: no amax enters the history, since no step ran. (A bitwise resume of the delayed recipe loads the
-    optimizer's state, then the model's: the fp8 layers' buffers hold the bytes, scales and history.)
+    scale: no amax enters the history, since no step ran. (A checkpoint load then copies the saved fp8 bytes
+    and scaling state over it, graphstep/fp8/checkpoint.py, so a delayed-recipe resume is bitwise.)
     """
     pieces = _pieces(ctx)
     if not pieces:
