@@ -40,8 +40,10 @@ Three rules, each with its reason:
 
 Checkpoints: ``opt.state_dict()`` (exact, per rank, same layout) holds the expert domain under
 ``"experts"``; the reshardable format refuses it (``refuse_checkpoint``). ``overlap_grad_reduce`` and
-``overlap_param_gather`` hook the expert collectives as well (graphstep.overlap.Overlaps). Not yet: Muon
-on sharded experts (Newton–Schulz needs whole matrices), QK-clip on expert weights.
+``overlap_param_gather`` hook the expert collectives as well (graphstep.overlap.Overlaps). Not yet
+tested: Muon on experts (their layout is planned like the dense one, layer-wise for Muon's groups), fp8
+expert weights (the requantize stage runs per domain; the flat checkpoint's fp8 entry covers the dense
+domain only). Not supported: QK-clip on expert weights (its registered weights must be dense).
 """
 
 from __future__ import annotations
