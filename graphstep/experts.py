@@ -29,10 +29,10 @@ Three rules, each with its reason:
    the same number on every rank. A non-finite expert grad makes that sum non-finite on every rank, so
    every rank skips. This needs each expert data-parallel group to lie inside that grid of ranks: with
    no model-parallel group, inside the data-parallel group (checked at build); with one, the grid is taken
-   to be the whole job (not checked: the model-parallel layout is the caller's). Megatron-Core gets the
-   same number another way: one optimizer per kind of param, each all-reducing its own squared norm over
-   its grad-stats group (the whole job, with the distributed optimizer), then a square root of their sum
-   on the host (its ChainedOptimizer); here it is one device all-reduce inside the step.
+   to be the whole job (not checked: the model-parallel layout is the caller's). Megatron-Core (one
+   optimizer per kind of param, chained) does the same when their grad-stats groups coincide (the whole
+   job, with the distributed optimizer): one norm over all their grads; otherwise it combines the
+   optimizers' norms as the root of their squares' sum on the host (its ChainedOptimizer).
 
 3. **Which params are expert params.** ``allreduce=False`` or ``is_expert_parallel=True``. On one process
    (no data-parallel ranks, and no expert group of more than one rank) they simply join the dense layout:
