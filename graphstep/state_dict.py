@@ -46,7 +46,7 @@ def state_dict(opt) -> dict:
         "layout": opt.layout.fingerprint(),
         "rank": opt.rank,
         "step": opt.tensors.step.clone(),
-        "main_params": [m.clone() for m in opt.buffers.main_shard],
+        "main_params": [opt.buffers.main_shard_values(b) for b in range(len(opt.buffers.main_shard))],
         "state": {name: [t.clone() for t in tensors] for name, tensors in opt.buffers.state.items()},
         "param_groups": groups,
         "scaler": None if opt.scaler is None else opt.scaler.state_dict(),
@@ -286,8 +286,8 @@ def load_state_dict(opt, state_dict: Any) -> None:
     states, updates = refuse_together(opt, lambda: _validate(opt, state_dict), "load_state_dict")
 
     # Everything is valid: copy. Nothing below can fail on a checked value.
-    for target, source in zip(opt.buffers.main_shard, state_dict["main_params"]):
-        target.copy_(source)
+    for b, source in enumerate(state_dict["main_params"]):
+        opt.buffers.load_main_shard(b, source)
     for name, tensors in opt.buffers.state.items():
         for target, source in zip(tensors, states[name]):
             target.copy_(source)
@@ -310,7 +310,9 @@ def _validate(opt, state_dict: Any) -> tuple:
         raise _fail(f"{where}['rank']", f"is {state_dict['rank']!r:.30}: checkpoint of another rank loaded "
                                         f"on rank {opt.rank}")
     check_step(state_dict["step"], f"{where}['step']", opt.tensors.step)
-    check_tensor_list(state_dict["main_params"], f"{where}['main_params']", opt.buffers.main_shard)
+    main_likes = [torch.empty(buf.shard_numel, dtype=m.dtype, device="meta")  # compact shards, as saved
+                  for buf, m in zip(opt.layout.buffers, opt.buffers.main_shard)]
+    check_tensor_list(state_dict["main_params"], f"{where}['main_params']", main_likes)
     states = check_mapping(state_dict["state"], f"{where}['state']", tuple(opt.buffers.state),
                            allowed=tuple(opt.buffers.state))
     for name, tensors in opt.buffers.state.items():
