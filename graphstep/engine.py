@@ -30,6 +30,7 @@ from .fp8 import is_fp8
 from .hyperparams import HyperParams
 from .kernels import get_kernels
 from .layout import ParamSpec, plan_layout
+from .memory import memory_stats
 from .routing import build_family_param_groups
 from .runner import StepRunner
 from .scaler import scaler_from_config
@@ -254,6 +255,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self._overlap = overlap.install(ctx, config, model_chunks, may_capture=self._runner.may_capture)
         self._publish = chain(publish_chain(ctx))
         self._grads_seen = _GradsSeen(params)
+        self.host_tensors: dict[str, list[torch.Tensor]] = {}  # host-memory tensors by kind: memory_stats' "host"
         self.result = StepResult(self.tensors.update_successful, self.tensors.grad_norm, self.tensors.num_zeros,
                                  self.tensors.loss_scale)
 
@@ -351,6 +353,10 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             self._prepare()
             return run_debug_step(self)
+
+    def memory_stats(self) -> dict[str, dict[str, int]]:
+        """Bytes this rank's optimizer holds, by kind, on device and host, with totals (graphstep.memory)."""
+        return memory_stats(self)
 
     def finish_param_gather(self) -> None:
         """Wait for all-gathers deferred by ``overlap_param_gather``: call before reading params outside a

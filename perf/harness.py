@@ -104,11 +104,9 @@ def optimizer_bytes(pipeline: "core.Pipeline", model_bytes: int) -> int:
     opt = pipeline.optimizer
     if isinstance(opt, torch.optim.AdamW):
         return tensor_bytes(t for state in opt.state.values() for t in state.values())
-    buffers = opt.buffers
-    owned = tensor_bytes(t for ts in buffers.state.values() for t in ts)
-    owned += tensor_bytes(m for m, p in zip(buffers.main_shard, buffers.param_flat) if m.data_ptr() != p.data_ptr())
-    owned += tensor_bytes(g for g, f in zip(buffers.grad_shard, buffers.grad_flat) if g.data_ptr() != f.data_ptr())
-    return owned + tensor_bytes(buffers.param_flat) - model_bytes + tensor_bytes(buffers.grad_flat) - model_bytes
+    device = opt.memory_stats()["device"]  # graphstep.memory: each storage once, aliases not twice
+    owned = device["total"] - sum(device.get(kind, 0) for kind in ("params", "grads", "scalars", "graph_pool"))
+    return owned + device["params"] - model_bytes + device["grads"] - model_bytes
 
 
 def build_row(spec: dict, device) -> tuple["core.Pipeline", int]:
