@@ -106,11 +106,12 @@ def _kernel_grads(ctx) -> tuple[list, list, tuple[bool, ...]]:
         scratch = torch.empty(buf.shard_numel, dtype=main_dtype, device=flat.device)
         scratches.append(scratch)
         if layout.dp_size == 1:
-            casts.append((flat, scratch))
-        for index in buf.buckets if layout.dp_size > 1 else ():
-            bucket = layout.buckets[index]
-            lo, hi = bucket.shard_range(ctx.rank)
-            casts.append((flat[lo:hi], scratch[bucket.shard_offset:bucket.shard_offset + bucket.shard_numel]))
+            casts.append((flat, scratch))  # one copy of the whole buffer
+        else:
+            for index in buf.buckets:  # this rank's slice of each bucket, into its place in the shard
+                bucket = layout.buckets[index]
+                lo, hi = bucket.shard_range(ctx.rank)
+                casts.append((flat[lo:hi], scratch[bucket.shard_offset:bucket.shard_offset + bucket.shard_numel]))
         grads.append(scratch)
         in_flat.append(False)
     if scratches:
