@@ -42,12 +42,20 @@ class MatrixViews:
 
 
 def check_whole_matrices(ctx, group: int) -> None:
-    """Muon needs whole matrices on one rank: each of the group's params is wholly this rank's or not at all.
+    """Refuse a group Muon cannot run, on every rank alike: a param that is not 2-D, a fused QKV weight
+    without its split, or a matrix this rank owns only part of (Muon needs whole matrices on one rank).
 
     The layout guarantees it (with several ranks Muon's params are sharded layer-wise, graphstep.layerwise);
     this guards a layout built otherwise, whose element shards would cut matrices.
     """
     layout = ctx.layout
+    for place in layout.params:  # every matrix, this rank's or not, so that all ranks refuse alike
+        if place.group != group:
+            continue
+        if len(place.shape) != 2:
+            raise ValueError(f"param '{place.name}' of shape {place.shape} is in a Muon group: Muon orthogonalises "
+                             "2-D matrices only; route it to the scalar optimizer (muon_scalar_optimizer)")
+        qkv_split_of(ctx.buffers.params[place.index], place.name, place.shape, ctx.config)
     for owned in layout.owned_ranges(ctx.rank):
         place = layout.params[owned.param]
         if place.group == group and (owned.param_start, owned.param_end) != (0, place.numel):
@@ -86,9 +94,6 @@ def matrix_views(ctx, group: int, segments: Sequence, sources) -> MatrixViews:
     # are cut at the flat offset, so a run also needs the same spacing there (true inside one bucket).
     runs: list[list] = []
     for place in places:
-        if len(place.shape) != 2:
-            raise ValueError(f"param '{place.name}' of shape {place.shape} is in a Muon group: Muon orthogonalises "
-                             "2-D matrices only; route it to the scalar optimizer (muon_scalar_optimizer)")
         mine = owned[place.index]
         split = qkv_split_of(ctx.buffers.params[place.index], place.name, place.shape, config)
         run = runs[-1] if runs else None
