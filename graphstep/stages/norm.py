@@ -26,21 +26,15 @@ from . import Stage, StepTensors
 
 # Row length of the two-level sum of squares: norms of 4,096-element rows, then the sum of their squares,
 # came within 3e-8 of an fp64 sum at 124M grads and ran as fast as one dot (12.8 against 13.6 ms, side by
-# side on the 2-core CPU).
+# side on the 2-core CPU). Every buffer is cut into rows of exactly ROW and a tail of fewer than ROW
+# elements (summed in fp64): shorter rows that divide the buffer exactly cost time, not accuracy — GPT-2
+# small's 124.4M grads are 2**8 times an odd number, and rows of 256 made the pass 1.8x a plain read-only
+# sum of the buffer, against ~1.05x with rows of 4,096 and a tail (issue 18; ``graphstep bench`` rows
+# ``read-floor`` and ``norm-pass``).
 ROW = 4096
-MIN_ROW = 64
 RESCUE_ROWS = 64
 _DOWN = 2.0 ** -64
 _UP = 2.0 ** 64
-
-
-def row_length(numel: int) -> int:
-    """The largest power of two <= ROW dividing ``numel`` (buckets are padded to multiples of 128, so
-    usually no tail is left, and the step has the same ops at any size), or ROW with a tail."""
-    row = ROW
-    while row > MIN_ROW and numel % row:
-        row //= 2
-    return row if numel % row == 0 else ROW
 
 
 class SumOfSquares:
@@ -48,9 +42,8 @@ class SumOfSquares:
 
     def __init__(self, grad: torch.Tensor):
         n = grad.numel()
-        row = row_length(n)
-        body = n - n % row
-        self.rows = grad[:body].view(-1, row)
+        body = n - n % ROW
+        self.rows = grad[:body].view(-1, ROW)
         self.tail = grad[body:]
         self.row_norms = torch.empty(self.rows.shape[0], dtype=torch.float32, device=grad.device)
         self.rescue = min(RESCUE_ROWS, self.rows.shape[0])
