@@ -28,7 +28,7 @@ from .families import families_of, state_names
 from .fp8 import engine_support as fp8_support
 from .fp8 import is_fp8
 from .hyperparams import HyperParams
-from .kernels import get_kernels
+from .kernels import choose_kernels
 from .layout import ParamSpec, plan_layout
 from .memory import memory_stats
 from .routing import build_family_param_groups
@@ -241,7 +241,9 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         # pairs up buffers (and the model-parallel group gets its timeout). No stage factory talks to peers.
         self.comm.setup(self.layout, config, device)
 
-        ctx = StepContext(config, self.layout, self.buffers, self.hyper, get_kernels(config.kernel), families,
+        kernels, self.kernel_choice = choose_kernels(config, device, families)
+        """Which update kernel runs (``kernel="auto"`` resolved), why, and the probe's compile seconds."""
+        ctx = StepContext(config, self.layout, self.buffers, self.hyper, kernels, families,
                           self.tensors, self.scaler, self.comm, rank)
         self.stages = default_chain(ctx)
         self.ranges = Ranges()

@@ -18,8 +18,10 @@ Rows (every one in its own spawned interpreter, so memory, threads and compile c
 
 Byte model (bytes each pipeline must move per fp32 param and step, DESIGN.md §6): Adam reads param, grad,
 m, v and writes param, m, v: 28 B. graphstep adds one grad read for the norm (which is also the inf
-check; unscale and clip are folded into the update's grad_scale): 32 B (the default fused kernel also
-writes the divided grads back, 4 B beyond the model and charged as slowness; kernel="compiled" does not).
+check; unscale and clip are folded into the update's grad_scale): 32 B (the fused kernel, which the
+graphstep-eager and -captured rows name explicitly, also writes the divided grads back, 4 B beyond the model
+and charged as slowness; kernel="compiled", which the default kernel="auto" picks where torch.compile works,
+does not).
 torch's pipeline adds unscale_ (read + write grads, 8 B), the clip norm (read, 4 B) and the clip multiply
 (read + write, 8 B): 48 B. The torch-compiled row is charged the same 48 B: it runs the same program,
 whatever inductor fuses. GB/s is those
