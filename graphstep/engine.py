@@ -29,8 +29,9 @@ from .fp8 import engine_support as fp8_support
 from .fp8 import is_fp8
 from .grads_seen import GradsSeen
 from .hyperparams import HyperParams
-from .kernels import get_kernels
+from .kernels import choose_kernels
 from .layout import ParamSpec, plan_layout
+from .memory import memory_stats
 from .routing import build_family_param_groups
 from .runner import StepRunner
 from .scaler import scaler_from_config
@@ -218,12 +219,13 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         # pairs up buffers (and the model-parallel group gets its timeout). No stage factory talks to peers.
         self.comm.setup(self.layout, config, device)
 
-        ctx = StepContext(config, self.layout, self.buffers, self.hyper, get_kernels(config.kernel), families,
+        kernels, self.kernel_choice = choose_kernels(config, device, families)
+        """Which update kernel runs (``kernel="auto"`` resolved), why, and the probe's compile seconds."""
+        ctx = StepContext(config, self.layout, self.buffers, self.hyper, kernels, families,
                           self.tensors, self.scaler, self.comm, rank)
-        self.experts = None if expert_group is None else experts_mod.build_domain(
+        self.experts = None if expert_group is None else experts_mod.build_domain(  # layout, buffers, comm, ctx
             ctx, expert_group, [specs[i] for i in expert], [params[i] for i in expert], device=device,
             state_names=state_names(families, config))
-        """The expert params' domain (layout, buffers, comm over the expert data-parallel group), or None."""
         expert_ctx = None if self.experts is None else self.experts.ctx
         self.stages = default_chain(ctx, expert_ctx)
         self.ranges = Ranges()
@@ -239,6 +241,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                                         experts=expert_ctx)
         self._publish = chain(publish_chain(ctx, expert_ctx))
         self._grads_seen = GradsSeen(params)
+        self.host_tensors: dict[str, list[torch.Tensor]] = {}  # host-memory tensors by kind: memory_stats' "host"
         self.result = StepResult(self.tensors.update_successful, self.tensors.grad_norm, self.tensors.num_zeros,
                                  self.tensors.loss_scale)
 
@@ -339,6 +342,10 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             self._prepare()
             return run_debug_step(self)
+
+    def memory_stats(self) -> dict[str, dict[str, int]]:
+        """Bytes this rank's optimizer holds, by kind, on device and host, with totals (graphstep.memory)."""
+        return memory_stats(self)
 
     def finish_param_gather(self) -> None:
         """Wait for all-gathers deferred by ``overlap_param_gather``: call before reading params outside a

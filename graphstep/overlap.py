@@ -16,11 +16,11 @@ step replays**: the collectives are part of the graph then, and a hook launching
 pair up with nothing. (If a reduce was already launched when it is switched off, the step waits on it and
 runs it again, so a recording still holds every collective.)
 
-Grad accumulation: with several backwards per step, each complete backward launches a bucket's
-reduce-scatter; a later backward into the same bucket first waits on it and launches again when it is
-complete, so the step reduces the accumulated grads (correct, but the early reductions are wasted). Run
-the earlier micro-batches under ``no_sync()`` to launch only on the last. fp16 grads are pre-scaled in
-place before their SUM, so their buckets are never launched from hooks (see stages/reduce.py).
+Grad accumulation: run the earlier micro-batches under ``no_sync()``, so only the last backward launches
+the reduce-scatters. A bucket's reduce-scatter sums in place into the grad buffer (this rank's slice of
+it holds the sum afterwards, stages/reduce.py), so a later backward into a bucket already launched cannot
+accumulate correctly: the hook raises then, naming ``no_sync`` (Megatron-Core refuses the same). fp16
+grads are pre-scaled in place before their SUM, so their buckets are never launched from hooks.
 
 All ranks must produce each bucket's grads in the same order (the same model and control flow, as with
 DDP): collectives pair up by launch order. A bucket whose param got no grad in this backward is not
@@ -108,9 +108,14 @@ class Overlap:
                         param.grad = view
                 arrived = seen[bucket]
                 if index in arrived or len(arrived) == len(reduce.params):
-                    # A new backward into this bucket: the step consumed the last launch, or (grad
-                    # accumulation) it is still pending and must be finished before grads change again.
-                    comm.wait(("reduce", bucket))
+                    # A new backward into this bucket. Normally the step consumed the last launch; if it is
+                    # still pending, this is grad accumulation into grads already being summed in place.
+                    if comm.wait(("reduce", bucket)):
+                        raise RuntimeError(
+                            f"graphstep: a backward reached bucket {bucket} again after its grad reduce-scatter "
+                            "was launched (overlap_grad_reduce): it sums in place, so accumulating on top is "
+                            "wrong. Run every micro-batch but the last under `with opt.no_sync():`, or step "
+                            "between backwards")
                     arrived.clear()
                 arrived.add(index)
                 if len(arrived) == len(reduce.params):

@@ -47,7 +47,7 @@ def state_dict(opt) -> dict:
         groups.append(saved)
     experts = {} if opt.experts is None else {"experts": {
         "layout": opt.experts.layout.fingerprint(), "rank": opt.experts.ctx.rank,
-        "main_params": [m.clone() for m in opt.experts.buffers.main_shard],
+        "main_params": [opt.experts.buffers.main_shard_values(b) for b in range(len(opt.experts.buffers.main_shard))],
         "state": {name: [t.clone() for t in tensors] for name, tensors in opt.experts.buffers.state.items()}}}
     fp8_state = fp8_checkpoint.flat_state(opt)
     return {
@@ -55,7 +55,7 @@ def state_dict(opt) -> dict:
         "layout": opt.layout.fingerprint(),
         "rank": opt.rank,
         "step": opt.tensors.step.clone(),
-        "main_params": [m.clone() for m in opt.buffers.main_shard],
+        "main_params": [opt.buffers.main_shard_values(b) for b in range(len(opt.buffers.main_shard))],
         "state": {name: [t.clone() for t in tensors] for name, tensors in opt.buffers.state.items()},
         "param_groups": groups,
         "scaler": None if opt.scaler is None else opt.scaler.state_dict(),
@@ -297,7 +297,9 @@ def _all_params(opt) -> list:
 
 def _check_buffers(buffers, saved: Mapping, where: str) -> Mapping:
     """``saved['main_params']`` and ``saved['state']`` match ``buffers``; returns the state by name."""
-    check_tensor_list(saved["main_params"], f"{where}['main_params']", buffers.main_shard)
+    main_likes = [torch.empty(buf.shard_numel, dtype=m.dtype, device="meta")  # compact shards, as saved
+                  for buf, m in zip(buffers.layout.buffers, buffers.main_shard)]
+    check_tensor_list(saved["main_params"], f"{where}['main_params']", main_likes)
     states = check_mapping(saved["state"], f"{where}['state']", tuple(buffers.state), allowed=tuple(buffers.state))
     for name, tensors in buffers.state.items():
         check_tensor_list(states[name], f"{where}['state'][{name!r}]", tensors, nonnegative=name == "exp_avg_sq")
@@ -321,8 +323,8 @@ def load_state_dict(opt, state_dict: Any) -> None:
 
     # Everything is valid: copy. Nothing below can fail on a checked value.
     for buffers, saved, saved_states in _domains(opt, state_dict, states):
-        for target, source in zip(buffers.main_shard, saved["main_params"]):
-            target.copy_(source)
+        for b, source in enumerate(saved["main_params"]):
+            buffers.load_main_shard(b, source)
         for name, tensors in buffers.state.items():
             for target, source in zip(tensors, saved_states[name]):
                 target.copy_(source)
