@@ -137,7 +137,13 @@ def train(name: str, rank: int, world_size: int, ep: int, steps: int = STEPS, in
             _, j, rest = key.split(".", 2)
             key = f"experts.{LOCAL * ep_rank + int(j)}.{rest}"
         params[key] = value
+    stats = opt.memory_stats()["device"]
+    domains = (opt.buffers, opt.experts.buffers)
+    allocated = {kind: sum(t.numel() * t.element_size() for b in domains for t in getattr(b, attr))
+                 for kind, attr in (("params", "param_flat"), ("grads", "grad_flat"))}
+    expert_params = sum(t.numel() * t.element_size() for t in opt.experts.buffers.param_flat)
     return {"params": params, "ok": ok, "norms": norms, "captured": opt.captured, "overlap": opt.overlap_counts,
+            "memory": ({k: stats[k] for k in allocated}, allocated, expert_params),
             "buckets": len(opt.layout.buckets) + len(opt.experts.layout.buckets),
             "expert_dp_size": opt.experts.layout.dp_size, "stages": [s.name for s in opt.stages]}
 

@@ -51,6 +51,13 @@ def test_expert_params_are_sharded_over_the_expert_group(runs):
         assert "expert_gather" in stages and "expert_average" in result[("sgd_fp32", 4)]["stages"]
 
 
+def test_memory_stats_count_the_expert_buffers(runs):
+    for rank, result in enumerate(runs):
+        for case in CASES:
+            counted, allocated, expert_params = result[case[:2]]["memory"]
+            assert counted == allocated and expert_params > 0, (rank, case, counted, allocated)
+
+
 @pytest.mark.parametrize("ep", [2, 4])
 def test_sgd_fp32_matches_the_single_process_holding_all_experts(runs, ep):
     ref = oracle("sgd_fp32", ep)
