@@ -62,7 +62,32 @@ def measure(rank: int, world_size: int) -> dict:
                                                for f in b.grad_flat) for g in b.grad_shard),
         }
     out["accumulate_without_no_sync"] = accumulate_without_no_sync(rank)
+    out["in_place_reduce_scatter_mismatches"] = in_place_reduce_scatter_mismatches(rank, world_size)
     return out
+
+
+def in_place_reduce_scatter_mismatches(rank: int, world_size: int) -> list:
+    """The backend's reduce-scatter with its output aliasing its input's own slice (what stages/reduce.py
+    runs) against a separate output, several in flight at once: the cases that differ (none expected)."""
+    import torch.distributed as dist
+
+    functional = torch.ops._c10d_functional
+    name = dist.group.WORLD.group_name
+    bad = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        inputs = [torch.randn(128 * world_size * k, generator=torch.Generator().manual_seed(rank * 10 + k)).to(dtype)
+                  for k in (1, 3, 32)]
+        separate = [torch.empty(x.numel() // world_size, dtype=dtype) for x in inputs]
+        for x, out in zip(inputs, separate):
+            functional.wait_tensor(functional.reduce_scatter_tensor_out(x.clone(), "sum", world_size, name, out=out))
+        aliased = [x[rank * (x.numel() // world_size):(rank + 1) * (x.numel() // world_size)] for x in inputs]
+        for x, out in zip(inputs, aliased):  # launched together, waited afterwards
+            functional.reduce_scatter_tensor_out(x, "sum", world_size, name, out=out)
+        for k, (out, expected) in enumerate(zip(aliased, separate)):
+            functional.wait_tensor(out)
+            if not torch.equal(out, expected):
+                bad.append((str(dtype), k))
+    return bad
 
 
 def accumulate_without_no_sync(rank: int) -> str:

@@ -85,3 +85,8 @@ def test_accumulating_into_a_launched_in_place_reduce_is_refused_naming_no_sync(
     _, results = ranks
     for result in results:
         assert "no_sync" in result["accumulate_without_no_sync"], result["accumulate_without_no_sync"]
+
+
+def test_the_in_place_reduce_scatter_equals_one_into_a_separate_output(ranks):
+    _, results = ranks
+    assert all(result["in_place_reduce_scatter_mismatches"] == [] for result in results)
