@@ -25,8 +25,12 @@ counters aside); ``ZeRO formula MB`` = what ZeRO's accounting says that memory i
 ranks: 8P/N bytes; replicated: 8P). Medians over ``--iters`` after ``--warmup``. Never imported by the
 library or the tests.
 
-Adding a row: write ``run_<name>(rank, world, args, data) -> Row`` and register it in ``VARIANTS``
-(layer-wise Muon goes there too, with its own formula).
+The layer-wise Muon row trains the same MLP with ``optimizer="muon"``: each rank owns whole matrices
+(graphstep.layerwise) and keeps their momentum (4 B per element), the biases go to Adam (8 B per element);
+its formula is those bytes over N ranks. Its optimizer MB is again the most loaded rank's: with matrices
+of one shape the split is even.
+
+Adding a row: write ``run_<name>(rank, world, args, data) -> Row`` and register it in ``VARIANTS``.
 """
 
 from __future__ import annotations
@@ -111,12 +115,12 @@ def _numel(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def run_graphstep(rank, world, args, data, overlap=False) -> Row:
+def run_graphstep(rank, world, args, data, overlap=False, optimizer="adam") -> Row:
     from graphstep.config import OptimizerConfig
     from graphstep.engine import get_optimizer
 
     model = make_model(args.width, args.layers)
-    config = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=1.0, capture="eager",
+    config = OptimizerConfig(optimizer=optimizer, lr=1e-3, weight_decay=0.1, clip_grad=1.0, capture="eager",
                              use_distributed_optimizer=True, bucket_size=args.bucket_size,
                              overlap_grad_reduce=overlap, overlap_param_gather=overlap)
     opt = get_optimizer(config, model)
@@ -131,7 +135,12 @@ def run_graphstep(rank, world, args, data, overlap=False) -> Row:
     sent += 2 * (n - 1) / n * 4  # the grad-norm all-reduce (one fp32)
     device = opt.memory_stats()["device"]
     optimizer = device["total"] - sum(device.get(kind, 0) for kind in ("params", "grads", "scalars", "graph_pool"))
-    return Row(iter_ms, step_ms, sent, optimizer, zero_formula_bytes(_numel(model), world, 8))
+    if optimizer == "muon":  # momentum of the matrices, Adam's two moments for the biases
+        matrices = sum(p.numel() for p in model.parameters() if p.dim() == 2)
+        formula = zero_formula_bytes(matrices, world, 4) + zero_formula_bytes(_numel(model) - matrices, world, 8)
+    else:
+        formula = zero_formula_bytes(_numel(model), world, 8)
+    return Row(iter_ms, step_ms, sent, optimizer, formula)
 
 
 def _ddp(model):
@@ -166,10 +175,10 @@ def run_ddp(rank, world, args, data) -> Row:
                zero_formula_bytes(_numel(model), world, 8, sharded=False))
 
 
-# name -> run(rank, world, args, data) -> Row, in table order. Layer-wise Muon (issue 15 item 3) adds its
-# row here: "graphstep Muon (layer-wise)".
+# name -> run(rank, world, args, data) -> Row, in table order.
 VARIANTS = {"graphstep (distributed optimizer)": run_graphstep,
             "graphstep + overlap_grad_reduce/param_gather": lambda *a: run_graphstep(*a, overlap=True),
+            "graphstep Muon (layer-wise sharding)": lambda *a: run_graphstep(*a, optimizer="muon"),
             "ZeroRedundancyOptimizer(AdamW fused) + DDP": run_zero,
             "DDP + AdamW(fused)": run_ddp}
 
