@@ -12,13 +12,17 @@ Per buffer key (param dtype, grad dtype) of the layout:
 - ``grad_shard``  the grads the update reads: ``grad_flat`` itself with one rank, the reduce-scatter
   output with several;
 - ``state[name]`` optimizer state shards (``exp_avg``, ``exp_avg_sq`` or ``momentum_buffer``).
+
+With hybrid CPU offload (graphstep.offload) ``main_shard`` and ``state`` hold only a prefix of the rank's
+shard on the device; the rest lives in ``host`` (``HostShards``). ``shard_part``, ``full_shard`` and
+``load_shard`` address the whole shard wherever its elements live.
 """
 
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -44,6 +48,44 @@ class StaticBuffers:
     _grad_params: list = field(default_factory=list)  # params whose .grad is a view of grad_flat
     _grad_views: list = field(default_factory=list)  # those views, one object each, kept for identity checks
     _originals: dict = field(default_factory=dict)
+    host: Optional[Any] = None  # graphstep.offload.HostShards: the shard's host part, or None
+
+    def _device_part(self, kind: str, buffer: int) -> torch.Tensor:
+        return self.main_shard[buffer] if kind == "main" else self.state[kind][buffer]
+
+    def _split(self, buffer: int) -> int:
+        return self.host.splits[buffer] if self.host is not None else self.layout.buffers[buffer].shard_numel
+
+    def shard_part(self, kind: str, buffer: int, start: int, size: int) -> torch.Tensor:
+        """A view of elements ``[start, start + size)`` of this rank's shard of ``kind`` ("main" or a state
+        name), on the device or, past the offload split, on the host. Never straddles the split: the
+        split falls between params, and callers ask for one param's piece."""
+        split = self._split(buffer)
+        if start + size <= split:
+            return self._device_part(kind, buffer)[start:start + size]
+        if start < split:
+            raise ValueError(f"shard range [{start}, {start + size}) of buffer {buffer} straddles the offload "
+                             f"split at {split}")
+        return self.host.part(kind, buffer)[start - split:start - split + size]
+
+    def full_shard(self, kind: str, buffer: int) -> torch.Tensor:
+        """A copy of this rank's whole shard of ``kind`` in ``buffer`` (on the host when part of it is)."""
+        device = self._device_part(kind, buffer)[:self._split(buffer)]
+        if self.host is None or self.host.part(kind, buffer).numel() == 0:
+            return device.clone()
+        return torch.cat([device.cpu(), self.host.part(kind, buffer)])
+
+    def shard_like(self, kind: str, buffer: int) -> torch.Tensor:
+        """A storage-less tensor with the whole shard's dtype and shape (what a checkpoint must match)."""
+        dtype = self._device_part(kind, buffer).dtype
+        return torch.empty(self.layout.buffers[buffer].shard_numel, dtype=dtype, device="meta")
+
+    def load_shard(self, kind: str, buffer: int, source: torch.Tensor) -> None:
+        """Copy a whole shard (``full_shard``'s shape) into the device and host parts, in place."""
+        split = self._split(buffer)
+        self._device_part(kind, buffer)[:split].copy_(source[:split])
+        if self.host is not None:
+            self.host.part(kind, buffer).copy_(source[split:])
 
     def record_bindings(self) -> None:
         """Remember what every param, grad and buffer slot points at now (right after allocation)."""
@@ -134,11 +176,11 @@ class StaticBuffers:
                                  f"not {place.shape}: build a new optimizer for a new model")
             values = p.detach()
             view.copy_(values)
-            if not self.main_is_param[place.buffer]:
+            if not self.main_is_param[place.buffer] or self.host is not None:
                 for owned in self.layout.owned_ranges(self.rank):
                     if owned.param == i:
                         size = owned.param_end - owned.param_start
-                        self.main_shard[place.buffer][owned.shard_start:owned.shard_start + size].copy_(
+                        self.shard_part("main", place.buffer, owned.shard_start, size).copy_(
                             main_values(p, values).reshape(-1)[owned.param_start:owned.param_end])
             p.data = view
             adopted.append(f"param '{place.name}'")
@@ -167,8 +209,11 @@ class StaticBuffers:
 
 
 def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int, device: torch.device,
-             main_dtype: torch.dtype, state_names: Sequence[str]) -> StaticBuffers:
+             main_dtype: torch.dtype, state_names: Sequence[str], host: Optional[Any] = None) -> StaticBuffers:
     """Allocate ``layout`` and make ``params`` (in layout order) views of it, values preserved.
+
+    ``host`` (graphstep.offload.HostShards): the device keeps main params and state for the prefix
+    ``[0, host.splits[b])`` of each shard only; the host part is seeded here like the device part.
 
     The main params are seeded from the params' values *before* any cast to the model dtype, so a model
     built in fp32 and trained in bf16 keeps its fp32 initialisation in the main params. An fp8 weight
@@ -180,21 +225,23 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
     dp_size = layout.dp_size
 
     param_flat, grad_flat, main_shard, grad_shard = [], [], [], []
-    for buf in layout.buffers:
+    device_numel = [buf.shard_numel if host is None else host.splits[b] for b, buf in enumerate(layout.buffers)]
+    for b, buf in enumerate(layout.buffers):
         param_flat.append(torch.zeros(buf.numel, dtype=buf.param_dtype, device=device))
         grad_flat.append(torch.zeros(buf.numel, dtype=buf.grad_dtype, device=device))
         if dp_size == 1 and buf.param_dtype == main_dtype:
-            main_shard.append(param_flat[-1])
+            # The main params are the params; with offload only their device prefix (a view).
+            main_shard.append(param_flat[-1] if device_numel[b] == buf.numel else param_flat[-1][:device_numel[b]])
         else:
-            main_shard.append(torch.zeros(buf.shard_numel, dtype=main_dtype, device=device))
+            main_shard.append(torch.zeros(device_numel[b], dtype=main_dtype, device=device))
         if dp_size == 1:
             grad_shard.append(grad_flat[-1])
         else:
             grad_shard.append(torch.zeros(buf.shard_numel, dtype=buf.grad_dtype, device=device))
-    state = {name: [torch.zeros(buf.shard_numel, dtype=main_dtype, device=device) for buf in layout.buffers]
-             for name in state_names}
+    state = {name: [torch.zeros(n, dtype=main_dtype, device=device) for n in device_numel] for name in state_names}
 
-    buffers = StaticBuffers(layout, rank, param_flat, grad_flat, main_shard, grad_shard, state, list(params))
+    buffers = StaticBuffers(layout, rank, param_flat, grad_flat, main_shard, grad_shard, state, list(params),
+                            host=host)
     for i, p in enumerate(params):
         place = layout.params[i]
         if tuple(p.shape) != place.shape:
@@ -206,12 +253,13 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
         p.grad = None
     for owned in layout.owned_ranges(rank):
         buf = layout.params[owned.param].buffer
-        if main_shard[buf].data_ptr() == param_flat[buf].data_ptr():
-            continue  # fp32 on one rank: main params are the params
         size = owned.param_end - owned.param_start
+        on_device = owned.shard_start + size <= device_numel[buf]
+        if on_device and main_shard[buf].data_ptr() == param_flat[buf].data_ptr():
+            continue  # fp32 on one rank: main params are the params
         source = main_values(params[owned.param], originals[owned.param]).reshape(-1)
         source = source[owned.param_start:owned.param_end]
-        main_shard[buf][owned.shard_start:owned.shard_start + size].copy_(source)
+        buffers.shard_part("main", buf, owned.shard_start, size).copy_(source)
 
     for i, p in enumerate(params):
         p.main_grad = buffers.grad_view(i)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from capture.devices import backend_for, device_scope
 from capture.profile import Ranges
 
-from . import overlap
+from . import offload, overlap
 from . import state_dict as state_dict_mod
 from .agreement import agreement_for
 from .buffers import StaticBuffers, allocate
@@ -218,8 +218,13 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self.layout = plan_layout(specs, dp_size, config.bucket_size)
         self.rank = rank
         self.device = device
+        # Hybrid CPU offload: the host part of this rank's shard (None without it), before the device buffers
+        # so that those are allocated for the device part only.
+        host = offload.prepare_host(config, self.layout, rank, device, state_names(families, config),
+                                    len(self.param_groups))
         self.buffers = allocate(self.layout, params, rank=rank, device=device,
-                                main_dtype=config.main_params_dtype, state_names=state_names(families, config))
+                                main_dtype=config.main_params_dtype, state_names=state_names(families, config),
+                                host=host)
         self.hyper = HyperParams(len(self.param_groups), device)
         self.scaler = scaler_from_config(config, device)
         scaled = self.scaler is not None
@@ -243,6 +248,13 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         ctx = StepContext(config, self.layout, self.buffers, self.hyper, get_kernels(config.kernel), families,
                           self.tensors, self.scaler, self.comm, rank)
         self.stages = default_chain(ctx)
+        self._offload = None if host is None else offload.Offload(ctx, host, model_chunks)
+        if self._offload is not None:
+            self.stages = self._offload.adjust_chain(self.stages)
+        self.host_stages = [] if self._offload is None else self._offload.host_stages
+        """Stages that run after the device step, never captured (CPU offload's host update)."""
+        self.host_tensors: dict[str, list[torch.Tensor]] = {} if host is None else host.tensors()
+        """Host buffers by kind (CPU offload), what ``memory_stats()`` reports under "host"."""
         self.ranges = Ranges()
         """Profiler ranges: set ``opt.ranges.enabled = True`` for an NVTX / torch.profiler range per stage
         of eager steps and one around each replay; off, the step runs without them."""
@@ -294,11 +306,15 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 closure()
         with self.ranges("graphstep.step"):
+            if self._offload is not None:
+                self._offload.finish()  # an overlapped host update of the last step
             self._prepare()
             # Under the build device (where devices have a "current" one), so that a capture's side stream and
             # graph land on it; a collective failing in a replay is named like an eager one.
             with device_scope(self.device), self.comm.named_errors():
                 self._runner.run()
+                if self._offload is not None:
+                    self._offload.after_device_step()  # never captured: the host update, then H2D
         # capture="auto" may have settled on eager at this step: the overlap hooks may run from now on.
         self._overlap.enabled = not self._runner.may_capture
         return self.result
@@ -331,6 +347,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         eagerly. Idempotent; the optimizer is also a context manager that closes on exit."""
         self._runner.close()
         self._overlap.remove()
+        if self._offload is not None:
+            self._offload.remove()
         self._grads_seen.remove()
 
     def __enter__(self) -> "GraphstepOptimizer":
@@ -349,6 +367,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 closure()
         with torch.no_grad():
+            if self._offload is not None:
+                self._offload.finish()
             self._prepare()
             return run_debug_step(self)
 
@@ -356,6 +376,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         """Wait for all-gathers deferred by ``overlap_param_gather``: call before reading params outside a
         forward (a forward waits for them itself)."""
         self._overlap.finish()
+        if self._offload is not None:
+            self._offload.finish()
 
     @property
     def overlap_counts(self) -> dict[str, int]:
@@ -372,6 +394,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
     def publish_params(self) -> None:
         """Copy the main params into the model params (and all-gather them across data-parallel ranks):
         what a checkpoint load runs after copying into the main params. Collective with several ranks."""
+        if self._offload is not None:
+            self._offload.publish()  # the host part first; the device part and the all-gathers follow
         self._publish()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -46,8 +46,10 @@ def state_dict(opt) -> dict:
         "layout": opt.layout.fingerprint(),
         "rank": opt.rank,
         "step": opt.tensors.step.clone(),
-        "main_params": [m.clone() for m in opt.buffers.main_shard],
-        "state": {name: [t.clone() for t in tensors] for name, tensors in opt.buffers.state.items()},
+        # Whole shards (copies), wherever their elements live (device, or host with CPU offload).
+        "main_params": [opt.buffers.full_shard("main", b) for b in range(len(opt.buffers.main_shard))],
+        "state": {name: [opt.buffers.full_shard(name, b) for b in range(len(tensors))]
+                  for name, tensors in opt.buffers.state.items()},
         "param_groups": groups,
         "scaler": None if opt.scaler is None else opt.scaler.state_dict(),
         "clip_grad": opt.clip_grad,
@@ -286,11 +288,11 @@ def load_state_dict(opt, state_dict: Any) -> None:
     states, updates = refuse_together(opt, lambda: _validate(opt, state_dict), "load_state_dict")
 
     # Everything is valid: copy. Nothing below can fail on a checked value.
-    for target, source in zip(opt.buffers.main_shard, state_dict["main_params"]):
-        target.copy_(source)
-    for name, tensors in opt.buffers.state.items():
-        for target, source in zip(tensors, states[name]):
-            target.copy_(source)
+    for b, source in enumerate(state_dict["main_params"]):
+        opt.buffers.load_shard("main", b, source)
+    for name in opt.buffers.state:
+        for b, source in enumerate(states[name]):
+            opt.buffers.load_shard(name, b, source)
     apply_common(opt, state_dict["step"], updates, state_dict["scaler"], state_dict["clip_grad"],
                  state_dict["grad_norm_skip_threshold"])
     opt.publish_params()
@@ -310,12 +312,14 @@ def _validate(opt, state_dict: Any) -> tuple:
         raise _fail(f"{where}['rank']", f"is {state_dict['rank']!r:.30}: checkpoint of another rank loaded "
                                         f"on rank {opt.rank}")
     check_step(state_dict["step"], f"{where}['step']", opt.tensors.step)
-    check_tensor_list(state_dict["main_params"], f"{where}['main_params']", opt.buffers.main_shard)
+    buffers = opt.buffers
+    check_tensor_list(state_dict["main_params"], f"{where}['main_params']",
+                      [buffers.shard_like("main", b) for b in range(len(buffers.main_shard))])
     states = check_mapping(state_dict["state"], f"{where}['state']", tuple(opt.buffers.state),
                            allowed=tuple(opt.buffers.state))
     for name, tensors in opt.buffers.state.items():
-        check_tensor_list(states[name], f"{where}['state'][{name!r}]", tensors,
-                          nonnegative=name == "exp_avg_sq")
+        check_tensor_list(states[name], f"{where}['state'][{name!r}]",
+                          [buffers.shard_like(name, b) for b in range(len(tensors))], nonnegative=name == "exp_avg_sq")
     updates = check_param_groups(opt, state_dict["param_groups"], f"{where}['param_groups']", check_indices=True)
     check_scaler(opt, state_dict["scaler"], f"{where}['scaler']")
     check_thresholds(state_dict["clip_grad"], state_dict["grad_norm_skip_threshold"], where)

@@ -304,7 +304,7 @@ def part_nccl(device, small: bool) -> list[dict]:
 # The features later issues add, as the OptimizerConfig fields they would take; a row runs only where the
 # config accepts them.
 FAMILIES = {"muon": {"optimizer": "muon"}, "fp8": {"params_dtype": getattr(torch, "float8_e4m3fn", None)},
-            "offload": {"optimizer_cpu_offload": True}}
+            "offload": {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5}}
 
 
 def part_families(device, small: bool) -> list[dict]:

@@ -54,8 +54,9 @@ def state_kinds(opt) -> tuple[str, ...]:
     return (MAIN_PARAM,) + tuple(opt.buffers.state)
 
 
-def _kind_buffers(opt, kind: str) -> list[torch.Tensor]:
-    return opt.buffers.main_shard if kind == MAIN_PARAM else opt.buffers.state[kind]
+def _kind_part(opt, kind: str, buffer: int, start: int, size: int) -> torch.Tensor:
+    """This rank's shard elements [start, start + size) of ``kind``, on the device or (CPU offload) host."""
+    return opt.buffers.shard_part("main" if kind == MAIN_PARAM else kind, buffer, start, size)
 
 
 def encode_json(value: Any) -> torch.Tensor:
@@ -102,24 +103,23 @@ def _sharded(local: torch.Tensor | None, place, owners: list, global_ranks: list
         return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata)
 
 
-def _build(opt, slice_fn: Callable[[torch.Tensor, int, int], torch.Tensor]) -> dict:
-    """The per-param entries, each rank's slice produced by ``slice_fn(buffer, start, size)``."""
+def _build(opt, slice_fn: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+    """The per-param entries, each rank's slice produced by ``slice_fn(view of the live slice)``."""
     layout, rank = opt.layout, opt.rank
     owners = _ownership(opt)
     sharded = layout.dp_size > 1
     global_ranks = _dp_global_ranks(opt) if sharded else None
     out = {}
     for kind in state_kinds(opt):
-        buffers = _kind_buffers(opt, kind)
+        dtype = opt.buffers.main_shard[0].dtype  # main params and state share the main dtype
         for place in layout.params:
             mine = [o for r, o in owners[place.index] if r == rank]
             local = None
             if mine:
                 o = mine[0]
-                local = slice_fn(buffers[place.buffer], o.shard_start, o.param_end - o.param_start)
+                local = slice_fn(_kind_part(opt, kind, place.buffer, o.shard_start, o.param_end - o.param_start))
             out[state_key(kind, place.name)] = (
-                _sharded(local, place, owners[place.index], global_ranks, rank, buffers[place.buffer].dtype)
-                if sharded else local)
+                _sharded(local, place, owners[place.index], global_ranks, rank, dtype) if sharded else local)
     return out
 
 
@@ -142,8 +142,7 @@ def sharded_state_dict(opt, *, snapshot: bool = False) -> dict:
     copies, so the dict keeps the state of this call while training goes on (what an async save needs).
     """
     opt.finish_param_gather()
-    take = (lambda buf, start, size: buf[start:start + size].clone()) if snapshot else \
-        (lambda buf, start, size: buf[start:start + size])
+    take = (lambda part: part.clone()) if snapshot else (lambda part: part)
     sd = _build(opt, take)
     sd[STEP_KEY] = opt.tensors.step.clone()
     if opt.scaler is not None:
@@ -157,7 +156,7 @@ def sharded_state_dict(opt, *, snapshot: bool = False) -> dict:
 def load_template(opt, json_sizes: dict[str, int]) -> dict:
     """Fresh tensors shaped like ``sharded_state_dict(opt)`` for DCP to load into (``json_sizes``: the
     saved lengths of the JSON entries, from the checkpoint's metadata)."""
-    sd = _build(opt, lambda buf, start, size: torch.empty(size, dtype=buf.dtype, device=buf.device))
+    sd = _build(opt, torch.empty_like)
     sd[STEP_KEY] = torch.empty_like(opt.tensors.step)
     if opt.scaler is not None:
         for key, value in opt.scaler.state_dict().items():
@@ -257,8 +256,7 @@ def validate(opt, sd: Any) -> dict:
             mine = owned.get(place.index)
             source = _check_entry(opt, sd[key], key, place, mine, nonnegative=kind == "exp_avg_sq")
             if source is not None:
-                target = _kind_buffers(opt, kind)[place.buffer]
-                copies.append((target[mine.shard_start:mine.shard_start + source.numel()], source))
+                copies.append((_kind_part(opt, kind, place.buffer, mine.shard_start, source.numel()), source))
     flat.check_step(sd[STEP_KEY], f"[{STEP_KEY!r}]", opt.tensors.step)
     scaler = None
     if meta["scaler"] is not None:
