@@ -53,14 +53,16 @@ class StaticBuffers:
     def _device_part(self, kind: str, buffer: int) -> torch.Tensor:
         return self.main_shard[buffer] if kind == "main" else self.state[kind][buffer]
 
-    def _split(self, buffer: int) -> int:
+    def device_numel(self, buffer: int) -> int:
+        """How much of this rank's shard of ``buffer`` the device holds main params and state for: the
+        prefix ``[0, device_numel)``; all of it without CPU offload."""
         return self.host.splits[buffer] if self.host is not None else self.layout.buffers[buffer].shard_numel
 
     def shard_part(self, kind: str, buffer: int, start: int, size: int) -> torch.Tensor:
         """A view of elements ``[start, start + size)`` of this rank's shard of ``kind`` ("main" or a state
         name), on the device or, past the offload split, on the host. Never straddles the split: the
         split falls between params, and callers ask for one param's piece."""
-        split = self._split(buffer)
+        split = self.device_numel(buffer)
         if start + size <= split:
             return self._device_part(kind, buffer)[start:start + size]
         if start < split:
@@ -70,7 +72,7 @@ class StaticBuffers:
 
     def full_shard(self, kind: str, buffer: int) -> torch.Tensor:
         """A copy of this rank's whole shard of ``kind`` in ``buffer`` (on the host when part of it is)."""
-        device = self._device_part(kind, buffer)[:self._split(buffer)]
+        device = self._device_part(kind, buffer)[:self.device_numel(buffer)]
         if self.host is None or self.host.part(kind, buffer).numel() == 0:
             return device.clone()
         return torch.cat([device.cpu(), self.host.part(kind, buffer)])
@@ -82,7 +84,7 @@ class StaticBuffers:
 
     def load_shard(self, kind: str, buffer: int, source: torch.Tensor) -> None:
         """Copy a whole shard (``full_shard``'s shape) into the device and host parts, in place."""
-        split = self._split(buffer)
+        split = self.device_numel(buffer)
         self._device_part(kind, buffer)[:split].copy_(source[:split])
         if self.host is not None:
             self.host.part(kind, buffer).copy_(source[split:])
@@ -230,8 +232,7 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
         param_flat.append(torch.zeros(buf.numel, dtype=buf.param_dtype, device=device))
         grad_flat.append(torch.zeros(buf.numel, dtype=buf.grad_dtype, device=device))
         if dp_size == 1 and buf.param_dtype == main_dtype:
-            # The main params are the params; with offload only their device prefix (a view).
-            main_shard.append(param_flat[-1] if device_numel[b] == buf.numel else param_flat[-1][:device_numel[b]])
+            main_shard.append(param_flat[-1])  # with offload the device updates its prefix in place
         else:
             main_shard.append(torch.zeros(device_numel[b], dtype=main_dtype, device=device))
         if dp_size == 1:

@@ -88,8 +88,8 @@ def build(ctx) -> Stage:
 
 def device_segments(ctx) -> list:
     """This rank's segments, cut to the part of the shard the device holds main params for: all of it, or
-    with CPU offload the prefix ``[0, len(main_shard[b]))`` (graphstep.offload updates the rest)."""
-    limits = [m.numel() for m in ctx.buffers.main_shard]
+    with CPU offload the prefix ``[0, buffers.device_numel(b))`` (graphstep.offload updates the rest)."""
+    limits = [ctx.buffers.device_numel(b) for b in range(len(ctx.buffers.main_shard))]
     cut = []
     for s in ctx.layout.segments(ctx.rank):
         end = min(s.shard_end, limits[s.buffer])
@@ -123,7 +123,7 @@ def _copy_back_pairs(ctx) -> list:
     for b, buf in enumerate(layout.buffers):
         if buffers.main_is_param[b] or is_fp8_buffer(buf):  # fp8: the requantize stage writes those bytes
             continue
-        on_device = buffers.main_shard[b].numel()
+        on_device = buffers.device_numel(b)
         if layout.dp_size == 1:
             if on_device == buf.numel:
                 pairs.append((buffers.param_flat[b], buffers.main_shard[b]))

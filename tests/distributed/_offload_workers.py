@@ -40,13 +40,20 @@ def _train(config: OptimizerConfig, rank: int, world_size: int) -> dict:
         sched.step()
     opt.finish_param_gather()
     sd = opt.state_dict()
-    sharded = {k: v.local_shards()[0].tensor.clone() if hasattr(v, "local_shards") and v.local_shards() else v
-               for k, v in opt.sharded_state_dict().items() if k.startswith("optimizer.state.")}
+    sharded = {k: _local(v) for k, v in opt.sharded_state_dict().items() if k.startswith("optimizer.state.")}
     return {"params": [p.detach().clone() for p in model.parameters()], "ok": ok,
             "main": sd["main_params"], "state": sd["state"], "sharded": sharded,
             "host_numel": sum(t.numel() for t in opt.host_tensors.get("main_params", [])),
             "device_main_numel": sum(t.numel() for t in opt.buffers.main_shard),
             "captured": opt.captured}
+
+
+def _local(entry):
+    """This rank's slice of a per-param entry (None where it owns none): a ShardedTensor does not pickle."""
+    if not hasattr(entry, "local_shards"):
+        return entry
+    shards = entry.local_shards()
+    return shards[0].tensor.clone() if shards else None
 
 
 def offload_parity(rank: int, world_size: int) -> dict:

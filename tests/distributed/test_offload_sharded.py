@@ -35,7 +35,10 @@ def test_offloaded_shards_match_the_run_without_offload_bitwise(results, run, fr
                 assert torch.equal(a.cpu(), b.cpu()), f"rank {rank}: {name} differs"
         assert got["sharded"].keys() == ref["sharded"].keys()
         for key, value in ref["sharded"].items():
-            assert torch.equal(got["sharded"][key].cpu(), value.cpu()), f"rank {rank}: {key} differs"
+            if value is None:
+                assert got["sharded"][key] is None
+            else:
+                assert torch.equal(got["sharded"][key].cpu(), value.cpu()), f"rank {rank}: {key} differs"
         # Each rank really updated part of its own shard on the host, and the device kept less.
         assert got["host_numel"] > 0
         assert got["device_main_numel"] + got["host_numel"] >= ref["device_main_numel"]
