@@ -247,14 +247,10 @@ class GraphstepOptimizer(torch.optim.Optimizer):
 
         ctx = StepContext(config, self.layout, self.buffers, self.hyper, get_kernels(config.kernel), families,
                           self.tensors, self.scaler, self.comm, rank)
-        self.stages = default_chain(ctx)
-        self._offload = None if host is None else offload.Offload(ctx, host, model_chunks)
-        if self._offload is not None:
-            self.stages = self._offload.adjust_chain(self.stages)
-        self.host_stages = [] if self._offload is None else self._offload.host_stages
-        """Stages that run after the device step, never captured (CPU offload's host update)."""
-        self.host_tensors: dict[str, list[torch.Tensor]] = {} if host is None else host.tensors()
-        """Host buffers by kind (CPU offload), what ``memory_stats()`` reports under "host"."""
+        self._offload = offload.install(ctx, host, model_chunks)  # inert without CPU offload
+        self.stages = self._offload.adjust_chain(default_chain(ctx))
+        # host_stages: run after the device step, never captured; host_tensors: {kind: host buffers}.
+        self.host_stages, self.host_tensors = self._offload.host_stages, self._offload.host_tensors
         self.ranges = Ranges()
         """Profiler ranges: set ``opt.ranges.enabled = True`` for an NVTX / torch.profiler range per stage
         of eager steps and one around each replay; off, the step runs without them."""
@@ -286,6 +282,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
 
     def _prepare(self) -> None:
         """Host-side work before the device step: keep the static bindings, refresh the hyperparameters."""
+        self._offload.finish()  # an overlapped host update of the last step must be done first
         self._grads_seen.check()
         replaced = self.buffers.restore_replaced_buffers()
         if not self.buffers.bindings_intact():
@@ -306,15 +303,12 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 closure()
         with self.ranges("graphstep.step"):
-            if self._offload is not None:
-                self._offload.finish()  # an overlapped host update of the last step
             self._prepare()
             # Under the build device (where devices have a "current" one), so that a capture's side stream and
             # graph land on it; a collective failing in a replay is named like an eager one.
             with device_scope(self.device), self.comm.named_errors():
                 self._runner.run()
-                if self._offload is not None:
-                    self._offload.after_device_step()  # never captured: the host update, then H2D
+                self._offload.after_device_step()  # CPU offload: never captured, the host update and H2D
         # capture="auto" may have settled on eager at this step: the overlap hooks may run from now on.
         self._overlap.enabled = not self._runner.may_capture
         return self.result
@@ -347,8 +341,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         eagerly. Idempotent; the optimizer is also a context manager that closes on exit."""
         self._runner.close()
         self._overlap.remove()
-        if self._offload is not None:
-            self._offload.remove()
+        self._offload.remove()
         self._grads_seen.remove()
 
     def __enter__(self) -> "GraphstepOptimizer":
@@ -367,8 +360,6 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 closure()
         with torch.no_grad():
-            if self._offload is not None:
-                self._offload.finish()
             self._prepare()
             return run_debug_step(self)
 
@@ -376,8 +367,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         """Wait for all-gathers deferred by ``overlap_param_gather``: call before reading params outside a
         forward (a forward waits for them itself)."""
         self._overlap.finish()
-        if self._offload is not None:
-            self._offload.finish()
+        self._offload.finish()
 
     @property
     def overlap_counts(self) -> dict[str, int]:
@@ -394,8 +384,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
     def publish_params(self) -> None:
         """Copy the main params into the model params (and all-gather them across data-parallel ranks):
         what a checkpoint load runs after copying into the main params. Collective with several ranks."""
-        if self._offload is not None:
-            self._offload.publish()  # the host part first; the device part and the all-gathers follow
+        self._offload.publish()  # CPU offload's host part first; the device part and the all-gathers follow
         self._publish()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -95,7 +95,7 @@ def main(argv=None) -> int:
             model, opt = build(shapes, fraction, device)
             row = rows[fraction]
             row["times_s"] += time_steps(opt, args.steps, device)
-            offloaded = opt._offload.plan.host_param_numel if opt._offload is not None else 0
+            offloaded = sum(t.numel() for t in opt.host_tensors.get("main_params", []))  # host elements
             row.update(device_bytes_per_param=device_bytes(opt) / numel, host_bytes_per_param=host_bytes(opt) / numel,
                        offloaded_params=offloaded, copy_bytes_per_step=offloaded * (4 + 2))
             opt.close()

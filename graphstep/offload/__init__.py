@@ -46,7 +46,7 @@ from .host import HostShards
 from .overlap import ChunkWorker
 from .plan import OffloadPlan, host_buckets, plan_offload
 
-__all__ = ["HostShards", "Offload", "OffloadPlan", "host_buckets", "plan_offload", "prepare_host"]
+__all__ = ["HostShards", "Offload", "OffloadPlan", "host_buckets", "install", "plan_offload", "prepare_host"]
 
 SUPPORTED_FAMILIES = ("adam", "sgd")
 
@@ -59,6 +59,36 @@ def prepare_host(config, layout: Layout, rank: int, device, state_names, num_gro
     return HostShards(plan, layout, main_dtype=config.main_params_dtype, state_names=state_names,
                       num_groups=num_groups, device=device, pin_grads=config.pin_cpu_grads,
                       pin_params=config.pin_cpu_params)
+
+
+def install(ctx, host: Optional[HostShards], model_chunks=None):
+    """The engine's offload part: an ``Offload`` over ``host``, or an inert one without CPU offload."""
+    return NoOffload() if host is None else Offload(ctx, host, model_chunks)
+
+
+class NoOffload:
+    """What the engine holds without CPU offload: the same calls, doing nothing."""
+
+    host_stages: list = []
+    waited_chunks = 0
+
+    def __init__(self):
+        self.host_tensors: dict = {}
+
+    def adjust_chain(self, stages: list[Stage]) -> list[Stage]:
+        return stages
+
+    def after_device_step(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def publish(self) -> None:
+        pass
+
+    def remove(self) -> None:
+        pass
 
 
 class Offload:
@@ -93,6 +123,7 @@ class Offload:
         self._worker = ChunkWorker(self, model_chunks, ctx) if self.overlap else None
         self.host_stages = [Stage("offload_host", self.host_step)]
         """The never-captured part, as a stage (``debug_step`` runs it after the device stages)."""
+        self.host_tensors = host.tensors()
 
     # ---- the captured part ---------------------------------------------------------------------------
     def adjust_chain(self, stages: list[Stage]) -> list[Stage]:
