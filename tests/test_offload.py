@@ -263,3 +263,23 @@ def test_memory_stats_reports_device_and_host_bytes_apart():
     dropped = ref["device"]["total"] - stats["device"]["total"]
     expected = _device_optimizer_bytes(base) - _device_optimizer_bytes(opt)
     assert dropped == expected > 0
+
+
+def test_a_replaced_offloaded_param_is_adopted_into_the_host_main_params():
+    def run(fraction):
+        model = tiny_transformer()
+        opt = gs.get_optimizer(gs.OptimizerConfig(capture="graph", capture_warmup_steps=1, bf16=True,
+                                                  **offload(fraction)), model)
+        for step in range(6):
+            if step == 3:  # the embedding: on the host at fraction 0.3 (graphstep.offload.plan)
+                with torch.no_grad():
+                    model[0].weight.data = torch.full_like(model[0].weight, 0.25)
+            opt.zero_grad()
+            loss_fn(model, step).backward()
+            opt.step()
+        return model, opt
+
+    (ref, _), (got, opt) = run(None), run(0.3)
+    assert opt.recaptures == 1
+    for p, q in zip(ref.parameters(), got.parameters()):
+        assert torch.equal(p, q)

@@ -17,9 +17,10 @@ Here the step keeps graphstep's shape:
    ``grad_scale`` and ``found_inf`` the device computed, so skip, clip and loss scaling are exactly the
    device's; every hyperparameter is read fresh each step (nothing here is baked).
 4. **The H2D copies**: eager copies (main -> model dtype staging -> ``param_flat``), not a second
-   captured piece: the capture backends refuse host-to-device copies (a CUDA graph would bake in the
-   pinned source, and the CPU replay backend rejects them as a CUDA capture would), and a few copies per
-   flat buffer cost a few launches. With several data-parallel ranks, the all-gathers of the buckets
+   captured piece. They are a few copies per flat buffer (a few launches: all a graph would save), while
+   a second graph would need its own static-input guards, baked-value checks and recapture agreement
+   across ranks; and the CPU replay backend refuses host-to-device copies, so on the CPU that piece
+   could not be tested. With several data-parallel ranks, the all-gathers of the buckets
    any rank updates on the host follow these copies (eagerly); the other buckets' gathers stay captured.
 
 With ``overlap_cpu_optimizer_d2h_h2d`` the host update and the H2D copies run chunk by chunk on a worker
