@@ -174,7 +174,7 @@ MUON = Family(
     call=_muon,
     kernels=muon_kernels,
     views=matrix_views.matrix_views,
-    check=matrix_views.check_unsharded,
+    check=matrix_views.check_whole_matrices,
 )
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (ADAM, SGD, LION, MUON)}

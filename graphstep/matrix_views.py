@@ -10,6 +10,9 @@ and the step's op count depends on the number of distinct shapes, not of matrice
 A run breaks where the shape, the buffer or the QKV split changes, or the spacing is uneven; each run is
 one entry of the kernel's lists. Nothing here assumes the layout's order for correctness, only for speed.
 
+With several data-parallel ranks the layout shards Muon's params layer-wise (graphstep.layerwise): each
+rank's shard holds whole matrices, and the views here cover only this rank's own.
+
 Fused QKV weights: with ``OptimizerConfig.muon_split_qkv`` a param carrying ``qkv_split`` (a
 ``graphstep.QKVSplit``; ``graphstep.qk_clip.register(..., qkv=...)`` sets it from the head layout) is
 orthogonalised as separate Q, K and V matrices. A param named like Megatron's ``linear_qkv.weight``
@@ -38,15 +41,20 @@ class MatrixViews:
     qkv_splits: list[Optional[QKVSplit]] = field(default_factory=list)
 
 
-def check_unsharded(ctx, group: int) -> None:
-    """Muon needs whole matrices on one rank; element-wise shards of the distributed optimizer cut them."""
-    if ctx.layout.dp_size > 1:
-        names = [p.name for p in ctx.layout.params if p.group == group][:3]
-        raise ValueError(f"optimizer family 'muon' (param group {group}: {', '.join(names)}, ...) with "
-                         f"{ctx.layout.dp_size} data-parallel ranks: the distributed optimizer shards params "
-                         "element-wise, which cuts Muon's matrices, and layer-wise sharding (each rank owning "
-                         "whole matrices) is not supported yet. Train Muon with use_distributed_optimizer=False "
-                         "on one rank, or route these params to 'adam'/'lion'")
+def check_whole_matrices(ctx, group: int) -> None:
+    """Muon needs whole matrices on one rank: each of the group's params is wholly this rank's or not at all.
+
+    The layout guarantees it (with several ranks Muon's params are sharded layer-wise, graphstep.layerwise);
+    this guards a layout built otherwise, whose element shards would cut matrices.
+    """
+    layout = ctx.layout
+    for owned in layout.owned_ranges(ctx.rank):
+        place = layout.params[owned.param]
+        if place.group == group and (owned.param_start, owned.param_end) != (0, place.numel):
+            raise ValueError(f"optimizer family 'muon' (param group {group}): rank {ctx.rank} owns elements "
+                             f"[{owned.param_start}, {owned.param_end}) of '{place.name}' ({place.numel} "
+                             "elements), but Newton–Schulz needs whole matrices: plan the layout with "
+                             "batch_by_shape=True for Muon params, so they are sharded layer-wise")
 
 
 def qkv_split_of(param: torch.Tensor, name: str, shape: tuple, config) -> Optional[QKVSplit]:
@@ -70,14 +78,15 @@ def qkv_split_of(param: torch.Tensor, name: str, shape: tuple, config) -> Option
 def matrix_views(ctx, group: int, segments: Sequence, sources) -> MatrixViews:
     """The (n, r, c) views of group ``group``'s params in ``sources`` (a families.ViewSources)."""
     layout, config = ctx.layout, ctx.config
-    owned = {r.param: r for r in layout.owned_ranges(ctx.rank)}
-    places = sorted((p for p in layout.params if p.group == group), key=lambda p: (p.buffer, p.start))
+    owned = {r.param: r for r in layout.owned_ranges(ctx.rank)}  # whole matrices: check_whole_matrices ran
+    places = sorted((p for p in layout.params if p.group == group and p.index in owned),
+                    key=lambda p: (p.buffer, p.start))
     runs: list[list] = []  # [buffer, shape, split, first shard offset, spacing, count]
     for place in places:
         if len(place.shape) != 2:
             raise ValueError(f"param '{place.name}' of shape {place.shape} is in a Muon group: Muon orthogonalises "
                              "2-D matrices only; route it to the scalar optimizer (muon_scalar_optimizer)")
-        mine = owned[place.index]  # whole: check_unsharded ran first
+        mine = owned[place.index]
         split = qkv_split_of(ctx.buffers.params[place.index], place.name, place.shape, config)
         run = runs[-1] if runs else None
         if (run is not None and run[:3] == [place.buffer, place.shape, split]

@@ -19,9 +19,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed
 
+from .fp8 import checkpoint as fp8_checkpoint
+
 STATE_DICT_FORMAT = "graphstep/1"
 _TOP_KEYS = ("format", "layout", "rank", "step", "main_params", "state", "param_groups", "scaler", "clip_grad",
              "grad_norm_skip_threshold")
+_FP8_KEY = "fp8"  # only with fp8 weights (graphstep.fp8.checkpoint): their bytes and scaling state
 # Param-group keys that are bookkeeping, not hyperparameters: compared or skipped, never copied blindly.
 _IDENTITY_GROUP_KEYS = ("params", "param_names")
 # Group hyperparameters the step reads (hyperparams.group_values): numbers, never None.
@@ -41,6 +44,7 @@ def state_dict(opt) -> dict:
         saved = {k: v for k, v in group.items() if k != "params"}
         saved["params"] = [index[id(p)] for p in group["params"]]
         groups.append(saved)
+    fp8_state = fp8_checkpoint.flat_state(opt)
     return {
         "format": STATE_DICT_FORMAT,
         "layout": opt.layout.fingerprint(),
@@ -54,6 +58,7 @@ def state_dict(opt) -> dict:
         "scaler": None if opt.scaler is None else opt.scaler.state_dict(),
         "clip_grad": opt.clip_grad,
         "grad_norm_skip_threshold": opt.grad_norm_skip_threshold,
+        **({} if fp8_state is None else {_FP8_KEY: fp8_state}),
     }
 
 
@@ -99,6 +104,8 @@ def all_finite(value: torch.Tensor) -> bool:
     reduction, no temporary) proves it; only a non-finite sum (or an overflow) takes the exact check."""
     if not value.is_floating_point() or value.numel() == 0:
         return True
+    if value.element_size() == 1:  # fp8 (a model's graphstep.fp8 weights): no reduction kernels; fp32 is exact
+        value = value.to(torch.float32)
     return bool(torch.isfinite(value.sum())) or bool(torch.isfinite(value).all())
 
 
@@ -285,7 +292,7 @@ def load_state_dict(opt, state_dict: Any) -> None:
     """Validate everything (on every data-parallel rank, refusing together), then copy into the existing
     buffers (addresses never change) and refresh the model params. A refused checkpoint raises
     ``StateDictError`` naming the key; nothing has changed on any rank."""
-    states, updates = refuse_together(opt, lambda: _validate(opt, state_dict), "load_state_dict")
+    states, updates, fp8_copies = refuse_together(opt, lambda: _validate(opt, state_dict), "load_state_dict")
 
     # Everything is valid: copy. Nothing below can fail on a checked value.
     for b, source in enumerate(state_dict["main_params"]):
@@ -296,12 +303,13 @@ def load_state_dict(opt, state_dict: Any) -> None:
     apply_common(opt, state_dict["step"], updates, state_dict["scaler"], state_dict["clip_grad"],
                  state_dict["grad_norm_skip_threshold"])
     opt.publish_params()
+    fp8_checkpoint.apply(fp8_copies)  # the saved fp8 bytes and scales replace the publish's recast
 
 
 def _validate(opt, state_dict: Any) -> tuple:
     """Every check of a flat load, nothing copied: (the state tensors by name, the group updates)."""
     where = "state_dict"
-    check_mapping(state_dict, where, _TOP_KEYS, allowed=_TOP_KEYS)
+    check_mapping(state_dict, where, _TOP_KEYS, allowed=_TOP_KEYS + (_FP8_KEY,))
     if not plain_equal(state_dict["format"], STATE_DICT_FORMAT):
         raise _fail(f"{where}['format']", f"is {state_dict['format']!r:.60}, expected {STATE_DICT_FORMAT!r}")
     if not plain_equal(state_dict["layout"], opt.layout.fingerprint()):
@@ -323,4 +331,8 @@ def _validate(opt, state_dict: Any) -> tuple:
     updates = check_param_groups(opt, state_dict["param_groups"], f"{where}['param_groups']", check_indices=True)
     check_scaler(opt, state_dict["scaler"], f"{where}['scaler']")
     check_thresholds(state_dict["clip_grad"], state_dict["grad_norm_skip_threshold"], where)
-    return states, updates
+    try:
+        fp8_copies = fp8_checkpoint.check_flat(opt, state_dict.get(_FP8_KEY), f"{where}[{_FP8_KEY!r}]")
+    except fp8_checkpoint.Fp8StateError as exc:
+        raise StateDictError(f"load_state_dict: {exc}") from None
+    return states, updates, fp8_copies

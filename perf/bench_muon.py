@@ -17,12 +17,25 @@ the same fixed grads; the rows are timed round-robin (one step of each per round
 slow phases fall on both alike.
 
     python perf/bench_muon.py [--layers 12] [--d 256] [--rounds 5] [--warmup 2] [--json out.json]
+
+``--layerwise-ranks 2 4`` adds the layer-wise rows (issue 15 item 3; ``layerwise_rows`` at the end of this
+file): the same model and grads with ``use_distributed_optimizer=True`` on that many gloo ranks on
+127.0.0.1 (one thread each), the step captured. Each rank owns whole Muon matrices (graphstep.layerwise)
+and runs Newton–Schulz on those only; the rows give the median step time, the bytes each rank sends per
+step (ring formulas: reduce-scatter + all-gather = (n−1)/n × bucket bytes each; DDP's fp32 all-reduce,
+2(n−1)/n × 4 B × params, alongside), the layer-wise buckets' padding, and the most-loaded rank's
+Newton–Schulz cost over the mean, also for GPT-2 small's shapes (layout only, nothing allocated).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import pickle
+import socket
+import tempfile
 import statistics
 import sys
 import time
@@ -108,6 +121,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--layerwise-ranks", type=int, nargs="*", default=[],
+                        help="also run layer-wise Muon on these gloo world sizes (e.g. 2 4)")
     args = parser.parse_args(argv)
 
     grads = fixed_grads(build_model(args.layers, args.d))
@@ -128,9 +143,94 @@ def main(argv=None) -> dict:
     print(f"  graphstep (eager, same batched math): {median['graphstep_eager']:8.1f} ms")
     print(f"  torch.optim.Muon + AdamW(fused):      {median['torch']:8.1f} ms")
     print(f"  graphstep speedup: {result['speedup']:.2f}x")
+    if args.layerwise_ranks:
+        result["layerwise"] = layerwise_rows(args.layerwise_ranks, args.layers, args.d, args.rounds, args.warmup)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return result
+
+
+# ---- layer-wise Muon over gloo ranks (issue 15 item 3) --------------------------------------------------
+
+def _layerwise_worker(rank: int, world: int, port: int, outdir: str, layers: int, d: int, rounds: int,
+                      warmup: int) -> None:
+    import torch.distributed as dist
+
+    from graphstep import layerwise
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    model = build_model(layers, d)
+    config = gs.OptimizerConfig(optimizer="muon", lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=0.0, capture="graph",
+                                capture_warmup_steps=1, muon_momentum=MOMENTUM, muon_nesterov=True,
+                                muon_coefficient_type="simple", muon_scale_mode="shape_scaling",
+                                muon_fp32_matmul_prec="medium", use_distributed_optimizer=True,
+                                distributed_timeout_s=120.0)
+    opt = gs.get_optimizer(config, model, config_overrides={})
+    set_grads(model, fixed_grads(model))
+    times = []
+    for i in range(warmup + rounds):
+        dist.barrier()
+        start = time.perf_counter()
+        opt.step()
+        if i >= warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+    sent = 0.0
+    for bucket in opt.layout.buckets:
+        size = (opt.buffers.grad_flat[bucket.buffer].element_size()
+                + opt.buffers.param_flat[bucket.buffer].element_size())
+        sent += (world - 1) / world * bucket.numel * size  # reduce-scatter + all-gather, ring
+    balance = layerwise.balance(opt.layout)
+    params = sum(p.numel() for p in model.parameters())
+    row = {"ranks": world, "step_ms": statistics.median(times), "captured": opt.captured,
+           "sent_mb": sent / 1e6, "ddp_allreduce_mb": 2 * (world - 1) / world * params * 4 / 1e6,
+           "padding": balance.padding_fraction, "ns_max_over_mean": balance.max_over_mean,
+           "ns_loads": balance.loads}
+    if rank == 0:
+        with open(os.path.join(outdir, "row.pkl"), "wb") as f:
+            pickle.dump(row, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def gpt2_small_balance(world: int):
+    """GPT-2 small's layer-wise balance at ``world`` ranks: Muon on the hidden matrices, Adam elsewhere."""
+    from graphstep import layerwise
+    from graphstep.app.bench_shapes import gpt2_small
+    from graphstep.layout import ParamSpec, plan_layout
+
+    specs = [ParamSpec(name, shape, torch.float32, torch.float32, int(muon), muon)
+             for name, shape in gpt2_small() for muon in [len(shape) == 2 and name not in ("wte", "wpe")]]
+    return layerwise.balance(plan_layout(specs, world))
+
+
+def layerwise_rows(worlds, layers: int, d: int, rounds: int, warmup: int) -> list[dict]:
+    """One row per world size: captured layer-wise Muon step on gloo ranks (see the module docstring)."""
+    import torch.multiprocessing as mp
+
+    rows = []
+    print(f"\nLayer-wise Muon (distributed optimizer, captured), {layers * 4} matrices of {d}x{d}, gloo, "
+          "1 thread/rank")
+    print("| ranks | step ms | comm MB/step/rank | DDP all-reduce MB | padding | NS max/mean "
+          "| GPT-2 small NS max/mean, padding |")
+    print("|---:|---:|---:|---:|---:|---:|---|")
+    for world in worlds:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with tempfile.TemporaryDirectory() as outdir:
+            mp.start_processes(_layerwise_worker, args=(world, port, outdir, layers, d, rounds, warmup), nprocs=world,
+                               start_method="spawn")
+            with open(os.path.join(outdir, "row.pkl"), "rb") as f:
+                row = pickle.load(f)
+        gpt2 = gpt2_small_balance(world)
+        row["gpt2_small"] = {"ns_max_over_mean": gpt2.max_over_mean, "padding": gpt2.padding_fraction}
+        rows.append(row)
+        print(f"| {world} | {row['step_ms']:.1f} | {row['sent_mb']:.2f} | {row['ddp_allreduce_mb']:.2f} | "
+              f"{100 * row['padding']:.2f}% | {row['ns_max_over_mean']:.3f} | "
+              f"{gpt2.max_over_mean:.3f}, {100 * gpt2.padding_fraction:.2f}% |")
+    return rows
 
 
 if __name__ == "__main__":

@@ -138,7 +138,7 @@ def test_profile_writes_a_trace_and_prints_the_nvml_line(capsys, tmp_path):
 @pytest.mark.parametrize("argv", [
     [],
     ["frobnicate"],
-    ["demo", "--precision", "fp8"],
+    ["demo", "--precision", "fp4"],
     ["demo", "--steps", "0"],
     ["demo", "--steps", "many"],
     ["demo", "--lr", "-1"],
@@ -214,3 +214,14 @@ def test_demo_trains_with_muon_and_qk_clip_bitwise_equal_captured(capsys, tmp_pa
     assert set(rows) == {"eager", "graph"} and rows["graph"]["backend"] == "replay"
     assert "final losses equal, bitwise" in out and "muon lr 0.003" in out and "qk-clip at 20" in out
 
+
+
+def test_demo_fp8_trains_captured_like_eager_and_reports_param_bytes(capsys, tmp_path):
+    rows, out = run(capsys, tmp_path, "--steps", "6", "--precision", "fp8", "--batch-size", "4")
+    assert set(rows) == {"eager", "graph"} and rows["graph"]["backend"] == "replay"
+    assert "final losses equal, bitwise" in out and all(r["skipped"] == 0 for r in rows.values())
+    intro = out[:out.index("eager step")]
+    line = re.search(r"^param bytes: .* fp8 weights .* \(([\d,]+) elements at 1 B.*all in bf16: .* \((\S+)x\)$",
+                     intro, re.M)
+    assert line, intro
+    assert int(line.group(1).replace(",", "")) > 0 and float(line.group(2)) < 0.75  # fp8 halves the big weights

@@ -257,7 +257,10 @@ def test_debug_step_runs_over_fp8_weights_and_names_a_nan_origin():
     assert report.nan_origin is not None and report.nan_origin.tensor == "grad"
 
 
-def test_delayed_resume_from_optimizer_then_model_state_is_bitwise():
+def test_delayed_resume_from_optimizer_state_alone_is_bitwise():
+    # The delayed recipe's bytes were cast with the previous scale and its history reaches back: the optimizer
+    # checkpoint carries the fp8 bytes and scaling state (graphstep.fp8.checkpoint), so it alone resumes
+    # bitwise; loading the model's state afterwards (the same bytes and scales) changes nothing.
     def train(model, opt, steps):
         for step in steps:
             opt.zero_grad()
@@ -268,20 +271,14 @@ def test_delayed_resume_from_optimizer_then_model_state_is_bitwise():
     opt_a = gs.get_optimizer(fp8_config("delayed", lr=1e-2), model_a)
     train(model_a, opt_a, range(3))
     saved_opt, saved_model = opt_a.state_dict(), {k: v.clone() for k, v in model_a.state_dict().items()}
+    at_save = snapshot(opt_a, model_a)
     train(model_a, opt_a, range(3, 5))
-    model_b = fp8_model("delayed")
-    opt_b = gs.get_optimizer(fp8_config("delayed", lr=1e-2), model_b)
-    history_before = [p.fp8_meta.amax_history.clone() for p in fp8_weights(model_b)]
-    opt_b.load_state_dict(saved_opt)
-    # Publishing recasts with the current scale and records no amax: no step ran.
-    assert all(torch.equal(h, p.fp8_meta.amax_history) for h, p in zip(history_before, fp8_weights(model_b)))
-    for i, p in enumerate(model_b.parameters()):
-        if fp8.is_fp8(p):  # the bytes are the loaded main params cast with the current scale
-            assert torch.equal(raw(p), raw(fp8.quantize(main_of(opt_b, i), p.fp8_meta.scale, p.dtype)))
-            assert torch.equal(p.fp8_meta.scale_inv, torch.reciprocal(p.fp8_meta.scale))
-    model_b.load_state_dict(saved_model)
-    train(model_b, opt_b, range(3, 5))
-    assert all(torch.equal(raw(a), raw(b)) for a, b in zip(model_a.parameters(), model_b.parameters()))
-    for a, b in zip(fp8_weights(model_a), fp8_weights(model_b)):
-        for name in ("scale", "scale_inv", "amax_history"):
-            assert torch.equal(getattr(a.fp8_meta, name), getattr(b.fp8_meta, name))
+    for load_model_too in (False, True):
+        model_b = fp8_model("delayed")
+        opt_b = gs.get_optimizer(fp8_config("delayed", lr=1e-2), model_b)
+        opt_b.load_state_dict(saved_opt)
+        if load_model_too:
+            model_b.load_state_dict(saved_model)
+        assert all(torch.equal(a, b) for a, b in zip(at_save, snapshot(opt_b, model_b)))
+        train(model_b, opt_b, range(3, 5))
+        assert all(torch.equal(a, b) for a, b in zip(snapshot(opt_a, model_a), snapshot(opt_b, model_b)))

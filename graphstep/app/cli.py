@@ -1,7 +1,7 @@
 """``graphstep`` on the command line: one function per subcommand.
 
     graphstep --version
-    graphstep demo    [--steps 200] [--preset tiny] [--precision fp32|bf16|fp16] [--capture both|eager|graph|auto]
+    graphstep demo    [--steps 200] [--preset tiny] [--precision fp32|bf16|fp16|fp8] [--capture both|eager|graph|auto]
                       [--optimizer adam|sgd|muon] [--qk-clip] [--world-size 1] [--batch-size 16] [--seed 0] [--lr ...]
                       [--log-every ...] [--out DIR] [--threads N] [--device cpu]
     graphstep profile [--steps 10] [--preset tiny] [--capture eager|graph] [--precision ...] [--out DIR]
@@ -29,9 +29,12 @@ from typing import Optional, Sequence
 
 import torch
 
+import graphstep as gs
+
 from . import models
-from .demo import DEMO_QK_CLIP_THRESHOLD, PRECISIONS, DemoSettings, ProgressBar, estimate_seconds, log_interval, optimizer_config, train
+from .demo import DEMO_QK_CLIP_THRESHOLD, DemoSettings, ProgressBar, estimate_seconds, log_interval, optimizer_config, train
 from .options import default_out_dir, package_version, positive_float, positive_int, torch_device
+from .precision import PRECISIONS
 
 CAPTURES = ("both", "eager", "graph", "auto")
 
@@ -42,7 +45,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(models.PRESETS), default="tiny", help="model size (default tiny)")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="model params: fp32, or bf16/fp16 with fp32 main params (fp16 adds dynamic loss "
-                             "scaling); default fp32")
+                             "scaling), or fp8 (the hidden Linear weights in fp8 with per-tensor scales, "
+                             "requantized in the step; the rest bf16); default fp32")
     parser.add_argument("--capture", choices=CAPTURES, default="both",
                         help="how the optimizer step runs (OptimizerConfig.capture); 'both' (default) trains "
                              "twice, eager then graph, and checks that the two are bitwise equal")
@@ -153,6 +157,8 @@ def _print_intro(settings: DemoSettings, captures: Sequence[str], world: int, ou
           f"{f', qk-clip at {config.qk_clip_threshold:g}' if config.qk_clip else ''}, "
           f"{settings.precision}, {ranks}x{model_config.seq_len}, {settings.steps} steps on {settings.device}"
           f"{thread_note}, capture: {' then '.join(captures)}", file=out, flush=True)
+    if settings.precision == "fp8":
+        print(_fp8_param_bytes(settings), file=out, flush=True)
     floor = models.SyntheticCorpus(model_config.vocab_size, seed=settings.seed).entropy_rate()
     print(f"corpus: Markov chain over {model_config.vocab_size} tokens; loss starts near "
           f"ln({model_config.vocab_size}) = {math.log(model_config.vocab_size):.2f}, floor {floor:.2f}",
@@ -173,6 +179,16 @@ def _print_intro(settings: DemoSettings, captures: Sequence[str], world: int, ou
     if world > 1:
         print("progress: rank 0's loss on its slice; the summary: the global batch's", file=out, flush=True)
     return floor
+
+
+def _fp8_param_bytes(settings: DemoSettings) -> str:
+    """The param bytes an fp8 run allocates, measured on an optimizer built over the same model here."""
+    from .precision import param_bytes, prepare
+
+    model = models.GPT(models.preset(settings.preset, qk_clip=settings.qk_clip), seed=settings.seed)
+    prepare(model.to(settings.device), settings.precision)
+    with gs.get_optimizer(optimizer_config(settings, "eager"), model) as opt:
+        return param_bytes(opt).summary()
 
 
 def _duration(seconds: float) -> str:

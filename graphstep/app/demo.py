@@ -22,8 +22,7 @@ from capture.devices import is_cuda, synchronize
 import graphstep as gs
 
 from . import models
-
-PRECISIONS = ("fp32", "bf16", "fp16")
+from .precision import config_flags, prepare
 # Muon: 3e-3 reached a lower loss than 1e-3 on the tiny preset (2.25 against 2.69 after 60 steps; Adam at
 # 1e-3: 2.75), measured when Muon was added. Its other params train with Adam at the same lr.
 DEFAULT_LR = {"adam": 1e-3, "sgd": 0.1, "muon": 3e-3}
@@ -89,9 +88,8 @@ def log_interval(settings: DemoSettings) -> int:
 
 def optimizer_config(settings: DemoSettings, capture: str, distributed: bool = False) -> gs.OptimizerConfig:
     lr = settings.lr if settings.lr is not None else DEFAULT_LR[settings.optimizer]
-    precision = {"bf16": {"bf16": True},
-                 # Megatron's 2**32 start would skip ~30 steps backing off; the demo's grads fit 2**16.
-                 "fp16": {"fp16": True, "initial_loss_scale": 2.0**16}}.get(settings.precision, {})
+    # fp16: Megatron's 2**32 start would skip ~30 steps backing off; the demo's grads fit 2**16.
+    precision = config_flags(settings.precision, initial_loss_scale=2.0**16)
     dist_flags = ({"use_distributed_optimizer": True, "distributed_timeout_s": settings.timeout_s}
                   if distributed else {})
     qk_clip = {"qk_clip": True, "qk_clip_threshold": DEMO_QK_CLIP_THRESHOLD} if settings.qk_clip else {}
@@ -123,6 +121,7 @@ def estimate_seconds(settings: DemoSettings, runs: int, world_size: int = 1) -> 
     dtype = optimizer_config(settings, "eager").model_dtype
     if dtype is not None:
         model.to(dtype)
+    prepare(model, settings.precision)  # fp8: after the cast, so the fp8 bytes and scales stay as converted
     corpus = models.SyntheticCorpus(model_config.vocab_size, seed=settings.seed)
     rows = slice(0, max(1, settings.batch_size // world_size))
     seconds = []
@@ -185,6 +184,7 @@ def train(settings: DemoSettings, capture: str, report: Optional[Callable[[Progr
     device = torch.device(settings.device)
     model_config = models.preset(settings.preset, qk_clip=settings.qk_clip)
     model = models.GPT(model_config, seed=settings.seed).to(device)  # same seed: same params on all ranks
+    prepare(model, settings.precision)  # fp8: hidden Linear weights -> fp8 params (same bytes on all ranks)
     corpus = models.SyntheticCorpus(model_config.vocab_size, seed=settings.seed)
     opt = gs.get_optimizer(optimizer_config(settings, capture, world_size > 1), model)  # params -> flat buffers
     warmup = max(1, min(50, settings.steps // 10))

@@ -21,6 +21,7 @@ import graphstep as gs
 
 from . import models
 from .options import default_out_dir
+from .precision import config_flags, prepare
 from .quiet import drop_stderr_lines
 
 
@@ -40,8 +41,9 @@ def run_profile(*, steps: int = 10, preset: str = "tiny", capture: str = "eager"
     device = torch.device(device)
     model_config = models.preset(preset)
     model = models.GPT(model_config).to(device)
+    prepare(model, precision)  # fp8: hidden Linear weights -> fp8 params
     corpus = models.SyntheticCorpus(model_config.vocab_size)
-    precision_flags = {"bf16": {"bf16": True}, "fp16": {"fp16": True}}.get(precision, {})
+    precision_flags = config_flags(precision, initial_loss_scale=2.0 ** 32)  # fp16: the config's default start
     opt = gs.get_optimizer(gs.OptimizerConfig(lr=1e-3, capture=capture, capture_warmup_steps=1,
                                               **precision_flags), model)
     opt.ranges.enabled = True

@@ -47,7 +47,8 @@ _SAFE_GLOBALS = {("torch", "Size"), ("torch", "dtype"), ("torch", "layout"), ("t
                  ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
                  ("builtins", "slice"), ("pathlib", "PosixPath"), ("torch.serialization", "_get_layout")}
 _TORCH_ENUM_VALUES = {"float32", "float64", "float16", "bfloat16", "uint8", "int64", "int32", "bool", "strided",
-                      "contiguous_format", "preserve_format", "channels_last"}
+                      "contiguous_format", "preserve_format", "channels_last",
+                      "float8_e4m3fn", "float8_e5m2"}  # a model's fp8 weights (graphstep.fp8), saved with it
 
 
 class CheckpointError(ValueError):

@@ -8,6 +8,9 @@
   saved. With several data-parallel ranks each is a ``ShardedTensor`` holding the elements this rank owns
   (``layout.owned_ranges``) at their global offset; on one rank, a plain tensor of all of them.
 - ``optimizer.step`` (0-d fp32) and ``optimizer.scaler.<key>`` (the loss-scaler state, 0-d fp32).
+- With fp8 weights, ``optimizer.fp8.<data|scale|scale_inv|amax_history>.<param name>``: each fp8 weight's
+  bytes (uint8, all of them) and scaling state, replicated across ranks, so plain tensors
+  (``graphstep.fp8.checkpoint``).
 - ``optimizer.param_groups`` and ``optimizer.meta``: JSON text in a uint8 tensor. The groups hold their
   hyperparameters and their params' names (groups are matched by those names on load); the metadata holds
   the format version, the optimizer family, each param's shape, the state names, the scaler keys and the
@@ -35,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .. import state_dict as flat
+from ..fp8 import checkpoint as fp8_checkpoint
 
 FORMAT = "graphstep-sharded"
 FORMAT_VERSION = 1
@@ -148,6 +152,7 @@ def sharded_state_dict(opt, *, snapshot: bool = False) -> dict:
     if opt.scaler is not None:
         for key, value in opt.scaler.state_dict().items():
             sd[SCALER_PREFIX + key] = value.clone()
+    sd.update(fp8_checkpoint.sharded_entries(opt, snapshot=snapshot))  # replicated: plain tensors, saved once
     sd[GROUPS_KEY] = encode_json(_groups(opt))
     sd[META_KEY] = encode_json(_meta(opt))
     return sd
@@ -161,6 +166,7 @@ def load_template(opt, json_sizes: dict[str, int]) -> dict:
     if opt.scaler is not None:
         for key, value in opt.scaler.state_dict().items():
             sd[SCALER_PREFIX + key] = torch.empty_like(value)
+    sd.update(fp8_checkpoint.sharded_template(opt))
     for key in (GROUPS_KEY, META_KEY):
         sd[key] = torch.empty(json_sizes[key], dtype=torch.uint8)
     return sd
@@ -271,7 +277,11 @@ def validate(opt, sd: Any) -> dict:
             if isinstance(group.get(key), tuple) and isinstance(value, list):
                 values[key] = tuple(value)
     flat.check_thresholds(meta["clip_grad"], meta["grad_norm_skip_threshold"], f"[{META_KEY!r}]")
-    return {"copies": copies, "step": sd[STEP_KEY], "groups": updates, "scaler": scaler,
+    try:
+        fp8_copies = fp8_checkpoint.check_sharded(opt, sd)
+    except fp8_checkpoint.Fp8StateError as exc:
+        raise flat.StateDictError(f"load_sharded_state_dict: {exc}") from None
+    return {"copies": copies, "fp8_copies": fp8_copies, "step": sd[STEP_KEY], "groups": updates, "scaler": scaler,
             "clip_grad": meta["clip_grad"], "grad_norm_skip_threshold": meta["grad_norm_skip_threshold"]}
 
 
@@ -283,6 +293,7 @@ def apply_validated(opt, plan: dict) -> None:
     flat.apply_common(opt, plan["step"], plan["groups"], plan["scaler"], plan["clip_grad"],
                       plan["grad_norm_skip_threshold"])
     opt.publish_params()
+    fp8_checkpoint.apply(plan["fp8_copies"])  # the saved fp8 bytes and scales replace the publish's recast
 
 
 def _match_groups(opt, saved: Any) -> list:

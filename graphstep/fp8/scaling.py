@@ -61,7 +61,8 @@ def scale_from_amax(amax_value: torch.Tensor, dtype: torch.dtype, margin: int = 
 def quantize(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``values * scale`` clamped to ±fp8_max, then cast to ``dtype`` (round to nearest even)."""
     limit = fp8_max(dtype)
-    return (values.to(torch.float32) * scale).clamp(-limit, limit).to(dtype)
+    scaled = torch.mul(values.to(torch.float32), scale)  # a fresh fp32 tensor: clamped in place (one pass less)
+    return scaled.clamp_(-limit, limit).to(dtype)
 
 
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -76,13 +77,19 @@ def _keep_if_skipped(found_inf: torch.Tensor, old: torch.Tensor, new: torch.Tens
     return torch.where(skipped, old, new)
 
 
+def _select_bytes_into(data: torch.Tensor, found_inf: torch.Tensor, new_data: torch.Tensor) -> None:
+    """``data`` ← its own bytes when skipped, else ``new_data``'s: one pass, written in place (``torch.where``
+    has no fp8 kernels, so the bytes are selected as uint8; each element reads then writes its own slot)."""
+    bytes_view = data.view(torch.uint8)
+    torch.where(found_inf > 0, bytes_view, new_data.view(torch.uint8), out=bytes_view)
+
+
 def requantize_current(values: torch.Tensor, amax_value: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
                        scale_inv: torch.Tensor, found_inf: torch.Tensor, margin: int = 0) -> None:
     """Tensorwise recipe, in place: scale from ``amax_value`` (already MAX-reduced by the caller), cast
     ``values`` into ``data`` with it, ``scale_inv = 1 / scale``. All unchanged when ``found_inf`` is 1."""
     new_scale = scale_from_amax(amax_value, data.dtype, margin)
-    new_data = quantize(values, new_scale, data.dtype)
-    data.copy_(_keep_if_skipped(found_inf, data, new_data))
+    _select_bytes_into(data, found_inf, quantize(values, new_scale, data.dtype))
     scale.copy_(_keep_if_skipped(found_inf, scale, new_scale))
     scale_inv.copy_(_keep_if_skipped(found_inf, scale_inv, torch.reciprocal(new_scale)))
 
@@ -104,11 +111,10 @@ def requantize_delayed(values: torch.Tensor, amax_value: torch.Tensor, data: tor
     """Delayed recipe, in place: cast ``values`` with the current ``scale``, ``scale_inv = 1 / scale``,
     push ``amax_value`` (already MAX-reduced by the caller) into ``history`` (newest at index 0), then
     ``scale`` ← the next scale from the history. All unchanged when ``found_inf`` is 1."""
-    new_data = quantize(values, scale, data.dtype)
+    _select_bytes_into(data, found_inf, quantize(values, scale, data.dtype))
     new_scale_inv = torch.reciprocal(scale)
     new_history = torch.cat([amax_value.reshape(1), history[:-1]])
     new_scale = scale_from_history(new_history, data.dtype, margin, algo)
-    data.copy_(_keep_if_skipped(found_inf, data, new_data))
     scale_inv.copy_(_keep_if_skipped(found_inf, scale_inv, new_scale_inv))
     history.copy_(_keep_if_skipped(found_inf, history, new_history))
     scale.copy_(_keep_if_skipped(found_inf, scale, new_scale))

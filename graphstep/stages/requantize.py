@@ -52,8 +52,8 @@ def build(ctx, *, publish: bool = False) -> Optional[Stage]:
 
     ``publish=True`` (``publish_params``, after a checkpoint load copied into the main params) requantizes
     whatever the last step's ``found_inf`` was, and for the delayed recipe only recasts with the current
-    scale: no amax enters the history, since no step ran. (A bitwise resume of the delayed recipe loads the
-    optimizer's state, then the model's: the fp8 layers' buffers hold the bytes, scales and history.)
+    scale: no amax enters the history, since no step ran. (A checkpoint load then copies the saved fp8 bytes
+    and scaling state over it, graphstep/fp8/checkpoint.py, so a delayed-recipe resume is bitwise.)
     """
     pieces = _pieces(ctx)
     if not pieces:
@@ -78,7 +78,10 @@ def build(ctx, *, publish: bool = False) -> Optional[Stage]:
     def apply() -> None:
         amaxes.zero_()
         for main, target in owned:
-            torch.amax(main.abs(), dim=0, out=target)  # NaN propagates: a NaN amax gives scale 1
+            # max |x| = max(|min|, |max|): one reading pass, no |x| temporary. NaN propagates through
+            # aminmax and maximum: a NaN amax gives scale 1.
+            low, high = torch.aminmax(main)
+            torch.maximum(low.abs(), high.abs(), out=target)
         comm.all_reduce_max(amaxes, "fp8 amax all-reduce (max)")
         for (main, data, meta), amax_value in zip(pieces, amax_views):
             if delayed:

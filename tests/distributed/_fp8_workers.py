@@ -97,3 +97,59 @@ def overlap_vs_plain(rank: int, world_size: int) -> dict:
         opt.finish_param_gather()
         out[overlap] = {"params": [_raw(p) for p in model.parameters()], "counts": opt.overlap_counts}
     return out
+
+
+# ---- checkpoints (tests/distributed/test_fp8_checkpoint_resharding.py) ----------------------------------------------
+def _fp8_state(model) -> list:
+    """Every byte of the model: fp8 bytes and their scale, scale_inv, amax history; the other params."""
+    out = []
+    for p in model.parameters():
+        out.append(_raw(p))
+        if fp8.is_fp8(p):
+            out += [_raw(p.fp8_meta.scale), _raw(p.fp8_meta.scale_inv), _raw(p.fp8_meta.amax_history)]
+    return out
+
+
+def _fp8_engine(recipe: str, world_size: int):
+    model = tiny_transformer(dtype=torch.bfloat16)
+    fp8.convert(model, recipe=recipe, **(dict(amax_history_len=3, amax_compute_algo="max")
+                                         if recipe == "delayed" else {}))
+    return model, get_optimizer(fp8_config(recipe, world_size), model)
+
+
+def _steps(model, opt, rank: int, world_size: int, steps) -> None:
+    for step in steps:
+        opt.zero_grad()
+        local_loss(model, step, rank, world_size).backward()
+        opt.step()
+
+
+def checkpoint_then_continue(rank: int, world_size: int, root: str) -> dict:
+    """Per recipe: 3 steps, ``graphstep.checkpoint.save``, 3 more; the state at the save and at the end."""
+    import graphstep as gs
+
+    out = {}
+    for recipe in ("tensorwise", "delayed"):
+        model, opt = _fp8_engine(recipe, world_size)
+        _steps(model, opt, rank, world_size, range(3))
+        gs.checkpoint.save(opt, f"{root}/{recipe}")
+        at_save = _fp8_state(model)
+        _steps(model, opt, rank, world_size, range(3, 6))
+        out[recipe] = {"at_save": at_save, "final": _fp8_state(model)}
+    return out
+
+
+def resume_from_checkpoint(rank: int, world_size: int, root: str) -> dict:
+    """Per recipe: a fresh fp8 model and optimizer at this data-parallel size, ``graphstep.checkpoint.load``,
+    the same 3 steps the saving run took after its save; the state after the load and at the end."""
+    import graphstep as gs
+
+    out = {}
+    for recipe in ("tensorwise", "delayed"):
+        model, opt = _fp8_engine(recipe, world_size)
+        fresh = _fp8_state(model)
+        gs.checkpoint.load(opt, f"{root}/{recipe}")
+        at_load = _fp8_state(model)
+        _steps(model, opt, rank, world_size, range(3, 6))
+        out[recipe] = {"fresh": fresh, "at_load": at_load, "final": _fp8_state(model)}
+    return out

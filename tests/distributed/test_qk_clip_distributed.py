@@ -1,6 +1,7 @@
 """QK-clip on 2 gloo ranks (distributed optimizer, captured step): the MAX all-reduce makes every rank clip
-with the same η, so the ranks agree bitwise, and equal a single process that saw both micro-batches; Muon
-with element-wise sharding is refused at build."""
+with the same η, so the ranks agree bitwise, and equal a single process that saw both micro-batches; the
+same with Muon, whose matrices are sharded layer-wise (the clip then scales rows of whole matrices on
+their owner, and the all-gather publishes them)."""
 
 import pytest
 import torch
@@ -25,7 +26,12 @@ def test_two_ranks_clip_alike_and_match_a_single_process_bitwise():
     assert (over[0] != over[1]).any()
 
 
-def test_muon_with_the_distributed_optimizer_is_refused_with_the_reason():
-    messages = values(spawn(workers.muon_refused, 2, timeout=55))
-    for message in messages:
-        assert "layer-wise sharding" in message and "not supported yet" in message
+def test_muon_sharded_layer_wise_clips_like_a_single_process_bitwise():
+    ranks = values(spawn(workers.muon_layerwise, 2, timeout=55))
+    single = workers.train(0, 1, micro_batches=2, optimizer="muon")
+    start = workers.Attention()
+    assert all(r["captured"] for r in ranks)
+    for rank in ranks:
+        for got, want in zip(rank["params"], single["params"]):
+            assert torch.equal(got, want)
+    assert not torch.equal(single["params"][0], start.q.weight)  # the clip moved W_q
