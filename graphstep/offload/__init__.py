@@ -70,7 +70,7 @@ def install(ctx, host: Optional[HostShards], model_chunks=None):
 class NoOffload:
     """What the engine holds without CPU offload: the same calls, doing nothing."""
 
-    host_stages: list = []
+    host_stages: tuple = ()
     waited_chunks = 0
 
     def __init__(self):
@@ -122,7 +122,7 @@ class Offload:
         self._d2h = [(host.grads[b], ctx.buffers.grad_shard[b][self.plan.splits[b]:])
                      for b in range(len(ctx.layout.buffers)) if self.plan.host_size(b)]
         self._worker = ChunkWorker(self, model_chunks, ctx) if self.overlap else None
-        self.host_stages = [Stage("offload_host", self.host_step)]
+        self.host_stages = (Stage("offload_host", self.host_step),)
         """The never-captured part, as a stage (``debug_step`` runs it after the device stages)."""
         self.host_tensors = host.tensors()
 
