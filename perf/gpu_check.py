@@ -66,7 +66,8 @@ PARTS = {
     "profile-cli": ("gpu_check_env", "part_profile_cli", False, 120, ["graphstep-profile-capture-graph"]),
     "families": ("gpu_check_numerics", "part_families", True, 120, ["family-muon", "family-fp8", "family-offload"]),
     "offload": ("gpu_check_offload", "part_offload", True, 120,
-                ["offload-eager-vs-captured", "offload-vs-device-only", "offload-overlap", "offload-pinned-and-memory"]),
+                ["offload-eager-vs-captured", "offload-vs-device-only", "offload-overlap",
+                 "offload-pinned-and-memory"]),
     # Last: the test suite repeats much of "bitwise"; if the budget runs short, it is what goes unrun.
     "cuda-tests": ("gpu_check_env", "part_cuda_tests", False, 240, ["pytest-tests-cuda"]),
 }

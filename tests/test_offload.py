@@ -78,7 +78,8 @@ def test_plan_takes_whole_pieces_from_the_end_of_the_shard_until_the_fraction(dp
             owned = layout.owned_ranges(rank)
             biggest = max(r.param_end - r.param_start for r in owned)
             taken = plan.host_param_numel
-            assert fraction * plan.owned_numel <= taken < fraction * plan.owned_numel + biggest or taken == 0 == fraction
+            threshold = fraction * plan.owned_numel
+            assert threshold <= taken < threshold + biggest or taken == 0 == fraction
             assert taken >= previous  # monotone in the fraction
             previous = taken
             # The host part of each buffer is a suffix of the shard holding exactly the taken pieces, whole.
