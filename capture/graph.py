@@ -142,6 +142,10 @@ class Graph:
             return str(exc)
         return None
 
+    def pool_bytes(self) -> Optional[int]:
+        """Bytes reserved in the captured step's memory pool (CUDA graphs); None where there is no pool."""
+        return self._backend.pool_bytes() if self._captured else None
+
     def invalidate(self) -> None:
         """Drop the capture; the next call captures anew (without a new warm-up)."""
         self._backend.reset()

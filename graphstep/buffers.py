@@ -7,15 +7,27 @@ Per buffer key (param dtype, grad dtype) of the layout:
 - ``param_flat``  model dtype, every model param is a view of it;
 - ``grad_flat``   grad dtype; a param's ``.grad`` is a view of it when grads accumulate in the param's
   dtype, else backward accumulates into an fp32 view ``param.main_grad`` through a hook;
-- ``main_shard``  fp32 main params, this rank's shard; an alias of ``param_flat`` when one rank updates
-  fp32 params in place (no copy, no copy-back);
-- ``grad_shard``  the grads the update reads: ``grad_flat`` itself with one rank, the reduce-scatter
-  output with several;
-- ``state[name]`` optimizer state shards (``exp_avg``, ``exp_avg_sq`` or ``momentum_buffer``).
+- ``main_shard``  fp32 main params: where the params are fp32 already, ``param_flat`` itself (at any
+  data-parallel size: the update writes this rank's shard of the params in place, no second copy, no
+  copy-back); else a separate fp32 tensor of this rank's shard. Address a range of it with
+  ``main_range`` (shard coordinates), which maps into ``param_flat`` for the former;
+- ``state[name]`` optimizer state shards (``exp_avg``, ``exp_avg_sq`` or ``momentum_buffer``);
+- ``grad_shard``  the grads of this rank's shard, reduced (what the norm and the update read): with one
+  rank ``grad_flat`` itself, one entry per buffer; with several, one entry per *bucket*: the view
+  ``grad_flat[bucket.shard_range(rank)]`` that the bucket's reduce-scatter writes in place (its output is
+  its input's own slice, which gloo and NCCL accept; no separate output buffer). So after a step with
+  several ranks a grad holds the averaged grads in this rank's shard ranges and the local ones elsewhere;
+  ``zero_grad`` before the next backward (as with Megatron-Core's grad buffers).
 
-With hybrid CPU offload (graphstep.offload) ``main_shard`` and ``state`` hold only a prefix of the rank's
-shard on the device; the rest lives in ``host`` (``HostShards``). ``shard_part``, ``full_shard`` and
-``load_shard`` address the whole shard wherever its elements live.
+A rank's shard of a buffer is the concatenation of its shards of the buffer's buckets, which are not
+contiguous in ``param_flat``/``grad_flat``: layout.py's ``shard_start`` coordinates address the compact
+shard, ``flat_start`` the flat buffer. Per rank the buffers thus hold ZeRO's memory exactly: params +
+grads + the state shards (+ fp32 main shards for half or fp8 params); ``graphstep.memory`` counts it.
+
+With hybrid CPU offload (graphstep.offload) the device holds main params (where they are not the params)
+and state only for a prefix ``[0, device_numel)`` of the rank's shard; the rest lives in ``host``
+(``HostShards``). ``shard_part``, ``full_shard`` and ``load_shard`` address the whole shard wherever its
+elements live.
 """
 
 from __future__ import annotations
@@ -64,7 +76,9 @@ class StaticBuffers:
         split falls between params, and callers ask for one param's piece."""
         split = self.device_numel(buffer)
         if start + size <= split:
-            return self._device_part(kind, buffer)[start:start + size]
+            if kind == "main":
+                return self.main_range(buffer, start, size)
+            return self.state[kind][buffer][start:start + size]
         if start < split:
             raise ValueError(f"shard range [{start}, {start + size}) of buffer {buffer} straddles the offload "
                              f"split at {split}")
@@ -72,7 +86,8 @@ class StaticBuffers:
 
     def full_shard(self, kind: str, buffer: int) -> torch.Tensor:
         """A copy of this rank's whole shard of ``kind`` in ``buffer`` (on the host when part of it is)."""
-        device = self._device_part(kind, buffer)[:self.device_numel(buffer)]
+        split = self.device_numel(buffer)
+        device = (self.main_shard_values(buffer) if kind == "main" else self.state[kind][buffer])[:split]
         if self.host is None or self.host.part(kind, buffer).numel() == 0:
             return device.clone()
         return torch.cat([device.cpu(), self.host.part(kind, buffer)])
@@ -85,9 +100,15 @@ class StaticBuffers:
     def load_shard(self, kind: str, buffer: int, source: torch.Tensor) -> None:
         """Copy a whole shard (``full_shard``'s shape) into the device and host parts, in place."""
         split = self.device_numel(buffer)
-        self._device_part(kind, buffer)[:split].copy_(source[:split])
+        if kind == "main" and self.main_is_param[buffer]:
+            # All of it: past the split these are the model params, equal to the host main params (fp32).
+            self.load_main_shard(buffer, source)
+        else:
+            self._device_part(kind, buffer)[:split].copy_(source[:split])
         if self.host is not None:
             self.host.part(kind, buffer).copy_(source[split:])
+    scratch: dict = field(default_factory=dict)
+    """Static tensors stages allocate at build, by kind (e.g. "grad_cast"), listed for ``graphstep.memory``."""
 
     def record_bindings(self) -> None:
         """Remember what every param, grad and buffer slot points at now (right after allocation)."""
@@ -134,6 +155,43 @@ class StaticBuffers:
         """Per buffer: the main params are the model params themselves (updated in place)."""
         return [m.data_ptr() == p.data_ptr() and m.dtype == p.dtype
                 for m, p in zip(self.main_shard, self.param_flat)]
+
+    def main_range(self, buffer: int, shard_start: int, numel: int) -> torch.Tensor:
+        """Main params ``[shard_start, shard_start + numel)`` of this rank's shard of ``buffer`` (a range inside
+        one bucket's shard, as every Segment and OwnedRange is): a view of ``main_shard``, or of
+        ``param_flat`` where the main params are the params."""
+        if not self.main_is_param[buffer]:
+            return self.main_shard[buffer][shard_start:shard_start + numel]
+        flat = self._flat_offset(buffer, shard_start, numel)
+        return self.param_flat[buffer][flat:flat + numel]
+
+    def _flat_offset(self, buffer: int, shard_start: int, numel: int) -> int:
+        for index in self.layout.buffers[buffer].buckets:
+            bucket = self.layout.buckets[index]
+            if bucket.shard_offset <= shard_start < bucket.shard_offset + bucket.shard_numel or numel == 0:
+                if shard_start + numel > bucket.shard_offset + bucket.shard_numel:
+                    raise ValueError(f"shard range [{shard_start}, {shard_start + numel}) of buffer {buffer} crosses "
+                                     f"the end of bucket {index}'s shard: address one bucket at a time")
+                return bucket.shard_range(self.rank)[0] + shard_start - bucket.shard_offset
+        raise ValueError(f"shard offset {shard_start} is outside buffer {buffer}'s shard")
+
+    def main_shard_values(self, buffer: int) -> torch.Tensor:
+        """A compact copy of this rank's main params of ``buffer`` (what a checkpoint saves)."""
+        if not self.main_is_param[buffer] or self.layout.dp_size == 1:
+            return self.main_shard[buffer].clone()
+        return torch.cat([self.main_range(buffer, b.shard_offset, b.shard_numel) for b in self._buckets(buffer)])
+
+    def load_main_shard(self, buffer: int, values: torch.Tensor) -> None:
+        """Copy a compact shard (``main_shard_values``' form) into this rank's main params of ``buffer``."""
+        if not self.main_is_param[buffer] or self.layout.dp_size == 1:
+            self.main_shard[buffer].copy_(values)
+            return
+        for b in self._buckets(buffer):
+            self.main_range(buffer, b.shard_offset, b.shard_numel).copy_(values[b.shard_offset:b.shard_offset
+                                                                                + b.shard_numel])
+
+    def _buckets(self, buffer: int):
+        return [self.layout.buckets[i] for i in self.layout.buffers[buffer].buckets]
 
     def param_view(self, index: int) -> torch.Tensor:
         place = self.layout.params[index]
@@ -190,11 +248,8 @@ class StaticBuffers:
         return adopted
 
     def zero_grad(self) -> None:
-        for grad in self.grad_flat:
+        for grad in self.grad_flat:  # every grad_shard entry is a view of these
             grad.zero_()
-        for grad_shard, grad in zip(self.grad_shard, self.grad_flat):
-            if grad_shard.data_ptr() != grad.data_ptr():
-                grad_shard.zero_()
         self.bind_grads()
 
     def addresses(self) -> dict[str, torch.Tensor]:
@@ -226,19 +281,19 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
     originals = [p.detach().clone() for p in params]
     dp_size = layout.dp_size
 
-    param_flat, grad_flat, main_shard, grad_shard = [], [], [], []
+    param_flat, grad_flat, main_shard = [], [], []
     device_numel = [buf.shard_numel if host is None else host.splits[b] for b, buf in enumerate(layout.buffers)]
     for b, buf in enumerate(layout.buffers):
         param_flat.append(torch.zeros(buf.numel, dtype=buf.param_dtype, device=device))
         grad_flat.append(torch.zeros(buf.numel, dtype=buf.grad_dtype, device=device))
-        if dp_size == 1 and buf.param_dtype == main_dtype:
-            main_shard.append(param_flat[-1])  # with offload the device updates its prefix in place
+        if buf.param_dtype == main_dtype:
+            main_shard.append(param_flat[-1])  # the params are the main params: updated in place
         else:
             main_shard.append(torch.zeros(device_numel[b], dtype=main_dtype, device=device))
-        if dp_size == 1:
-            grad_shard.append(grad_flat[-1])
-        else:
-            grad_shard.append(torch.zeros(buf.shard_numel, dtype=buf.grad_dtype, device=device))
+    if dp_size == 1:
+        grad_shard = list(grad_flat)
+    else:  # per bucket, this rank's slice of the grads: the reduce-scatter's in-place output
+        grad_shard = [grad_flat[b.buffer][slice(*b.shard_range(rank))] for b in layout.buckets]
     state = {name: [torch.zeros(n, dtype=main_dtype, device=device) for n in device_numel] for name in state_names}
 
     buffers = StaticBuffers(layout, rank, param_flat, grad_flat, main_shard, grad_shard, state, list(params),
@@ -257,7 +312,7 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
         size = owned.param_end - owned.param_start
         on_device = owned.shard_start + size <= device_numel[buf]
         if on_device and main_shard[buf].data_ptr() == param_flat[buf].data_ptr():
-            continue  # fp32 on one rank: main params are the params
+            continue  # fp32 params: the main params are the params
         source = main_values(params[owned.param], originals[owned.param]).reshape(-1)
         source = source[owned.param_start:owned.param_end]
         buffers.shard_part("main", buf, owned.shard_start, size).copy_(source)

@@ -18,7 +18,7 @@ import torch
 
 OPTIMIZERS = ("adam", "sgd", "muon", "lion")
 CAPTURE_MODES = ("auto", "graph", "eager")
-KERNELS = ("fused", "compiled", "reference")
+KERNELS = ("auto", "fused", "compiled", "reference")
 INVALIDATION_POLICIES = ("recapture", "raise")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -161,13 +161,15 @@ class OptimizerConfig:
     """What a replay does when the captured step went stale (params replaced, group added, state loaded by
     replacing tensors, a baked hyperparameter changed): "recapture" it, or "raise"."""
 
-    kernel: str = "fused"
-    """graphstep's own: update math. "fused": torch's fused multi-tensor kernels (lr is a device tensor;
-    betas, eps and weight decay are floats baked into a capture and guarded; a clipped or loss-scaled
-    step also writes the grads back). "compiled": ``torch.compile``d loops, one call per group, every
-    hyperparameter a device tensor, the grads only read: the fastest full step, after a compile of a few
-    seconds on first use (needs a C++ compiler on the CPU, Triton on a GPU). "reference": plain tensor
-    ops with every hyperparameter a device tensor (the test oracle; slower)."""
+    kernel: str = "auto"
+    """graphstep's own: update math. "auto" (default): "compiled" where ``torch.compile`` works on the device
+    (found out once per process at build, compile time logged), else "fused" with a one-line warning; see
+    graphstep/kernels/auto.py. "fused": torch's fused multi-tensor kernels (lr is a device tensor; betas,
+    eps and weight decay are floats baked into a capture and guarded; a clipped or loss-scaled step also
+    writes the grads back; bitwise equal to torch.optim's fused step). "compiled": ``torch.compile``d
+    loops, one call per group, every hyperparameter a device tensor, the grads only read: the fastest full
+    step, after a compile of a few seconds on first use (needs a C++ compiler on the CPU, Triton on a GPU).
+    "reference": plain tensor ops with every hyperparameter a device tensor (the test oracle; slower)."""
 
     # ---- Muon, Lion and QK-clip (Megatron-Core's names and defaults; issue 14) ------------------------------
     muon_momentum: float = 0.95

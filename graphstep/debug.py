@@ -53,8 +53,18 @@ class StepReport:
 
 
 def _first_non_finite(opt, stage: str, *, grads_only: bool) -> Optional[NanOrigin]:
-    buffers, layout = opt.buffers, opt.layout
-    owned = {r.param: r for r in layout.owned_ranges(opt.rank)}
+    domains = [(opt.buffers, opt.layout, opt.rank)]
+    if getattr(opt, "experts", None) is not None:  # MoE expert params (graphstep/experts.py): their own buffers
+        domains.append((opt.experts.buffers, opt.experts.layout, opt.experts.ctx.rank))
+    for buffers, layout, rank in domains:
+        origin = _first_in_domain(buffers, layout, rank, stage, grads_only)
+        if origin is not None:
+            return origin
+    return None
+
+
+def _first_in_domain(buffers, layout, rank: int, stage: str, grads_only: bool) -> Optional[NanOrigin]:
+    owned = {r.param: r for r in layout.owned_ranges(rank)}
     for i, place in enumerate(layout.params):
         views = [("grad", buffers.grad_view(i))]
         if not grads_only:

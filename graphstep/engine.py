@@ -7,29 +7,30 @@ once, and ``step`` only refreshes the hyperparameter tensors (host side) and app
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from capture.devices import backend_for, device_scope
 from capture.profile import Ranges
 
+from . import experts as experts_mod
 from . import offload, overlap
 from . import state_dict as state_dict_mod
 from .agreement import agreement_for
 from .buffers import StaticBuffers, allocate
 from .config import OptimizerConfig
 from .debug import StepReport, run_debug_step
-from .distributed import Collectives, derive_group
+from .distributed import Collectives, data_parallel_group
 from .families import families_of, state_names
 from .fp8 import engine_support as fp8_support
 from .fp8 import is_fp8
+from .grads_seen import GradsSeen
 from .hyperparams import HyperParams
-from .kernels import get_kernels
+from .kernels import choose_kernels
 from .layout import ParamSpec, plan_layout
+from .memory import memory_stats
 from .routing import build_family_param_groups
 from .runner import StepRunner
 from .scaler import scaler_from_config
@@ -51,15 +52,19 @@ class StepResult:
 
 
 def get_optimizer(config: OptimizerConfig, model_chunks, config_overrides=None, process_group=None,
-                  model_parallel_group=None) -> "GraphstepOptimizer":
+                  model_parallel_group=None, expert_data_parallel_group=None) -> "GraphstepOptimizer":
     """Build the engine over ``model_chunks`` (an nn.Module or a list of them).
 
     ``config_overrides``: None applies the standard overrides (no weight decay on biases and 1-D params,
     ``decoupled_lr`` for embedding/output params); ``{}`` applies none. ``process_group``: the
     data-parallel group (default WORLD when torch.distributed is initialised and the distributed optimizer
     is on). ``model_parallel_group``: summed over as well for the grad norm and the non-finite check.
+    ``expert_data_parallel_group``: the group MoE expert params (marked ``allreduce=False`` or
+    ``is_expert_parallel=True``) are sharded and reduced over instead of ``process_group``; see
+    graphstep/experts.py for the rules.
     """
-    return GraphstepOptimizer(config, model_chunks, config_overrides, process_group, model_parallel_group)
+    return GraphstepOptimizer(config, model_chunks, config_overrides, process_group, model_parallel_group,
+                              expert_data_parallel_group)
 
 
 def _named_trainable_params(model_chunks) -> list[tuple[str, torch.nn.Parameter]]:
@@ -99,12 +104,14 @@ def _param_spec(config: OptimizerConfig, name: str, p: torch.nn.Parameter, group
     return ParamSpec(name, tuple(p.shape), dtype, grad_dtype, group, batch_by_shape)
 
 
-def _static_inputs(buffers: StaticBuffers, hyper: HyperParams, tensors: StepTensors):
-    """What a capture guards before each replay: every static buffer, the hyperparameters, the scalars."""
+def _static_inputs(domains: list[StaticBuffers], hyper: HyperParams, tensors: StepTensors):
+    """What a capture guards before each replay: every static buffer (the expert domain's prefixed), the
+    hyperparameters, the scalars."""
     fixed = {"hyperparameters": hyper.values, **tensors.named()}
 
     def named() -> dict:
-        return {**buffers.addresses(), **fixed}
+        return {**{("expert " if d else "") + k: v for d, b in enumerate(domains) for k, v in b.addresses().items()},
+                **fixed}
 
     return named
 
@@ -115,38 +122,6 @@ def _agreement(config: OptimizerConfig, device, comm: Collectives):
         return None
     agreement = agreement_for(comm.dp_group, comm.mp_group, config.distributed_timeout_s)
     return None if agreement is None else agreement.any
-
-
-class _GradsSeen:
-    """Warns once when a step runs before any backward since build.
-
-    The update then reads all-zero grads and applies weight decay (and momentum) to every param:
-    graphstep steps every param it holds, like Megatron-Core's buffers, where torch's optimizers skip
-    params whose ``.grad`` is None. One-shot hooks: the first grad to arrive removes them all, so later
-    backwards pay nothing.
-    """
-
-    def __init__(self, params):
-        self.seen = False
-        self._warned = False
-        self._handles = [p.register_post_accumulate_grad_hook(self._arrived) for p in params]
-
-    def _arrived(self, _param) -> None:
-        self.seen = True
-        self.remove()
-
-    def remove(self) -> None:
-        handles, self._handles = self._handles, []
-        for handle in handles:
-            handle.remove()
-
-    def check(self) -> None:
-        if not self.seen and not self._warned:
-            self._warned = True
-            warnings.warn("graphstep: step() ran before any backward: every grad is zero, so this step applies "
-                          "only weight decay (and momentum) to every param. graphstep steps all the params it "
-                          "holds (torch's optimizers skip params without grads); run backward first",
-                          RuntimeWarning, stacklevel=4)
 
 
 def _defaults(config: OptimizerConfig) -> dict:
@@ -163,35 +138,9 @@ def _defaults(config: OptimizerConfig) -> dict:
             "nesterov": config.sgd_nesterov}
 
 
-def _data_parallel(config: OptimizerConfig, process_group) -> tuple[Optional[dist.ProcessGroup], int, int]:
-    """(group, rank, size) the state is sharded over; size 1 without the distributed optimizer.
-
-    With several ranks the group is graphstep's own copy of ``process_group`` (same ranks and backend)
-    created with ``timeout=distributed_timeout_s``, so every collective of the step, eager or replayed,
-    fails within that timeout when a peer dies or stops answering (see distributed.py). Creating it is
-    collective over the group's members: all of them build the optimizer together.
-    """
-    if not config.use_distributed_optimizer:
-        if process_group is not None and dist.get_world_size(process_group) > 1:
-            raise ValueError("process_group has several ranks but use_distributed_optimizer=False: graphstep "
-                             "reduces grads only with the distributed optimizer; set it True")
-        return None, 0, 1
-    if process_group is None:
-        if not dist.is_initialized():
-            return None, 0, 1
-        process_group = dist.group.WORLD
-    rank, size = dist.get_rank(process_group), dist.get_world_size(process_group)
-    if rank < 0:
-        raise ValueError("get_optimizer: this process is not a member of process_group; pass the "
-                         "data-parallel group this rank belongs to")
-    if size == 1:
-        return None, 0, 1
-    return derive_group(process_group, config.distributed_timeout_s), rank, size
-
-
 class GraphstepOptimizer(torch.optim.Optimizer):
     def __init__(self, config: OptimizerConfig, model_chunks, config_overrides=None, process_group=None,
-                 model_parallel_group=None):
+                 model_parallel_group=None, expert_data_parallel_group=None):
         if not isinstance(config, OptimizerConfig):
             raise TypeError(f"get_optimizer: config must be an OptimizerConfig, got {type(config).__name__}")
         self.config = config
@@ -214,15 +163,18 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         specs = [_param_spec(config, name, p, group_of[id(p)], families[group_of[id(p)]].batch_by_shape)
                  for name, p in named]
 
-        dp_group, rank, dp_size = _data_parallel(config, process_group)
-        self.layout = plan_layout(specs, dp_size, config.bucket_size)
+        dp_group, rank, dp_size = data_parallel_group(config, process_group)
+        # MoE expert params: a domain of their own over the expert data-parallel group (experts.py), or none.
+        dense, expert, expert_group = experts_mod.plan(config, named, expert_data_parallel_group, dp_group, dp_size,
+                                                       model_parallel_group)
+        self.layout = plan_layout([specs[i] for i in dense], dp_size, config.bucket_size)
         self.rank = rank
         self.device = device
         # Hybrid CPU offload: the host part of this rank's shard (None without it), before the device buffers
         # so that those are allocated for the device part only.
         host = offload.prepare_host(config, self.layout, rank, device, state_names(families, config),
-                                    len(self.param_groups))
-        self.buffers = allocate(self.layout, params, rank=rank, device=device,
+                                    len(self.param_groups), experts=expert_group is not None)
+        self.buffers = allocate(self.layout, [params[i] for i in dense], rank=rank, device=device,
                                 main_dtype=config.main_params_dtype, state_names=state_names(families, config),
                                 host=host)
         self.hyper = HyperParams(len(self.param_groups), device)
@@ -245,10 +197,16 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         # pairs up buffers (and the model-parallel group gets its timeout). No stage factory talks to peers.
         self.comm.setup(self.layout, config, device)
 
-        ctx = StepContext(config, self.layout, self.buffers, self.hyper, get_kernels(config.kernel), families,
+        kernels, self.kernel_choice = choose_kernels(config, device, families)
+        """Which update kernel runs (``kernel="auto"`` resolved), why, and the probe's compile seconds."""
+        ctx = StepContext(config, self.layout, self.buffers, self.hyper, kernels, families,
                           self.tensors, self.scaler, self.comm, rank)
+        self.experts = None if expert_group is None else experts_mod.build_domain(  # layout, buffers, comm, ctx
+            ctx, expert_group, [specs[i] for i in expert], [params[i] for i in expert], device=device,
+            state_names=state_names(families, config))
+        expert_ctx = None if self.experts is None else self.experts.ctx
         self._offload = offload.install(ctx, host, model_chunks)  # inert without CPU offload
-        self.stages = self._offload.adjust_chain(default_chain(ctx))
+        self.stages = self._offload.adjust_chain(default_chain(ctx, expert_ctx))
         # host_stages: run after the device step, never captured; host_tensors: {kind: host buffers}.
         self.host_stages, self.host_tensors = self._offload.host_stages, self._offload.host_tensors
         self.ranges = Ranges()
@@ -257,11 +215,13 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self._runner = StepRunner(
             step_fn=chain(self.stages), eager_step_fn=chain(self.stages, ranges=self.ranges), device=device,
             mode=config.capture, warmup_steps=config.capture_warmup_steps, invalidation=config.capture_invalidation,
-            static_inputs=_static_inputs(self.buffers, self.hyper, self.tensors), baked_values=baked_values(self.stages),
+            static_inputs=_static_inputs(self._domain_buffers(), self.hyper, self.tensors),
+            baked_values=baked_values(self.stages),
             agree=_agreement(config, device, self.comm))
-        self._overlap = overlap.install(ctx, config, model_chunks, may_capture=self._runner.may_capture)
-        self._publish = chain(publish_chain(ctx))
-        self._grads_seen = _GradsSeen(params)
+        self._overlap = overlap.install(ctx, config, model_chunks, may_capture=self._runner.may_capture,
+                                        experts=expert_ctx)
+        self._publish = chain(publish_chain(ctx, expert_ctx))
+        self._grads_seen = GradsSeen(params)
         self.result = StepResult(self.tensors.update_successful, self.tensors.grad_norm, self.tensors.num_zeros,
                                  self.tensors.loss_scale)
 
@@ -284,9 +244,11 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         """Host-side work before the device step: keep the static bindings, refresh the hyperparameters."""
         self._offload.finish()  # an overlapped host update of the last step must be done first
         self._grads_seen.check()
-        replaced = self.buffers.restore_replaced_buffers()
-        if not self.buffers.bindings_intact():
-            replaced += self.buffers.readopt_params()  # also rebinds grads a user set to None (as zeros)
+        replaced = []
+        for buffers in self._domain_buffers():
+            replaced += buffers.restore_replaced_buffers()
+            if not buffers.bindings_intact():
+                replaced += buffers.readopt_params()  # also rebinds grads a user set to None (as zeros)
         if replaced:
             self._runner.on_replaced(replaced)
         for g, (group, family) in enumerate(zip(self.param_groups, self._families)):
@@ -332,8 +294,9 @@ class GraphstepOptimizer(torch.optim.Optimizer):
 
     def recapture(self) -> None:
         """Adopt replaced params and buffers back into the static buffers; capture anew at the next step."""
-        self.buffers.restore_replaced_buffers()
-        self.buffers.readopt_params()
+        for buffers in self._domain_buffers():
+            buffers.restore_replaced_buffers()
+            buffers.readopt_params()
         self._runner.invalidate()
 
     def close(self) -> None:
@@ -363,6 +326,10 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             self._prepare()
             return run_debug_step(self)
 
+    def memory_stats(self) -> dict[str, dict[str, int]]:
+        """Bytes this rank's optimizer holds, by kind, on device and host, with totals (graphstep.memory)."""
+        return memory_stats(self)
+
     def finish_param_gather(self) -> None:
         """Wait for all-gathers deferred by ``overlap_param_gather``: call before reading params outside a
         forward (a forward waits for them itself)."""
@@ -389,7 +356,12 @@ class GraphstepOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero every grad in place (``set_to_none`` is ignored: the grad buffers are static)."""
-        self.buffers.zero_grad()
+        for buffers in self._domain_buffers():
+            buffers.zero_grad()
+
+    def _domain_buffers(self) -> list[StaticBuffers]:
+        """The dense buffers, then the expert domain's (graphstep/experts.py) when there is one."""
+        return [self.buffers] if self.experts is None else [self.buffers, self.experts.buffers]
 
     # ---- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:

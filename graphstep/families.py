@@ -50,19 +50,29 @@ class GroupViews:
 
 @dataclass(frozen=True)
 class ViewSources:
-    """Per flat buffer, the tensors a group's views are cut from (this rank's shard of each)."""
+    """Per flat buffer, the tensors a group's views are cut from.
+
+    Each is addressed in shard coordinates (``Segment.shard_start``: this rank's compact shard) unless its
+    ``*_in_flat`` flag says it is a whole flat buffer holding this rank's shard in place (fp32 params are
+    their own main params; grads are reduced into ``grad_flat``): then ``Segment.flat_start``. With one
+    rank the two coincide.
+    """
 
     main: list[torch.Tensor]  # main params (fp32)
     grads: list[torch.Tensor]  # grads in the main params' dtype
     state: Mapping[str, list[torch.Tensor]]
+    main_in_flat: Sequence[bool] = ()
+    grads_in_flat: Sequence[bool] = ()
 
 
 def flat_views(ctx, group: int, segments: Sequence, sources: ViewSources) -> GroupViews:
     """The default view builder: one flat view per segment of the group in this rank's shard."""
-    def cut(tensors):
-        return [tensors[s.buffer][s.shard_start:s.shard_end] for s in segments]
+    def cut(tensors, in_flat=()):
+        return [tensors[s.buffer][s.flat_start:s.flat_end] if in_flat and in_flat[s.buffer]
+                else tensors[s.buffer][s.shard_start:s.shard_end] for s in segments]
 
-    return GroupViews(cut(sources.main), cut(sources.grads), {name: cut(t) for name, t in sources.state.items()})
+    return GroupViews(cut(sources.main, sources.main_in_flat), cut(sources.grads, sources.grads_in_flat),
+                      {name: cut(t) for name, t in sources.state.items()})
 
 
 @dataclass(frozen=True)

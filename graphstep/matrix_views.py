@@ -42,12 +42,20 @@ class MatrixViews:
 
 
 def check_whole_matrices(ctx, group: int) -> None:
-    """Muon needs whole matrices on one rank: each of the group's params is wholly this rank's or not at all.
+    """Refuse a group Muon cannot run, on every rank alike: a param that is not 2-D, a fused QKV weight
+    without its split, or a matrix this rank owns only part of (Muon needs whole matrices on one rank).
 
     The layout guarantees it (with several ranks Muon's params are sharded layer-wise, graphstep.layerwise);
     this guards a layout built otherwise, whose element shards would cut matrices.
     """
     layout = ctx.layout
+    for place in layout.params:  # every matrix, this rank's or not, so that all ranks refuse alike
+        if place.group != group:
+            continue
+        if len(place.shape) != 2:
+            raise ValueError(f"param '{place.name}' of shape {place.shape} is in a Muon group: Muon orthogonalises "
+                             "2-D matrices only; route it to the scalar optimizer (muon_scalar_optimizer)")
+        qkv_split_of(ctx.buffers.params[place.index], place.name, place.shape, ctx.config)
     for owned in layout.owned_ranges(ctx.rank):
         place = layout.params[owned.param]
         if place.group == group and (owned.param_start, owned.param_end) != (0, place.numel):
@@ -81,29 +89,31 @@ def matrix_views(ctx, group: int, segments: Sequence, sources) -> MatrixViews:
     owned = {r.param: r for r in layout.owned_ranges(ctx.rank)}  # whole matrices: check_whole_matrices ran
     places = sorted((p for p in layout.params if p.group == group and p.index in owned),
                     key=lambda p: (p.buffer, p.start))
-    runs: list[list] = []  # [buffer, shape, split, first shard offset, spacing, count]
+    # [buffer, shape, split, first shard offset, spacing, count, first flat offset]. Sources in flat
+    # coordinates (fp32 params that are their own main params; grads reduced in place: families.ViewSources)
+    # are cut at the flat offset, so a run also needs the same spacing there (true inside one bucket).
+    runs: list[list] = []
     for place in places:
-        if len(place.shape) != 2:
-            raise ValueError(f"param '{place.name}' of shape {place.shape} is in a Muon group: Muon orthogonalises "
-                             "2-D matrices only; route it to the scalar optimizer (muon_scalar_optimizer)")
         mine = owned[place.index]
         split = qkv_split_of(ctx.buffers.params[place.index], place.name, place.shape, config)
         run = runs[-1] if runs else None
         if (run is not None and run[:3] == [place.buffer, place.shape, split]
+                and mine.shard_start - run[3] == mine.flat_start - run[6]
                 and (run[5] == 1 or mine.shard_start - run[3] == run[4] * run[5])):
             if run[5] == 1:
                 run[4] = mine.shard_start - run[3]
             run[5] += 1
         else:
-            runs.append([place.buffer, place.shape, split, mine.shard_start, 0, 1])
+            runs.append([place.buffer, place.shape, split, mine.shard_start, 0, 1, mine.flat_start])
 
-    def cut(tensors):
+    def cut(tensors, in_flat=()):
         views = []
-        for buffer, (rows, cols), _, start, spacing, count in runs:
+        for buffer, (rows, cols), _, start, spacing, count, flat_start in runs:
             base = tensors[buffer]
+            offset = flat_start if in_flat and in_flat[buffer] else start
             views.append(base.as_strided((count, rows, cols), (spacing or rows * cols, cols, 1),
-                                         base.storage_offset() + start))
+                                         base.storage_offset() + offset))
         return views
 
-    return MatrixViews(cut(sources.main), cut(sources.grads), {name: cut(t) for name, t in sources.state.items()},
-                       [run[2] for run in runs])
+    return MatrixViews(cut(sources.main, sources.main_in_flat), cut(sources.grads, sources.grads_in_flat),
+                       {name: cut(t) for name, t in sources.state.items()}, [run[2] for run in runs])

@@ -16,11 +16,11 @@ step replays**: the collectives are part of the graph then, and a hook launching
 pair up with nothing. (If a reduce was already launched when it is switched off, the step waits on it and
 runs it again, so a recording still holds every collective.)
 
-Grad accumulation: with several backwards per step, each complete backward launches a bucket's
-reduce-scatter; a later backward into the same bucket first waits on it and launches again when it is
-complete, so the step reduces the accumulated grads (correct, but the early reductions are wasted). Run
-the earlier micro-batches under ``no_sync()`` to launch only on the last. fp16 grads are pre-scaled in
-place before their SUM, so their buckets are never launched from hooks (see stages/reduce.py).
+Grad accumulation: run the earlier micro-batches under ``no_sync()``, so only the last backward launches
+the reduce-scatters. A bucket's reduce-scatter sums in place into the grad buffer (this rank's slice of
+it holds the sum afterwards, stages/reduce.py), so a later backward into a bucket already launched cannot
+accumulate correctly: the hook raises then, naming ``no_sync`` (Megatron-Core refuses the same). fp16
+grads are pre-scaled in place before their SUM, so their buckets are never launched from hooks.
 
 All ranks must produce each bucket's grads in the same order (the same model and control flow, as with
 DDP): collectives pair up by launch order. A bucket whose param got no grad in this backward is not
@@ -108,9 +108,14 @@ class Overlap:
                         param.grad = view
                 arrived = seen[bucket]
                 if index in arrived or len(arrived) == len(reduce.params):
-                    # A new backward into this bucket: the step consumed the last launch, or (grad
-                    # accumulation) it is still pending and must be finished before grads change again.
-                    comm.wait(("reduce", bucket))
+                    # A new backward into this bucket. Normally the step consumed the last launch; if it is
+                    # still pending, this is grad accumulation into grads already being summed in place.
+                    if comm.wait(("reduce", bucket)):
+                        raise RuntimeError(
+                            f"graphstep: a backward reached bucket {bucket} again after its grad reduce-scatter "
+                            "was launched (overlap_grad_reduce): it sums in place, so accumulating on top is "
+                            "wrong. Run every micro-batch but the last under `with opt.no_sync():`, or step "
+                            "between backwards")
                     arrived.clear()
                 arrived.add(index)
                 if len(arrived) == len(reduce.params):
@@ -156,7 +161,51 @@ class Overlap:
                     self._handles.append(module.register_forward_pre_hook(make_pre_hook(tuple(buckets))))
 
 
-def install(ctx, config, model_chunks=None, *, may_capture: bool) -> Overlap:
+class Overlaps:
+    """Several domains' hooks driven as one (the dense params' and the MoE expert params', each over its own
+    group: graphstep/experts.py). Same interface as ``Overlap``; the counts are summed."""
+
+    def __init__(self, parts: list[Overlap]):
+        self._parts = parts
+
+    @property
+    def enabled(self) -> bool:
+        return any(part.enabled for part in self._parts)
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        for part in self._parts:
+            part.enabled = value
+
+    @property
+    def launched_reduces(self) -> int:
+        return sum(part.launched_reduces for part in self._parts)
+
+    @property
+    def waited_gathers(self) -> int:
+        return sum(part.waited_gathers for part in self._parts)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for part in self._parts:
+                stack.enter_context(part.no_sync())
+            yield
+
+    def finish(self) -> None:
+        for part in self._parts:
+            part.finish()
+
+    def remove(self) -> None:
+        for part in self._parts:
+            part.remove()
+
+
+def install(ctx, config, model_chunks=None, *, may_capture: bool, experts=None) -> Overlap | Overlaps:
     """The engine's overlap hooks (an inert Overlap when neither overlap option is on). ``may_capture``:
-    the step is or may be captured, so the hooks start switched off."""
-    return Overlap(ctx, config, model_chunks, may_capture=may_capture)
+    the step is or may be captured, so the hooks start switched off. ``experts``: the expert domain's
+    context, whose collectives (over the expert data-parallel group) get hooks of their own."""
+    dense = Overlap(ctx, config, model_chunks, may_capture=may_capture)
+    if experts is None:
+        return dense
+    return Overlaps([dense, Overlap(experts, config, model_chunks, may_capture=may_capture)])

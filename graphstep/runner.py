@@ -87,6 +87,10 @@ class StepRunner:
         return capture.graph(self._step_fn, warmup=warmup, backend=self._backend, static_inputs=self._static_inputs,
                              name=self._name, stale_hint=self._stale_hint)
 
+    def pool_bytes(self) -> Optional[int]:
+        """Bytes reserved in the captured step's memory pool, or None (not captured, or no pool)."""
+        return None if self._graph is None else self._graph.pool_bytes()
+
     def invalidate(self) -> None:
         """Drop the captured step; the next step captures it again (no new warm-up)."""
         if self._graph is not None:

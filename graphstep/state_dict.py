@@ -36,14 +36,19 @@ class StateDictError(ValueError):
 
 
 def state_dict(opt) -> dict:
-    """This rank's flat buffers, exact, for ``torch.save`` flows at the same layout."""
+    """This rank's flat buffers, exact, for ``torch.save`` flows at the same layout (with an expert domain,
+    graphstep/experts.py, its buffers under ``"experts"``)."""
     opt.finish_param_gather()
     groups = []
-    index = {id(p): i for i, p in enumerate(opt.buffers.params)}
+    index = {id(p): i for i, p in enumerate(_all_params(opt))}
     for group in opt.param_groups:
         saved = {k: v for k, v in group.items() if k != "params"}
         saved["params"] = [index[id(p)] for p in group["params"]]
         groups.append(saved)
+    experts = {} if opt.experts is None else {"experts": {
+        "layout": opt.experts.layout.fingerprint(), "rank": opt.experts.ctx.rank,
+        "main_params": [opt.experts.buffers.main_shard_values(b) for b in range(len(opt.experts.buffers.main_shard))],
+        "state": {name: [t.clone() for t in tensors] for name, tensors in opt.experts.buffers.state.items()}}}
     fp8_state = fp8_checkpoint.flat_state(opt)
     return {
         "format": STATE_DICT_FORMAT,
@@ -58,6 +63,7 @@ def state_dict(opt) -> dict:
         "scaler": None if opt.scaler is None else opt.scaler.state_dict(),
         "clip_grad": opt.clip_grad,
         "grad_norm_skip_threshold": opt.grad_norm_skip_threshold,
+        **experts,
         **({} if fp8_state is None else {_FP8_KEY: fp8_state}),
     }
 
@@ -198,7 +204,7 @@ def check_param_groups(opt, saved: Any, where: str, *, check_indices: bool) -> l
         raise _fail(where, f"must be a list of dicts, got {type(saved).__name__}")
     if len(saved) != len(opt.param_groups):
         raise _fail(where, f"has {len(saved)} param groups, this optimizer {len(opt.param_groups)}")
-    index = {id(p): i for i, p in enumerate(opt.buffers.params)}
+    index = {id(p): i for i, p in enumerate(_all_params(opt))}
     updates = []
     for g, (group, saved_group) in enumerate(zip(opt.param_groups, saved)):
         at = f"{where}[{g}]"
@@ -286,6 +292,30 @@ def refuse_together(opt, validate: Callable[[], Any], what: str) -> Any:
     return validated
 
 
+def _all_params(opt) -> list:
+    """The params the flat format indexes: the dense buffers', then the expert domain's."""
+    return opt.buffers.params + ([] if opt.experts is None else opt.experts.buffers.params)
+
+
+def _check_buffers(buffers, saved: Mapping, where: str) -> Mapping:
+    """``saved['main_params']`` and ``saved['state']`` match ``buffers``; returns the state by name."""
+    # Whole compact shards, as saved (wherever their elements live: device, or host with CPU offload).
+    check_tensor_list(saved["main_params"], f"{where}['main_params']",
+                      [buffers.shard_like("main", b) for b in range(len(buffers.main_shard))])
+    states = check_mapping(saved["state"], f"{where}['state']", tuple(buffers.state), allowed=tuple(buffers.state))
+    for name, tensors in buffers.state.items():
+        check_tensor_list(states[name], f"{where}['state'][{name!r}]",
+                          [buffers.shard_like(name, b) for b in range(len(tensors))], nonnegative=name == "exp_avg_sq")
+    return states
+
+
+def _domains(opt, state_dict: Mapping, states) -> list:
+    """(buffers, saved mapping, validated states) per domain, as ``_validate`` returned the states."""
+    if opt.experts is None:
+        return [(opt.buffers, state_dict, states)]
+    return [(opt.buffers, state_dict, states[0]), (opt.experts.buffers, state_dict["experts"], states[1])]
+
+
 # ---- load -----------------------------------------------------------------------------------------------
 @torch.no_grad()
 def load_state_dict(opt, state_dict: Any) -> None:
@@ -295,11 +325,12 @@ def load_state_dict(opt, state_dict: Any) -> None:
     states, updates, fp8_copies = refuse_together(opt, lambda: _validate(opt, state_dict), "load_state_dict")
 
     # Everything is valid: copy. Nothing below can fail on a checked value.
-    for b, source in enumerate(state_dict["main_params"]):
-        opt.buffers.load_shard("main", b, source)
-    for name in opt.buffers.state:
-        for b, source in enumerate(states[name]):
-            opt.buffers.load_shard(name, b, source)
+    for buffers, saved, saved_states in _domains(opt, state_dict, states):
+        for b, source in enumerate(saved["main_params"]):
+            buffers.load_shard("main", b, source)
+        for name in buffers.state:
+            for b, source in enumerate(saved_states[name]):
+                buffers.load_shard(name, b, source)
     apply_common(opt, state_dict["step"], updates, state_dict["scaler"], state_dict["clip_grad"],
                  state_dict["grad_norm_skip_threshold"])
     opt.publish_params()
@@ -309,7 +340,8 @@ def load_state_dict(opt, state_dict: Any) -> None:
 def _validate(opt, state_dict: Any) -> tuple:
     """Every check of a flat load, nothing copied: (the state tensors by name, the group updates)."""
     where = "state_dict"
-    check_mapping(state_dict, where, _TOP_KEYS, allowed=_TOP_KEYS + (_FP8_KEY,))
+    keys = _TOP_KEYS if opt.experts is None else _TOP_KEYS + ("experts",)
+    check_mapping(state_dict, where, keys, allowed=keys + (_FP8_KEY,))
     if not plain_equal(state_dict["format"], STATE_DICT_FORMAT):
         raise _fail(f"{where}['format']", f"is {state_dict['format']!r:.60}, expected {STATE_DICT_FORMAT!r}")
     if not plain_equal(state_dict["layout"], opt.layout.fingerprint()):
@@ -320,14 +352,17 @@ def _validate(opt, state_dict: Any) -> tuple:
         raise _fail(f"{where}['rank']", f"is {state_dict['rank']!r:.30}: checkpoint of another rank loaded "
                                         f"on rank {opt.rank}")
     check_step(state_dict["step"], f"{where}['step']", opt.tensors.step)
-    buffers = opt.buffers
-    check_tensor_list(state_dict["main_params"], f"{where}['main_params']",
-                      [buffers.shard_like("main", b) for b in range(len(buffers.main_shard))])
-    states = check_mapping(state_dict["state"], f"{where}['state']", tuple(opt.buffers.state),
-                           allowed=tuple(opt.buffers.state))
-    for name, tensors in opt.buffers.state.items():
-        check_tensor_list(states[name], f"{where}['state'][{name!r}]",
-                          [buffers.shard_like(name, b) for b in range(len(tensors))], nonnegative=name == "exp_avg_sq")
+    states = _check_buffers(opt.buffers, state_dict, where)
+    if opt.experts is not None:
+        at = f"{where}['experts']"
+        experts = check_mapping(state_dict["experts"], at, ("layout", "rank", "main_params", "state"),
+                                allowed=("layout", "rank", "main_params", "state"))
+        if not plain_equal(experts["layout"], opt.experts.layout.fingerprint()):
+            raise _fail(f"{at}['layout']", "was saved for a different expert layout (other expert params, bucket "
+                                           "size or expert data-parallel size): build the optimizer alike")
+        if type(experts["rank"]) is not int or experts["rank"] != opt.experts.ctx.rank:
+            raise _fail(f"{at}['rank']", f"is {experts['rank']!r:.30}: another expert data-parallel rank's checkpoint")
+        states = (states, _check_buffers(opt.experts.buffers, experts, at))
     updates = check_param_groups(opt, state_dict["param_groups"], f"{where}['param_groups']", check_indices=True)
     check_scaler(opt, state_dict["scaler"], f"{where}['scaler']")
     check_thresholds(state_dict["clip_grad"], state_dict["grad_norm_skip_threshold"], where)

@@ -7,23 +7,32 @@ Every variant trains the same MLP (``--layers`` x Linear(width, width) + GELU) w
 per-rank batches, one process per rank, one thread each:
 
 - graphstep: ``use_distributed_optimizer=True``; backward accumulates into the flat grad buffer, the step
-  reduce-scatters it bucket by bucket, updates this rank's fp32 shard, all-gathers the params.
+  reduce-scatters it bucket by bucket in place, updates this rank's shard of the fp32 params in place
+  (they are the main params), all-gathers the params.
 - ZeRO-1: DDP (grad all-reduce during backward) + ``torch.distributed.optim.ZeroRedundancyOptimizer``
   wrapping ``AdamW(fused=True)`` (each rank steps its partition, then the params are broadcast).
 - DDP: DDP + ``AdamW(fused=True)`` on every rank.
 
 Columns: ``iter ms`` = forward + backward + step (DDP communicates inside backward, so only whole
-iterations compare fairly); ``step ms`` = ``opt.step()`` alone (with overlap, what is left of the communication after backward); ``comm MB/step`` = bytes each rank sends
-per iteration, computed from the collectives' sizes with the ring formulas (all-reduce 2(n-1)/n x size,
-reduce-scatter and all-gather (n-1)/n x size, a broadcast of a partition sends it to n-1 peers from its
-owner, averaged per rank); ``optimizer MB/rank`` = optimizer-owned memory on one rank (graphstep: fp32
-main-param shard, Adam state shards and the reduce-scatter output shard; torch: ``optimizer.state``
-tensors). Medians over ``--iters`` after ``--warmup``. Never imported by the library or the tests.
+iterations compare fairly); ``step ms`` = ``opt.step()`` alone (with overlap, what is left of the
+communication after backward); ``comm MB/step/rank`` = bytes each rank sends per iteration, computed from
+the collectives' sizes with the ring formulas (all-reduce 2(n-1)/n x size, reduce-scatter and all-gather
+(n-1)/n x size, a broadcast of a partition sends it to n-1 peers from its owner, averaged per rank);
+``optimizer MB/rank`` = the per-element optimizer memory of the most loaded rank, measured: graphstep's
+``opt.memory_stats()`` (main params apart from the params, every state, communication and cast scratch;
+its few step scalars aside), torch's ``optimizer.state`` tensors of more than one element (its 0-d step
+counters aside); ``ZeRO formula MB`` = what ZeRO's accounting says that memory is (fp32 AdamW over N
+ranks: 8P/N bytes; replicated: 8P). Medians over ``--iters`` after ``--warmup``. Never imported by the
+library or the tests.
+
+Adding a row: write ``run_<name>(rank, world, args, data) -> Row`` and register it in ``VARIANTS``
+(layer-wise Muon goes there too, with its own formula).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import pickle
@@ -32,6 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.multiprocessing as mp
@@ -39,6 +49,23 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One variant on one rank."""
+
+    iter_ms: float
+    step_ms: float
+    sent_bytes: float  # per rank per iteration
+    optimizer_bytes: int  # measured on this rank
+    formula_bytes: float  # ZeRO's accounting for the same memory
+
+
+def zero_formula_bytes(numel: int, world: int, bytes_per_element: int, sharded: bool = True) -> float:
+    """ZeRO's per-rank optimizer memory (Rajbhandari et al. 2020, §3): the per-element optimizer bytes
+    (fp32 AdamW: 8 for the moments, plus 4 of fp32 main params for half params) over ``world`` ranks."""
+    return numel * bytes_per_element / (world if sharded else 1)
 
 
 def make_model(width: int, layers: int) -> torch.nn.Module:
@@ -73,11 +100,18 @@ def _time_loop(model, opt, data, warmup: int):
     return statistics.median(iter_ms), statistics.median(step_ms)
 
 
-def _tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+def _state_bytes(optimizer) -> int:
+    """Bytes of torch's per-param optimizer state, its 0-d step counters aside (graphstep's step scalars
+    are left out of its count alike)."""
+    return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+               if isinstance(t, torch.Tensor) and t.dim() > 0)
 
 
-def run_graphstep(rank, world, args, data, overlap=False):
+def _numel(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def run_graphstep(rank, world, args, data, overlap=False) -> Row:
     from graphstep.config import OptimizerConfig
     from graphstep.engine import get_optimizer
 
@@ -95,12 +129,9 @@ def run_graphstep(rank, world, args, data, overlap=False):
         param_bytes = opt.buffers.param_flat[bucket.buffer].element_size()
         sent += (n - 1) / n * bucket.numel * (grad_bytes + param_bytes)  # reduce-scatter + all-gather
     sent += 2 * (n - 1) / n * 4  # the grad-norm all-reduce (one fp32)
-    memory = _tensor_bytes(t for tensors in opt.buffers.state.values() for t in tensors)
-    memory += _tensor_bytes(m for m, p in zip(opt.buffers.main_shard, opt.buffers.param_flat)
-                            if m.data_ptr() != p.data_ptr())
-    memory += _tensor_bytes(g for g, f in zip(opt.buffers.grad_shard, opt.buffers.grad_flat)
-                            if g.data_ptr() != f.data_ptr())
-    return iter_ms, step_ms, sent, memory
+    device = opt.memory_stats()["device"]
+    optimizer = device["total"] - sum(device.get(kind, 0) for kind in ("params", "grads", "scalars", "graph_pool"))
+    return Row(iter_ms, step_ms, sent, optimizer, zero_formula_bytes(_numel(model), world, 8))
 
 
 def _ddp(model):
@@ -110,11 +141,10 @@ def _ddp(model):
 
 
 def _ddp_bytes(model, world) -> float:
-    numel = sum(p.numel() for p in model.parameters())
-    return 2 * (world - 1) / world * numel * 4  # ring all-reduce of fp32 grads
+    return 2 * (world - 1) / world * _numel(model) * 4  # ring all-reduce of fp32 grads
 
 
-def run_zero(rank, world, args, data):
+def run_zero(rank, world, args, data) -> Row:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     model = make_model(args.width, args.layers)
@@ -122,22 +152,22 @@ def run_zero(rank, world, args, data):
     opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3,
                                   weight_decay=0.1, fused=True)
     iter_ms, step_ms = _time_loop(ddp, opt, data, args.warmup)
-    numel = sum(p.numel() for p in model.parameters())
     # Each rank broadcasts its partition to the n-1 others after its step: averaged, (n-1)/n x size.
-    sent = _ddp_bytes(model, world) + (world - 1) / world * numel * 4
-    memory = _tensor_bytes(t for state in opt.optim.state.values() for t in state.values())
-    return iter_ms, step_ms, sent, memory
+    sent = _ddp_bytes(model, world) + (world - 1) / world * _numel(model) * 4
+    return Row(iter_ms, step_ms, sent, _state_bytes(opt.optim), zero_formula_bytes(_numel(model), world, 8))
 
 
-def run_ddp(rank, world, args, data):
+def run_ddp(rank, world, args, data) -> Row:
     model = make_model(args.width, args.layers)
     ddp = _ddp(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     iter_ms, step_ms = _time_loop(ddp, opt, data, args.warmup)
-    memory = _tensor_bytes(t for state in opt.state.values() for t in state.values())
-    return iter_ms, step_ms, _ddp_bytes(model, world), memory
+    return Row(iter_ms, step_ms, _ddp_bytes(model, world), _state_bytes(opt),
+               zero_formula_bytes(_numel(model), world, 8, sharded=False))
 
 
+# name -> run(rank, world, args, data) -> Row, in table order. Layer-wise Muon (issue 15 item 3) adds its
+# row here: "graphstep Muon (layer-wise)".
 VARIANTS = {"graphstep (distributed optimizer)": run_graphstep,
             "graphstep + overlap_grad_reduce/param_gather": lambda *a: run_graphstep(*a, overlap=True),
             "ZeroRedundancyOptimizer(AdamW fused) + DDP": run_zero,
@@ -156,19 +186,24 @@ def _worker(rank, world, port, outdir, args):
         dist.barrier()
         results[name] = fn(rank, world, args, data)
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(results, f)
+        pickle.dump({name: dataclasses.asdict(row) for name, row in results.items()}, f)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def run(world: int, args) -> dict:
+def run(world: int, args) -> dict[str, Row]:
+    """Per variant, rank 0's times and bytes sent, with the optimizer memory of the most loaded rank."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as outdir:
         mp.start_processes(_worker, args=(world, port, outdir, args), nprocs=world, start_method="spawn")
-        with open(os.path.join(outdir, "rank0.pkl"), "rb") as f:
-            return pickle.load(f)
+        ranks = []
+        for rank in range(world):
+            with open(os.path.join(outdir, f"rank{rank}.pkl"), "rb") as f:
+                ranks.append(pickle.load(f))
+    return {name: Row(**{**row, "optimizer_bytes": max(r[name]["optimizer_bytes"] for r in ranks)})
+            for name, row in ranks[0].items()}
 
 
 def main(argv=None) -> None:
@@ -185,11 +220,12 @@ def main(argv=None) -> None:
     numel = sum(p.numel() for p in make_model(args.width, args.layers).parameters())
     print(f"MLP {args.layers} x Linear({args.width}, {args.width}): {numel / 1e6:.2f}M params, fp32, AdamW, "
           f"batch {args.batch} per rank, gloo on 127.0.0.1, 1 thread per rank, torch {torch.__version__}\n")
-    print("| ranks | variant | iter ms | step ms | comm MB/step/rank | optimizer MB/rank |")
-    print("|---:|---|---:|---:|---:|---:|")
+    print("| ranks | variant | iter ms | step ms | comm MB/step/rank | optimizer MB/rank | ZeRO formula MB |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
     for world in args.world_sizes:
-        for name, (iter_ms, step_ms, sent, memory) in run(world, args).items():
-            print(f"| {world} | {name} | {iter_ms:.1f} | {step_ms:.1f} | {sent / 1e6:.2f} | {memory / 1e6:.2f} |")
+        for name, row in run(world, args).items():
+            print(f"| {world} | {name} | {row.iter_ms:.1f} | {row.step_ms:.1f} | {row.sent_bytes / 1e6:.2f} | "
+                  f"{row.optimizer_bytes / 1e6:.4f} | {row.formula_bytes / 1e6:.4f} |")
 
 
 if __name__ == "__main__":

@@ -18,8 +18,10 @@ Rows (every one in its own spawned interpreter, so memory, threads and compile c
 
 Byte model (bytes each pipeline must move per fp32 param and step, DESIGN.md §6): Adam reads param, grad,
 m, v and writes param, m, v: 28 B. graphstep adds one grad read for the norm (which is also the inf
-check; unscale and clip are folded into the update's grad_scale): 32 B (the default fused kernel also
-writes the divided grads back, 4 B beyond the model and charged as slowness; kernel="compiled" does not).
+check; unscale and clip are folded into the update's grad_scale): 32 B (the fused kernel, which the
+graphstep-eager and -captured rows name explicitly, also writes the divided grads back, 4 B beyond the model
+and charged as slowness; kernel="compiled", which the default kernel="auto" picks where torch.compile works,
+does not).
 torch's pipeline adds unscale_ (read + write grads, 8 B), the clip norm (read, 4 B) and the clip multiply
 (read + write, 8 B): 48 B. The torch-compiled row is charged the same 48 B: it runs the same program,
 whatever inductor fuses. GB/s is those
@@ -104,11 +106,9 @@ def optimizer_bytes(pipeline: "core.Pipeline", model_bytes: int) -> int:
     opt = pipeline.optimizer
     if isinstance(opt, torch.optim.AdamW):
         return tensor_bytes(t for state in opt.state.values() for t in state.values())
-    buffers = opt.buffers
-    owned = tensor_bytes(t for ts in buffers.state.values() for t in ts)
-    owned += tensor_bytes(m for m, p in zip(buffers.main_shard, buffers.param_flat) if m.data_ptr() != p.data_ptr())
-    owned += tensor_bytes(g for g, f in zip(buffers.grad_shard, buffers.grad_flat) if g.data_ptr() != f.data_ptr())
-    return owned + tensor_bytes(buffers.param_flat) - model_bytes + tensor_bytes(buffers.grad_flat) - model_bytes
+    device = opt.memory_stats()["device"]  # graphstep.memory: each storage once, aliases not twice
+    owned = device["total"] - sum(device.get(kind, 0) for kind in ("params", "grads", "scalars", "graph_pool"))
+    return owned + device["params"] - model_bytes + device["grads"] - model_bytes
 
 
 def build_row(spec: dict, device) -> tuple["core.Pipeline", int]:

@@ -4,7 +4,8 @@ The shared helpers live in importable modules next to this file, one copy each:
 - ``toy.py``: the small transformer, the deterministic data stream, the per-rank loss and the drift
   metrics of DESIGN.md §8 (used by the engine tests and by every spawned rank);
 - ``distributed/_harness.py``: spawning gloo ranks on 127.0.0.1 on a free port, bounded in time;
-- ``_source.py``: the line a marker stands on in a test's own source (capture's findings name it).
+- ``_source.py``: the line a marker stands on in a test's own source (capture's findings name it);
+- ``_kernel_pin.py``: ``kernel="auto"`` runs as "fused" in tests not marked ``default_kernel``.
 
 This conftest puts tests/ on ``sys.path`` (pytest does so for a conftest's folder), so ``import toy``
 works from tests/distributed too, and ranks spawned from a test inherit that path. It also gives the
@@ -17,12 +18,20 @@ import pytest
 from hypothesis import settings
 
 import graphstep as gs
+from _kernel_pin import pin_auto_to_fused
 
 # CI (CI=true): the property tests draw the same examples every run and have no per-example deadline, so
 # a busy 2-core machine cannot turn them red by chance; locally they keep drawing fresh examples.
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+@pytest.fixture(autouse=True)
+def _auto_kernel_is_fused_unless_marked(request, monkeypatch):
+    # Compiling in every test would cost minutes of CI; the default's own tests are marked (_kernel_pin.py).
+    if request.node.get_closest_marker("default_kernel") is None:
+        pin_auto_to_fused(monkeypatch.setattr)
 
 
 @pytest.fixture

@@ -319,7 +319,7 @@ def test_metadata_is_never_unpickled_beyond_dcp_classes(tmp_path, monkeypatch):
 _SAVER = textwrap.dedent("""
     import sys, torch, graphstep as gs
     model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 2048))
-    opt = gs.get_optimizer(gs.OptimizerConfig(optimizer="adam", lr=1e-3), model)
+    opt = gs.get_optimizer(gs.OptimizerConfig(optimizer="adam", lr=1e-3, kernel="fused"), model)
     print("ready", flush=True)
     while True:
         gs.checkpoint.save(opt, sys.argv[1])

@@ -63,6 +63,38 @@ def test_compiled_kernel_drifts_from_torch_fused_adam_no_more_than_torchs_own_fo
     assert ours_drift < 1.5 * torch_drift and ours_drift < 3e-3
 
 
+def _train_torch_clipped_scaled(model, opt, steps, scale, clip):
+    # torch's AMP recipe with a constant scale: backward of loss * scale, unscale, clip_grad_norm_, step.
+    params = [p for p in model.parameters()]
+    for step in range(steps):
+        opt.zero_grad()
+        (loss_fn(model, step) * scale).backward()
+        for p in params:
+            p.grad.div_(scale)
+        torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+
+
+@pytest.mark.default_kernel
+def test_default_step_with_clip_and_loss_scale_drifts_from_torch_amp_no_more_than_torchs_own_for_loop():
+    # The default kernel ("auto") is "compiled" here; a user who changes nothing gets it, so its parity with
+    # torch's clipped, loss-scaled AdamW is held to the same yardstick as kernel="compiled" above.
+    ours, fused, loop = tiny_transformer(), tiny_transformer(), tiny_transformer()
+    start = [p.detach().clone() for p in fused.parameters()]
+    opt = engine(ours, clip_grad=0.05, loss_scale=1024.0, **ADAM)
+    assert opt.kernel_choice.name == "compiled"
+    for step in range(STEPS):
+        opt.zero_grad()
+        opt.scale_loss(loss_fn(ours, step)).backward()
+        opt.step()
+    for model, kw in ((fused, {"fused": True}), (loop, {"foreach": False})):
+        ref = torch.optim.AdamW(decay_groups(model, 0.1), lr=3e-3, betas=(0.9, 0.95), **kw)
+        _train_torch_clipped_scaled(model, ref, STEPS, 1024.0, 0.05)
+    ours_drift = relative_drift(list(ours.parameters()), list(fused.parameters()), start)
+    torch_drift = relative_drift(list(loop.parameters()), list(fused.parameters()), start)
+    assert ours_drift < 1.5 * torch_drift and ours_drift < 3e-3
+
+
 def test_reference_kernel_is_bitwise_equal_to_torch_single_tensor_adamw():
     # The reference kernel follows torch's for-loop AdamW op for op, with device-tensor hyperparameters.
     # (torch's own fused and for-loop AdamW drift apart by ~1.5e-3 of the motion over 50 steps here.)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from graphstep.kernels import compiled, fused, get_kernels, reference
+from graphstep.kernels import auto, compiled, fused, get_kernels, reference
 
 SIZES = [129, 1000, 64]
 
@@ -167,3 +167,60 @@ def test_compiled_kernel_layouts_of_many_view_counts_do_not_share_one_recompile_
                       beta2=0.99, weight_decay=0.0, eps=1e-8, decoupled=True, grad_scale=None,
                       found_inf=torch.zeros(()))
         assert not torch.equal(params, start)
+
+
+# ---- kernel="auto", the default (graphstep/kernels/auto.py) -----------------------------------------------
+CPU = torch.device("cpu")
+
+
+@pytest.mark.default_kernel
+def test_auto_runs_the_compiled_kernel_where_torch_compile_works():
+    choice = auto.choose("auto", CPU, capture="eager", warmup_steps=3)
+    assert choice.name == "compiled" and "torch.compile works" in choice.reason
+    works, why_not, seconds = auto.probe_compiled(CPU)
+    assert works and why_not == "" and seconds > 0
+
+
+@pytest.mark.default_kernel
+def test_auto_falls_back_to_fused_with_one_warning_where_torch_compile_fails(monkeypatch):
+    def no_compiler(device):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
+
+    monkeypatch.setattr(auto, "_probed", {})
+    monkeypatch.setattr(auto, "_compare_with_reference", no_compiler)
+    with pytest.warns(UserWarning, match=r"kernel='auto' runs 'fused': .*InvalidCxxCompiler") as record:
+        first = auto.choose("auto", CPU, capture="eager", warmup_steps=3)
+    second = auto.choose("auto", CPU, capture="eager", warmup_steps=3)  # the answer is kept: no second warning
+    assert len(record) == 1 and "more detail" not in str(record[0].message)
+    assert first.name == second.name == "fused" and "does not work" in second.reason
+
+
+@pytest.mark.default_kernel
+def test_auto_falls_back_to_fused_when_the_compiled_result_differs_from_the_reference(monkeypatch):
+    monkeypatch.setattr(auto, "_probed", {})
+    monkeypatch.setattr(compiled, "adam", lambda *args, **kwargs: None)  # a "miscompile": nothing updated
+    with pytest.warns(UserWarning, match="differs from the reference"):
+        assert auto.choose("auto", CPU, capture="eager", warmup_steps=3).name == "fused"
+
+
+@pytest.mark.default_kernel
+def test_auto_picks_fused_without_probing_when_compiling_first_is_impossible_or_useless(monkeypatch):
+    def must_not_probe(device):
+        raise AssertionError("probed")
+
+    monkeypatch.setattr(auto, "probe_compiled", must_not_probe)
+    assert auto.choose("auto", CPU, capture="graph", warmup_steps=0).name == "fused"
+    assert auto.choose("auto", CPU, capture="eager", warmup_steps=3, needs_kernel=False).name == "fused"
+    assert auto.choose("reference", CPU, capture="eager", warmup_steps=3).name == "reference"
+
+
+def test_compile_seconds_count_the_first_call_of_each_compiled_variant():
+    params, grads, states = make_state(21, 2)
+    kwargs = dict(step=torch.ones(()), lr=torch.tensor(1e-3, dtype=torch.float64), beta1=0.9, beta2=0.99,
+                  weight_decay=0.0, eps=1e-8, decoupled=True, grad_scale=None, found_inf=torch.zeros(()))
+    parts = [torch.tensor_split(t, 7) for t in (params, grads, states[0], states[1])]  # a count no other test uses
+    before = compiled.compile_seconds()
+    compiled.adam(*parts, **kwargs)
+    after_first = compiled.compile_seconds()
+    compiled.adam(*parts, **kwargs)
+    assert after_first > before and compiled.compile_seconds() == after_first

@@ -63,6 +63,13 @@ def test_ns_cost_is_max_times_min_squared_and_numel_off_matrices():
     assert layerwise.ns_cost((5,)) == 5 and layerwise.ns_cost((2, 3, 4)) == 24
 
 
+def _context(layout, rank):
+    """What Family.check reads of the engine's build context."""
+    params = [torch.nn.Parameter(torch.zeros(p.shape)) for p in layout.params]
+    return SimpleNamespace(layout=layout, rank=rank, buffers=SimpleNamespace(params=params),
+                           config=SimpleNamespace(muon_split_qkv=True))
+
+
 @st.composite
 def mixed_specs(draw):
     specs = []
@@ -112,7 +119,7 @@ def test_layout_gives_each_rank_whole_matrices_and_leaves_the_rest_as_before(cas
             if owned.param in whole:
                 assert (owned.param_start, owned.param_end) == (0, layout.params[owned.param].numel)
                 covered[owned.param] = covered.get(owned.param, 0) + 1
-        check_whole_matrices(SimpleNamespace(layout=layout, rank=rank), 2)
+        check_whole_matrices(_context(layout, rank), 2)
     assert covered == {i: 1 for i in whole}
     # The element-sharded params are placed exactly as in a layout without the matrices.
     rest = [i for i in range(len(specs)) if i not in whole]
@@ -155,7 +162,16 @@ def test_an_element_sharded_muon_layout_is_refused_with_what_to_do():
     specs = [ParamSpec("w", (40, 40), torch.float32, torch.float32, 0, False)]
     layout = plan_layout(specs, 2, None)  # batch_by_shape=False: cut element-wise
     with pytest.raises(ValueError, match="rank 0 owns elements .* 'w'.*batch_by_shape=True"):
-        check_whole_matrices(SimpleNamespace(layout=layout, rank=0), 0)
+        check_whole_matrices(_context(layout, 0), 0)
+
+
+def test_a_non_matrix_in_a_muon_group_is_refused_on_every_rank_including_those_not_owning_it():
+    specs = [ParamSpec("w", (8, 8), torch.float32, torch.float32, 0, True),
+             ParamSpec("v", (8, 8, 2), torch.float32, torch.float32, 0, True)]
+    layout = plan_layout(specs, 2, None)
+    for rank in range(2):
+        with pytest.raises(ValueError, match="'v' of shape .* 2-D matrices only"):
+            check_whole_matrices(_context(layout, rank), 0)
 
 
 def gpt2_small_specs():

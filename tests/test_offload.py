@@ -25,8 +25,9 @@ def train(fraction, rule="adam", precision="fp16", mode="eager", steps=50, model
     """50 steps with clipping (active: the toy's norm is ~1-3), an lr schedule, a weight-decay change and
     non-finite grads at INF_STEPS (fp16: the loss scale backs off)."""
     model = tiny_transformer() if model is None else model
+    # kernel="fused" named: the module-scoped references are built outside conftest's per-test kernel pin.
     opt = gs.get_optimizer(gs.OptimizerConfig(optimizer=rule, lr=2e-3, weight_decay=0.05, clip_grad=0.5,
-                                              capture=mode, capture_warmup_steps=2, **PRECISIONS[precision],
+                                              kernel="fused", capture=mode, capture_warmup_steps=2, **PRECISIONS[precision],
                                               **offload(fraction, **more)), model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.05 * s))
     names = [n for n, _ in model.named_parameters()]

@@ -33,6 +33,8 @@ class Backend(Protocol):
     replay()    apply the captured step once more; return the same output objects
     reset()     drop the captured step (a later capture starts afresh)
     close()     reset and release everything (streams, pools)
+    pool_bytes() bytes reserved in the captured step's private memory pool, or None where the
+                backend keeps no pool (or nothing is captured)
     """
 
     name: ClassVar[str]
@@ -46,3 +48,5 @@ class Backend(Protocol):
     def reset(self) -> None: ...
 
     def close(self) -> None: ...
+
+    def pool_bytes(self) -> Optional[int]: ...

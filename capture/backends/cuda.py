@@ -186,5 +186,14 @@ class CudaBackend:
 
     def close(self) -> None:
         self.reset()
+
+    def pool_bytes(self) -> Optional[int]:
+        """Bytes of the allocator segments that belong to the captured graph's pool (reserved, not just
+        in use: what the pool holds on to while the graph lives). None before a capture."""
+        if self._graph is None:
+            return None
+        pool = tuple(self._graph.pool())
+        segments = torch.cuda.memory._snapshot(self.device())["segments"]
+        return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == pool)
         self._stream = None
         self._pool = None

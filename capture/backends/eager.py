@@ -32,3 +32,6 @@ class EagerBackend:
 
     def close(self) -> None:
         self.reset()
+
+    def pool_bytes(self) -> Optional[int]:
+        return None  # no capture, no pool

@@ -323,3 +323,6 @@ class ReplayBackend:
 
     def close(self) -> None:
         self.reset()
+
+    def pool_bytes(self) -> Optional[int]:
+        return None  # a replayed op list reuses the live tensors; it keeps no memory pool

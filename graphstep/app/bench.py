@@ -4,13 +4,16 @@ What each row runs over the same ~124M fp32 params in 148 tensors, with the same
 
 - memory stream: ``x.mul_(1.0001)`` over one buffer of the same numel: this machine's in-place
   bandwidth (8 bytes per element, read + write), the context for every GB/s below;
+- read-only reduction ``x.sum()`` over the same numel, and graphstep's norm/inf pass alone: the floor of
+  a read (4 bytes per element) and how close the norm pass comes to it;
 - ``torch._fused_adamw_`` once over one flat buffer: the floor an Adam step can reach (DESIGN.md §6);
 - ``torch.optim.AdamW(fused=True)`` and ``AdamW(foreach=True)`` with two param groups (decay and
   no-decay, the standard overrides), and ``AdamW(fused=True)`` after ``clip_grad_norm_``;
 - graphstep's step: without clipping (``clip_grad=0``, no loss scaling; the norm pass still runs, as
   the non-finite check) and the full step (``clip_grad=1.0``: norm, non-finite check, clip folded into
   the update), eager, and the full step captured (CPU replay backend, or a CUDA graph on a GPU), with
-  the default fused kernel and with ``kernel="compiled"``.
+  the default kernel (``kernel="auto"``: compiled where torch.compile works, else fused; the row's build
+  prints which ran and its compile seconds) and with ``kernel="fused"`` and ``"compiled"`` by name.
 
 Bytes per param: Adam over fp32 must read param, grad, m, v and write param, m, v (28 B); the full step
 also reads the grads once for the norm (32 B) — DESIGN.md §6. GB/s is those bytes over the median time:
@@ -19,7 +22,7 @@ how close each row comes to the machine's stream bandwidth for the work it has t
 One pipeline is built at a time and freed before the next (each holds ~2 GB at GPT-2 small).
 
     graphstep bench [--quick] [--steps 20] [--warmup 3] [--json out.json] [--only fused-floor,...]
-    graphstep bench --interleave --steps 25 --only fused-floor,graphstep-full,...  # the README's tables
+    graphstep bench --interleave --steps 25 --only read-floor,norm-pass,fused-floor,graphstep-scaled,...
     python perf/bench_step.py [same flags]    # the same, from a checkout
 """
 
@@ -40,10 +43,16 @@ from . import bench_shapes
 from .bench_rows import Row, add_ratios, markdown
 
 FULL_BYTES = core.GRAPHSTEP_BYTES
+DEFAULT = None  # build_graphstep's kernel=None: the config's default, kernel="auto"
 # key: (label, kind, bytes per param, builder). Builders return a bench_core.Pipeline.
 PIPELINES = {
     "stream": ("memory stream: x.mul_(1.0001), same numel", "stream", core.STREAM_BYTES,
                lambda i: core.build_stream(i.numel, i.device)),
+    # The norm pass reads the grads once (4 B): the floor it can reach is a plain read-only reduction.
+    "read-floor": ("read-only reduction: x.sum(), same numel (floor of a read)", "read", core.NORM_BYTES,
+                   core.build_read_floor),
+    "norm-pass": ("graphstep norm/inf pass alone (sum of squares, non-finite check)", "read", core.NORM_BYTES,
+                  core.build_graphstep_norm_pass),
     "fused-floor": ("torch._fused_adamw_, one flat buffer (floor)", "update", core.ADAM_BYTES,
                     core.build_fused_floor),
     "adamw-fused": ("torch AdamW(fused=True)", "update", core.ADAM_BYTES,
@@ -52,16 +61,19 @@ PIPELINES = {
                       lambda i: core.build_torch_adamw(i, fused=False)),
     # clip_grad=0 turns the clip off but not the norm pass: it doubles as the non-finite check, so the
     # engine still reads the grads once more than a bare update (32 B, not 28).
-    "graphstep-update": ("graphstep, no clip (eager, clip_grad=0; norm/inf check still run)", "update", FULL_BYTES,
-                         lambda i: core.build_graphstep(i, clip_grad=0.0)),
+    "graphstep-update": ("graphstep, no clip (eager, clip_grad=0; norm/inf check still run), default kernel",
+                         "update", FULL_BYTES, lambda i: core.build_graphstep(i, clip_grad=0.0, kernel=DEFAULT)),
     "adamw-fused-clip": ("torch clip_grad_norm_ + AdamW(fused=True)", "full", FULL_BYTES,
                          lambda i: core.build_torch_adamw(i, fused=True, clip=True)),
-    "graphstep-full": ("graphstep, full step (eager, clip_grad=1.0)", "full", FULL_BYTES,
-                       lambda i: core.build_graphstep(i)),
-    "graphstep-full-graph": ("graphstep, full step (capture='graph')", "full", FULL_BYTES,
-                             lambda i: core.build_graphstep(i, capture="graph")),
-    # kernel="compiled": one compiled loop that reads the grads without writing them back (torch's fused
-    # kernels write them whenever given a grad scale, i.e. on every clipped or loss-scaled step: 36 B).
+    # The full step rows: the default kernel ("auto": compiled where torch.compile works), and each kernel
+    # by name. torch's fused kernels write the divided grads back whenever given a grad scale, i.e. on every
+    # clipped or loss-scaled step (36 B); the compiled loop reads them without writing (32 B).
+    "graphstep-full": ("graphstep, full step (eager, clip_grad=1.0), default kernel", "full", FULL_BYTES,
+                       lambda i: core.build_graphstep(i, kernel=DEFAULT)),
+    "graphstep-full-graph": ("graphstep, full step (capture='graph'), default kernel", "full", FULL_BYTES,
+                             lambda i: core.build_graphstep(i, capture="graph", kernel=DEFAULT)),
+    "graphstep-full-fused": ("graphstep, full step, kernel='fused' (eager)", "full", FULL_BYTES,
+                             lambda i: core.build_graphstep(i, kernel="fused")),
     "graphstep-full-compiled": ("graphstep, full step, kernel='compiled' (eager)", "full", FULL_BYTES,
                                 lambda i: core.build_graphstep(i, kernel="compiled")),
     "graphstep-full-compiled-graph": ("graphstep, full step, kernel='compiled' (capture='graph')", "full",
@@ -71,8 +83,10 @@ PIPELINES = {
     # The grad refill stands in for the next backward's scaled grads and is timed with the step (8 B).
     "torch-amp": ("torch GradScaler.unscale_ + clip_grad_norm_ + AdamW(fused) + update", "scaled",
                   core.TORCH_AMP_BYTES, lambda i: core.build_torch_amp(i, refill_in_step=True)),
-    "graphstep-scaled": ("graphstep full step with loss scale (unscale + clip folded in)", "scaled", FULL_BYTES,
-                         lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE)),
+    "graphstep-scaled": ("graphstep full step with loss scale (unscale + clip folded in), default kernel", "scaled",
+                         FULL_BYTES, lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel=DEFAULT)),
+    "graphstep-scaled-fused": ("graphstep full step with loss scale, kernel='fused'", "scaled", FULL_BYTES,
+                               lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel="fused")),
     "graphstep-scaled-compiled": ("graphstep full step with loss scale, kernel='compiled'", "scaled", FULL_BYTES,
                                   lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel="compiled")),
 }
@@ -95,7 +109,10 @@ def run_interleaved(keys: list[str], inputs: core.Inputs, warmup: int, rounds: i
     steps = {}
     for key in keys:
         try:
-            steps[key] = PIPELINES[key][3](inputs).step
+            pipeline = PIPELINES[key][3](inputs)
+            steps[key] = pipeline.step
+            if pipeline.notes:
+                print(f"  {key}: {pipeline.notes}", file=sys.stderr, flush=True)
         except Exception as error:  # a broken row must not lose the others
             rows[key].error = f"{type(error).__name__}: {error}"
     try:

@@ -267,21 +267,27 @@ def build_torch_amp(inputs: Inputs, *, variant: str = "fused", refill_in_step: b
     return Pipeline(step, None if refill_in_step else refill, opt, notes)
 
 
-def graphstep_config(*, clip_grad: float = CLIP, capture: str = "eager", loss_scale=None, kernel: str = "fused"):
-    """The benchmarks' OptimizerConfig: AdamW with these hyperparameters, fp32."""
+def graphstep_config(*, clip_grad: float = CLIP, capture: str = "eager", loss_scale=None,
+                     kernel: Optional[str] = "fused"):
+    """The benchmarks' OptimizerConfig: AdamW with these hyperparameters, fp32; ``kernel=None`` leaves the
+    config's default ("auto")."""
     import graphstep as gs
 
+    chosen = {} if kernel is None else {"kernel": kernel}
     return gs.OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
                               adam_beta2=BETAS[1], adam_eps=EPS, clip_grad=clip_grad, capture=capture,
-                              loss_scale=loss_scale, kernel=kernel)
+                              loss_scale=loss_scale, **chosen)
 
 
 def build_graphstep(inputs: Inputs, *, clip_grad: float = CLIP, capture: str = "eager", loss_scale=None,
-                    kernel: str = "fused") -> Pipeline:
+                    kernel: Optional[str] = "fused") -> Pipeline:
     """graphstep's step over a fresh model of the shape set; with ``capture="graph"`` the warm-up steps and
-    the capture run here, so the first timed call is a replay."""
+    the capture run here, so the first timed call is a replay. ``kernel=None``: the config's default. The
+    notes say which kernel ran and the seconds spent compiling while building (probe and first step)."""
     import graphstep as gs
+    from graphstep.kernels import compiled
 
+    compile_before = compiled.compile_seconds()
     config = graphstep_config(clip_grad=clip_grad, capture=capture, loss_scale=loss_scale, kernel=kernel)
     params = inputs.new_params()
     opt = gs.get_optimizer(config, inputs.module(params))
@@ -292,17 +298,31 @@ def build_graphstep(inputs: Inputs, *, clip_grad: float = CLIP, capture: str = "
         torch._foreach_copy_(grads, sources)
     with torch.no_grad():
         refill()
-        if capture == "graph":
-            for _ in range(config.capture_warmup_steps + 1):  # the eager warm-up and the capture itself
-                opt.step()
-                refill()
-    notes = f"captured={opt.captured}, backend={opt.capture_backend}" if capture == "graph" else ""
+        for _ in range(config.capture_warmup_steps + 1 if capture == "graph" else 1):
+            opt.step()  # eager: one step here, so a compile is not timed (graph: the warm-up and the capture)
+            refill()
+    choice = opt.kernel_choice
+    notes = f"kernel={choice.name} ({choice.reason}); compile {choice.compile_s + compiled.compile_seconds() - compile_before:.1f} s"
+    if capture == "graph":
+        notes += f"; captured={opt.captured}, backend={opt.capture_backend}"
     return Pipeline(opt.step, refill, opt, notes)
+
+
+def build_read_floor(inputs: Inputs) -> Pipeline:
+    """``x.sum()`` over a buffer of the grads' numel: the read-only floor a norm pass can reach (4 B/param)."""
+    grad = inputs.grad_flat.clone()
+    return Pipeline(lambda: grad.sum())
+
+
+def build_graphstep_norm_pass(inputs: Inputs) -> Pipeline:
+    """graphstep's norm stage alone (sum of squares, non-finite check, grad norm): one read of the grads."""
+    built = build_graphstep(inputs)
+    norm = next(stage for stage in built.optimizer.stages if stage.name == "norm")
+    return Pipeline(norm.apply, built.refill, built.optimizer, built.notes)
 
 
 def build_graphstep_update_stage(inputs: Inputs) -> Pipeline:
     """The engine's update stage alone (the fused kernel over the group views), without the norm pass."""
     built = build_graphstep(inputs, clip_grad=0.0, capture="eager")
-    built.step()  # refresh the hyperparameter tensors once
     update = next(stage for stage in built.optimizer.stages if stage.name == "update")
     return Pipeline(update.apply, built.refill, built.optimizer)

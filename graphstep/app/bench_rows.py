@@ -13,7 +13,7 @@ from .bench_core import summarize
 class Row:
     key: str
     label: str
-    kind: str  # "stream" | "update" | "full" | "scaled": what the ratio column compares against
+    kind: str  # "stream" | "read" | "update" | "full" | "scaled": what the ratio column compares against
     bytes_per_elem: int
     median_ms: float = math.nan
     p10_ms: float = math.nan
@@ -33,18 +33,20 @@ class Row:
         return self
 
 
-# The row each kind's "× graphstep" column divides by.
-ENGINE_ROW = {"update": "graphstep-update", "full": "graphstep-full", "scaled": "graphstep-scaled"}
+# The row each kind's "× graphstep" column divides by (for the read rows: the read-only floor).
+ENGINE_ROW = {"update": "graphstep-update", "full": "graphstep-full", "scaled": "graphstep-scaled",
+              "read": "read-floor"}
 
 
 def add_ratios(rows: list[Row]) -> None:
-    """× fused floor (over the one-buffer ``_fused_adamw_``) and × graphstep (over its eager row of the kind)."""
+    """× fused floor (over the one-buffer ``_fused_adamw_``) and × graphstep (over its eager row of the kind;
+    a read row: over the read-only reduction)."""
     by_key = {r.key: r for r in rows if not r.error}
     floor = by_key.get("fused-floor")
     for r in rows:
         if r.kind == "stream" or r.error:
             continue
-        if floor is not None:
+        if floor is not None and r.kind != "read":
             r.vs_floor = r.median_ms / floor.median_ms
         engine = by_key.get(ENGINE_ROW.get(r.kind, ""))
         if engine is not None:
@@ -74,7 +76,9 @@ def markdown(rows: list[Row], meta: dict) -> str:
         lines.append(f"| {r.label} | {r.median_ms:.1f} | {r.p10_ms:.1f} | {r.p90_ms:.1f} | "
                      f"{_fmt(r.vs_graphstep, '.2f')} | {_fmt(r.vs_floor, '.2f')} | {r.bytes_per_elem} | "
                      f"{r.gbps:.1f} |")
-    lines += ["", "× graphstep: time over graphstep's eager row of the same kind (no clip, or full step); "
+    lines += ["", "× graphstep: time over graphstep's eager default-kernel row of the same kind (no clip, full "
+              "step, or with loss scale; for the read rows, over the read-only reduction); "
               "× fused floor: over the one-buffer `_fused_adamw_`. GB/s: bytes/param × params / median time "
-              "(28 = Adam's read p,g,m,v + write p,m,v; 32 = plus the norm's grad read; DESIGN.md §6)."]
+              "(4 = one read of the grads; 28 = Adam's read p,g,m,v + write p,m,v; 32 = plus the norm's grad "
+              "read; DESIGN.md §6)."]
     return "\n".join(lines)

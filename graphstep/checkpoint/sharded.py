@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .. import state_dict as flat
+from ..experts import refuse_checkpoint
 from ..fp8 import checkpoint as fp8_checkpoint
 
 FORMAT = "graphstep-sharded"
@@ -115,13 +116,13 @@ def _build(opt, slice_fn: Callable[[torch.Tensor], torch.Tensor]) -> dict:
     global_ranks = _dp_global_ranks(opt) if sharded else None
     out = {}
     for kind in state_kinds(opt):
-        dtype = opt.buffers.main_shard[0].dtype  # main params and state share the main dtype
         for place in layout.params:
             mine = [o for r, o in owners[place.index] if r == rank]
             local = None
             if mine:
                 o = mine[0]
                 local = slice_fn(_kind_part(opt, kind, place.buffer, o.shard_start, o.param_end - o.param_start))
+            dtype = (opt.buffers.main_shard if kind == MAIN_PARAM else opt.buffers.state[kind])[place.buffer].dtype
             out[state_key(kind, place.name)] = (
                 _sharded(local, place, owners[place.index], global_ranks, rank, dtype) if sharded else local)
     return out
@@ -145,6 +146,7 @@ def sharded_state_dict(opt, *, snapshot: bool = False) -> dict:
     The per-param entries are views of the live buffers (no copy) unless ``snapshot``: then they are
     copies, so the dict keeps the state of this call while training goes on (what an async save needs).
     """
+    refuse_checkpoint(opt, "sharded_state_dict")
     opt.finish_param_gather()
     take = (lambda part: part.clone()) if snapshot else (lambda part: part)
     sd = _build(opt, take)
@@ -161,6 +163,7 @@ def sharded_state_dict(opt, *, snapshot: bool = False) -> dict:
 def load_template(opt, json_sizes: dict[str, int]) -> dict:
     """Fresh tensors shaped like ``sharded_state_dict(opt)`` for DCP to load into (``json_sizes``: the
     saved lengths of the JSON entries, from the checkpoint's metadata)."""
+    refuse_checkpoint(opt, "load")
     sd = _build(opt, torch.empty_like)
     sd[STEP_KEY] = torch.empty_like(opt.tensors.step)
     if opt.scaler is not None:
@@ -239,6 +242,7 @@ def _check_entry(opt, value: Any, key: str, place, owned, nonnegative: bool) -> 
 def load_sharded_state_dict(opt, sd: Any) -> None:
     """Validate ``sd`` (see the module docstring) entirely, then copy into the static buffers and publish
     the params (collective with several ranks). A refused checkpoint names the key; nothing changed."""
+    refuse_checkpoint(opt, "load_sharded_state_dict")
     apply_validated(opt, validate_everywhere(opt, sd))
 
 

@@ -18,11 +18,14 @@ after the step the grads are spent, to be zeroed. ``found_inf`` (0-d fp32, 1.0 =
 state bitwise unchanged. Hyperparameters in ``LIVE_FIELDS`` are 0-d device tensors;
 the others are Python floats, which a capture bakes in (the engine guards them and recaptures on change).
 ``momentum_buffers`` is empty when momentum is 0.
+
+``OptimizerConfig.kernel="auto"`` (the default) is not a module but a choice between two of them, made
+once at build (kernels/auto.py).
 """
 
 from types import ModuleType
 
-from . import compiled, fused, reference
+from . import auto, compiled, fused, reference
 
 IMPLEMENTATIONS = {"fused": fused, "compiled": compiled, "reference": reference}
 
@@ -32,3 +35,10 @@ def get_kernels(name: str) -> ModuleType:
         return IMPLEMENTATIONS[name]
     except KeyError:
         raise ValueError(f"kernel={name!r}: must be one of {', '.join(map(repr, IMPLEMENTATIONS))}") from None
+
+
+def choose_kernels(config, device, families) -> tuple[ModuleType, "auto.KernelChoice"]:
+    """The implementation module ``config.kernel`` means on ``device`` ("auto" resolved), and why."""
+    choice = auto.choose(config.kernel, device, capture=config.capture, warmup_steps=config.capture_warmup_steps,
+                         needs_kernel=any(family.kernels is None for family in families))
+    return get_kernels(choice.name), choice

@@ -21,6 +21,7 @@ Grads are left as they were (not divided by the grad scale), unlike the fused an
 from __future__ import annotations
 
 import functools
+import time
 import types
 
 import torch
@@ -125,13 +126,36 @@ def _as_rows(views: list) -> list:
     return parts
 
 
+# Variants already run in this process, and the seconds their first calls took (compile included).
+_seen_variants: set = set()
+_first_call_seconds = [0.0]
+
+
+def compile_seconds() -> float:
+    """Seconds this process spent in the first call of each compiled variant (its compile, then one run):
+    what ``kernel="compiled"`` (or "auto" choosing it) costs up front."""
+    return _first_call_seconds[0]
+
+
+def _variant(views_fn, parts) -> tuple:
+    # What dynamo specializes on: the function, the view count, and per part its dtype, device, row width
+    # and whether its row count is a static 1 (see _as_rows).
+    return (views_fn, len(parts[0]), tuple((p.dtype, p.device, p.shape[1], p.shape[0] == 1)
+                                           for views in parts for p in views))
+
+
 def _run(views_fn, lists, *rest) -> None:
     # The same grad mode and plain (detached) views on every call: dynamo guards on both. The recompile
     # limit is raised for these calls only: each compiled function has a few legitimate variants (single
     # rows, tails, views with and without autograd's view tracking).
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
         parts = [_as_rows(views) for views in lists]
+        variant = _variant(views_fn, parts)
+        start = time.perf_counter() if variant not in _seen_variants else None
         _compiled(views_fn, len(parts[0]))(*parts, *rest)
+        if start is not None:
+            _seen_variants.add(variant)
+            _first_call_seconds[0] += time.perf_counter() - start
 
 
 @torch.library.custom_op("graphstep::compiled_adam_", mutates_args=("params", "exp_avgs", "exp_avg_sqs"))

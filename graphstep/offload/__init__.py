@@ -52,10 +52,16 @@ __all__ = ["HostShards", "Offload", "OffloadPlan", "host_buckets", "install", "p
 SUPPORTED_FAMILIES = ("adam", "sgd")
 
 
-def prepare_host(config, layout: Layout, rank: int, device, state_names, num_groups: int) -> Optional[HostShards]:
-    """The host buffers for ``config``'s offload fraction, or None without ``optimizer_cpu_offload``."""
+def prepare_host(config, layout: Layout, rank: int, device, state_names, num_groups: int, *,
+                 experts: bool = False) -> Optional[HostShards]:
+    """The host buffers for ``config``'s offload fraction, or None without ``optimizer_cpu_offload``.
+    ``experts``: the engine has an expert domain (graphstep.experts), which offload does not cover."""
     if not config.optimizer_cpu_offload:
         return None
+    if experts:
+        raise ValueError("optimizer_cpu_offload with an expert_data_parallel_group: offload covers the dense "
+                         "params only and is not supported together with expert data-parallel groups yet; "
+                         "turn one of them off")
     plan = plan_offload(layout, rank, config.optimizer_offload_fraction)
     return HostShards(plan, layout, main_dtype=config.main_params_dtype, state_names=state_names,
                       num_groups=num_groups, device=device, pin_grads=config.pin_cpu_grads,
@@ -65,6 +71,32 @@ def prepare_host(config, layout: Layout, rank: int, device, state_names, num_gro
 def install(ctx, host: Optional[HostShards], model_chunks=None):
     """The engine's offload part: an ``Offload`` over ``host``, or an inert one without CPU offload."""
     return NoOffload() if host is None else Offload(ctx, host, model_chunks)
+
+
+def _grad_copies(ctx, host: HostShards) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(host grads view, device grads view) pairs: the reduced grads of each buffer's host part.
+
+    Host offsets ``[0, host_size)`` of a buffer are its shard offsets ``[split, shard_numel)``. With one
+    rank the shard is the grad buffer itself; with several, each bucket's piece of the shard lies in
+    ``grad_flat`` at the bucket's shard range (its reduce-scatter wrote it there in place).
+    """
+    layout, buffers, plan = ctx.layout, ctx.buffers, host.plan
+    copies = []
+    for b, buf in enumerate(layout.buffers):
+        split = plan.splits[b]
+        if not plan.host_size(b):
+            continue
+        if layout.dp_size == 1:
+            copies.append((host.grads[b], buffers.grad_flat[b][split:]))
+            continue
+        for index in buf.buckets:
+            bucket = layout.buckets[index]
+            start = max(split, bucket.shard_offset)
+            end = bucket.shard_offset + bucket.shard_numel
+            if end > start:
+                flat = bucket.shard_range(ctx.rank)[0] + start - bucket.shard_offset
+                copies.append((host.grads[b][start - split:end - split], buffers.grad_flat[b][flat:flat + end - start]))
+    return copies
 
 
 class NoOffload:
@@ -119,8 +151,7 @@ class Offload:
         gathers = bucket_gathers(ctx)
         self._early_gathers = [g for g in gathers if g[0] not in late]
         self._late_gathers = [g for g in gathers if g[0] in late]
-        self._d2h = [(host.grads[b], ctx.buffers.grad_shard[b][self.plan.splits[b]:])
-                     for b in range(len(ctx.layout.buffers)) if self.plan.host_size(b)]
+        self._d2h = _grad_copies(ctx, host)
         self._worker = ChunkWorker(self, model_chunks, ctx) if self.overlap else None
         self.host_stages = (Stage("offload_host", self.host_step),)
         """The never-captured part, as a stage (``debug_step`` runs it after the device stages)."""

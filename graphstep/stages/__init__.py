@@ -19,7 +19,8 @@ silently keeps a stale value (DESIGN.md law 3).
       → loss_scale (scaler update, result flags)
 
 With several data-parallel ranks ``reduce`` (reduce-scatter) runs first and ``gather`` (all-gather)
-after the copy-back.
+after the copy-back. Expert params of MoE models (graphstep/experts.py) have a domain of their own, whose
+``expert_*`` stages join the same chain.
 """
 
 from __future__ import annotations
@@ -117,36 +118,50 @@ def baked_values(stages: Sequence[Stage]) -> Callable[[], tuple]:
     return values
 
 
-def default_chain(ctx: StepContext) -> list[Stage]:
-    """The step's stages, in order, for the context's layout and config."""
-    from . import clip, gather, loss_scale, norm, qk_clip, reduce, requantize, update, zeros
+def default_chain(ctx: StepContext, experts: Optional[StepContext] = None) -> list[Stage]:
+    """The step's stages, in order, for the context's layout and config.
 
+    ``experts``: the expert params' domain (graphstep/experts.py), or None. Its reduce, update, copy-back,
+    requantize and gather stages (named ``expert_*``) run right after the dense ones, in the same chain;
+    the norm, zero count, clip and loss-scale stages run once over both domains.
+    """
+    from . import clip, gather, loss_scale, norm, qk_clip, reduce, requantize, update, zeros
+    from . import experts as expert_stages
+
+    extra = () if experts is None else (experts,)
     sharded = ctx.layout.dp_size > 1
     stages = [reduce.build(ctx)] if sharded else []
-    stages.append(norm.build(ctx))
+    stages += [expert_stages.reduce_or_average(e) for e in extra]
+    stages.append(norm.build(ctx, *extra))
     if ctx.tensors.num_zeros is not None:
-        stages.append(zeros.build(ctx))
+        stages.append(zeros.build(ctx, *extra))
     stages += [clip.build(ctx), update.build(ctx)]
+    stages += [expert_stages.named(update.build(e, advance_step=False)) for e in extra]
     if ctx.config.qk_clip:
         stages.append(qk_clip.build(ctx))  # on the main params: before the copy-back and the requantize
-    stages.append(update.build_copy_back(ctx))
-    fp8_requantize = requantize.build(ctx)  # None without fp8 weights
-    if fp8_requantize is not None:
-        stages.append(fp8_requantize)
+    for domain in (ctx, *extra):
+        rename = expert_stages.named if domain is experts else (lambda stage: stage)
+        stages.append(rename(update.build_copy_back(domain)))
+        fp8_requantize = requantize.build(domain)  # None without fp8 weights
+        if fp8_requantize is not None:
+            stages.append(rename(fp8_requantize))
     if sharded:
         stages.append(gather.build(ctx))
+    stages += [expert_stages.named(gather.build(e)) for e in extra if e.layout.dp_size > 1]
     stages.append(loss_scale.build(ctx))
     return stages
 
 
-def publish_chain(ctx: StepContext) -> list[Stage]:
+def publish_chain(ctx: StepContext, experts: Optional[StepContext] = None) -> list[Stage]:
     """Main params → model params (and the all-gather across ranks): what a checkpoint load runs."""
     from . import gather, requantize, update
 
-    stages = [update.build_copy_back(ctx)]
-    fp8_requantize = requantize.build(ctx, publish=True)
-    if fp8_requantize is not None:
-        stages.append(fp8_requantize)
-    if ctx.layout.dp_size > 1:
-        stages.append(gather.build(ctx, deferrable=False))
+    stages = []
+    for domain in (ctx,) if experts is None else (ctx, experts):
+        stages.append(update.build_copy_back(domain))
+        fp8_requantize = requantize.build(domain, publish=True)
+        if fp8_requantize is not None:
+            stages.append(fp8_requantize)
+        if domain.layout.dp_size > 1:
+            stages.append(gather.build(domain, deferrable=False))
     return stages

@@ -29,3 +29,6 @@ class StepContext:
     scaler: Optional[Union["ConstantLossScaler", "DynamicLossScaler"]]
     comm: "Collectives"
     rank: int
+    average_over: Optional[int] = None
+    """The data-parallel size the reduce stage averages grads by; None: the layout's own. An expert domain
+    (graphstep/experts.py) sums over the expert data-parallel group but averages by the full one."""

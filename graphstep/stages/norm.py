@@ -26,21 +26,20 @@ from . import Stage, StepTensors
 
 # Row length of the two-level sum of squares: norms of 4,096-element rows, then the sum of their squares,
 # came within 3e-8 of an fp64 sum at 124M grads and ran as fast as one dot (12.8 against 13.6 ms, side by
-# side on the 2-core CPU).
+# side on the 2-core CPU). Every buffer is cut into rows of exactly ROW and a tail of fewer than ROW
+# elements (summed in fp64): shorter rows that divide the buffer exactly cost time, not accuracy — GPT-2
+# small's 124.4M grads are 2**8 times an odd number, and rows of 256 made the pass 1.8x a plain read-only
+# sum of the buffer, against ~1.05x with rows of 4,096 and a tail (issue 18; ``graphstep bench`` rows
+# ``read-floor`` and ``norm-pass``).
 ROW = 4096
-MIN_ROW = 64
-RESCUE_ROWS = 64
+# Rows whose fp32 norm overflowed, recomputed scaled, per buffer. Few on purpose: 4 x 4,096 elements stay
+# under torch's CPU grain size (32,768), so the rescue's copy, scale and norm run on the calling thread;
+# with 64 rows they ran parallel, and on a busy machine each parallel op waited a scheduler slice for the
+# second thread (the pass measured 2.1x the read-only floor with 64 rescued rows, 1.06x with 4, same run).
+# More overflowing rows than this make the step non-finite: skipped, and a dynamic loss scale backs off.
+RESCUE_ROWS = 4
 _DOWN = 2.0 ** -64
 _UP = 2.0 ** 64
-
-
-def row_length(numel: int) -> int:
-    """The largest power of two <= ROW dividing ``numel`` (buckets are padded to multiples of 128, so
-    usually no tail is left, and the step has the same ops at any size), or ROW with a tail."""
-    row = ROW
-    while row > MIN_ROW and numel % row:
-        row //= 2
-    return row if numel % row == 0 else ROW
 
 
 class SumOfSquares:
@@ -48,30 +47,39 @@ class SumOfSquares:
 
     def __init__(self, grad: torch.Tensor):
         n = grad.numel()
-        row = row_length(n)
-        body = n - n % row
-        self.rows = grad[:body].view(-1, row)
+        body = n - n % ROW
+        self.rows = grad[:body].view(-1, ROW)
         self.tail = grad[body:]
-        self.row_norms = torch.empty(self.rows.shape[0], dtype=torch.float32, device=grad.device)
-        self.rescue = min(RESCUE_ROWS, self.rows.shape[0])
+        # Every intermediate the size of the row count or of the rescued rows lives in a buffer allocated
+        # here, once: a fresh ~1 MB temporary per step is an mmap and its page faults, which on a busy
+        # machine cost more than the read itself (measured: the rescue's row copy took 20-40 ms of a 60 ms
+        # pass at GPT-2 small, 0.02 ms into a static buffer).
+        count, device = self.rows.shape[0], grad.device
+        self.rescue = min(RESCUE_ROWS, count)
+        self.row_norms = torch.empty(count, dtype=torch.float32, device=device)
+        self.norms = torch.empty(count, dtype=torch.float64, device=device)
+        self.picked_rows = torch.empty(self.rescue, ROW, dtype=grad.dtype, device=device)
 
     def __call__(self) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64, device=self.row_norms.device)
         if self.rows.shape[0]:
             torch.linalg.vector_norm(self.rows, dim=1, dtype=torch.float32, out=self.row_norms)
-            total = self._rescued_norms().square().sum()
+            total = self._rescue_norms().square_().sum()
         if self.tail.numel():
             total = total + torch.linalg.vector_norm(self.tail, dtype=torch.float64).square()
         return total
 
-    def _rescued_norms(self) -> torch.Tensor:
-        norms = self.row_norms.to(torch.float64)
+    def _rescue_norms(self) -> torch.Tensor:
+        """``self.norms``: the row norms in fp64, rows whose fp32 norm overflowed recomputed scaled."""
+        norms = self.norms
+        norms.copy_(self.row_norms)
         overflowed = torch.isinf(self.row_norms)
         picked = torch.topk(overflowed.to(torch.float32), self.rescue, sorted=False).indices
-        scaled = torch.linalg.vector_norm(self.rows.index_select(0, picked) * _DOWN, dim=1, dtype=torch.float32)
+        rows = torch.index_select(self.rows, 0, picked, out=self.picked_rows).mul_(_DOWN)
+        scaled = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32)
         rescued = torch.where(overflowed.index_select(0, picked), scaled.to(torch.float64) * _UP,
                               norms.index_select(0, picked))
-        return norms.index_copy(0, picked, rescued)
+        return norms.index_copy_(0, picked, rescued)
 
 
 class ForeachSumOfSquares:
@@ -100,5 +108,7 @@ def build_over(sums: Sequence[Callable[[], torch.Tensor]], t: StepTensors, comm)
     return Stage("norm", apply)
 
 
-def build(ctx) -> Stage:
-    return build_over([SumOfSquares(g) for g in ctx.buffers.grad_shard], ctx.tensors, ctx.comm)
+def build(ctx, *others) -> Stage:
+    """``others``: further domains' contexts (expert params, graphstep/experts.py), whose sums of squares join
+    this one's before its single all-reduce."""
+    return build_over([SumOfSquares(g) for c in (ctx, *others) for g in c.buffers.grad_shard], ctx.tensors, ctx.comm)

@@ -39,14 +39,13 @@ def _targets(ctx, registration: qk.Registration) -> list:
         mine = owned.get(place.index)
         if mine is None:
             continue  # another rank holds all of it
-        main = ctx.buffers.main_shard[place.buffer]
         size = mine.param_end - mine.param_start
-        flat = main[mine.shard_start:mine.shard_start + size]
+        flat = ctx.buffers.main_range(place.buffer, mine.shard_start, size)
         rows, cols = place.shape
         if size == rows * cols:
             targets.append((kind, flat.view(rows, cols), None))
         else:
-            targets.append((kind, flat, qk.shard_row_index(mine.param_start, size, cols, device=main.device)))
+            targets.append((kind, flat, qk.shard_row_index(mine.param_start, size, cols, device=flat.device)))
     return targets
 
 

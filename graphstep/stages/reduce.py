@@ -1,9 +1,11 @@
 """Reduce-scatter the grads bucket by bucket: each rank receives the averaged grads of its shard.
 
-Per bucket, ``grad_flat[bucket]`` (every rank's full local grads) is reduce-scattered into
-``grad_shard[bucket.shard_offset : + shard_numel]`` (this rank's piece, averaged over the data-parallel
-ranks). The layout pads every bucket to a multiple of lcm(dp, 128), so the split is even (gloo has no
-uneven reduce-scatter) and the padding stays zero.
+Per bucket, ``grad_flat[bucket]`` (every rank's full local grads) is reduce-scattered in place: the output
+is this rank's own slice of it, ``grad_flat[bucket.shard_range(rank)]`` (``grad_shard[bucket.index]``), the
+in-place form gloo and NCCL both accept (on gloo, 2 and 4 ranks, fp32/bf16/fp16, several in flight at
+once, it equals a reduce-scatter into a separate output bitwise: tests/distributed/test_memory_stats.py). No output buffer: ZeRO's grad memory is the grad buffer. The
+layout pads every bucket to a multiple of lcm(dp, 128), so the split is even (gloo has no uneven
+reduce-scatter) and the padding stays zero.
 
 Averaging: a SUM reduce-scatter, then the received shard times 1/dp: a pass over 1/dp of the bucket,
 not over all of it (gloo has no PREMUL_SUM; its AVG measured no faster than SUM plus this multiply, and a
@@ -13,7 +15,9 @@ Megatron-Core does): a SUM of fp16 grads can overflow fp16's range where their m
 With ``overlap_grad_reduce`` a bucket's reduce-scatter may already be in flight, launched by a
 post-accumulate-grad hook the moment its last grad arrived (graphstep.overlap); the stage then only waits
 on it. The choice is host state (whether a launch is pending), never device data; under a capture the
-hooks are off, so the recorded step always holds the collectives themselves.
+hooks are off (they are only ever switched on once the step is known to run eagerly), so the recorded
+step always holds the collectives themselves. A reduce runs once per step: being in place, running it
+again would sum the already-summed slice with the other ranks' local grads.
 
 The layout agreement across ranks (``Collectives.setup``) runs once in the engine's build, before any
 stage is built; this factory talks to no other rank.
@@ -35,7 +39,7 @@ class BucketReduce:
     bucket: int
     params: tuple[int, ...]  # param indices of the bucket (what the overlap hooks count)
     grads: torch.Tensor  # grad_flat[bucket.start:bucket.end]
-    shard: torch.Tensor  # this rank's piece, in grad_shard
+    shard: torch.Tensor  # this rank's piece: grad_shard[bucket], a slice of ``grads`` (in place)
     inv_dp: float
     prescale: bool  # fp16: scale the bucket by 1/dp before the SUM; otherwise the received shard after it
     what: str
@@ -60,11 +64,12 @@ class BucketReduce:
 def bucket_reduces(ctx) -> list[BucketReduce]:
     """The reduce-scatter of every bucket, in bucket (= backward) order."""
     layout, buffers = ctx.layout, ctx.buffers
+    inv_dp = 1.0 / (ctx.average_over or layout.dp_size)  # experts: the full data-parallel size (experts.py)
     reduces = []
     for bucket in layout.buckets:
         grads = buffers.grad_flat[bucket.buffer][bucket.start:bucket.end]
-        shard = buffers.grad_shard[bucket.buffer][bucket.shard_offset:bucket.shard_offset + bucket.shard_numel]
-        reduces.append(BucketReduce(bucket.index, bucket.params, grads, shard, 1.0 / layout.dp_size,
+        shard = buffers.grad_shard[bucket.index]
+        reduces.append(BucketReduce(bucket.index, bucket.params, grads, shard, inv_dp,
                                     grads.dtype == torch.float16,
                                     f"grad reduce-scatter of bucket {bucket.index} (of {len(layout.buckets)})"))
     return reduces
@@ -80,13 +85,9 @@ def build(ctx) -> Stage:
         if comm.pending:
             comm.wait_all("gather")
         for reduce in reduces:
-            key = ("reduce", reduce.bucket)
-            if not (comm.overlap_enabled and comm.wait(key)):  # else: launched by the backward hook, done
-                if key in comm.pending:
-                    # Launched before overlap was switched off (e.g. just before a capture records this
-                    # step): finish it, then run it here so the recording holds it. Hooks launch only
-                    # buckets without a pre-scale, so running one again is idempotent.
-                    comm.wait(key)
+            # Launched by a backward hook (overlap_grad_reduce): finish it. (Overlap may have been switched
+            # off since, by close(); a capture never follows a launch: hooks stay off where one may record.)
+            if not comm.wait(("reduce", reduce.bucket)):
                 reduce.launch(comm)
             reduce.finish()
 

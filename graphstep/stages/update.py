@@ -28,16 +28,14 @@ from . import Stage
 from .requantize import is_fp8_buffer
 
 
-def build(ctx) -> Stage:
+def build(ctx, *, advance_step: bool = True) -> Stage:
+    """``advance_step=False``: a second domain's update (expert params) in the same step, which must not
+    advance the one step count the first already advanced."""
     buffers, hyper, kernels, t, config = ctx.buffers, ctx.hyper, ctx.kernels, ctx.tensors, ctx.config
 
-    # The grads the kernel reads must have the main params' dtype; half grads get an fp32 scratch copy.
-    main_dtype = config.main_params_dtype
-    grad_sources = buffers.grad_shard
-    casts = [(g, torch.empty_like(g, dtype=main_dtype)) for g in grad_sources if g.dtype != main_dtype]
-    cast_of = {id(source): target for source, target in casts}
-    kernel_grads = [cast_of.get(id(g), g) for g in grad_sources]
-    sources = ViewSources(buffers.main_shard, kernel_grads, buffers.state)
+    casts, kernel_grads, grads_in_flat = _kernel_grads(ctx)
+    sources = ViewSources(buffers.main_shard, kernel_grads, buffers.state,
+                          main_in_flat=_main_in_flat(ctx), grads_in_flat=grads_in_flat)
 
     scalars = StepScalars(t.step, t.found_inf)
     calls = []  # (family call, family kernels, views, live kwargs, baked (keyword, row, column))
@@ -71,7 +69,8 @@ def build(ctx) -> Stage:
     def apply() -> None:
         for source, target in casts:
             target.copy_(source)
-        t.step.add_(1.0 - t.found_inf)
+        if advance_step:
+            t.step.add_(1.0 - t.found_inf)
         grad_scale = t.grad_scale if uses_grad_scale() else None
         for call, family_kernels, views, live_kwargs, baked in calls:
             kwargs = dict(live_kwargs)
@@ -99,6 +98,45 @@ def device_segments(ctx) -> list:
     return cut
 
 
+def _main_in_flat(ctx) -> tuple[bool, ...]:
+    """Per buffer: the main params are ``param_flat`` itself, addressed in flat coordinates (with one rank
+    these equal the shard coordinates)."""
+    return tuple(is_param and ctx.layout.dp_size > 1 for is_param in ctx.buffers.main_is_param)
+
+
+def _kernel_grads(ctx) -> tuple[list, list, tuple[bool, ...]]:
+    """(casts, per-buffer grads the kernel reads, whether each is addressed in flat coordinates).
+
+    The kernel reads grads in the main params' dtype. Such grads are read where they lie: ``grad_flat``,
+    whose slices this rank owns hold the reduced grads (stages/reduce.py). Other grads (half grads with
+    fp32 main params) are cast into a compact fp32 scratch of this rank's shard before the kernels:
+    ``casts`` lists (source piece, target piece) copies, and the scratch is registered as "grad_cast".
+    """
+    buffers, layout = ctx.buffers, ctx.layout
+    main_dtype = ctx.config.main_params_dtype
+    casts, grads, in_flat, scratches = [], [], [], []
+    for b, buf in enumerate(layout.buffers):
+        flat = buffers.grad_flat[b]
+        if flat.dtype == main_dtype:
+            grads.append(flat)
+            in_flat.append(layout.dp_size > 1)
+            continue
+        scratch = torch.empty(buf.shard_numel, dtype=main_dtype, device=flat.device)
+        scratches.append(scratch)
+        if layout.dp_size == 1:
+            casts.append((flat, scratch))  # one copy of the whole buffer
+        else:
+            for index in buf.buckets:  # this rank's slice of each bucket, into its place in the shard
+                bucket = layout.buckets[index]
+                lo, hi = bucket.shard_range(ctx.rank)
+                casts.append((flat[lo:hi], scratch[bucket.shard_offset:bucket.shard_offset + bucket.shard_numel]))
+        grads.append(scratch)
+        in_flat.append(False)
+    if scratches:
+        buffers.scratch["grad_cast"] = scratches
+    return casts, grads, tuple(in_flat)
+
+
 def build_copy_back(ctx) -> Stage:
     """Copy the updated main params into the model dtype (a skipped step copies unchanged values)."""
     pairs = _copy_back_pairs(ctx)
@@ -113,10 +151,10 @@ def build_copy_back(ctx) -> Stage:
 def _copy_back_pairs(ctx) -> list:
     """(model-param view, main-param view) pairs the update copies into the model dtype.
 
-    Nothing for buffers whose main params are the params. One copy of the whole buffer with one rank;
-    with several, each bucket's owned shard (the gather stage then all-gathers the rest). Only the part of
-    the shard whose main params are on the device (all of it without CPU offload; graphstep.offload
-    copies the host part).
+    Nothing for buffers whose main params are the params (fp32 params, at any data-parallel size: the
+    update wrote them in place). One copy of the whole buffer with one rank; with several, each bucket's
+    owned shard (the gather stage then all-gathers the rest). Only the part of the shard whose main
+    params are on the device (all of it without CPU offload; graphstep.offload copies the host part).
     """
     buffers, layout = ctx.buffers, ctx.layout
     pairs = []

@@ -5,10 +5,12 @@ import torch
 from . import Stage
 
 
-def build(ctx) -> Stage:
-    grads = ctx.buffers.grad_shard
+def build(ctx, *others) -> Stage:
+    """``others``: further domains' contexts (expert params), counted together in one all-reduce."""
+    domains = (ctx, *others)
+    grads = [g for c in domains for g in c.buffers.grad_shard]
     # Padding elements are always zero (nothing writes them); subtract their known count.
-    padding = ctx.layout.padding_numel(ctx.rank)
+    padding = sum(c.layout.padding_numel(c.rank) for c in domains)
     total = sum(g.numel() for g in grads)
     t = ctx.tensors
     comm = ctx.comm

@@ -45,9 +45,11 @@ def owned_state(opt) -> dict:
         place = opt.layout.params[owned.param]
         size = owned.param_end - owned.param_start
         for kind in sharded.state_kinds(opt):
-            buf = opt.buffers.main_shard if kind == sharded.MAIN_PARAM else opt.buffers.state[kind]
-            out[f"{kind}|{place.name}"] = (owned.param_start,
-                                           buf[place.buffer][owned.shard_start:owned.shard_start + size].clone())
+            if kind == sharded.MAIN_PARAM:  # fp32 main params live in the param buffer: main_range maps there
+                view = opt.buffers.main_range(place.buffer, owned.shard_start, size)
+            else:
+                view = opt.buffers.state[kind][place.buffer][owned.shard_start:owned.shard_start + size]
+            out[f"{kind}|{place.name}"] = (owned.param_start, view.clone())
     out["step"] = (0, opt.tensors.step.clone())
     return out
 

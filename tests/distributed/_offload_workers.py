@@ -44,7 +44,10 @@ def _train(config: OptimizerConfig, rank: int, world_size: int) -> dict:
     return {"params": [p.detach().clone() for p in model.parameters()], "ok": ok,
             "main": sd["main_params"], "state": sd["state"], "sharded": sharded,
             "host_numel": sum(t.numel() for t in opt.host_tensors.get("main_params", [])),
-            "device_main_numel": sum(t.numel() for t in opt.buffers.main_shard),
+            # Separate fp32 main params only (fp32 params are their own main params, in param_flat).
+            "device_main_numel": sum(0 if is_param else t.numel()
+                                     for t, is_param in zip(opt.buffers.main_shard, opt.buffers.main_is_param)),
+            "device_state_numel": sum(t.numel() for tensors in opt.buffers.state.values() for t in tensors),
             "captured": opt.captured}
 
 

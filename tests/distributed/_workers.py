@@ -69,7 +69,7 @@ def train(config: OptimizerConfig, rank: int, world_size: int, *, steps: int = S
         "ok": ok,
         "norms": norms,
         "state_numel": sum(t.numel() for tensors in opt.buffers.state.values() for t in tensors),
-        "main_numel": sum(t.numel() for t in opt.buffers.main_shard),
+        "main_numel": sum(opt.buffers.main_shard_values(b).numel() for b in range(len(opt.buffers.main_shard))),
         "param_numel": sum(p.numel() for p in model.parameters()),
         "owned_groups": owned_groups,
         "num_groups": opt.layout.num_groups,

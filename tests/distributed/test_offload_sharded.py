@@ -42,8 +42,9 @@ def test_offloaded_shards_match_the_run_without_offload_bitwise(results, run, fr
         # Each rank really updated part of its own shard on the host, and the device kept less.
         assert got["host_numel"] > 0
         assert got["device_main_numel"] + got["host_numel"] >= ref["device_main_numel"]
+        assert got["device_state_numel"] < ref["device_state_numel"]
         if fraction == 1.0:
-            assert got["device_main_numel"] == 0
+            assert got["device_main_numel"] == got["device_state_numel"] == 0
 
 
 def test_overlap_with_several_ranks_is_refused_with_what_to_do():

@@ -1,0 +1,106 @@
+"""``kernel="auto"`` (the default): the compiled update where ``torch.compile`` works on the device, else fused.
+
+Why compiled first: torch's fused kernels write the divided grads back whenever they are given a grad
+scale, i.e. on every clipped or loss-scaled step (4 more bytes per param, ~10% of the update's time on the
+2-core CPU, issue 18), and they bake betas, eps and weight decay into a capture. The compiled kernel reads
+the grads without writing them and keeps every hyperparameter live. Its price is a compile: a few seconds
+on the first step of a process (a C++ compiler on the CPU, Triton on a GPU).
+
+Whether ``torch.compile`` works is found out once per device and process, at build, by compiling and
+running the compiled Adam on a few elements and comparing it with the reference kernel: an environment
+without a compiler, or a miscompile, falls back to "fused" with one warning, before any stage is built
+(the update stage resolves live and baked hyperparameters from the chosen module, so the choice cannot
+change after build). The probe's compile time is reported (``KernelChoice.compile_s``, and an info line
+on the ``graphstep`` logger); the layout's own variant compiles on the first step
+(``compiled.compile_seconds()`` counts both).
+
+"auto" also picks "fused" without probing when no param group runs a configurable kernel (Lion, Muon
+bring their own) and when a capture could start before any eager step (``capture_warmup_steps=0``):
+the compile must run eagerly first.
+
+Parity (DESIGN.md §8): "fused" is bitwise equal to ``torch.optim``'s fused Adam/AdamW/SGD; "compiled" is
+its own loop, within the drift torch's own for-loop Adam shows against the fused one
+(tests/test_engine.py). Set ``kernel="fused"`` where bitwise equality with torch's fused step matters
+more than speed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from . import compiled, reference
+
+logger = logging.getLogger("graphstep")
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    name: str  # "fused" | "compiled" | "reference": the implementation the step runs
+    reason: str  # why, in words (for "auto"; "configured" otherwise)
+    compile_s: float = 0.0  # seconds the probe compile took (0 when none ran in this build)
+
+
+_probed: dict[tuple[str, int], tuple[bool, str, float]] = {}  # per device: (works, why not, seconds)
+
+
+def probe_compiled(device: torch.device) -> tuple[bool, str, float]:
+    """Whether the compiled Adam compiles, runs and agrees with the reference on ``device``: (works, why
+    not, seconds). Runs once per device and process; later calls return the first answer."""
+    key = (device.type, -1 if device.index is None else device.index)
+    if key not in _probed:
+        start = time.perf_counter()
+        try:
+            problem = _compare_with_reference(device)
+        except Exception as error:  # no compiler, no Triton, an inductor bug: all mean "use fused"
+            first_line = (str(error).strip().splitlines() or [""])[0][:200]
+            problem = f"{type(error).__name__}: {first_line}"
+        _probed[key] = (problem is None, problem or "", time.perf_counter() - start)
+    return _probed[key]
+
+
+def _compare_with_reference(device: torch.device):
+    """None when the compiled Adam matches the reference over two views of a few elements, else why not."""
+    sizes = (3 * compiled._ROW + 5, 7)  # a view with rows and a tail, and one with a tail only
+    runs = []
+    for kernels in (compiled, reference):
+        generator = torch.Generator().manual_seed(0)  # the same numbers for both kernels
+        tensors = [[torch.randn(n, generator=generator).to(device) for n in sizes] for _ in range(4)]
+        params, grads, exp_avgs, exp_avg_sqs = tensors
+        exp_avg_sqs = [v.abs() for v in exp_avg_sqs]
+        hyper = {name: torch.tensor(value, dtype=torch.float64, device=device)
+                 for name, value in dict(lr=1e-2, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8).items()}
+        kernels.adam(params, grads, exp_avgs, exp_avg_sqs, step=torch.ones((), device=device), decoupled=True,
+                     grad_scale=torch.full((), 2.0, device=device), found_inf=torch.zeros((), device=device),
+                     **hyper)
+        runs.append(torch.cat(params + exp_avgs + exp_avg_sqs))
+    if not torch.allclose(runs[0], runs[1], rtol=1e-5, atol=1e-7):
+        return "its result differs from the reference kernel's"
+    return None
+
+
+def choose(configured: str, device: torch.device, *, capture: str, warmup_steps: int,
+           needs_kernel: bool = True) -> KernelChoice:
+    """The implementation to run for ``OptimizerConfig.kernel=configured`` on ``device``."""
+    if configured != "auto":
+        return KernelChoice(configured, "configured")
+    if not needs_kernel:
+        return KernelChoice("fused", "no param group runs the configurable update kernel")
+    if capture != "eager" and warmup_steps < 1:
+        return KernelChoice("fused", "capture_warmup_steps=0: the compiled kernel must compile in an eager step "
+                                     "before a capture")
+    fresh = (device.type, -1 if device.index is None else device.index) not in _probed
+    works, why_not, seconds = probe_compiled(device)
+    if works:
+        if fresh:
+            logger.info("graphstep: kernel='auto' runs 'compiled' (torch.compile works on %s; probe compile "
+                        "%.1f s, the layout's variant compiles on the first step)", device, seconds)
+        return KernelChoice("compiled", f"torch.compile works on {device}", seconds if fresh else 0.0)
+    if fresh:
+        warnings.warn(f"graphstep: kernel='auto' runs 'fused': torch.compile does not work on {device} "
+                      f"({why_not}); set kernel='fused' to choose it explicitly", stacklevel=3)
+    return KernelChoice("fused", f"torch.compile does not work on {device}: {why_not}")
