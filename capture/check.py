@@ -7,7 +7,8 @@ refused: each op runs normally so one run finds every problem, not just the firs
 
 Findings:
   host_sync        the host waits for a device value (`.item()`, `if t:`, nonzero, ...)
-  device_to_host   a copy whose destination is the CPU and whose source is not
+  device_to_host   a copy whose destination is the CPU and whose source is not (unless
+                   non_blocking into pinned memory: an asynchronous copy a CUDA graph records)
   host_to_device   a copy from the CPU to another device (unless non_blocking from pinned
                    memory): a sync from pageable memory, which a CUDA capture refuses
   host_tensor      a tensor made from Python data inside the step (torch.tensor, as_tensor):

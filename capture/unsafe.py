@@ -79,11 +79,15 @@ def _device_to_host(func: Any, args: tuple, kwargs: dict) -> bool:
             return False  # functional copy: result lives on self's device, no host read
         else:  # _copy_from(self=src, dst)
             src, dst = args[0], args[1]
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
         return (
             isinstance(src, torch.Tensor)
             and isinstance(dst, torch.Tensor)
             and _is_host(dst.device)
             and not _is_host(src.device)
+            # Into pinned memory without blocking, the copy is an asynchronous memcpy a CUDA graph records
+            # (what CPU offload's D2H of grads does); only a later host read of the target needs a wait.
+            and not (non_blocking and dst.is_pinned())
         )
     return False
 

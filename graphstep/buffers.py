@@ -23,13 +23,18 @@ A rank's shard of a buffer is the concatenation of its shards of the buffer's bu
 contiguous in ``param_flat``/``grad_flat``: layout.py's ``shard_start`` coordinates address the compact
 shard, ``flat_start`` the flat buffer. Per rank the buffers thus hold ZeRO's memory exactly: params +
 grads + the state shards (+ fp32 main shards for half or fp8 params); ``graphstep.memory`` counts it.
+
+With hybrid CPU offload (graphstep.offload) the device holds main params (where they are not the params)
+and state only for a prefix ``[0, device_numel)`` of the rank's shard; the rest lives in ``host``
+(``HostShards``). ``shard_part``, ``full_shard`` and ``load_shard`` address the whole shard wherever its
+elements live.
 """
 
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -55,6 +60,53 @@ class StaticBuffers:
     _grad_params: list = field(default_factory=list)  # params whose .grad is a view of grad_flat
     _grad_views: list = field(default_factory=list)  # those views, one object each, kept for identity checks
     _originals: dict = field(default_factory=dict)
+    host: Optional[Any] = None  # graphstep.offload.HostShards: the shard's host part, or None
+
+    def _device_part(self, kind: str, buffer: int) -> torch.Tensor:
+        return self.main_shard[buffer] if kind == "main" else self.state[kind][buffer]
+
+    def device_numel(self, buffer: int) -> int:
+        """How much of this rank's shard of ``buffer`` the device holds main params and state for: the
+        prefix ``[0, device_numel)``; all of it without CPU offload."""
+        return self.host.splits[buffer] if self.host is not None else self.layout.buffers[buffer].shard_numel
+
+    def shard_part(self, kind: str, buffer: int, start: int, size: int) -> torch.Tensor:
+        """A view of elements ``[start, start + size)`` of this rank's shard of ``kind`` ("main" or a state
+        name), on the device or, past the offload split, on the host. Never straddles the split: the
+        split falls between params, and callers ask for one param's piece."""
+        split = self.device_numel(buffer)
+        if start + size <= split:
+            if kind == "main":
+                return self.main_range(buffer, start, size)
+            return self.state[kind][buffer][start:start + size]
+        if start < split:
+            raise ValueError(f"shard range [{start}, {start + size}) of buffer {buffer} straddles the offload "
+                             f"split at {split}")
+        return self.host.part(kind, buffer)[start - split:start - split + size]
+
+    def full_shard(self, kind: str, buffer: int) -> torch.Tensor:
+        """A copy of this rank's whole shard of ``kind`` in ``buffer`` (on the host when part of it is)."""
+        split = self.device_numel(buffer)
+        device = (self.main_shard_values(buffer) if kind == "main" else self.state[kind][buffer])[:split]
+        if self.host is None or self.host.part(kind, buffer).numel() == 0:
+            return device.clone()
+        return torch.cat([device.cpu(), self.host.part(kind, buffer)])
+
+    def shard_like(self, kind: str, buffer: int) -> torch.Tensor:
+        """A storage-less tensor with the whole shard's dtype and shape (what a checkpoint must match)."""
+        dtype = self._device_part(kind, buffer).dtype
+        return torch.empty(self.layout.buffers[buffer].shard_numel, dtype=dtype, device="meta")
+
+    def load_shard(self, kind: str, buffer: int, source: torch.Tensor) -> None:
+        """Copy a whole shard (``full_shard``'s shape) into the device and host parts, in place."""
+        split = self.device_numel(buffer)
+        if kind == "main" and self.main_is_param[buffer]:
+            # All of it: past the split these are the model params, equal to the host main params (fp32).
+            self.load_main_shard(buffer, source)
+        else:
+            self._device_part(kind, buffer)[:split].copy_(source[:split])
+        if self.host is not None:
+            self.host.part(kind, buffer).copy_(source[split:])
     scratch: dict = field(default_factory=dict)
     """Static tensors stages allocate at build, by kind (e.g. "grad_cast"), listed for ``graphstep.memory``."""
 
@@ -184,11 +236,11 @@ class StaticBuffers:
                                  f"not {place.shape}: build a new optimizer for a new model")
             values = p.detach()
             view.copy_(values)
-            if not self.main_is_param[place.buffer]:
+            if not self.main_is_param[place.buffer] or self.host is not None:
                 for owned in self.layout.owned_ranges(self.rank):
                     if owned.param == i:
                         size = owned.param_end - owned.param_start
-                        self.main_range(place.buffer, owned.shard_start, size).copy_(
+                        self.shard_part("main", place.buffer, owned.shard_start, size).copy_(
                             main_values(p, values).reshape(-1)[owned.param_start:owned.param_end])
             p.data = view
             adopted.append(f"param '{place.name}'")
@@ -214,8 +266,11 @@ class StaticBuffers:
 
 
 def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int, device: torch.device,
-             main_dtype: torch.dtype, state_names: Sequence[str]) -> StaticBuffers:
+             main_dtype: torch.dtype, state_names: Sequence[str], host: Optional[Any] = None) -> StaticBuffers:
     """Allocate ``layout`` and make ``params`` (in layout order) views of it, values preserved.
+
+    ``host`` (graphstep.offload.HostShards): the device keeps main params and state for the prefix
+    ``[0, host.splits[b])`` of each shard only; the host part is seeded here like the device part.
 
     The main params are seeded from the params' values *before* any cast to the model dtype, so a model
     built in fp32 and trained in bf16 keeps its fp32 initialisation in the main params. An fp8 weight
@@ -227,21 +282,22 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
     dp_size = layout.dp_size
 
     param_flat, grad_flat, main_shard = [], [], []
-    for buf in layout.buffers:
+    device_numel = [buf.shard_numel if host is None else host.splits[b] for b, buf in enumerate(layout.buffers)]
+    for b, buf in enumerate(layout.buffers):
         param_flat.append(torch.zeros(buf.numel, dtype=buf.param_dtype, device=device))
         grad_flat.append(torch.zeros(buf.numel, dtype=buf.grad_dtype, device=device))
         if buf.param_dtype == main_dtype:
             main_shard.append(param_flat[-1])  # the params are the main params: updated in place
         else:
-            main_shard.append(torch.zeros(buf.shard_numel, dtype=main_dtype, device=device))
+            main_shard.append(torch.zeros(device_numel[b], dtype=main_dtype, device=device))
     if dp_size == 1:
         grad_shard = list(grad_flat)
     else:  # per bucket, this rank's slice of the grads: the reduce-scatter's in-place output
         grad_shard = [grad_flat[b.buffer][slice(*b.shard_range(rank))] for b in layout.buckets]
-    state = {name: [torch.zeros(buf.shard_numel, dtype=main_dtype, device=device) for buf in layout.buffers]
-             for name in state_names}
+    state = {name: [torch.zeros(n, dtype=main_dtype, device=device) for n in device_numel] for name in state_names}
 
-    buffers = StaticBuffers(layout, rank, param_flat, grad_flat, main_shard, grad_shard, state, list(params))
+    buffers = StaticBuffers(layout, rank, param_flat, grad_flat, main_shard, grad_shard, state, list(params),
+                            host=host)
     for i, p in enumerate(params):
         place = layout.params[i]
         if tuple(p.shape) != place.shape:
@@ -253,12 +309,13 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
         p.grad = None
     for owned in layout.owned_ranges(rank):
         buf = layout.params[owned.param].buffer
-        if main_shard[buf].data_ptr() == param_flat[buf].data_ptr():
-            continue  # fp32 params: the main params are the params
         size = owned.param_end - owned.param_start
+        on_device = owned.shard_start + size <= device_numel[buf]
+        if on_device and main_shard[buf].data_ptr() == param_flat[buf].data_ptr():
+            continue  # fp32 params: the main params are the params
         source = main_values(params[owned.param], originals[owned.param]).reshape(-1)
         source = source[owned.param_start:owned.param_end]
-        main_shard[buf][owned.shard_start:owned.shard_start + size].copy_(source)
+        buffers.shard_part("main", buf, owned.shard_start, size).copy_(source)
 
     for i, p in enumerate(params):
         p.main_grad = buffers.grad_view(i)

@@ -125,6 +125,29 @@ class OptimizerConfig:
     distributed_timeout_s: float = 300.0
     """graphstep's own: a collective that has not finished after this many seconds raises, naming it."""
 
+    # ---- hybrid CPU offload (Megatron-Core's names; graphstep.offload) --------------------------------
+    optimizer_cpu_offload: bool = False
+    """Keep the fp32 main params, optimizer state and update of a fraction of the params on the host CPU
+    (``optimizer_offload_fraction``); the rest, and the grad norm, clip and loss scale of all, stay in
+    the captured device step."""
+
+    optimizer_offload_fraction: float = 0.0
+    """With ``optimizer_cpu_offload``: the fraction in [0, 1] of this rank's optimizer elements whose
+    update runs on the host. Whole params are taken from the end of the rank's shard backwards (the last
+    buffer first, in it the last bucket, which holds the model's first layers) while the count is below
+    the fraction, so it may overshoot by one param (Megatron-Core's rule)."""
+
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    """With ``optimizer_cpu_offload``: update the host params chunk by chunk on a worker thread, copying
+    each chunk back while the next is updated; the next forward waits only for the chunks its modules use."""
+
+    pin_cpu_grads: bool = True
+    """Page-lock the host grad buffers (asynchronous D2H copies); ignored where torch has no accelerator."""
+
+    pin_cpu_params: bool = True
+    """Page-lock the host main-param and staging buffers (asynchronous H2D copies); ignored where torch
+    has no accelerator."""
+
     # ---- capture (graphstep's own) -------------------------------------------------------------------
     capture: str = "auto"
     """"graph": capture the step after the warm-up (CUDA graph on CUDA, the replay backend on CPU) and

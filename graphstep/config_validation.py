@@ -140,6 +140,7 @@ def validate(config: OptimizerConfig) -> None:
     _check_number(config, "distributed_timeout_s", low=0.0, low_open=True)
     _validate_muon_lion_qk_clip(config)
     _validate_fp8(config)
+    _validate_offload(config)
 
 
 def _validate_muon_lion_qk_clip(config: OptimizerConfig) -> None:
@@ -186,3 +187,25 @@ def _validate_fp8(config: OptimizerConfig) -> None:
               "applies to fp8_recipe='delayed' only; leave it 1 with 'tensorwise'")
     if config.fp8_recipe is not None and config.main_params_dtype != torch.float32:
         _fail("main_params_dtype", config.main_params_dtype, "must be torch.float32 with fp8 weights")
+
+
+def _validate_offload(config: OptimizerConfig) -> None:
+    """The hybrid CPU offload fields (issue 16) and what offload does not combine with."""
+    _check_number(config, "optimizer_offload_fraction", low=0.0, low_open=False, high=1.0, high_open=False)
+    if not config.optimizer_cpu_offload:
+        if config.optimizer_offload_fraction > 0:
+            _fail("optimizer_offload_fraction", config.optimizer_offload_fraction,
+                  "needs optimizer_cpu_offload=True (or leave the fraction 0)")
+        if config.overlap_cpu_optimizer_d2h_h2d:
+            _fail("overlap_cpu_optimizer_d2h_h2d", True, "needs optimizer_cpu_offload=True")
+        return
+    if config.optimizer not in ("adam", "sgd"):
+        _fail("optimizer_cpu_offload", True, f"runs Adam and SGD updates on the host, not "
+              f"optimizer={config.optimizer!r}: use optimizer='adam' or 'sgd'")
+    if config.fp8_recipe is not None:
+        _fail("optimizer_cpu_offload", True, "does not requantize fp8 weights on the host: leave fp8_recipe None")
+    if config.qk_clip:
+        _fail("optimizer_cpu_offload", True, "QK-clip rescales main params on the device: turn qk_clip off")
+    if config.main_params_dtype != torch.float32:
+        _fail("main_params_dtype", config.main_params_dtype, "must be torch.float32 with optimizer_cpu_offload "
+              "(the host update runs torch's fused CPU kernels on fp32 main params)")

@@ -72,10 +72,10 @@ def _first_in_domain(buffers, layout, rank: int, stage: str, grads_only: bool) -
             r = owned.get(i)
             if r is not None:
                 size = r.param_end - r.param_start
-                if not buffers.main_is_param[place.buffer]:
-                    views.append(("main_param", buffers.main_shard[place.buffer][r.shard_start:r.shard_start + size]))
-                for name, tensors in buffers.state.items():
-                    views.append((name, tensors[place.buffer][r.shard_start:r.shard_start + size]))
+                if not buffers.main_is_param[place.buffer] or buffers.host is not None:
+                    views.append(("main_param", buffers.shard_part("main", place.buffer, r.shard_start, size)))
+                for name in buffers.state:
+                    views.append((name, buffers.shard_part(name, place.buffer, r.shard_start, size)))
         for tensor_name, view in views:
             if view.dtype.itemsize == 1:  # fp8 weights: isfinite has no fp8 kernel; the fp32 copy is exact
                 view = view.float()
@@ -87,7 +87,7 @@ def _first_in_domain(buffers, layout, rank: int, stage: str, grads_only: bool) -
 def run_debug_step(opt) -> StepReport:
     origin = _first_non_finite(opt, "backward", grads_only=True)
     stats = []
-    for stage in opt.stages:
+    for stage in (*opt.stages, *opt.host_stages):  # host stages: CPU offload's host update (never captured)
         synchronize(opt.device)
         start = time.perf_counter()
         stage.apply()

@@ -59,6 +59,32 @@ def derive_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGrou
                           backend=dist.get_backend(group), use_local_synchronization=True)
 
 
+def data_parallel_group(config, process_group) -> tuple[Optional[dist.ProcessGroup], int, int]:
+    """(group, rank, size) the state is sharded over; size 1 without the distributed optimizer.
+
+    With several ranks the group is graphstep's own copy of ``process_group`` (same ranks and backend)
+    created with ``timeout=distributed_timeout_s``, so every collective of the step, eager or replayed,
+    fails within that timeout when a peer dies or stops answering (see distributed.py). Creating it is
+    collective over the group's members: all of them build the optimizer together.
+    """
+    if not config.use_distributed_optimizer:
+        if process_group is not None and dist.get_world_size(process_group) > 1:
+            raise ValueError("process_group has several ranks but use_distributed_optimizer=False: graphstep "
+                             "reduces grads only with the distributed optimizer; set it True")
+        return None, 0, 1
+    if process_group is None:
+        if not dist.is_initialized():
+            return None, 0, 1
+        process_group = dist.group.WORLD
+    rank, size = dist.get_rank(process_group), dist.get_world_size(process_group)
+    if rank < 0:
+        raise ValueError("get_optimizer: this process is not a member of process_group; pass the "
+                         "data-parallel group this rank belongs to")
+    if size == 1:
+        return None, 0, 1
+    return derive_group(process_group, config.distributed_timeout_s), rank, size
+
+
 def _describe(kind: str, group: dist.ProcessGroup, timeout_s: Optional[float]) -> str:
     ranks = dist.get_process_group_ranks(group)
     shown = ranks if len(ranks) <= 8 else ranks[:4] + ["..."] + ranks[-2:]

@@ -11,19 +11,18 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from capture.devices import backend_for, device_scope
 from capture.profile import Ranges
 
 from . import experts as experts_mod
-from . import overlap
+from . import offload, overlap
 from . import state_dict as state_dict_mod
 from .agreement import agreement_for
 from .buffers import StaticBuffers, allocate
 from .config import OptimizerConfig
 from .debug import StepReport, run_debug_step
-from .distributed import Collectives, derive_group
+from .distributed import Collectives, data_parallel_group
 from .families import families_of, state_names
 from .fp8 import engine_support as fp8_support
 from .fp8 import is_fp8
@@ -139,32 +138,6 @@ def _defaults(config: OptimizerConfig) -> dict:
             "nesterov": config.sgd_nesterov}
 
 
-def _data_parallel(config: OptimizerConfig, process_group) -> tuple[Optional[dist.ProcessGroup], int, int]:
-    """(group, rank, size) the state is sharded over; size 1 without the distributed optimizer.
-
-    With several ranks the group is graphstep's own copy of ``process_group`` (same ranks and backend)
-    created with ``timeout=distributed_timeout_s``, so every collective of the step, eager or replayed,
-    fails within that timeout when a peer dies or stops answering (see distributed.py). Creating it is
-    collective over the group's members: all of them build the optimizer together.
-    """
-    if not config.use_distributed_optimizer:
-        if process_group is not None and dist.get_world_size(process_group) > 1:
-            raise ValueError("process_group has several ranks but use_distributed_optimizer=False: graphstep "
-                             "reduces grads only with the distributed optimizer; set it True")
-        return None, 0, 1
-    if process_group is None:
-        if not dist.is_initialized():
-            return None, 0, 1
-        process_group = dist.group.WORLD
-    rank, size = dist.get_rank(process_group), dist.get_world_size(process_group)
-    if rank < 0:
-        raise ValueError("get_optimizer: this process is not a member of process_group; pass the "
-                         "data-parallel group this rank belongs to")
-    if size == 1:
-        return None, 0, 1
-    return derive_group(process_group, config.distributed_timeout_s), rank, size
-
-
 class GraphstepOptimizer(torch.optim.Optimizer):
     def __init__(self, config: OptimizerConfig, model_chunks, config_overrides=None, process_group=None,
                  model_parallel_group=None, expert_data_parallel_group=None):
@@ -190,15 +163,20 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         specs = [_param_spec(config, name, p, group_of[id(p)], families[group_of[id(p)]].batch_by_shape)
                  for name, p in named]
 
-        dp_group, rank, dp_size = _data_parallel(config, process_group)
+        dp_group, rank, dp_size = data_parallel_group(config, process_group)
         # MoE expert params: a domain of their own over the expert data-parallel group (experts.py), or none.
         dense, expert, expert_group = experts_mod.plan(config, named, expert_data_parallel_group, dp_group, dp_size,
                                                        model_parallel_group)
         self.layout = plan_layout([specs[i] for i in dense], dp_size, config.bucket_size)
         self.rank = rank
         self.device = device
+        # Hybrid CPU offload: the host part of this rank's shard (None without it), before the device buffers
+        # so that those are allocated for the device part only.
+        host = offload.prepare_host(config, self.layout, rank, device, state_names(families, config),
+                                    len(self.param_groups), experts=expert_group is not None)
         self.buffers = allocate(self.layout, [params[i] for i in dense], rank=rank, device=device,
-                                main_dtype=config.main_params_dtype, state_names=state_names(families, config))
+                                main_dtype=config.main_params_dtype, state_names=state_names(families, config),
+                                host=host)
         self.hyper = HyperParams(len(self.param_groups), device)
         self.scaler = scaler_from_config(config, device)
         scaled = self.scaler is not None
@@ -227,7 +205,10 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             ctx, expert_group, [specs[i] for i in expert], [params[i] for i in expert], device=device,
             state_names=state_names(families, config))
         expert_ctx = None if self.experts is None else self.experts.ctx
-        self.stages = default_chain(ctx, expert_ctx)
+        self._offload = offload.install(ctx, host, model_chunks)  # inert without CPU offload
+        self.stages = self._offload.adjust_chain(default_chain(ctx, expert_ctx))
+        # host_stages: run after the device step, never captured; host_tensors: {kind: host buffers}.
+        self.host_stages, self.host_tensors = self._offload.host_stages, self._offload.host_tensors
         self.ranges = Ranges()
         """Profiler ranges: set ``opt.ranges.enabled = True`` for an NVTX / torch.profiler range per stage
         of eager steps and one around each replay; off, the step runs without them."""
@@ -241,7 +222,6 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                                         experts=expert_ctx)
         self._publish = chain(publish_chain(ctx, expert_ctx))
         self._grads_seen = GradsSeen(params)
-        self.host_tensors: dict[str, list[torch.Tensor]] = {}  # host-memory tensors by kind: memory_stats' "host"
         self.result = StepResult(self.tensors.update_successful, self.tensors.grad_norm, self.tensors.num_zeros,
                                  self.tensors.loss_scale)
 
@@ -262,6 +242,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
 
     def _prepare(self) -> None:
         """Host-side work before the device step: keep the static bindings, refresh the hyperparameters."""
+        self._offload.finish()  # an overlapped host update of the last step must be done first
         self._grads_seen.check()
         replaced = []
         for buffers in self._domain_buffers():
@@ -289,6 +270,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             # graph land on it; a collective failing in a replay is named like an eager one.
             with device_scope(self.device), self.comm.named_errors():
                 self._runner.run()
+                self._offload.after_device_step()  # CPU offload: never captured, the host update and H2D
         # capture="auto" may have settled on eager at this step: the overlap hooks may run from now on.
         self._overlap.enabled = not self._runner.may_capture
         return self.result
@@ -322,6 +304,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         eagerly. Idempotent; the optimizer is also a context manager that closes on exit."""
         self._runner.close()
         self._overlap.remove()
+        self._offload.remove()
         self._grads_seen.remove()
 
     def __enter__(self) -> "GraphstepOptimizer":
@@ -351,6 +334,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         """Wait for all-gathers deferred by ``overlap_param_gather``: call before reading params outside a
         forward (a forward waits for them itself)."""
         self._overlap.finish()
+        self._offload.finish()
 
     @property
     def overlap_counts(self) -> dict[str, int]:
@@ -367,6 +351,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
     def publish_params(self) -> None:
         """Copy the main params into the model params (and all-gather them across data-parallel ranks):
         what a checkpoint load runs after copying into the main params. Collective with several ranks."""
+        self._offload.publish()  # CPU offload's host part first; the device part and the all-gathers follow
         self._publish()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -55,8 +55,10 @@ def state_dict(opt) -> dict:
         "layout": opt.layout.fingerprint(),
         "rank": opt.rank,
         "step": opt.tensors.step.clone(),
-        "main_params": [opt.buffers.main_shard_values(b) for b in range(len(opt.buffers.main_shard))],
-        "state": {name: [t.clone() for t in tensors] for name, tensors in opt.buffers.state.items()},
+        # Whole shards (copies), wherever their elements live (device, or host with CPU offload).
+        "main_params": [opt.buffers.full_shard("main", b) for b in range(len(opt.buffers.main_shard))],
+        "state": {name: [opt.buffers.full_shard(name, b) for b in range(len(tensors))]
+                  for name, tensors in opt.buffers.state.items()},
         "param_groups": groups,
         "scaler": None if opt.scaler is None else opt.scaler.state_dict(),
         "clip_grad": opt.clip_grad,
@@ -297,12 +299,13 @@ def _all_params(opt) -> list:
 
 def _check_buffers(buffers, saved: Mapping, where: str) -> Mapping:
     """``saved['main_params']`` and ``saved['state']`` match ``buffers``; returns the state by name."""
-    main_likes = [torch.empty(buf.shard_numel, dtype=m.dtype, device="meta")  # compact shards, as saved
-                  for buf, m in zip(buffers.layout.buffers, buffers.main_shard)]
-    check_tensor_list(saved["main_params"], f"{where}['main_params']", main_likes)
+    # Whole compact shards, as saved (wherever their elements live: device, or host with CPU offload).
+    check_tensor_list(saved["main_params"], f"{where}['main_params']",
+                      [buffers.shard_like("main", b) for b in range(len(buffers.main_shard))])
     states = check_mapping(saved["state"], f"{where}['state']", tuple(buffers.state), allowed=tuple(buffers.state))
     for name, tensors in buffers.state.items():
-        check_tensor_list(states[name], f"{where}['state'][{name!r}]", tensors, nonnegative=name == "exp_avg_sq")
+        check_tensor_list(states[name], f"{where}['state'][{name!r}]",
+                          [buffers.shard_like(name, b) for b in range(len(tensors))], nonnegative=name == "exp_avg_sq")
     return states
 
 
@@ -324,10 +327,10 @@ def load_state_dict(opt, state_dict: Any) -> None:
     # Everything is valid: copy. Nothing below can fail on a checked value.
     for buffers, saved, saved_states in _domains(opt, state_dict, states):
         for b, source in enumerate(saved["main_params"]):
-            buffers.load_main_shard(b, source)
-        for name, tensors in buffers.state.items():
-            for target, source in zip(tensors, saved_states[name]):
-                target.copy_(source)
+            buffers.load_shard("main", b, source)
+        for name in buffers.state:
+            for b, source in enumerate(saved_states[name]):
+                buffers.load_shard(name, b, source)
     apply_common(opt, state_dict["step"], updates, state_dict["scaler"], state_dict["clip_grad"],
                  state_dict["grad_norm_skip_threshold"])
     opt.publish_params()

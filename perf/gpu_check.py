@@ -25,6 +25,8 @@ The parts (check names in the JSON):
   distributed optimizer over it;
 - profile-cli: ``graphstep profile --capture graph`` on CUDA: kernel events in the trace, NVML telemetry;
 - families: Muon, fp8 params and CPU offload, only where ``OptimizerConfig`` accepts them;
+- offload: hybrid CPU offload (perf/gpu_check_offload.py): eager vs captured, against no offload, the
+  overlapped host update, pinned buffers and the device bytes saved;
 - cuda-tests: ``pytest -m cuda tests/cuda`` (last: what runs short of the budget is recorded as not run).
 
 ``--cpu`` is the dry run for a machine without a GPU (and for CI): the same script end to end, every
@@ -63,6 +65,9 @@ PARTS = {
              ["nccl-world1-collectives-captured", "nccl-world1-distributed-optimizer"]),
     "profile-cli": ("gpu_check_env", "part_profile_cli", False, 120, ["graphstep-profile-capture-graph"]),
     "families": ("gpu_check_numerics", "part_families", True, 120, ["family-muon", "family-fp8", "family-offload"]),
+    "offload": ("gpu_check_offload", "part_offload", True, 120,
+                ["offload-eager-vs-captured", "offload-vs-device-only", "offload-overlap",
+                 "offload-pinned-and-memory"]),
     # Last: the test suite repeats much of "bitwise"; if the budget runs short, it is what goes unrun.
     "cuda-tests": ("gpu_check_env", "part_cuda_tests", False, 240, ["pytest-tests-cuda"]),
 }

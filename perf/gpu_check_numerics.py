@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -50,21 +50,26 @@ def tiny_model(device, seed: int = 0) -> torch.nn.Module:
 
 
 def train(device, mode: str, *, precision: str = "fp32", kernel: str = "fused", steps: int = STEPS,
-          replace_at: Optional[int] = None, config_extra: Optional[dict] = None, process_group=None) -> Run:
+          replace_at: Optional[int] = None, config_extra: Optional[dict] = None, process_group=None,
+          prepare: Optional[Callable[[torch.nn.Module], object]] = None) -> Run:
     """``steps`` steps of a small MLP under an LR schedule, with one injected inf grad at INF_STEP (the
-    step must be skipped) and optionally a param's ``.data`` replaced before step ``replace_at``."""
+    step must be skipped) and optionally a param's ``.data`` replaced before step ``replace_at``.
+    ``prepare(model)`` runs before the optimizer is built (e.g. ``gs.fp8.convert``)."""
     model = tiny_model(device)
+    if prepare is not None:
+        prepare(model)
     config = gs.OptimizerConfig(lr=1e-3, clip_grad=0.5, capture=mode, capture_warmup_steps=3, kernel=kernel,
                                 **PRECISIONS[precision], **(config_extra or {}))
     opt = gs.get_optimizer(config, model, process_group=process_group)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
     generator = torch.Generator(device=device).manual_seed(0)
     first = next(model.parameters())
+    input_dtype = next(p.dtype for p in model.parameters() if p.element_size() > 1)  # not an fp8 weight's
     history = []
     for step in range(steps):
         x = torch.randn(16, 64, device=device, generator=generator)
         opt.zero_grad()
-        opt.scale_loss(model(x.to(first.dtype)).float().square().mean()).backward()
+        opt.scale_loss(model(x.to(input_dtype)).float().square().mean()).backward()
         if step == INF_STEP:
             first.main_grad.view(-1)[0] = float("inf")
         if step == replace_at:
@@ -301,16 +306,21 @@ def part_nccl(device, small: bool) -> list[dict]:
     return out
 
 
-# The features later issues add, as the OptimizerConfig fields they would take; a row runs only where the
-# config accepts them.
-FAMILIES = {"muon": {"optimizer": "muon"}, "fp8": {"params_dtype": getattr(torch, "float8_e4m3fn", None)},
-            "offload": {"optimizer_cpu_offload": True}}
+def _fp8_first_layer(model: torch.nn.Module) -> None:
+    gs.fp8.convert(model, "tensorwise", modules=lambda name, module: name == "0")
+
+
+# The optimizer families and features beyond Adam: (OptimizerConfig fields, model preparation or None); a
+# row runs only where the config accepts its fields.
+FAMILIES = {"muon": ({"optimizer": "muon"}, None),
+            "fp8": ({"bf16": True, "fp8_recipe": "tensorwise"}, _fp8_first_layer),
+            "offload": ({"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5}, None)}
 
 
 def part_families(device, small: bool) -> list[dict]:
     """Muon, fp8 params and CPU offload, eager vs captured, where ``OptimizerConfig`` accepts them."""
     out = []
-    for family, fields in FAMILIES.items():
+    for family, (fields, prepare) in FAMILIES.items():
         name = f"family-{family}"
         try:
             gs.OptimizerConfig(**fields)
@@ -320,8 +330,8 @@ def part_families(device, small: bool) -> list[dict]:
             continue
         try:
             steps = SMALL_STEPS if small else STEPS
-            eager = train(device, "eager", config_extra=fields, steps=steps)
-            captured = train(device, "graph", config_extra=fields, steps=steps)
+            eager = train(device, "eager", config_extra=fields, steps=steps, prepare=prepare)
+            captured = train(device, "graph", config_extra=fields, steps=steps, prepare=prepare)
             out.append(compare(name, eager, captured))
         except Exception as error:
             out.append(record(name, "error", f"{type(error).__name__}: {error}"))

@@ -17,10 +17,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # Every check the script owns; the ones that only mean something on a GPU are skipped in the dry run.
 GPU_ONLY = {"pytest-tests-cuda", "replay-without-host-sync", "captured-vs-eager-10k-tensors", "flat-64M-vs-hbm-floor",
             "memory-flat-over-10-recaptures", "capture-with-pinned-memory-thread", "nccl-world1-collectives-captured",
-            "nccl-world1-distributed-optimizer", "graphstep-profile-capture-graph"}
+            "nccl-world1-distributed-optimizer", "graphstep-profile-capture-graph", "offload-pinned-and-memory"}
 CPU_RUNNABLE = {f"bitwise-{p}-{k}" for p in ("fp32", "bf16", "fp16") for k in ("fused", "compiled")} | {
     "preflight", "bitwise-negative-control", "forced-recapture", "cpu-time-per-replay",
-    "kernels-per-replay-independent-of-tensor-count"}
+    "kernels-per-replay-independent-of-tensor-count", "offload-eager-vs-captured", "offload-vs-device-only",
+    "offload-overlap"}
 # Rows for features later issues add: they run where OptimizerConfig accepts them, else skip saying so.
 FEATURE_ROWS = {"family-muon", "family-fp8", "family-offload"}
 

@@ -59,12 +59,9 @@ def state_kinds(opt) -> tuple[str, ...]:
     return (MAIN_PARAM,) + tuple(opt.buffers.state)
 
 
-def _kind_range(opt, kind: str, buffer: int, shard_start: int, size: int) -> torch.Tensor:
-    """This rank's ``[shard_start, + size)`` of ``kind`` in ``buffer``'s shard (main params may live in the
-    param buffer itself: ``StaticBuffers.main_range``)."""
-    if kind == MAIN_PARAM:
-        return opt.buffers.main_range(buffer, shard_start, size)
-    return opt.buffers.state[kind][buffer][shard_start:shard_start + size]
+def _kind_part(opt, kind: str, buffer: int, start: int, size: int) -> torch.Tensor:
+    """This rank's shard elements [start, start + size) of ``kind``, on the device or (CPU offload) host."""
+    return opt.buffers.shard_part("main" if kind == MAIN_PARAM else kind, buffer, start, size)
 
 
 def encode_json(value: Any) -> torch.Tensor:
@@ -124,7 +121,7 @@ def _build(opt, slice_fn: Callable[[torch.Tensor], torch.Tensor]) -> dict:
             local = None
             if mine:
                 o = mine[0]
-                local = slice_fn(_kind_range(opt, kind, place.buffer, o.shard_start, o.param_end - o.param_start))
+                local = slice_fn(_kind_part(opt, kind, place.buffer, o.shard_start, o.param_end - o.param_start))
             dtype = (opt.buffers.main_shard if kind == MAIN_PARAM else opt.buffers.state[kind])[place.buffer].dtype
             out[state_key(kind, place.name)] = (
                 _sharded(local, place, owners[place.index], global_ranks, rank, dtype) if sharded else local)
@@ -151,7 +148,7 @@ def sharded_state_dict(opt, *, snapshot: bool = False) -> dict:
     """
     refuse_checkpoint(opt, "sharded_state_dict")
     opt.finish_param_gather()
-    take = (lambda view: view.clone()) if snapshot else (lambda view: view)
+    take = (lambda part: part.clone()) if snapshot else (lambda part: part)
     sd = _build(opt, take)
     sd[STEP_KEY] = opt.tensors.step.clone()
     if opt.scaler is not None:
@@ -269,7 +266,7 @@ def validate(opt, sd: Any) -> dict:
             mine = owned.get(place.index)
             source = _check_entry(opt, sd[key], key, place, mine, nonnegative=kind == "exp_avg_sq")
             if source is not None:
-                copies.append((_kind_range(opt, kind, place.buffer, mine.shard_start, source.numel()), source))
+                copies.append((_kind_part(opt, kind, place.buffer, mine.shard_start, source.numel()), source))
     flat.check_step(sd[STEP_KEY], f"[{STEP_KEY!r}]", opt.tensors.step)
     scaler = None
     if meta["scaler"] is not None:

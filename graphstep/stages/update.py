@@ -19,6 +19,8 @@ in; a flip recaptures.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..families import StepScalars, ViewSources
@@ -38,7 +40,7 @@ def build(ctx, *, advance_step: bool = True) -> Stage:
     scalars = StepScalars(t.step, t.found_inf)
     calls = []  # (family call, family kernels, views, live kwargs, baked (keyword, row, column))
     baked_sources = []  # (group, field, row, column), for the baked report
-    segments = ctx.layout.segments(ctx.rank)
+    segments = device_segments(ctx)
     for group, family in enumerate(ctx.families):
         if family.check is not None:
             family.check(ctx, group)
@@ -81,6 +83,19 @@ def build(ctx, *, advance_step: bool = True) -> Stage:
         return values + (("step", "grad scale passed to the kernel", uses_grad_scale()),)
 
     return Stage("update", apply, baked_values)
+
+
+def device_segments(ctx) -> list:
+    """This rank's segments, cut to the part of the shard the device holds main params for: all of it, or
+    with CPU offload the prefix ``[0, buffers.device_numel(b))`` (graphstep.offload updates the rest)."""
+    limits = [ctx.buffers.device_numel(b) for b in range(len(ctx.buffers.main_shard))]
+    cut = []
+    for s in ctx.layout.segments(ctx.rank):
+        end = min(s.shard_end, limits[s.buffer])
+        if end > s.shard_start:
+            cut.append(s if end == s.shard_end else
+                       dataclasses.replace(s, shard_end=end, flat_end=s.flat_start + end - s.shard_start))
+    return cut
 
 
 def _main_in_flat(ctx) -> tuple[bool, ...]:
@@ -138,19 +153,26 @@ def _copy_back_pairs(ctx) -> list:
 
     Nothing for buffers whose main params are the params (fp32 params, at any data-parallel size: the
     update wrote them in place). One copy of the whole buffer with one rank; with several, each bucket's
-    owned shard (the gather stage then all-gathers the rest).
+    owned shard (the gather stage then all-gathers the rest). Only the part of the shard whose main
+    params are on the device (all of it without CPU offload; graphstep.offload copies the host part).
     """
     buffers, layout = ctx.buffers, ctx.layout
     pairs = []
     for b, buf in enumerate(layout.buffers):
         if buffers.main_is_param[b] or is_fp8_buffer(buf):  # fp8: the requantize stage writes those bytes
             continue
+        on_device = buffers.device_numel(b)
         if layout.dp_size == 1:
-            pairs.append((buffers.param_flat[b], buffers.main_shard[b]))
+            if on_device == buf.numel:
+                pairs.append((buffers.param_flat[b], buffers.main_shard[b]))
+            elif on_device:
+                pairs.append((buffers.param_flat[b][:on_device], buffers.main_shard[b]))
             continue
         for index in buf.buckets:
             bucket = layout.buckets[index]
-            lo, hi = bucket.shard_range(ctx.rank)
-            pairs.append((buffers.param_flat[b][lo:hi],
-                          buffers.main_shard[b][bucket.shard_offset:bucket.shard_offset + bucket.shard_numel]))
+            lo, _ = bucket.shard_range(ctx.rank)
+            size = min(bucket.shard_numel, on_device - bucket.shard_offset)
+            if size > 0:
+                pairs.append((buffers.param_flat[b][lo:lo + size],
+                              buffers.main_shard[b][bucket.shard_offset:bucket.shard_offset + size]))
     return pairs

@@ -1,0 +1,120 @@
+"""ChunkWorker: the host part of an offloaded step on a worker thread, chunk by chunk, overlapped.
+
+``start`` hands the worker the event recorded after the device step and the step's hyperparameters;
+``step()`` returns at once. The worker waits for the event (the step's one host wait, on this thread),
+then for each chunk in forward order: the host update, the cast into staging, the H2D copies (on a side
+stream on an accelerator, so one chunk's copy overlaps the next chunk's update), and marks it ready.
+
+The next forward: a pre-hook on every module that owns params waits until the chunks holding its params
+(its children's included, like graphstep/overlap.py) are ready and, on an accelerator, makes the current
+stream wait for their copies (a device-side wait, not a host one). ``finish`` waits for everything:
+the engine calls it before the next step and before anything reads the buffers (checkpoints).
+
+torch's CPU kernels and copies release the GIL, so on a CPU-only machine the worker's update really runs
+alongside the main thread (e.g. the data loading and the first layers of the next forward).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Optional
+
+import torch
+
+
+class ChunkWorker:
+    def __init__(self, offload, model_chunks, ctx):
+        self._offload = offload
+        self._chunks = offload.chunks
+        self._device = torch.device(ctx.buffers.param_flat[0].device)
+        self._accelerator = self._device.type != "cpu"
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="graphstep-offload")
+        self._future: Optional[Future] = None
+        self._ready = [threading.Event() for _ in self._chunks]
+        self._events: list = [None] * len(self._chunks)
+        self._stream = torch.Stream(device=self._device) if self._accelerator else None
+        self._handles: list = []
+        self.waited_chunks = 0
+        """How many chunk waits a forward pre-hook made before the chunk was ready (for tests and stats)."""
+        self._install_forward_hooks(ctx, model_chunks)
+
+    def start(self, device_step_done, hyper_rows: list) -> None:
+        self.finish()
+        for ready in self._ready:
+            ready.clear()
+        self._future = self._pool.submit(self._run, device_step_done, hyper_rows)
+
+    def _run(self, device_step_done, rows: list) -> None:
+        try:
+            if device_step_done is not None:
+                device_step_done.synchronize()  # the step's one host wait, on this thread
+                self._stream.wait_event(device_step_done)  # copies start after the device step's reads
+            for c, chunk in enumerate(self._chunks):
+                self._offload.update_chunk(chunk, rows)
+                if self._stream is not None:
+                    with self._stream:  # the worker's current stream: the H2D copies queue on it
+                        self._offload.copy_chunk(chunk)
+                    event = torch.Event(device=self._device)
+                    event.record(self._stream)
+                    self._events[c] = event
+                else:
+                    self._offload.copy_chunk(chunk)
+                self._ready[c].set()
+        finally:
+            for ready in self._ready:  # a failure surfaces in finish(); never leave a forward hanging
+                ready.set()
+
+    def wait_chunks(self, indices) -> None:
+        if self._future is None:
+            return
+        for c in indices:
+            if not self._ready[c].is_set():
+                self.waited_chunks += 1
+                self._ready[c].wait()
+            if self._events[c] is not None:
+                torch.accelerator.current_stream(self._device).wait_event(self._events[c])
+
+    def finish(self) -> None:
+        future, self._future = self._future, None
+        if future is None:
+            return
+        future.result()  # re-raises a failure of the host update here, on the training thread
+        if self._accelerator:
+            stream = torch.accelerator.current_stream(self._device)
+            for event in self._events:
+                if event is not None:
+                    stream.wait_event(event)
+        self._events = [None] * len(self._chunks)
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        try:
+            self.finish()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def _install_forward_hooks(self, ctx, model_chunks) -> None:
+        if model_chunks is None:
+            return
+        modules = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+        chunk_of = {}
+        for c, chunk in enumerate(self._chunks):
+            for index in chunk.params:
+                chunk_of.setdefault(id(ctx.buffers.params[index]), set()).add(c)
+
+        def make_pre_hook(indices: tuple[int, ...]):
+            def pre_hook(module, args) -> None:
+                self.wait_chunks(indices)
+
+            return pre_hook
+
+        for root in modules:
+            for module in root.modules():
+                if not any(True for _ in module.parameters(recurse=False)):
+                    continue
+                needed = sorted({c for p in module.parameters() for c in chunk_of.get(id(p), ())})
+                if needed:
+                    self._handles.append(module.register_forward_pre_hook(make_pre_hook(tuple(needed))))
