@@ -13,8 +13,9 @@ outside a forward (e.g. ``model.state_dict()`` right after the last step).
 ``enabled`` switches all of it off at once: hooks then do nothing and the stages run their collectives
 synchronously in the step. **It must be False while a capture records the step and while the captured
 step replays**: the collectives are part of the graph then, and a hook launching one outside it would
-pair up with nothing. (If a reduce was already launched when it is switched off, the step waits on it and
-runs it again, so a recording still holds every collective.)
+pair up with nothing. Hooks are only switched on once the step is known to run eagerly, so no capture
+follows a launch; a reduce still pending when they are switched off (``close()``) is waited on by the
+step, not run again (it sums in place: stages/reduce.py).
 
 Grad accumulation: run the earlier micro-batches under ``no_sync()``, so only the last backward launches
 the reduce-scatters. A bucket's reduce-scatter sums in place into the grad buffer (this rank's slice of

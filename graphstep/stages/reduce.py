@@ -3,9 +3,9 @@
 Per bucket, ``grad_flat[bucket]`` (every rank's full local grads) is reduce-scattered in place: the output
 is this rank's own slice of it, ``grad_flat[bucket.shard_range(rank)]`` (``grad_shard[bucket.index]``), the
 in-place form gloo and NCCL both accept (on gloo, 2 and 4 ranks, fp32/bf16/fp16, several in flight at
-once, it equals a reduce-scatter into a separate output bitwise: tests/distributed/test_memory_stats.py). No output buffer: ZeRO's grad memory is the grad buffer. The
-layout pads every bucket to a multiple of lcm(dp, 128), so the split is even (gloo has no uneven
-reduce-scatter) and the padding stays zero.
+once, it equals a reduce-scatter into a separate output bitwise: tests/distributed/test_memory_stats.py).
+No output buffer: ZeRO's grad memory is the grad buffer. The layout pads every bucket to a multiple of
+lcm(dp, 128), so the split is even (gloo has no uneven reduce-scatter) and the padding stays zero.
 
 Averaging: a SUM reduce-scatter, then the received shard times 1/dp: a pass over 1/dp of the bucket,
 not over all of it (gloo has no PREMUL_SUM; its AVG measured no faster than SUM plus this multiply, and a
