@@ -42,7 +42,7 @@ from ..families import StepScalars
 from ..layout import Layout
 from ..stages import Stage
 from ..stages.gather import bucket_gathers
-from .chunks import build_chunks
+from .chunks import build_chunks, flat_pieces
 from .host import HostShards
 from .overlap import ChunkWorker
 from .plan import OffloadPlan, host_buckets, plan_offload
@@ -74,28 +74,15 @@ def install(ctx, host: Optional[HostShards], model_chunks=None):
 
 
 def _grad_copies(ctx, host: HostShards) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(host grads view, device grads view) pairs: the reduced grads of each buffer's host part.
-
-    Host offsets ``[0, host_size)`` of a buffer are its shard offsets ``[split, shard_numel)``. With one
-    rank the shard is the grad buffer itself; with several, each bucket's piece of the shard lies in
-    ``grad_flat`` at the bucket's shard range (its reduce-scatter wrote it there in place).
-    """
-    layout, buffers, plan = ctx.layout, ctx.buffers, host.plan
+    """(host grads view, device grads view) pairs: the reduced grads of each buffer's host part, which
+    are host offsets ``[0, host_size)`` = shard offsets ``[split, shard_numel)``; with several ranks each
+    bucket's reduce-scatter wrote its piece in place, in ``grad_flat`` at the bucket's shard range."""
     copies = []
-    for b, buf in enumerate(layout.buffers):
-        split = plan.splits[b]
-        if not plan.host_size(b):
-            continue
-        if layout.dp_size == 1:
-            copies.append((host.grads[b], buffers.grad_flat[b][split:]))
-            continue
-        for index in buf.buckets:
-            bucket = layout.buckets[index]
-            start = max(split, bucket.shard_offset)
-            end = bucket.shard_offset + bucket.shard_numel
-            if end > start:
-                flat = bucket.shard_range(ctx.rank)[0] + start - bucket.shard_offset
-                copies.append((host.grads[b][start - split:end - split], buffers.grad_flat[b][flat:flat + end - start]))
+    for b in range(len(ctx.layout.buffers)):
+        split, size = host.plan.splits[b], host.plan.host_size(b)
+        grad_flat = ctx.buffers.grad_flat[b]
+        for flat, start, numel in flat_pieces(ctx, b, split, split + size):
+            copies.append((host.grads[b][start - split:start - split + numel], grad_flat[flat:flat + numel]))
     return copies
 
 

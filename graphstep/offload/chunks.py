@@ -101,18 +101,25 @@ def build_chunks(ctx, host, *, overlap: bool) -> list[Chunk]:
     return forward_order(chunks)
 
 
-def _param_copies(ctx, b: int, split: int, lo: int, hi: int, source: torch.Tensor):
-    """(param_flat view, host view) pairs covering host offsets [lo, hi) of buffer ``b``."""
-    layout, param_flat = ctx.layout, ctx.buffers.param_flat[b]
+def flat_pieces(ctx, b: int, start: int, end: int):
+    """(flat offset, shard offset, numel) per bucket of buffer ``b`` overlapping shard offsets [start, end).
+
+    A rank's shard of a buffer is the concatenation of its shards of the buffer's buckets, which are not
+    contiguous in the flat buffers: bucket by bucket, a shard range maps to ``bucket.shard_range(rank)``.
+    """
+    layout = ctx.layout
     for index in layout.buffers[b].buckets:
         bucket = layout.buckets[index]
-        first, _ = bucket.shard_range(ctx.rank)
-        # The bucket's shard covers shard offsets [shard_offset, shard_offset + shard_numel).
-        start = max(bucket.shard_offset, split + lo)
-        end = min(bucket.shard_offset + bucket.shard_numel, split + hi)
-        if end > start:
-            flat = first + start - bucket.shard_offset
-            yield param_flat[flat:flat + end - start], source[start - split:end - split]
+        lo, hi = max(bucket.shard_offset, start), min(bucket.shard_offset + bucket.shard_numel, end)
+        if hi > lo:
+            yield bucket.shard_range(ctx.rank)[0] + lo - bucket.shard_offset, lo, hi - lo
+
+
+def _param_copies(ctx, b: int, split: int, lo: int, hi: int, source: torch.Tensor):
+    """(param_flat view, host view) pairs covering host offsets [lo, hi) of buffer ``b``."""
+    param_flat = ctx.buffers.param_flat[b]
+    for flat, start, numel in flat_pieces(ctx, b, split + lo, split + hi):
+        yield param_flat[flat:flat + numel], source[start - split:start - split + numel]
 
 
 def forward_order(chunks: list[Chunk]) -> list[Chunk]:
