@@ -116,6 +116,7 @@ class StaticBuffers:
         same_dtype = [i for i in range(len(self.params)) if self.grads_in_param_dtype(i)]
         self._grad_params = [self.params[i] for i in same_dtype]
         self._grad_views = [self.grad_view(i) for i in same_dtype]
+        self._grad_view_of = dict(zip(same_dtype, self._grad_views))
         self._originals = {(kind, b): t for kind, tensors in self._slots() for b, t in enumerate(tensors)}
 
     def _slots(self):
@@ -203,6 +204,18 @@ class StaticBuffers:
 
     def grads_in_param_dtype(self, index: int) -> bool:
         return self.grad_flat[self.layout.params[index].buffer].dtype == self.params[index].dtype
+
+    def adopt_grad(self, index: int, param: torch.nn.Parameter) -> None:
+        """From a backward hook: a grad autograd made afresh (the user had set it to None) moves into its
+        ``grad_flat`` view, as ``bind_grads`` would before the step, so that what reads the view now (a
+        reduce-scatter, a folded norm) reads this backward's grad."""
+        view = self._grad_view_of.get(index)  # the very object bindings_intact checks for
+        if view is None:  # grads accumulate into an fp32 main grad: .grad is None between backwards
+            return
+        if param.grad is not None and param.grad is not view:
+            if param.grad.data_ptr() != view.data_ptr():
+                view.copy_(param.grad)
+            param.grad = view
 
     def bind_grads(self) -> None:
         """Point every param's grad back at its ``grad_flat`` view, keeping any values written elsewhere.

@@ -7,6 +7,7 @@ once, and ``step`` only refreshes the hyperparameter tensors (host side) and app
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -16,7 +17,7 @@ from capture.devices import backend_for, device_scope
 from capture.profile import Ranges
 
 from . import experts as experts_mod
-from . import offload, overlap
+from . import folded_norm, offload, overlap
 from . import state_dict as state_dict_mod
 from .agreement import agreement_for
 from .buffers import StaticBuffers, allocate
@@ -25,20 +26,17 @@ from .debug import StepReport, run_debug_step
 from .distributed import Collectives, data_parallel_group
 from .families import families_of, state_names
 from .fp8 import engine_support as fp8_support
-from .fp8 import is_fp8
 from .grads_seen import GradsSeen
 from .hyperparams import HyperParams
 from .kernels import choose_kernels
-from .layout import ParamSpec, plan_layout
+from .layout import plan_layout
 from .memory import memory_stats
+from .model_params import named_trainable_params, param_spec
 from .routing import build_family_param_groups
 from .runner import StepRunner
 from .scaler import scaler_from_config
 from .stages import StepTensors, baked_values, chain, default_chain, publish_chain
 from .stages.context import StepContext
-
-_HALF = (torch.float16, torch.bfloat16)
-
 
 @dataclass(frozen=True)
 class StepResult:
@@ -65,43 +63,6 @@ def get_optimizer(config: OptimizerConfig, model_chunks, config_overrides=None, 
     """
     return GraphstepOptimizer(config, model_chunks, config_overrides, process_group, model_parallel_group,
                               expert_data_parallel_group)
-
-
-def _named_trainable_params(model_chunks) -> list[tuple[str, torch.nn.Parameter]]:
-    chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
-    if not chunks or not all(isinstance(c, torch.nn.Module) for c in chunks):
-        raise TypeError("get_optimizer: model_chunks must be an nn.Module or a non-empty list of them")
-    named, seen = [], set()
-    for c, chunk in enumerate(chunks):
-        for name, p in chunk.named_parameters():
-            if not p.requires_grad or id(p) in seen:
-                continue
-            seen.add(id(p))
-            name = name if len(chunks) == 1 else f"{c}.{name}"
-            if not p.is_leaf:
-                raise ValueError(f"param '{name}' is not a leaf tensor (it was computed from other tensors): "
-                                 "register an nn.Parameter, or freeze it with requires_grad_(False)")
-            named.append((name, p))
-    if not named:
-        raise ValueError("get_optimizer: the model has no trainable parameters")
-    return named
-
-
-def _param_spec(config: OptimizerConfig, name: str, p: torch.nn.Parameter, group: int,
-                batch_by_shape: bool = False) -> ParamSpec:
-    """The layout's view of one param, refusing dtypes graphstep does not train."""
-    if p.is_complex():
-        raise ValueError(f"param '{name}' is complex ({p.dtype}): graphstep trains real floating-point params "
-                         "only (store a complex weight as torch.view_as_real of a real parameter)")
-    dtype = p.dtype if is_fp8(p) else (config.model_dtype or p.dtype)  # fp8 weights stay fp8
-    if not dtype.is_floating_point:
-        raise ValueError(f"param '{name}' has dtype {dtype}: only floating-point params can be trained")
-    if dtype == torch.float64:
-        source = "params_dtype=torch.float64" if config.model_dtype is not None else f"param '{name}' is float64"
-        raise ValueError(f"{source}: graphstep trains float32, bfloat16 and float16 params (its norm and update "
-                         "kernels run in fp32 over fp32 main params); cast the model with model.float()")
-    grad_dtype = config.main_grads_dtype if dtype in _HALF or is_fp8(p) else dtype
-    return ParamSpec(name, tuple(p.shape), dtype, grad_dtype, group, batch_by_shape)
 
 
 def _static_inputs(domains: list[StaticBuffers], hyper: HyperParams, tensors: StepTensors):
@@ -144,7 +105,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         if not isinstance(config, OptimizerConfig):
             raise TypeError(f"get_optimizer: config must be an OptimizerConfig, got {type(config).__name__}")
         self.config = config
-        named = _named_trainable_params(model_chunks)
+        named = named_trainable_params(model_chunks)
         # Validates the overrides; routes each param to its optimizer family (the groups' "optimizer" key).
         groups = build_family_param_groups(named, config, config_overrides)
         self._building = True
@@ -160,7 +121,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
         fp8_support.check_against_config(config, named)
         self._families = families = families_of(self.param_groups, config.optimizer)
-        specs = [_param_spec(config, name, p, group_of[id(p)], families[group_of[id(p)]].batch_by_shape)
+        specs = [param_spec(config, name, p, group_of[id(p)], families[group_of[id(p)]].batch_by_shape)
                  for name, p in named]
 
         dp_group, rank, dp_size = data_parallel_group(config, process_group)
@@ -200,7 +161,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         kernels, self.kernel_choice = choose_kernels(config, device, families)
         """Which update kernel runs (``kernel="auto"`` resolved), why, and the probe's compile seconds."""
         ctx = StepContext(config, self.layout, self.buffers, self.hyper, kernels, families,
-                          self.tensors, self.scaler, self.comm, rank)
+                          self.tensors, self.scaler, self.comm, rank,
+                          folded=folded_norm.plan(config, self.layout, self.buffers, hooked=True))
         self.experts = None if expert_group is None else experts_mod.build_domain(  # layout, buffers, comm, ctx
             ctx, expert_group, [specs[i] for i in expert], [params[i] for i in expert], device=device,
             state_names=state_names(families, config))
@@ -222,6 +184,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                                         experts=expert_ctx)
         self._publish = chain(publish_chain(ctx, expert_ctx))
         self._grads_seen = GradsSeen(params)
+        self._fold = folded_norm.Fold([ctx.folded, expert_ctx and expert_ctx.folded], self.buffers)
         self.result = StepResult(self.tensors.update_successful, self.tensors.grad_norm, self.tensors.num_zeros,
                                  self.tensors.loss_scale)
 
@@ -244,13 +207,15 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         """Host-side work before the device step: keep the static bindings, refresh the hyperparameters."""
         self._offload.finish()  # an overlapped host update of the last step must be done first
         self._grads_seen.check()
-        replaced = []
+        replaced, rebound = [], False
         for buffers in self._domain_buffers():
             replaced += buffers.restore_replaced_buffers()
             if not buffers.bindings_intact():
+                rebound = True
                 replaced += buffers.readopt_params()  # also rebinds grads a user set to None (as zeros)
         if replaced:
             self._runner.on_replaced(replaced)
+        self._fold.before_step(grads_rebound=rebound or bool(replaced))  # fold_grad_norm's stale sums
         for g, (group, family) in enumerate(zip(self.param_groups, self._families)):
             problem = family.group_problem(group, self.config) if family.group_problem is not None else None
             if problem is not None:
@@ -271,6 +236,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             with device_scope(self.device), self.comm.named_errors():
                 self._runner.run()
                 self._offload.after_device_step()  # CPU offload: never captured, the host update and H2D
+            self._fold.invalidate()
         # capture="auto" may have settled on eager at this step: the overlap hooks may run from now on.
         self._overlap.enabled = not self._runner.may_capture
         return self.result
@@ -306,6 +272,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self._overlap.remove()
         self._offload.remove()
         self._grads_seen.remove()
+        self._fold.remove()
 
     def __enter__(self) -> "GraphstepOptimizer":
         return self
@@ -324,7 +291,10 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                 closure()
         with torch.no_grad():
             self._prepare()
-            return run_debug_step(self)
+            self._fold.warn_out_of_date()
+            report = run_debug_step(self)
+            self._fold.invalidate()
+            return report
 
     def memory_stats(self) -> dict[str, dict[str, int]]:
         """Bytes this rank's optimizer holds, by kind, on device and host, with totals (graphstep.memory)."""
@@ -342,10 +312,18 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         all-gathers finished by a forward pre-hook (both 0 without overlap)."""
         return {"launched_reduces": self._overlap.launched_reduces, "waited_gathers": self._overlap.waited_gathers}
 
+    @property
+    def fold_counts(self) -> dict[str, int]:
+        """``fold_grad_norm``: sums of squares folded in backward, and right before a step because backward had
+        not (graphstep.folded_norm). A loop that gets the fold's benefit keeps the second at 0."""
+        return self._fold.counts()
+
+    @contextlib.contextmanager
     def no_sync(self):
-        """Context manager for grad accumulation with ``overlap_grad_reduce``: backward inside it only
-        accumulates; the reduce-scatters start in the last micro-batch's backward, outside it."""
-        return self._overlap.no_sync()
+        """Grad accumulation: backward inside only accumulates. The reduce-scatters (``overlap_grad_reduce``)
+        and the folded norm (``fold_grad_norm``) run in the last micro-batch's backward, outside it."""
+        with self._overlap.no_sync(), self._fold.no_sync():
+            yield
 
     @torch.no_grad()
     def publish_params(self) -> None:
@@ -358,6 +336,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         """Zero every grad in place (``set_to_none`` is ignored: the grad buffers are static)."""
         for buffers in self._domain_buffers():
             buffers.zero_grad()
+        self._fold.invalidate()
 
     def _domain_buffers(self) -> list[StaticBuffers]:
         """The dense buffers, then the expert domain's (graphstep/experts.py) when there is one."""

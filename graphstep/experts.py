@@ -167,6 +167,7 @@ class ExpertDomain:
 def build_domain(dense_ctx, group: ExpertGroup, specs, params, *, device, state_names) -> ExpertDomain:
     """Plan, allocate and agree on the expert domain (the build-time layout check runs over its group)."""
     from .buffers import allocate
+    from . import folded_norm
     from .distributed import Collectives
     from .layout import plan_layout
 
@@ -176,6 +177,8 @@ def build_domain(dense_ctx, group: ExpertGroup, specs, params, *, device, state_
                        state_names=state_names)
     comm = Collectives(group.group, group.size, None, timeout_s=config.distributed_timeout_s)
     comm.setup(layout, config, device)
+    # Expert grads become final in the step (its reduce-scatter or local average), which folds their norm.
+    folded = folded_norm.plan(config, layout, buffers, hooked=False)
     ctx = dataclasses.replace(dense_ctx, layout=layout, buffers=buffers, comm=comm, rank=group.rank,
-                              average_over=group.average_over)
+                              average_over=group.average_over, folded=folded)
     return ExpertDomain(layout, buffers, comm, ctx)

@@ -23,6 +23,10 @@ it holds the sum afterwards, stages/reduce.py), so a later backward into a bucke
 accumulate correctly: the hook raises then, naming ``no_sync`` (Megatron-Core refuses the same). fp16
 grads are pre-scaled in place before their SUM, so their buckets are never launched from hooks.
 
+With ``fold_grad_norm`` the hook that launches a bucket first lands the buckets launched before it (waits,
+averages, folds their sums of squares: graphstep.folded_norm), so the norm is computed in backward and
+the step only waits on the last bucket.
+
 All ranks must produce each bucket's grads in the same order (the same model and control flow, as with
 DDP): collectives pair up by launch order. A bucket whose param got no grad in this backward is not
 launched by a hook; the step launches it in bucket order.
@@ -91,27 +95,21 @@ class Overlap:
     def _install_grad_hooks(self, ctx) -> None:
         reduces = {r.bucket: r for r in bucket_reduces(ctx) if r.overlappable}
         seen: dict[int, set[int]] = {b: set() for b in reduces}
-        comm, buffers = self._comm, self._buffers
+        comm, buffers, folded = self._comm, self._buffers, ctx.folded
 
         def make_hook(index: int, bucket: int):
             reduce = reduces[bucket]
-            same_dtype = buffers.grads_in_param_dtype(index)
 
             def hook(param: torch.nn.Parameter) -> None:
                 if not comm.overlap_enabled or self._no_sync:
                     return
-                if same_dtype:
-                    # A grad set to None (model.zero_grad()) comes back as a fresh tensor: move it into the
-                    # flat buffer the reduce-scatter reads, as bind_grads would before the step.
-                    view = buffers.grad_view(index)
-                    if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
-                        view.copy_(param.grad)
-                        param.grad = view
+                # A grad set to None (model.zero_grad()) comes back as a fresh tensor: into the flat buffer.
+                buffers.adopt_grad(index, param)
                 arrived = seen[bucket]
                 if index in arrived or len(arrived) == len(reduce.params):
                     # A new backward into this bucket. Normally the step consumed the last launch; if it is
-                    # still pending, this is grad accumulation into grads already being summed in place.
-                    if comm.wait(("reduce", bucket)):
+                    # still pending (or landed), this is grad accumulation into grads already summed in place.
+                    if comm.wait(("reduce", bucket)) or (folded is not None and bucket in folded.landed):
                         raise RuntimeError(
                             f"graphstep: a backward reached bucket {bucket} again after its grad reduce-scatter "
                             "was launched (overlap_grad_reduce): it sums in place, so accumulating on top is "
@@ -120,6 +118,8 @@ class Overlap:
                     arrived.clear()
                 arrived.add(index)
                 if len(arrived) == len(reduce.params):
+                    if folded is not None:
+                        self._land_launched(reduces, folded)
                     reduce.launch(comm, key=("reduce", bucket))
                     self.launched_reduces += 1
 
@@ -130,6 +130,19 @@ class Overlap:
                 param = buffers.params[index]
                 # Registered after buffers' main-grad hook, so it runs after the grad reached main_grad.
                 self._handles.append(param.register_post_accumulate_grad_hook(make_hook(index, bucket)))
+
+    def _land_launched(self, reduces: dict, folded) -> None:
+        """fold_grad_norm: before launching the next bucket, land those launched earlier (by now their
+        reduce-scatters have had a layer of backward to run): wait, average, and fold their sums of squares
+        while the shards are hot; the step then skips them (graphstep.folded_norm). The wait orders the
+        device stream after the collective; it blocks the host only where the backend does (gloo)."""
+        for key in [k for k in self._comm.pending if k[0] == "reduce"]:
+            self._comm.wait(key)
+            bucket = key[1]
+            reduces[bucket].finish()
+            folded.fold(bucket)
+            folded.landed.add(bucket)
+            folded.in_backward_folds += 1
 
     # ---- forward: wait on a module's buckets just before it runs -------------------------------------
     def _install_forward_hooks(self, ctx, model_chunks) -> None:

@@ -24,10 +24,13 @@ def local_average(ctx) -> Stage:
     """Expert grads times 1/dp, in place, when the expert domain is not sharded (no reduce-scatter)."""
     grads = list(ctx.buffers.grad_shard)  # the grad buffers themselves at an expert data-parallel size of 1
     inv_dp = 1.0 / ctx.average_over
+    folded = ctx.folded
 
     def apply() -> None:
-        for grad in grads:
+        for unit, grad in enumerate(grads):
             grad.mul_(inv_dp)
+            if folded is not None:  # fold_grad_norm: its sum of squares while it is hot
+                folded.fold(unit)
 
     return Stage("expert_average", apply)
 

@@ -96,9 +96,26 @@ class ForeachSumOfSquares:
 def build_over(sums: Sequence[Callable[[], torch.Tensor]], t: StepTensors, comm) -> Stage:
     """The norm stage over ``sums`` (each returns an fp64 0-d sum of squares of its grads)."""
 
-    def apply() -> None:
+    def total() -> torch.Tensor:
         parts = [sum_of_squares() for sum_of_squares in sums]
-        sumsq = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+        return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+
+    return _stage(total, t, comm)
+
+
+def build_folded(folds: Sequence, t: StepTensors, comm) -> Stage:
+    """The norm stage over sums of squares already folded into static fp64 vectors (graphstep.folded_norm):
+    it reads no grad. The same values in the same order as ``build_over``'s parts, summed the same way."""
+    vectors = [folded.sums for folded in folds]
+    if len(vectors) == 1:
+        return _stage(vectors[0].sum, t, comm)
+    joined = torch.empty(sum(v.numel() for v in vectors), dtype=torch.float64, device=vectors[0].device)
+    return _stage(lambda: torch.cat(vectors, out=joined).sum(), t, comm)
+
+
+def _stage(total: Callable[[], torch.Tensor], t: StepTensors, comm) -> Stage:
+    def apply() -> None:
+        sumsq = total()
         comm.all_reduce_sum(sumsq, "grad-norm all_reduce")
         norm = sumsq.sqrt()
         t.nonfinite.copy_(torch.logical_not(torch.isfinite(norm)))
@@ -110,5 +127,9 @@ def build_over(sums: Sequence[Callable[[], torch.Tensor]], t: StepTensors, comm)
 
 def build(ctx, *others) -> Stage:
     """``others``: further domains' contexts (expert params, graphstep/experts.py), whose sums of squares join
-    this one's before its single all-reduce."""
-    return build_over([SumOfSquares(g) for c in (ctx, *others) for g in c.buffers.grad_shard], ctx.tensors, ctx.comm)
+    this one's before its single all-reduce. With ``fold_grad_norm`` the sums were folded where the grads
+    became final (graphstep.folded_norm) and the stage only adds them up."""
+    domains = (ctx, *others)
+    if ctx.folded is not None:
+        return build_folded([c.folded for c in domains], ctx.tensors, ctx.comm)
+    return build_over([SumOfSquares(g) for c in domains for g in c.buffers.grad_shard], ctx.tensors, ctx.comm)

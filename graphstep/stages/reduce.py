@@ -76,7 +76,7 @@ def bucket_reduces(ctx) -> list[BucketReduce]:
 
 
 def build(ctx) -> Stage:
-    comm = ctx.comm
+    comm, folded = ctx.comm, ctx.folded
     reduces = bucket_reduces(ctx)
 
     def apply() -> None:
@@ -85,10 +85,15 @@ def build(ctx) -> Stage:
         if comm.pending:
             comm.wait_all("gather")
         for reduce in reduces:
+            # fold_grad_norm with overlap: a backward hook already landed (finished and folded) this bucket.
+            if folded is not None and folded.take_landed(reduce.bucket):
+                continue
             # Launched by a backward hook (overlap_grad_reduce): finish it. (Overlap may have been switched
             # off since, by close(); a capture never follows a launch: hooks stay off where one may record.)
             if not comm.wait(("reduce", reduce.bucket)):
                 reduce.launch(comm)
             reduce.finish()
+            if folded is not None:  # its sum of squares while the shard is hot (graphstep.folded_norm)
+                folded.fold(reduce.bucket)
 
     return Stage("reduce", apply)

@@ -143,6 +143,7 @@ def train(name: str, rank: int, world_size: int, ep: int, steps: int = STEPS, in
                  for kind, attr in (("params", "param_flat"), ("grads", "grad_flat"))}
     expert_params = sum(t.numel() * t.element_size() for t in opt.experts.buffers.param_flat)
     return {"params": params, "ok": ok, "norms": norms, "captured": opt.captured, "overlap": opt.overlap_counts,
+            "folds": opt.fold_counts,
             "memory": ({k: stats[k] for k in allocated}, allocated, expert_params),
             "buckets": len(opt.layout.buckets) + len(opt.experts.layout.buckets),
             "expert_dp_size": opt.experts.layout.dp_size, "stages": [s.name for s in opt.stages]}
@@ -155,6 +156,11 @@ def parity(rank: int, world_size: int, cases: tuple) -> dict:
     out = {(name, ep): train(name, rank, world_size, ep, **dict(changes)) for name, ep, changes in cases}
     out["overlap"] = train("sgd_fp32", rank, world_size, 2, steps=OVERLAP_STEPS, inf_step=None,
                            overlap_grad_reduce=True, overlap_param_gather=True)
+    # fold_grad_norm: the expert domain folds after its reduce-scatter (ep 2) or local average (ep 4).
+    for ep in (2, 4):
+        out[("fold", ep)] = train("sgd_fp32", rank, world_size, ep, fold_grad_norm=True)
+    out["fold_overlap"] = train("sgd_fp32", rank, world_size, 2, steps=OVERLAP_STEPS, inf_step=None,
+                                overlap_grad_reduce=True, overlap_param_gather=True, fold_grad_norm=True)
     for mode in ("eager", "graph"):
         out[("capture", mode)] = train("adam_fp32", rank, world_size, 2, steps=INF_STEP + 2, capture=mode,
                                        capture_warmup_steps=2)

@@ -85,6 +85,29 @@ def test_overlapped_dense_and_expert_collectives_match_the_single_process(captur
         assert overlapped["ok"] == ref["ok"], rank
 
 
+@pytest.mark.parametrize("ep", [2, 4])
+def test_the_folded_norm_is_bitwise_the_unfolded_one_over_both_domains(runs, ep):
+    # The expert sums fold after the expert reduce-scatter (ep 2) or the local average (ep 4), and join the
+    # dense ones in the same order as the unfolded norm's parts.
+    for result in runs:
+        folded, plain = result[("fold", ep)], result[("sgd_fp32", ep)]
+        assert _nan_equal(folded, plain)
+        assert all(torch.equal(folded["params"][n], plain["params"][n]) for n in plain["params"])
+
+
+def test_the_folded_norm_with_overlapped_collectives_is_bitwise_the_overlapped_step(runs):
+    for result in runs:
+        folded, plain = result["fold_overlap"], result["overlap"]
+        assert folded["ok"] == plain["ok"] and folded["norms"] == plain["norms"]
+        assert all(torch.equal(folded["params"][n], plain["params"][n]) for n in plain["params"])
+        assert folded["folds"]["in_backward"] > 0  # dense and expert buckets landed in backward
+
+
+def _nan_equal(a: dict, b: dict) -> bool:
+    """The norm lists equal, NaN equal to NaN (the injected inf's step)."""
+    return a["ok"] == b["ok"] and all(x == y or (x != x and y != y) for x, y in zip(a["norms"], b["norms"]))
+
+
 def test_adam_fp32_matches_the_single_process_within_1e_3_of_the_motion(runs):
     ref = oracle("adam_fp32", 2)
     for rank, result in enumerate(runs):

@@ -1,0 +1,202 @@
+"""fold_grad_norm on one rank: each grad's sum of squares folded by its post-accumulate-grad hook.
+
+The oracle is the unfolded step: the same norm within fp64 rounding of the per-row sums (the rows start at
+each param instead of each buffer), the same skip decisions, and params whose drift from it relative to
+their motion is at rounding level (DESIGN.md §8: SGD is the tight oracle; Adam turns the last-bit change of
+the clip coefficient into sign flips of near-zero grads).
+The folded step itself is exact across modes: eager equals captured bitwise, and a loop under ``no_sync()``
+equals one that folds every micro-batch bitwise (the last fold sees the same final grads).
+"""
+
+import math
+
+import pytest
+import torch
+
+import graphstep as gs
+from graphstep.stages.norm import SumOfSquares
+from toy import loss_fn, relative_drift, tiny_transformer
+
+STEPS = 6
+SGD = dict(optimizer="sgd", lr=0.05, weight_decay=1e-3, sgd_momentum=0.9)
+# Drift bounds relative to the motion (DESIGN.md §8 measured 6e-7 for SGD and 3e-4 for Adam from a 1e-7
+# change of the clip coefficient; 5e-2 for half-precision params, whose backward rounds on its own).
+DRIFT = {"sgd": 1e-5, "adam": 1e-3, "half": 5e-2}
+
+
+def build(fold: bool, **changes):
+    model = tiny_transformer()
+    fields = dict(optimizer="adam", lr=3e-3, weight_decay=0.1, clip_grad=0.5, capture="eager", kernel="fused",
+                  fold_grad_norm=fold)
+    fields.update(changes)
+    return model, gs.get_optimizer(gs.OptimizerConfig(**fields), model)
+
+
+def train(fold: bool, *, micro_batches: int = 1, use_no_sync: bool = True, inf_at=None, steps: int = STEPS,
+          **changes) -> dict:
+    """``inf_at``: (step, micro-batch) whose loss is multiplied by inf."""
+    model, opt = build(fold, **changes)
+    norms, ok = [], []
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(micro_batches):
+            loss = loss_fn(model, step * micro_batches + micro) / micro_batches
+            if inf_at == (step, micro):
+                loss = loss * math.inf
+            if micro < micro_batches - 1 and use_no_sync:
+                with opt.no_sync():
+                    opt.scale_loss(loss).backward()
+            else:
+                opt.scale_loss(loss).backward()
+        result = opt.step()
+        norms.append(float(result.grad_norm))
+        ok.append(bool(result.update_successful))
+    return {"params": [p.detach().clone() for p in model.parameters()], "norms": norms, "ok": ok,
+            "counts": dict(opt.fold_counts), "captured": opt.captured}
+
+
+def same_floats(a, b) -> bool:
+    """Equal lists of floats, NaN equal to NaN (a skipped step's norm)."""
+    return len(a) == len(b) and all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
+
+
+def assert_close_to_unfolded(folded, plain, *, drift=DRIFT["sgd"]):
+    assert folded["ok"] == plain["ok"]
+    for a, b in zip(folded["norms"], plain["norms"]):
+        if math.isfinite(b):
+            assert a == pytest.approx(b, rel=1e-6)
+        else:
+            assert not math.isfinite(a)
+    start = list(tiny_transformer().parameters())
+    assert relative_drift(folded["params"], plain["params"], start) <= drift
+
+
+@pytest.mark.parametrize("family", ["sgd", "adam"])
+@pytest.mark.parametrize("micro_batches", [1, 2, 3, 4])
+def test_folded_norm_matches_the_unfolded_step_with_grad_accumulation(micro_batches, family):
+    changes = SGD if family == "sgd" else {}
+    folded = train(True, micro_batches=micro_batches, **changes)
+    assert_close_to_unfolded(folded, train(False, micro_batches=micro_batches, **changes), drift=DRIFT[family])
+    # Every param folded once per step, in the last micro-batch's backward; none left for the step.
+    params = len(list(tiny_transformer().parameters()))
+    assert folded["counts"] == {"in_backward": params * STEPS, "before_step": 0}
+
+
+@pytest.mark.parametrize("micro_batches", [2, 4])
+def test_no_sync_only_saves_folds_the_result_is_bitwise_the_same(micro_batches):
+    marked = train(True, micro_batches=micro_batches)
+    unmarked = train(True, micro_batches=micro_batches, use_no_sync=False)
+    assert same_floats(marked["norms"], unmarked["norms"])
+    assert all(torch.equal(a, b) for a, b in zip(marked["params"], unmarked["params"]))
+    assert unmarked["counts"]["in_backward"] == micro_batches * marked["counts"]["in_backward"]
+
+
+@pytest.mark.parametrize("micro", [0, 1, 2])
+def test_an_inf_in_any_micro_batch_skips_the_step(micro):
+    folded = train(True, micro_batches=3, inf_at=(2, micro), **SGD)
+    plain = train(False, micro_batches=3, inf_at=(2, micro), **SGD)
+    assert folded["ok"] == plain["ok"] == [True, True, False, True, True, True]
+    assert_close_to_unfolded(folded, plain)
+
+
+def test_dynamic_loss_scale_backs_off_on_a_folded_inf():
+    fp16 = dict(fp16=True, initial_loss_scale=2.0**10, hysteresis=1)
+    folded = train(True, micro_batches=2, inf_at=(1, 0), **fp16)
+    plain = train(False, micro_batches=2, inf_at=(1, 0), **fp16)
+    assert folded["ok"][1] is False and folded["ok"] == plain["ok"]
+    assert_close_to_unfolded(folded, plain, drift=DRIFT["half"])
+
+
+@pytest.mark.parametrize("dtype_changes", [{}, {"bf16": True}], ids=["fp32", "bf16-main-grads"])
+def test_captured_folded_step_equals_eager_bitwise(dtype_changes):
+    eager = train(True, micro_batches=2, inf_at=(4, 1), steps=8, **dtype_changes)
+    graph = train(True, micro_batches=2, inf_at=(4, 1), steps=8, capture="graph", capture_warmup_steps=2,
+                  **dtype_changes)
+    assert graph["captured"]
+    assert same_floats(eager["norms"], graph["norms"]) and eager["ok"] == graph["ok"]
+    assert all(torch.equal(a, b) for a, b in zip(eager["params"], graph["params"]))
+
+
+def test_bf16_params_fold_their_fp32_main_grads():
+    assert_close_to_unfolded(train(True, micro_batches=3, bf16=True, **SGD),
+                             train(False, micro_batches=3, bf16=True, **SGD), drift=DRIFT["half"])
+
+
+def test_grads_that_did_not_come_through_backward_are_folded_before_the_step():
+    # Hand-written grads, a param unused in the last micro-batch, and a step with no backward at all: the
+    # step folds every slot that is not current, so the norm is still that of the grads the update reads.
+    results = {}
+    for fold in (False, True):
+        model, opt = build(fold, clip_grad=0.1, **SGD)
+        opt.zero_grad()
+        loss_fn(model, 0).backward()
+        with torch.no_grad():
+            model[3].bias.grad.fill_(0.25)  # written by hand, after its hook folded the backward's grad
+        with opt.no_sync():
+            loss_fn(model, 1).backward()  # folds nothing; every grad changed
+        loss = model[3](torch.randn(2, 32)).sum()  # the last backward reaches only the output layer
+        loss.backward()
+        norms = [float(opt.step().grad_norm)]
+        norms.append(float(opt.step().grad_norm))  # no backward since the last step: same grads, refolded
+        model[0].weight.grad = None  # a grad set to None reads as zero
+        norms.append(float(opt.step().grad_norm))
+        results[fold] = (norms, [p.detach().clone() for p in model.parameters()], dict(opt.fold_counts))
+    (folded, folded_params, counts), (plain, plain_params, _) = results[True], results[False]
+    assert folded == pytest.approx(plain, rel=1e-6)
+    assert relative_drift(folded_params, plain_params, list(tiny_transformer().parameters())) <= DRIFT["sgd"]
+    assert counts["before_step"] > 0
+
+
+def test_model_zero_grad_to_none_then_backward_folds_the_fresh_grads():
+    results = {}
+    for fold in (False, True):
+        model, opt = build(fold)
+        norms = []
+        for step in range(4):
+            model.zero_grad(set_to_none=True)  # autograd makes fresh grads: the hook moves them into the buffer
+            loss_fn(model, step).backward()
+            norms.append(float(opt.step().grad_norm))
+        results[fold] = (norms, dict(opt.fold_counts))
+    assert results[True][0] == pytest.approx(results[False][0], rel=1e-6)
+    assert results[True][1]["before_step"] == 0
+
+
+def test_the_step_reads_only_the_folded_sums():
+    # Poison the grads after backward folded them: the step's norm is the folded one, not the poisoned grads'.
+    model, opt = build(True, clip_grad=0.0)
+    loss_fn(model, 0).backward()
+    expected = math.sqrt(sum(float(SumOfSquares(p.grad.reshape(-1))()) for p in model.parameters()))
+    with torch.no_grad():
+        model[3].weight.grad[0, 0] = math.nan
+    result = opt.step()
+    assert float(result.grad_norm) == pytest.approx(expected, rel=1e-7)  # the reported norm is fp32
+
+
+def test_debug_step_warns_naming_a_grad_changed_after_its_fold():
+    model, opt = build(True)
+    loss_fn(model, 0).backward()
+    with torch.no_grad():
+        model[3].weight.grad.mul_(2.0)
+    with pytest.warns(RuntimeWarning, match=r"param '3\.weight'.*no longer matches"):
+        opt.debug_step()
+
+
+def test_debug_step_does_not_warn_on_a_clean_loop(recwarn):
+    model, opt = build(True)
+    for step in range(2):
+        opt.zero_grad()
+        loss_fn(model, step).backward()
+        opt.debug_step()
+    assert not [w for w in recwarn if "fold_grad_norm" in str(w.message)]
+
+
+def test_fold_counts_are_zero_without_the_fold():
+    model, opt = build(False)
+    loss_fn(model, 0).backward()
+    opt.step()
+    assert opt.fold_counts == {"in_backward": 0, "before_step": 0}
+
+
+def test_fold_grad_norm_must_be_a_bool():
+    with pytest.raises((TypeError, ValueError), match="fold_grad_norm"):
+        gs.OptimizerConfig(fold_grad_norm="yes")
