@@ -3,31 +3,32 @@ becomes final, so the step reads the grads once, in the update (issue 18).
 
 Where the fold happens, per domain (the dense params, and the MoE expert params when there are some):
 
-- **One rank**: a post-accumulate-grad hook on every param computes the sum of squares of the param's
-  grad (its range of the flat grad buffer) right after backward wrote it, while it is still in cache.
-- **Several ranks**: the norm is of this rank's reduced shard, so each bucket's sum of squares is
-  computed right after its reduce-scatter lands: in the step's reduce stage, or, with
+- **One rank** (``ParamSums``): a post-accumulate-grad hook on every param computes, right after backward
+  wrote the grad and while it is still in cache, the fp32 norms of the param's 4,096-element rows and
+  the fp64 norm of its tail: two ops per param. The step's norm stage then rescues rows whose fp32 norm
+  overflowed and sums the squares in fp64, per grad buffer (a few thousand values: no grad is read).
+- **Several ranks** (``ShardSums``): the norm is of this rank's reduced shard, so each bucket's sum of
+  squares is computed right after its reduce-scatter lands: in the step's reduce stage, or, with
   ``overlap_grad_reduce`` (eager), in backward, when the hook that launches the next bucket lands the
   ones launched before it (``Overlap``). An expert domain without a reduce-scatter folds right after the
   step's local average.
 
-Every fold writes one fp64 slot of ``FoldedSums.sums`` (the norm's ``SumOfSquares`` over the unit: rows of
-4,096, fp64 tail, overflow rescue); the step's norm stage only sums that vector. With several ranks the
-units are the buckets' shards the unfolded norm reads, in the same order: the result is bitwise the
-unfolded one. With one rank the rows start at each param instead of each buffer: the sum is as accurate
-(fp64 over fp32 rows), not bitwise the same.
+Exactness. With several ranks the folded units are the buckets' shards the unfolded norm reads, summed by
+the same ``SumOfSquares`` in the same order: the norm, and so the step, is bitwise the unfolded one. With
+one rank the rows start at each param instead of each buffer: the sum is as accurate (fp32 rows of 4,096,
+fp64 above), not bitwise the same; the overflow rescue covers ``RESCUE_ROWS`` rows per grad buffer, as
+unfolded.
 
-Which slots are current (one rank). A slot is current when it was folded after its grad last changed. The
-host keeps a flag per param: a fold sets it; a backward under ``no_sync()`` (an earlier micro-batch: no
-fold), ``zero_grad``, a step and a broken grad binding clear it. Before each step every slot that is not
-current is folded then, as eager device work ahead of the (captured) step: params without a grad in the
-last backward, grads written by hand, a step with no backward. ``fold_counts`` says how many folds ran in
-backward and how many before the step (none there in a loop that gets the fold's benefit). Not
-detectable: a grad changed in place after its hook ran (``p.grad.mul_(...)`` after backward, a hand-made
-all-reduce). With the fold on, change grads only through backward; ``debug_step()`` warns, naming the
-params, when a folded sum no longer matches its grad.
+Which sums are current (one rank). A param's folded norms are current when they were folded after its
+grad last changed. The host keeps a flag per param: a fold sets it; a backward under ``no_sync()`` (an
+earlier micro-batch: no fold), ``zero_grad``, a step and a broken grad binding clear it. Before each step
+every param that is not current is folded then, as eager device work ahead of the (captured) step:
+params without a grad in the last backward, grads written by hand, a step with no backward.
+``fold_counts`` says how many folds ran in backward and how many before the step (none there in a loop
+that gets the fold's benefit). Not detectable: a grad changed in place after its hook ran
+(``p.grad.mul_(...)`` after backward, a hand-made all-reduce). With the fold on, change grads only through
+backward; ``debug_step()`` warns, naming the params, when a folded norm no longer matches its grad.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -36,41 +37,54 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from .stages.norm import SumOfSquares
+from .stages.norm import RESCUE_ROWS, ROW, RowRescue, SumOfSquares
 
 
-class FoldedSums:
-    """One domain's folded sums of squares: a static fp64 slot per unit (a param with one rank, a bucket's
-    shard with several, a grad buffer for an expert domain averaged in the step)."""
+class _Slots:
+    """What both kinds of folded sums share: the fp64 vector the norm stage adds up, per-unit host flags
+    (current: folded since the grad last changed) and the fold counts."""
 
-    def __init__(self, grads: Sequence[torch.Tensor], names: Sequence[str], *, in_backward: bool):
-        self.in_backward = in_backward
-        """Folded by backward hooks (one rank), so slots may be stale at a step; else folded by the step's
-        own reduce or average stage, which runs before the norm."""
+    in_backward = False
+
+    def __init__(self, slots: int, units: int, device, names: Sequence[str]):
         self.names = list(names)
-        self._units = [SumOfSquares(grad.reshape(-1)) for grad in grads]
-        device = grads[0].device if grads else torch.device("cpu")
-        self.sums = torch.zeros(len(self._units), dtype=torch.float64, device=device)
-        self._slots = list(self.sums.unbind(0))  # 0-d views: each fold writes its slot in place
-        self.current = [False] * len(self._units)
-        self.landed: set[int] = set()
-        """Buckets whose reduce-scatter landed and was folded in backward (overlap); the step skips them."""
+        self.sums = torch.zeros(slots, dtype=torch.float64, device=device)
+        self._slots = list(self.sums.unbind(0))  # 0-d views, written in place
+        self.current = [False] * units
         self.in_backward_folds = 0
         self.before_step_folds = 0
 
     def fold(self, unit: int) -> None:
-        self._slots[unit].copy_(self._units[unit]())
-        self.current[unit] = True
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Device work the norm stage runs first, so that ``sums`` holds the sums of squares."""
 
     def fold_stale(self) -> None:
-        """Fold every slot that is not current (one rank: before the step)."""
+        """Fold every unit that is not current (one rank: before the step)."""
         for unit, current in enumerate(self.current):
             if not current:
                 self.fold(unit)
                 self.before_step_folds += 1
 
     def invalidate(self) -> None:
-        self.current = [False] * len(self._units)
+        self.current = [False] * len(self.current)
+
+
+class ShardSums(_Slots):
+    """Grads finished by a stage of the step (several ranks: a bucket's reduce-scatter; an expert domain
+    without one: its local average): a unit per ``grad_shard`` entry, each folded by that stage into its
+    slot with the norm's own ``SumOfSquares``, in the order the unfolded norm sums them (so bitwise it)."""
+
+    def __init__(self, grads: Sequence[torch.Tensor], names: Sequence[str]):
+        super().__init__(len(grads), len(grads), grads[0].device, names)
+        self._units = [SumOfSquares(grad) for grad in grads]
+        self.landed: set[int] = set()
+        """Buckets whose reduce-scatter landed and was folded in backward (overlap); the step skips them."""
+
+    def fold(self, unit: int) -> None:
+        self._slots[unit].copy_(self._units[unit]())
+        self.current[unit] = True
 
     def take_landed(self, bucket: int) -> bool:
         """Whether ``bucket`` was landed (reduced, averaged and folded) in backward; forgets it."""
@@ -79,31 +93,93 @@ class FoldedSums:
             return True
         return False
 
+
+class ParamSums(_Slots):
+    """The dense params on one rank, folded by their post-accumulate-grad hooks: per param two ops on a grad
+    still in cache, the fp32 norms of its 4,096-element rows (into one row-norm vector per grad buffer) and
+    the fp64 norm of its tail. The norm stage ``finish``es each buffer: rows whose fp32 norm overflowed are
+    rescued (``norm.RowRescue``), then the squares are summed in fp64 into the buffer's slot."""
+
+    in_backward = True
+
+    def __init__(self, layout, buffers):
+        grads = buffers.grad_flat
+        super().__init__(len(grads), len(layout.params), grads[0].device,
+                         [f"param '{place.name}'" for place in layout.params])
+        self._ops: list[tuple] = [()] * len(layout.params)
+        self._buffers = []
+        for b, grad in enumerate(grads):
+            members = sorted((i for i, place in enumerate(layout.params) if place.buffer == b),
+                             key=lambda i: layout.params[i].start)
+            row_counts = [(layout.params[i].end - layout.params[i].start) // ROW for i in members]
+            row_norms = torch.zeros(sum(row_counts), dtype=torch.float32, device=grad.device)
+            tail_norms = torch.zeros(len(members), dtype=torch.float64, device=grad.device)
+            starts, first = [], 0
+            for slot, (i, rows) in enumerate(zip(members, row_counts)):
+                start, end = layout.params[i].start, layout.params[i].end
+                starts += range(start, start + rows * ROW, ROW)
+                self._ops[i] = (grad[start:start + rows * ROW].view(rows, ROW), row_norms[first:first + rows],
+                                grad[start + rows * ROW:end], tail_norms[slot])
+                first += rows
+            self._buffers.append((row_norms, tail_norms, _row_rescue(grad, row_norms, starts)))
+
+    def fold(self, unit: int) -> None:
+        rows, row_norms, tail, tail_norm = self._ops[unit]
+        if rows.shape[0]:
+            torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32, out=row_norms)
+        torch.linalg.vector_norm(tail, dtype=torch.float64, out=tail_norm)
+        self.current[unit] = True
+
+    def finish(self) -> None:
+        for slot, (row_norms, tail_norms, rescue) in zip(self._slots, self._buffers):
+            total = tail_norms.square().sum()
+            if row_norms.numel():
+                total = rescue().square_().sum() + total
+            slot.copy_(total)
+
     def out_of_date(self) -> list[str]:
-        """Names of the units whose slot differs from a sum computed now (host reads: for debug_step)."""
-        return [name for name, unit, slot in zip(self.names, self._units, self._slots)
-                if not torch.equal(unit(), slot)]
+        """Names of the params whose folded norms differ from norms computed now (host reads: debug_step)."""
+        stale = []
+        for name, (rows, row_norms, tail, tail_norm) in zip(self.names, self._ops):
+            fresh_rows = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32)
+            fresh_tail = torch.linalg.vector_norm(tail, dtype=torch.float64)
+            if not (torch.equal(fresh_rows, row_norms) and torch.equal(fresh_tail, tail_norm)):
+                stale.append(name)
+        return stale
 
 
-def plan(config, layout, buffers, *, hooked: bool) -> Optional[FoldedSums]:
-    """A domain's ``FoldedSums`` (None with ``fold_grad_norm`` off). ``hooked``: the domain's grads are final
-    after backward (the dense params on one rank): one unit per param, folded by hooks. Otherwise one unit
-    per ``grad_shard`` entry, folded by the stage that finishes it (reduce-scatter or local average)."""
+def _row_rescue(grad: torch.Tensor, row_norms: torch.Tensor, starts: list[int]) -> RowRescue:
+    """The rescue of a buffer whose rows start at ``starts`` (each param's rows begin at the param)."""
+    row_starts = torch.tensor(starts, dtype=torch.int64, device=grad.device)
+    offsets = torch.arange(ROW, dtype=torch.int64, device=grad.device)
+    index = torch.empty(min(RESCUE_ROWS, len(starts)), ROW, dtype=torch.int64, device=grad.device)
+
+    def fetch(picked: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        torch.add(row_starts.index_select(0, picked).unsqueeze(1), offsets, out=index)
+        torch.index_select(grad, 0, index.view(-1), out=out.view(-1))
+        return out
+
+    return RowRescue(row_norms, fetch, grad.dtype)
+
+
+def plan(config, layout, buffers, *, hooked: bool) -> Optional[_Slots]:
+    """A domain's folded sums (None with ``fold_grad_norm`` off). ``hooked``: the domain's grads are final
+    after backward (the dense params on one rank): ``ParamSums``, folded by hooks. Otherwise ``ShardSums``
+    over the ``grad_shard`` entries, folded by the stage that finishes them."""
     if not config.fold_grad_norm:
         return None
     if hooked and layout.dp_size == 1:
-        return FoldedSums([buffers.grad_view(i) for i in range(len(layout.params))],
-                          [f"param '{place.name}'" for place in layout.params], in_backward=True)
+        return ParamSums(layout, buffers)
     names = ([f"bucket {b.index}" for b in layout.buckets] if layout.dp_size > 1
              else [f"grad buffer {b}" for b in range(len(buffers.grad_shard))])
-    return FoldedSums(buffers.grad_shard, names, in_backward=False)
+    return ShardSums(buffers.grad_shard, names)
 
 
 class Fold:
     """The engine's side of the fold: the one-rank hooks (a post-accumulate-grad hook per param) and the host
-    bookkeeping around a step, over every domain's ``FoldedSums``. Inert without ``fold_grad_norm``."""
+    bookkeeping around a step, over every domain's folded sums. Inert without ``fold_grad_norm``."""
 
-    def __init__(self, domains: Sequence[Optional[FoldedSums]], buffers):
+    def __init__(self, domains: Sequence[Optional[_Slots]], buffers):
         self.domains = [d for d in domains if d is not None]
         hooked = [d for d in self.domains if d.in_backward]
         self.hooked = hooked[0] if hooked else None  # the dense domain on one rank

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import graphstep as gs
-from graphstep.stages.norm import SumOfSquares
+from graphstep.stages.norm import RESCUE_ROWS, ROW, SumOfSquares
 from toy import loss_fn, relative_drift, tiny_transformer
 
 STEPS = 6
@@ -200,3 +200,53 @@ def test_fold_counts_are_zero_without_the_fold():
 def test_fold_grad_norm_must_be_a_bool():
     with pytest.raises((TypeError, ValueError), match="fold_grad_norm"):
         gs.OptimizerConfig(fold_grad_norm="yes")
+
+
+class _Weights(torch.nn.Module):
+    """Two params whose grads are whatever coefficients the loss multiplies them by."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(3 * ROW + 5))
+        self.b = torch.nn.Parameter(torch.zeros(2 * ROW + 7))
+
+
+def _folded_norm_of(coefficients: list[torch.Tensor]) -> float:
+    model = _Weights()
+    opt = gs.get_optimizer(gs.OptimizerConfig(optimizer="sgd", lr=0.0, clip_grad=0.0, capture="eager",
+                                              kernel="fused", fold_grad_norm=True), model)
+    sum((p * c).sum() for p, c in zip(model.parameters(), coefficients)).backward()
+    norm = float(opt.step().grad_norm)
+    assert opt.fold_counts == {"in_backward": 2, "before_step": 0}
+    return norm
+
+
+def _coefficients(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(3 * ROW + 5, generator=g), torch.randn(2 * ROW + 7, generator=g)]
+
+
+@pytest.mark.parametrize("overflowing_rows", [1, RESCUE_ROWS])
+def test_folded_rows_whose_squares_overflow_fp32_are_rescued(overflowing_rows):
+    coefficients = _coefficients()
+    for row in range(overflowing_rows):  # spread over both params' rows
+        param, offset = (0, row * ROW + 3) if row < 3 else (1, (row - 3) * ROW + 1)
+        coefficients[param][offset] = 3e19
+    exact = math.sqrt(sum(float(c.double().square().sum()) for c in coefficients))
+    assert _folded_norm_of(coefficients) == pytest.approx(exact, rel=1e-6)
+
+
+def test_more_overflowing_folded_rows_than_rescued_count_as_non_finite():
+    coefficients = _coefficients()
+    for row in range(3):
+        coefficients[0][row * ROW] = 3e19
+    for row in range(RESCUE_ROWS + 1 - 3):
+        coefficients[1][row * ROW] = 3e19
+    assert not math.isfinite(_folded_norm_of(coefficients))
+
+
+@pytest.mark.parametrize("where", ["row", "tail"])
+def test_a_folded_inf_or_nan_stays_non_finite(where):
+    coefficients = _coefficients()
+    coefficients[1][ROW + 2 if where == "row" else -1] = math.inf if where == "row" else math.nan
+    assert not math.isfinite(_folded_norm_of(coefficients))

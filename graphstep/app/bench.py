@@ -1,6 +1,7 @@
 """The optimizer step, side by side in one process, on GPT-2 small's parameter shapes (``graphstep bench``).
 
-What each row runs over the same ~124M fp32 params in 148 tensors, with the same random fp32 grads:
+What each row runs over the same ~124M fp32 params in 148 tensors, with the same random fp32 grads, restored
+untimed before every step (a copy; for ``fold_grad_norm`` rows the backward stand-in, whose hooks fold):
 
 - memory stream: ``x.mul_(1.0001)`` over one buffer of the same numel: this machine's in-place
   bandwidth (8 bytes per element, read + write), the context for every GB/s below;
@@ -9,6 +10,9 @@ What each row runs over the same ~124M fp32 params in 148 tensors, with the same
 - ``torch._fused_adamw_`` once over one flat buffer: the floor an Adam step can reach (DESIGN.md §6);
 - ``torch.optim.AdamW(fused=True)`` and ``AdamW(foreach=True)`` with two param groups (decay and
   no-decay, the standard overrides), and ``AdamW(fused=True)`` after ``clip_grad_norm_``;
+- the backward stand-in (``zero_grad``, then every grad accumulated through autograd, no model compute)
+  with and without ``fold_grad_norm``, alone and followed by the full step with a loss scale: what the
+  folded norm adds to backward and takes off the step;
 - graphstep's step: without clipping (``clip_grad=0``, no loss scaling; the norm pass still runs, as
   the non-finite check) and the full step (``clip_grad=1.0``: norm, non-finite check, clip folded into
   the update), eager, and the full step captured (CPU replay backend, or a CUDA graph on a GPU), with
@@ -19,7 +23,9 @@ Bytes per param: Adam over fp32 must read param, grad, m, v and write param, m, 
 also reads the grads once for the norm (32 B) — DESIGN.md §6. GB/s is those bytes over the median time:
 how close each row comes to the machine's stream bandwidth for the work it has to do.
 
-One pipeline is built at a time and freed before the next (each holds ~2 GB at GPT-2 small).
+One pipeline is built at a time and freed before the next (each holds ~2 GB at GPT-2 small). With
+``--interleave`` all are built at once, and rows that time different parts of one configuration (its step,
+its norm stage, its backward stand-in, both) share that configuration's optimizer.
 
     graphstep bench [--quick] [--steps 20] [--warmup 3] [--json out.json] [--only fused-floor,...]
     graphstep bench --interleave --steps 25 --only read-floor,norm-pass,fused-floor,graphstep-scaled,...
@@ -80,15 +86,36 @@ PIPELINES = {
                                       FULL_BYTES, lambda i: core.build_graphstep(i, capture="graph", kernel="compiled")),
     "graphstep-update-stage": ("graphstep update stage alone (fused kernel over group views)", "update",
                                core.ADAM_BYTES, core.build_graphstep_update_stage),
-    # The grad refill stands in for the next backward's scaled grads and is timed with the step (8 B).
     "torch-amp": ("torch GradScaler.unscale_ + clip_grad_norm_ + AdamW(fused) + update", "scaled",
-                  core.TORCH_AMP_BYTES, lambda i: core.build_torch_amp(i, refill_in_step=True)),
+                  core.TORCH_AMP_BYTES, lambda i: core.build_torch_amp(i)),
     "graphstep-scaled": ("graphstep full step with loss scale (unscale + clip folded in), default kernel", "scaled",
                          FULL_BYTES, lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel=DEFAULT)),
     "graphstep-scaled-fused": ("graphstep full step with loss scale, kernel='fused'", "scaled", FULL_BYTES,
                                lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel="fused")),
     "graphstep-scaled-compiled": ("graphstep full step with loss scale, kernel='compiled'", "scaled", FULL_BYTES,
                                   lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel="compiled")),
+    # fold_grad_norm: the norm is folded into backward (its hooks), so the step reads the grads once (28 B);
+    # the refill before each timed step is the backward stand-in, whose hooks fold (untimed).
+    "graphstep-scaled-folded": ("graphstep full step with loss scale, fold_grad_norm=True, default kernel",
+                                "scaled", core.ADAM_BYTES,
+                                lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel=DEFAULT,
+                                                               fold=True)),
+    # What the fold costs backward, and backward + step together, with and without it.
+    "backward": ("backward stand-in (zero_grad + every grad accumulated through autograd)", "backward",
+                 core.BACKWARD_BYTES,
+                 lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel=DEFAULT, timed="backward")),
+    "backward-folded": ("backward stand-in with fold_grad_norm=True (norm folded in its hooks)", "backward",
+                        core.BACKWARD_BYTES + core.NORM_BYTES,
+                        lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel=DEFAULT, fold=True,
+                                                       timed="backward")),
+    "backward-step": ("backward stand-in + graphstep full step with loss scale, default kernel", "train",
+                      core.BACKWARD_BYTES + FULL_BYTES,
+                      lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel=DEFAULT,
+                                                     timed="backward+step")),
+    "backward-step-folded": ("backward stand-in + full step with loss scale, fold_grad_norm=True, default kernel",
+                             "train", core.BACKWARD_BYTES + FULL_BYTES,
+                             lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel=DEFAULT,
+                                                            fold=True, timed="backward+step")),
 }
 
 
@@ -106,23 +133,25 @@ def run_interleaved(keys: list[str], inputs: core.Inputs, warmup: int, rounds: i
     """Every row of ``keys`` built at once and timed round-robin (see ``bench_core.time_interleaved``).
     A row that fails to build or run keeps its error; the others still run."""
     rows = {key: new_row(key) for key in keys}
-    steps = {}
+    steps, refills = {}, {}
     for key in keys:
         try:
             pipeline = PIPELINES[key][3](inputs)
             steps[key] = pipeline.step
+            if pipeline.refill is not None:  # fresh grads before every step, untimed, as after a backward
+                refills[key] = pipeline.refill
             if pipeline.notes:
                 print(f"  {key}: {pipeline.notes}", file=sys.stderr, flush=True)
         except Exception as error:  # a broken row must not lose the others
             rows[key].error = f"{type(error).__name__}: {error}"
     try:
-        times = core.time_interleaved(steps, inputs.device, warmup, rounds) if steps else {}
+        times = core.time_interleaved(steps, inputs.device, warmup, rounds, refills) if steps else {}
     except Exception as error:
         times = {}
         for key in steps:
             rows[key].error = f"{type(error).__name__}: {error}"
     finally:
-        steps = None
+        steps = refills = None
         core.free_memory(inputs.device)
     return [rows[key].fill(times[key], inputs.numel) if key in times else rows[key] for key in keys]
 

@@ -12,6 +12,7 @@ shared machine's slow phases fall on every row alike.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import platform
@@ -35,6 +36,9 @@ LOSS_SCALE = 1024.0
 # multiply (read + write, 8): 48. The memory stream reads and writes each element: 8.
 STREAM_BYTES, ADAM_BYTES, NORM_BYTES = 8, 28, 4
 GRAPHSTEP_BYTES = ADAM_BYTES + NORM_BYTES
+# The backward stand-in (``backward_stand_in``): zero the grad (write), then grad += source (read both,
+# write): 16. Folding the norm in it adds one read of the just-written grad (20) and takes it off the step.
+BACKWARD_BYTES = 16
 TORCH_AMP_BYTES = 8 + 4 + 8 + ADAM_BYTES
 
 
@@ -57,6 +61,7 @@ def device_name(device: torch.device) -> str:
 
 def free_memory(device: torch.device) -> None:
     """Drop what the last pipeline left behind (its caching-allocator blocks too on a GPU)."""
+    _SHARED_ENGINES.clear()
     gc.collect()
     if is_cuda(device):
         torch.cuda.empty_cache()
@@ -236,11 +241,10 @@ def build_torch_adamw(inputs: Inputs, *, fused: bool, clip: bool = False) -> Pip
     return Pipeline(step, refill, opt)
 
 
-def build_torch_amp(inputs: Inputs, *, variant: str = "fused", refill_in_step: bool = False) -> Pipeline:
+def build_torch_amp(inputs: Inputs, *, variant: str = "fused") -> Pipeline:
     """The idiomatic torch AMP step: ``GradScaler.unscale_`` + ``clip_grad_norm_`` + ``scaler.step(AdamW)``
     + ``scaler.update()``. ``variant``: "fused" | "foreach" | "compiled" (clip + AdamW(foreach).step under
-    ``torch.compile``; unscale_ and the skip-on-inf check stay GradScaler's). ``refill_in_step`` times the
-    grad refill with the step (it stands in for the next backward's scaled grads: 8 B/param)."""
+    ``torch.compile``; unscale_ and the skip-on-inf check stay GradScaler's)."""
     params, _, refill = _params_with_grads(inputs)
     kwargs = {"fused": True} if variant == "fused" else {"foreach": True}
     opt = torch.optim.AdamW(inputs.decay_groups(params), lr=LR, betas=BETAS, eps=EPS, **kwargs)
@@ -262,50 +266,118 @@ def build_torch_amp(inputs: Inputs, *, variant: str = "fused", refill_in_step: b
             torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
         scaler.step(opt)
         scaler.update()
-        if refill_in_step:
-            refill()
-    return Pipeline(step, None if refill_in_step else refill, opt, notes)
+    return Pipeline(step, refill, opt, notes)
 
 
 def graphstep_config(*, clip_grad: float = CLIP, capture: str = "eager", loss_scale=None,
-                     kernel: Optional[str] = "fused"):
+                     kernel: Optional[str] = "fused", fold: bool = False):
     """The benchmarks' OptimizerConfig: AdamW with these hyperparameters, fp32; ``kernel=None`` leaves the
-    config's default ("auto")."""
+    config's default ("auto"); ``fold``: ``fold_grad_norm``."""
     import graphstep as gs
 
     chosen = {} if kernel is None else {"kernel": kernel}
     return gs.OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
                               adam_beta2=BETAS[1], adam_eps=EPS, clip_grad=clip_grad, capture=capture,
-                              loss_scale=loss_scale, **chosen)
+                              loss_scale=loss_scale, fold_grad_norm=fold, **chosen)
 
 
-def build_graphstep(inputs: Inputs, *, clip_grad: float = CLIP, capture: str = "eager", loss_scale=None,
-                    kernel: Optional[str] = "fused") -> Pipeline:
-    """graphstep's step over a fresh model of the shape set; with ``capture="graph"`` the warm-up steps and
-    the capture run here, so the first timed call is a replay. ``kernel=None``: the config's default. The
-    notes say which kernel ran and the seconds spent compiling while building (probe and first step)."""
+class _GradArrives(torch.autograd.Function):
+    """The backward stand-in's node: its backward hands ``source`` to the param, whose AccumulateGrad adds
+    it into the grad in place (and then runs the param's post-accumulate-grad hooks)."""
+
+    @staticmethod
+    def forward(ctx, param: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        ctx.source = source
+        return param.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        return ctx.source, None
+
+
+def backward_stand_in(opt, params: list, sources: list) -> Callable[[], None]:
+    """A backward without the model's compute: ``opt.zero_grad()``, then every param's grad arrives through
+    autograd (``grad += source``, in place: exactly ``source``), last param first, as a model's backward
+    delivers them. 16 B per param (zero: write; accumulate: read grad and source, write grad); the hooks a
+    real backward runs (the folded norm's) run here too."""
+    def backward() -> None:
+        opt.zero_grad()
+        with torch.enable_grad():
+            loss = sum(_GradArrives.apply(p, s) for p, s in zip(params, sources))
+        loss.backward()
+    return backward
+
+
+@dataclass
+class _Engine:
+    """One graphstep optimizer over a fresh model of the shape set, warmed up, with its two grad refills."""
+
+    opt: object
+    copy_grads: Callable[[], None]  # the grads restored by a copy from the sources
+    backward: Callable[[], None]  # the backward stand-in: the same grads through autograd (and its hooks)
+    notes: str
+
+
+# Rows that time different parts of one configuration (its step, its backward, both, its norm stage) share
+# one engine while they are built together (``--interleave``): at GPT-2 small each engine holds ~2 GB, and
+# a table of a dozen rows would not fit in memory otherwise. Emptied by ``free_memory``.
+_SHARED_ENGINES: dict = {}
+
+
+def _engine(inputs: Inputs, config) -> _Engine:
+    key = (id(inputs), config)
+    if key in _SHARED_ENGINES:
+        shared = _SHARED_ENGINES[key]
+        return dataclasses.replace(shared, notes=shared.notes + " (engine shared with an earlier row)")
     import graphstep as gs
     from graphstep.kernels import compiled
 
     compile_before = compiled.compile_seconds()
-    config = graphstep_config(clip_grad=clip_grad, capture=capture, loss_scale=loss_scale, kernel=kernel)
     params = inputs.new_params()
     opt = gs.get_optimizer(config, inputs.module(params))
     grads = [p.main_grad for p in params]  # views of the engine's flat grad buffer (p.grad too, for fp32)
     sources = inputs.views(inputs.grad_flat)
 
-    def refill():
+    def copy_grads():
         torch._foreach_copy_(grads, sources)
+    backward = backward_stand_in(opt, params, sources)
+    refill = backward if config.fold_grad_norm else copy_grads  # a folded norm is folded by backward's hooks
     with torch.no_grad():
         refill()
-        for _ in range(config.capture_warmup_steps + 1 if capture == "graph" else 1):
+        for _ in range(config.capture_warmup_steps + 1 if config.capture == "graph" else 1):
             opt.step()  # eager: one step here, so a compile is not timed (graph: the warm-up and the capture)
             refill()
     choice = opt.kernel_choice
     notes = f"kernel={choice.name} ({choice.reason}); compile {choice.compile_s + compiled.compile_seconds() - compile_before:.1f} s"
-    if capture == "graph":
+    if config.capture == "graph":
         notes += f"; captured={opt.captured}, backend={opt.capture_backend}"
-    return Pipeline(opt.step, refill, opt, notes)
+    _SHARED_ENGINES[key] = engine = _Engine(opt, copy_grads, backward, notes)
+    return engine
+
+
+def build_graphstep(inputs: Inputs, *, clip_grad: float = CLIP, capture: str = "eager", loss_scale=None,
+                    kernel: Optional[str] = "fused", fold: bool = False, timed: str = "step") -> Pipeline:
+    """graphstep's step over a fresh model of the shape set; with ``capture="graph"`` the warm-up steps and
+    the capture run here, so the first timed call is a replay. ``kernel=None``: the config's default. The
+    notes say which kernel ran and the seconds spent compiling while building (probe and first step).
+
+    ``timed``: "step" (the grads refilled untimed before each step: a copy, or with ``fold`` the backward
+    stand-in, whose hooks fold the norm), "backward" (the backward stand-in alone), "backward+step", or
+    "norm" (the norm stage alone, refilled by a copy)."""
+    config = graphstep_config(clip_grad=clip_grad, capture=capture, loss_scale=loss_scale, kernel=kernel, fold=fold)
+    engine = _engine(inputs, config)
+    opt, backward = engine.opt, engine.backward
+    if timed == "backward":
+        return Pipeline(backward, None, opt, engine.notes)
+    if timed == "backward+step":
+        def backward_and_step():
+            backward()
+            opt.step()
+        return Pipeline(backward_and_step, None, opt, engine.notes)
+    if timed == "norm":
+        norm = next(stage for stage in opt.stages if stage.name == "norm")
+        return Pipeline(norm.apply, engine.copy_grads, opt, engine.notes)
+    return Pipeline(opt.step, backward if fold else engine.copy_grads, opt, engine.notes)
 
 
 def build_read_floor(inputs: Inputs) -> Pipeline:
@@ -315,10 +387,9 @@ def build_read_floor(inputs: Inputs) -> Pipeline:
 
 
 def build_graphstep_norm_pass(inputs: Inputs) -> Pipeline:
-    """graphstep's norm stage alone (sum of squares, non-finite check, grad norm): one read of the grads."""
-    built = build_graphstep(inputs)
-    norm = next(stage for stage in built.optimizer.stages if stage.name == "norm")
-    return Pipeline(norm.apply, built.refill, built.optimizer, built.notes)
+    """graphstep's norm stage alone (sum of squares, non-finite check, grad norm): one read of the grads. Of
+    the same engine as the default loss-scaled step's row (shared when built together)."""
+    return build_graphstep(inputs, loss_scale=LOSS_SCALE, kernel=None, timed="norm")
 
 
 def build_graphstep_update_stage(inputs: Inputs) -> Pipeline:

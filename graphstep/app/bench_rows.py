@@ -13,7 +13,8 @@ from .bench_core import summarize
 class Row:
     key: str
     label: str
-    kind: str  # "stream" | "read" | "update" | "full" | "scaled": what the ratio column compares against
+    kind: str  # "stream" | "read" | "update" | "full" | "scaled" | "backward" | "train": what the ratio column
+    # compares against ("train": the backward stand-in and the step, timed together)
     bytes_per_elem: int
     median_ms: float = math.nan
     p10_ms: float = math.nan
@@ -33,9 +34,12 @@ class Row:
         return self
 
 
-# The row each kind's "× graphstep" column divides by (for the read rows: the read-only floor).
+# The row each kind's "× graphstep" column divides by (for the read rows: the read-only floor; for the backward
+# and backward + step rows: those without the folded norm).
 ENGINE_ROW = {"update": "graphstep-update", "full": "graphstep-full", "scaled": "graphstep-scaled",
-              "read": "read-floor"}
+              "read": "read-floor", "backward": "backward", "train": "backward-step"}
+# Kinds that are not an optimizer step: no "× fused floor" column.
+NOT_A_STEP = ("stream", "read", "backward", "train")
 
 
 def add_ratios(rows: list[Row]) -> None:
@@ -46,7 +50,7 @@ def add_ratios(rows: list[Row]) -> None:
     for r in rows:
         if r.kind == "stream" or r.error:
             continue
-        if floor is not None and r.kind != "read":
+        if floor is not None and r.kind not in NOT_A_STEP:
             r.vs_floor = r.median_ms / floor.median_ms
         engine = by_key.get(ENGINE_ROW.get(r.kind, ""))
         if engine is not None:
@@ -77,8 +81,9 @@ def markdown(rows: list[Row], meta: dict) -> str:
                      f"{_fmt(r.vs_graphstep, '.2f')} | {_fmt(r.vs_floor, '.2f')} | {r.bytes_per_elem} | "
                      f"{r.gbps:.1f} |")
     lines += ["", "× graphstep: time over graphstep's eager default-kernel row of the same kind (no clip, full "
-              "step, or with loss scale; for the read rows, over the read-only reduction); "
+              "step, or with loss scale; for the read rows, over the read-only reduction; for the backward and "
+              "backward + step rows, over those without fold_grad_norm); "
               "× fused floor: over the one-buffer `_fused_adamw_`. GB/s: bytes/param × params / median time "
               "(4 = one read of the grads; 28 = Adam's read p,g,m,v + write p,m,v; 32 = plus the norm's grad "
-              "read; DESIGN.md §6)."]
+              "read; 16 = the backward stand-in's zero and accumulate; DESIGN.md §6)."]
     return "\n".join(lines)

@@ -11,7 +11,7 @@ if TYPE_CHECKING:  # annotations only: the context module imports nothing at run
     from ..config import OptimizerConfig
     from ..distributed import Collectives
     from ..families import Family
-    from ..folded_norm import FoldedSums
+    from ..folded_norm import ParamSums, ShardSums
     from ..hyperparams import HyperParams
     from ..layout import Layout
     from ..scaler import ConstantLossScaler, DynamicLossScaler
@@ -33,6 +33,6 @@ class StepContext:
     average_over: Optional[int] = None
     """The data-parallel size the reduce stage averages grads by; None: the layout's own. An expert domain
     (graphstep/experts.py) sums over the expert data-parallel group but averages by the full one."""
-    folded: Optional["FoldedSums"] = None
+    folded: Optional[Union["ParamSums", "ShardSums"]] = None
     """With ``fold_grad_norm``: the domain's folded sums of squares (graphstep.folded_norm), which the reduce
     (or local-average) stage fills and the norm stage adds up; None otherwise."""

@@ -42,6 +42,36 @@ _DOWN = 2.0 ** -64
 _UP = 2.0 ** 64
 
 
+class RowRescue:
+    """fp64 copies of a vector of fp32 row norms, rows whose fp32 norm overflowed recomputed scaled by 2**-64:
+    up to ``RESCUE_ROWS`` of them, picked by a fixed-size top-k (the same ops whatever the grads hold).
+    ``fetch(picked, out)`` gathers the picked rows (``ROW`` elements each) into ``out`` and returns it."""
+
+    def __init__(self, row_norms: torch.Tensor, fetch: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 dtype: torch.dtype):
+        # Every intermediate the size of the row count or of the rescued rows lives in a buffer allocated
+        # here, once: a fresh ~1 MB temporary per step is an mmap and its page faults, which on a busy
+        # machine cost more than the read itself (measured: the rescue's row copy took 20-40 ms of a 60 ms
+        # pass at GPT-2 small, 0.02 ms into a static buffer).
+        count, device = row_norms.numel(), row_norms.device
+        self.row_norms = row_norms
+        self.fetch = fetch
+        self.rescue = min(RESCUE_ROWS, count)
+        self.norms = torch.empty(count, dtype=torch.float64, device=device)
+        self.picked_rows = torch.empty(self.rescue, ROW, dtype=dtype, device=device)
+
+    def __call__(self) -> torch.Tensor:
+        norms = self.norms
+        norms.copy_(self.row_norms)
+        overflowed = torch.isinf(self.row_norms)
+        picked = torch.topk(overflowed.to(torch.float32), self.rescue, sorted=False).indices
+        rows = self.fetch(picked, self.picked_rows).mul_(_DOWN)
+        scaled = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32)
+        rescued = torch.where(overflowed.index_select(0, picked), scaled.to(torch.float64) * _UP,
+                              norms.index_select(0, picked))
+        return norms.index_copy_(0, picked, rescued)
+
+
 class SumOfSquares:
     """fp64 0-d sum of squares of one flat grad buffer: one read, no copy, accurate at any length."""
 
@@ -50,36 +80,18 @@ class SumOfSquares:
         body = n - n % ROW
         self.rows = grad[:body].view(-1, ROW)
         self.tail = grad[body:]
-        # Every intermediate the size of the row count or of the rescued rows lives in a buffer allocated
-        # here, once: a fresh ~1 MB temporary per step is an mmap and its page faults, which on a busy
-        # machine cost more than the read itself (measured: the rescue's row copy took 20-40 ms of a 60 ms
-        # pass at GPT-2 small, 0.02 ms into a static buffer).
-        count, device = self.rows.shape[0], grad.device
-        self.rescue = min(RESCUE_ROWS, count)
-        self.row_norms = torch.empty(count, dtype=torch.float32, device=device)
-        self.norms = torch.empty(count, dtype=torch.float64, device=device)
-        self.picked_rows = torch.empty(self.rescue, ROW, dtype=grad.dtype, device=device)
+        self.row_norms = torch.empty(self.rows.shape[0], dtype=torch.float32, device=grad.device)
+        self._rescue = RowRescue(self.row_norms, lambda picked, out: torch.index_select(self.rows, 0, picked, out=out),
+                                 grad.dtype)
 
     def __call__(self) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64, device=self.row_norms.device)
         if self.rows.shape[0]:
             torch.linalg.vector_norm(self.rows, dim=1, dtype=torch.float32, out=self.row_norms)
-            total = self._rescue_norms().square_().sum()
+            total = self._rescue().square_().sum()
         if self.tail.numel():
             total = total + torch.linalg.vector_norm(self.tail, dtype=torch.float64).square()
         return total
-
-    def _rescue_norms(self) -> torch.Tensor:
-        """``self.norms``: the row norms in fp64, rows whose fp32 norm overflowed recomputed scaled."""
-        norms = self.norms
-        norms.copy_(self.row_norms)
-        overflowed = torch.isinf(self.row_norms)
-        picked = torch.topk(overflowed.to(torch.float32), self.rescue, sorted=False).indices
-        rows = torch.index_select(self.rows, 0, picked, out=self.picked_rows).mul_(_DOWN)
-        scaled = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32)
-        rescued = torch.where(overflowed.index_select(0, picked), scaled.to(torch.float64) * _UP,
-                              norms.index_select(0, picked))
-        return norms.index_copy_(0, picked, rescued)
 
 
 class ForeachSumOfSquares:
@@ -104,13 +116,19 @@ def build_over(sums: Sequence[Callable[[], torch.Tensor]], t: StepTensors, comm)
 
 
 def build_folded(folds: Sequence, t: StepTensors, comm) -> Stage:
-    """The norm stage over sums of squares already folded into static fp64 vectors (graphstep.folded_norm):
-    it reads no grad. The same values in the same order as ``build_over``'s parts, summed the same way."""
+    """The norm stage over sums of squares already folded where the grads became final (graphstep.folded_norm):
+    it reads no grad. Each domain ``finish``es its fp64 vector (one rank: rescue and sum the folded row
+    norms), then the vectors are summed as one: with several ranks the same values in the same order as
+    ``build_over``'s parts, summed the same way."""
     vectors = [folded.sums for folded in folds]
-    if len(vectors) == 1:
-        return _stage(vectors[0].sum, t, comm)
     joined = torch.empty(sum(v.numel() for v in vectors), dtype=torch.float64, device=vectors[0].device)
-    return _stage(lambda: torch.cat(vectors, out=joined).sum(), t, comm)
+
+    def total() -> torch.Tensor:
+        for folded in folds:
+            folded.finish()
+        return vectors[0].sum() if len(vectors) == 1 else torch.cat(vectors, out=joined).sum()
+
+    return _stage(total, t, comm)
 
 
 def _stage(total: Callable[[], torch.Tensor], t: StepTensors, comm) -> Stage:
