@@ -205,6 +205,12 @@ class StaticBuffers:
     def grads_in_param_dtype(self, index: int) -> bool:
         return self.grad_flat[self.layout.params[index].buffer].dtype == self.params[index].dtype
 
+    def grad_bound(self, index: int) -> bool:
+        """Whether param ``index``'s ``.grad`` is its ``grad_flat`` view (always, for grads that accumulate into
+        an fp32 main grad: their ``.grad`` is None between backwards by design)."""
+        view = self._grad_view_of.get(index)
+        return view is None or self.params[index].grad is view
+
     def adopt_grad(self, index: int, param: torch.nn.Parameter) -> None:
         """From a backward hook: a grad autograd made afresh (the user had set it to None) moves into its
         ``grad_flat`` view, as ``bind_grads`` would before the step, so that what reads the view now (a

@@ -207,15 +207,15 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         """Host-side work before the device step: keep the static bindings, refresh the hyperparameters."""
         self._offload.finish()  # an overlapped host update of the last step must be done first
         self._grads_seen.check()
-        replaced, rebound = [], False
+        self._fold.forget_unbound_grads()  # fold_grad_norm: before the grads are re-bound
+        replaced = []
         for buffers in self._domain_buffers():
             replaced += buffers.restore_replaced_buffers()
             if not buffers.bindings_intact():
-                rebound = True
                 replaced += buffers.readopt_params()  # also rebinds grads a user set to None (as zeros)
         if replaced:
             self._runner.on_replaced(replaced)
-        self._fold.before_step(grads_rebound=rebound or bool(replaced))  # fold_grad_norm's stale sums
+        self._fold.fold_stale()
         for g, (group, family) in enumerate(zip(self.param_groups, self._families)):
             problem = family.group_problem(group, self.config) if family.group_problem is not None else None
             if problem is not None:

@@ -3,10 +3,11 @@ becomes final, so the step reads the grads once, in the update (issue 18).
 
 Where the fold happens, per domain (the dense params, and the MoE expert params when there are some):
 
-- **One rank** (``ParamSums``): a post-accumulate-grad hook on every param computes, right after backward
-  wrote the grad and while it is still in cache, the fp32 norms of the param's 4,096-element rows and
-  the fp64 norm of its tail: two ops per param. The step's norm stage then rescues rows whose fp32 norm
-  overflowed and sums the squares in fp64, per grad buffer (a few thousand values: no grad is read).
+- **One rank** (``ParamSums``): a post-accumulate-grad hook on every param of at least 4,096 elements
+  computes, right after backward wrote the grad and while it is still in cache, the fp32 norms of the
+  param's 4,096-element rows: one op per param. The step's norm stage then rescues rows whose fp32 norm
+  overflowed, adds the leftovers (tails under 4,096 elements and the small params: 0.1% of GPT-2 small's
+  grads, one fp64 foreach norm) and sums the squares in fp64, per grad buffer.
 - **Several ranks** (``ShardSums``): the norm is of this rank's reduced shard, so each bucket's sum of
   squares is computed right after its reduce-scatter lands: in the step's reduce stage, or, with
   ``overlap_grad_reduce`` (eager), in backward, when the hook that launches the next bucket lands the
@@ -16,8 +17,8 @@ Where the fold happens, per domain (the dense params, and the MoE expert params 
 Exactness. With several ranks the folded units are the buckets' shards the unfolded norm reads, summed by
 the same ``SumOfSquares`` in the same order: the norm, and so the step, is bitwise the unfolded one. With
 one rank the rows start at each param instead of each buffer: the sum is as accurate (fp32 rows of 4,096,
-fp64 above), not bitwise the same; the overflow rescue covers ``RESCUE_ROWS`` rows per grad buffer, as
-unfolded.
+fp64 tails and sums), not bitwise the same; the overflow rescue covers ``RESCUE_ROWS`` rows per grad
+buffer, as unfolded.
 
 Which sums are current (one rank). A param's folded norms are current when they were folded after its
 grad last changed. The host keeps a flag per param: a fold sets it; a backward under ``no_sync()`` (an
@@ -95,10 +96,13 @@ class ShardSums(_Slots):
 
 
 class ParamSums(_Slots):
-    """The dense params on one rank, folded by their post-accumulate-grad hooks: per param two ops on a grad
-    still in cache, the fp32 norms of its 4,096-element rows (into one row-norm vector per grad buffer) and
-    the fp64 norm of its tail. The norm stage ``finish``es each buffer: rows whose fp32 norm overflowed are
-    rescued (``norm.RowRescue``), then the squares are summed in fp64 into the buffer's slot."""
+    """The dense params on one rank. A param of at least one 4,096-element row is folded by its
+    post-accumulate-grad hook: one op on a grad still in cache, the fp32 norms of its rows, into one
+    row-norm vector per grad buffer. What is left over (the tails of fewer than 4,096 elements, and the
+    params smaller than a row: biases, norms' weights) is read by the norm stage itself, in one fp64 foreach
+    norm per buffer (at GPT-2 small 98 of 148 params, 0.1% of the grads: hooks and ops per small param would
+    cost backward more than the bytes). The stage ``finish``es each buffer: rows whose fp32 norm overflowed
+    are rescued (``norm.RowRescue``), then the squares are summed in fp64 into the buffer's slot."""
 
     in_backward = True
 
@@ -106,46 +110,51 @@ class ParamSums(_Slots):
         grads = buffers.grad_flat
         super().__init__(len(grads), len(layout.params), grads[0].device,
                          [f"param '{place.name}'" for place in layout.params])
-        self._ops: list[tuple] = [()] * len(layout.params)
+        self._rows: dict[int, tuple] = {}  # param index -> (its rows, their norms' slice of the buffer's)
         self._buffers = []
         for b, grad in enumerate(grads):
             members = sorted((i for i, place in enumerate(layout.params) if place.buffer == b),
                              key=lambda i: layout.params[i].start)
             row_counts = [(layout.params[i].end - layout.params[i].start) // ROW for i in members]
             row_norms = torch.zeros(sum(row_counts), dtype=torch.float32, device=grad.device)
-            tail_norms = torch.zeros(len(members), dtype=torch.float64, device=grad.device)
-            starts, first = [], 0
-            for slot, (i, rows) in enumerate(zip(members, row_counts)):
+            starts, tails, first = [], [], 0
+            for i, rows in zip(members, row_counts):
                 start, end = layout.params[i].start, layout.params[i].end
-                starts += range(start, start + rows * ROW, ROW)
-                self._ops[i] = (grad[start:start + rows * ROW].view(rows, ROW), row_norms[first:first + rows],
-                                grad[start + rows * ROW:end], tail_norms[slot])
-                first += rows
-            self._buffers.append((row_norms, tail_norms, _row_rescue(grad, row_norms, starts)))
+                if rows:
+                    starts += range(start, start + rows * ROW, ROW)
+                    self._rows[i] = (grad[start:start + rows * ROW].view(rows, ROW), row_norms[first:first + rows])
+                    first += rows
+                if start + rows * ROW < end:
+                    tails.append(grad[start + rows * ROW:end])
+            self._buffers.append((row_norms, tails, _row_rescue(grad, row_norms, starts)))
+        self.hooked = sorted(self._rows)
+        """The params folded in backward (at least one full row); the rest is read by the step."""
+        for i in range(len(layout.params)):
+            if i not in self._rows:
+                self.current[i] = True  # nothing to fold: never stale
 
     def fold(self, unit: int) -> None:
-        rows, row_norms, tail, tail_norm = self._ops[unit]
-        if rows.shape[0]:
-            torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32, out=row_norms)
-        torch.linalg.vector_norm(tail, dtype=torch.float64, out=tail_norm)
+        rows, row_norms = self._rows[unit]
+        torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32, out=row_norms)
         self.current[unit] = True
 
+    def invalidate(self) -> None:
+        for i in self._rows:
+            self.current[i] = False
+
     def finish(self) -> None:
-        for slot, (row_norms, tail_norms, rescue) in zip(self._slots, self._buffers):
-            total = tail_norms.square().sum()
+        for slot, (row_norms, tails, rescue) in zip(self._slots, self._buffers):
+            total = torch.zeros((), dtype=torch.float64, device=slot.device)
+            if tails:
+                total = torch.stack(torch._foreach_norm(tails, 2, dtype=torch.float64)).square().sum()
             if row_norms.numel():
                 total = rescue().square_().sum() + total
             slot.copy_(total)
 
     def out_of_date(self) -> list[str]:
-        """Names of the params whose folded norms differ from norms computed now (host reads: debug_step)."""
-        stale = []
-        for name, (rows, row_norms, tail, tail_norm) in zip(self.names, self._ops):
-            fresh_rows = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32)
-            fresh_tail = torch.linalg.vector_norm(tail, dtype=torch.float64)
-            if not (torch.equal(fresh_rows, row_norms) and torch.equal(fresh_tail, tail_norm)):
-                stale.append(name)
-        return stale
+        """Names of the params whose folded row norms differ from norms computed now (host reads: debug_step)."""
+        return [self.names[i] for i, (rows, row_norms) in self._rows.items()
+                if not torch.equal(torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32), row_norms)]
 
 
 def _row_rescue(grad: torch.Tensor, row_norms: torch.Tensor, starts: list[int]) -> RowRescue:
@@ -183,13 +192,15 @@ class Fold:
         self.domains = [d for d in domains if d is not None]
         hooked = [d for d in self.domains if d.in_backward]
         self.hooked = hooked[0] if hooked else None  # the dense domain on one rank
+        self._buffers = buffers
         self._handles = []
         self._no_sync = False
         if self.hooked is None:
             return
-        for index, param in enumerate(buffers.params):
+        for index in self.hooked.hooked:
             # Registered after buffers' main-grad hook (allocate), so it runs once main_grad holds the grad.
-            self._handles.append(param.register_post_accumulate_grad_hook(self._hook(index, buffers)))
+            hook = self._hook(index, buffers)
+            self._handles.append(buffers.params[index].register_post_accumulate_grad_hook(hook))
 
     def _hook(self, index: int, buffers):
         folded = self.hooked
@@ -213,14 +224,19 @@ class Fold:
         finally:
             self._no_sync = previous
 
-    def before_step(self, grads_rebound: bool) -> None:
-        """Fold what is not current; ``grads_rebound``: the engine re-bound grads (set to None, replaced), so
-        no fold from backward can be trusted."""
+    def forget_unbound_grads(self) -> None:
+        """Before the engine re-binds grads: a folded param whose ``.grad`` is no longer its flat view (set to
+        None, or assigned, after its hook ran) gets its view rewritten by the re-binding: fold it again."""
         if self.hooked is None:
             return
-        if grads_rebound:
-            self.hooked.invalidate()
-        self.hooked.fold_stale()
+        for index in self.hooked.hooked:
+            if not self._buffers.grad_bound(index):
+                self.hooked.current[index] = False
+
+    def fold_stale(self) -> None:
+        """Right before the step: fold every param backward did not (or whose grad changed since)."""
+        if self.hooked is not None:
+            self.hooked.fold_stale()
 
     def invalidate(self) -> None:
         """After a step or ``zero_grad``: the next backward must fold again."""
