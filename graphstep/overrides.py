@@ -205,8 +205,9 @@ def get_mup_config_overrides(config, mup_width_mult: float, optimizer_type: Opti
     - nothing when m == 1.
 
     The schedule floor scales with the peak (``min_lr`` x the same factor when ``config.min_lr`` is set),
-    so ``min_lr <= max_lr`` still holds. ``optimizer_type`` defaults to ``config.optimizer``. graphstep has
-    no Muon, so no param is left out as Muon-managed.
+    so ``min_lr <= max_lr`` still holds. ``optimizer_type`` defaults to ``config.optimizer``. For Muon
+    (a name containing "muon"), the matrices Muon itself updates (``muon_managed``) are left out: only the
+    params its scalar optimizer takes get the non-Adam rule.
     """
     if isinstance(mup_width_mult, bool) or not isinstance(mup_width_mult, (int, float)) \
             or not 0 < mup_width_mult < math.inf:
@@ -234,7 +235,8 @@ def get_mup_config_overrides(config, mup_width_mult: float, optimizer_type: Opti
         return not _is_vector_like(param, name)
 
     def matrix_like_lr(param, name):
-        return matrix_like(param, name) and not keeps_decoupled_lr(param)
+        return (matrix_like(param, name) and not keeps_decoupled_lr(param)
+                and not ("muon" in rule and muon_managed(param)))
 
     def vector_like_lr(param, name):
         return _is_vector_like(param, name) and not keeps_decoupled_lr(param)
@@ -248,6 +250,14 @@ def get_mup_config_overrides(config, mup_width_mult: float, optimizer_type: Opti
     if not decoupled:  # both keys would select the same params: one key with both values
         return {ParamKey(predicate=NamedPredicate("mup_matrix_like", matrix_like)): {**scaled_lr(1.0 / m), **eps}}
     return {lr_key: scaled_lr(1.0 / m), ParamKey(predicate=NamedPredicate("mup_matrix_like_eps", matrix_like)): eps}
+
+
+def muon_managed(param) -> bool:
+    """Whether ``optimizer="muon"`` updates ``param`` with Muon itself unless an override routes it elsewhere
+    (Megatron-Core's rule, graphstep/routing.py): a 2-D param that is no embedding/output param and is not
+    marked ``use_muon=False``."""
+    return (param.ndim == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
+            and not getattr(param, "shared_embedding", False) and getattr(param, "use_muon", True))
 
 
 def _merged_override(name: str, param, config_overrides: dict) -> dict:

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .overrides import build_param_groups, get_standard_config_overrides
+from .overrides import build_param_groups, get_standard_config_overrides, muon_managed
 
 _FAMILY_NAMES = ("adam", "sgd", "lion", "muon")
 
@@ -63,9 +63,7 @@ def build_family_param_groups(named_params: Sequence[tuple[str, torch.nn.Paramet
             return picked.pop()
         if config.optimizer != "muon":
             return config.optimizer
-        scalar = (param.ndim != 2 or getattr(param, "is_embedding_or_output_parameter", False)
-                  or getattr(param, "shared_embedding", False) or not getattr(param, "use_muon", True))
-        return config.muon_scalar_optimizer if scalar else "muon"
+        return "muon" if muon_managed(param) else config.muon_scalar_optimizer
 
     routed = []
     for group in groups:

@@ -272,6 +272,11 @@ MUP_CLASSES = [
     ("layers.0.mlp.weight", (6, 4), {}, "sgd", False, 1, 1),
     ("layers.0.norm.weight", (4,), {}, "sgd", True, 4, 1),
     ("layers.0.norm.weight", (4,), {}, "adam", False, 1, 1),
+    # Muon: the matrices Muon updates itself are left out; what its scalar optimizer takes gets lr / m.
+    ("layers.0.mlp.weight", (6, 4), {}, "muon", False, 1, 1),
+    ("layers.0.mlp.weight", (6, 4), dict(use_muon=False), "muon", False, 1 / 4, 1),
+    ("output_layer.weight", (6, 4), OUTPUT, "muon", False, 1 / 4, 1),
+    ("layers.0.norm.weight", (4,), {}, "muon", False, 1, 1),
 ]
 
 
