@@ -42,34 +42,18 @@ from .stages.norm import RESCUE_ROWS, ROW, RowRescue, SumOfSquares
 
 
 class _Slots:
-    """What both kinds of folded sums share: the fp64 vector the norm stage adds up, per-unit host flags
-    (current: folded since the grad last changed) and the fold counts."""
+    """What both kinds of folded sums share: the fp64 vector the norm stage adds up, and the fold counts."""
 
     in_backward = False
 
-    def __init__(self, slots: int, units: int, device, names: Sequence[str]):
-        self.names = list(names)
+    def __init__(self, slots: int, device):
         self.sums = torch.zeros(slots, dtype=torch.float64, device=device)
         self._slots = list(self.sums.unbind(0))  # 0-d views, written in place
-        self.current = [False] * units
         self.in_backward_folds = 0
         self.before_step_folds = 0
 
-    def fold(self, unit: int) -> None:
-        raise NotImplementedError
-
     def finish(self) -> None:
         """Device work the norm stage runs first, so that ``sums`` holds the sums of squares."""
-
-    def fold_stale(self) -> None:
-        """Fold every unit that is not current (one rank: before the step)."""
-        for unit, current in enumerate(self.current):
-            if not current:
-                self.fold(unit)
-                self.before_step_folds += 1
-
-    def invalidate(self) -> None:
-        self.current = [False] * len(self.current)
 
 
 class ShardSums(_Slots):
@@ -77,15 +61,14 @@ class ShardSums(_Slots):
     without one: its local average): a unit per ``grad_shard`` entry, each folded by that stage into its
     slot with the norm's own ``SumOfSquares``, in the order the unfolded norm sums them (so bitwise it)."""
 
-    def __init__(self, grads: Sequence[torch.Tensor], names: Sequence[str]):
-        super().__init__(len(grads), len(grads), grads[0].device, names)
+    def __init__(self, grads: Sequence[torch.Tensor]):
+        super().__init__(len(grads), grads[0].device)
         self._units = [SumOfSquares(grad) for grad in grads]
         self.landed: set[int] = set()
         """Buckets whose reduce-scatter landed and was folded in backward (overlap); the step skips them."""
 
     def fold(self, unit: int) -> None:
         self._slots[unit].copy_(self._units[unit]())
-        self.current[unit] = True
 
     def take_landed(self, bucket: int) -> bool:
         """Whether ``bucket`` was landed (reduced, averaged and folded) in backward; forgets it."""
@@ -108,8 +91,8 @@ class ParamSums(_Slots):
 
     def __init__(self, layout, buffers):
         grads = buffers.grad_flat
-        super().__init__(len(grads), len(layout.params), grads[0].device,
-                         [f"param '{place.name}'" for place in layout.params])
+        super().__init__(len(grads), grads[0].device)
+        self.names = [f"param '{place.name}'" for place in layout.params]
         self._rows: dict[int, tuple] = {}  # param index -> (its rows, their norms' slice of the buffer's)
         self._buffers = []
         for b, grad in enumerate(grads):
@@ -129,18 +112,23 @@ class ParamSums(_Slots):
             self._buffers.append((row_norms, tails, _row_rescue(grad, row_norms, starts)))
         self.hooked = sorted(self._rows)
         """The params folded in backward (at least one full row); the rest is read by the step."""
-        for i in range(len(layout.params)):
-            if i not in self._rows:
-                self.current[i] = True  # nothing to fold: never stale
+        self.current = dict.fromkeys(self.hooked, False)
+        """Per hooked param: folded since its grad last changed (host flags)."""
 
-    def fold(self, unit: int) -> None:
-        rows, row_norms = self._rows[unit]
+    def fold(self, param: int) -> None:
+        rows, row_norms = self._rows[param]
         torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32, out=row_norms)
-        self.current[unit] = True
+        self.current[param] = True
+
+    def fold_stale(self) -> None:
+        """Fold every hooked param that is not current (before the step)."""
+        for param, current in self.current.items():
+            if not current:
+                self.fold(param)
+                self.before_step_folds += 1
 
     def invalidate(self) -> None:
-        for i in self._rows:
-            self.current[i] = False
+        self.current = dict.fromkeys(self.hooked, False)
 
     def finish(self) -> None:
         for slot, (row_norms, tails, rescue) in zip(self._slots, self._buffers):
@@ -179,9 +167,7 @@ def plan(config, layout, buffers, *, hooked: bool) -> Optional[_Slots]:
         return None
     if hooked and layout.dp_size == 1:
         return ParamSums(layout, buffers)
-    names = ([f"bucket {b.index}" for b in layout.buckets] if layout.dp_size > 1
-             else [f"grad buffer {b}" for b in range(len(buffers.grad_shard))])
-    return ShardSums(buffers.grad_shard, names)
+    return ShardSums(buffers.grad_shard)
 
 
 class Fold:
