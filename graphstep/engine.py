@@ -158,7 +158,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         # pairs up buffers (and the model-parallel group gets its timeout). No stage factory talks to peers.
         self.comm.setup(self.layout, config, device)
 
-        kernels, self.kernel_choice = choose_kernels(config, device, families)
+        kernels, self.kernel_choice = choose_kernels(config, device, families, self.comm)
         """Which update kernel runs (``kernel="auto"`` resolved), why, and the probe's compile seconds."""
         ctx = StepContext(config, self.layout, self.buffers, self.hyper, kernels, families,
                           self.tensors, self.scaler, self.comm, rank,

@@ -37,8 +37,12 @@ def get_kernels(name: str) -> ModuleType:
         raise ValueError(f"kernel={name!r}: must be one of {', '.join(map(repr, IMPLEMENTATIONS))}") from None
 
 
-def choose_kernels(config, device, families) -> tuple[ModuleType, "auto.KernelChoice"]:
-    """The implementation module ``config.kernel`` means on ``device`` ("auto" resolved), and why."""
+def choose_kernels(config, device, families, comm=None) -> tuple[ModuleType, "auto.KernelChoice"]:
+    """The implementation module ``config.kernel`` means on ``device`` ("auto" resolved), and why. ``comm``
+    (graphstep.distributed.Collectives): with several data-parallel ranks, "auto" is agreed across them
+    (``auto.agree``: a build-time collective)."""
     choice = auto.choose(config.kernel, device, capture=config.capture, warmup_steps=config.capture_warmup_steps,
                          needs_kernel=any(family.kernels is None for family in families))
+    if config.kernel == "auto" and comm is not None and comm.dp_size > 1:
+        choice = auto.agree(choice, comm, device)
     return get_kernels(choice.name), choice

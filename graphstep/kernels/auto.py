@@ -14,6 +14,9 @@ change after build). The probe's compile time is reported (``KernelChoice.compil
 on the ``graphstep`` logger); the layout's own variant compiles on the first step
 (``compiled.compile_seconds()`` counts both).
 
+With several data-parallel ranks the choice is agreed at build (``agree``): if compiling fails on any rank,
+every rank runs "fused".
+
 "auto" also picks "fused" without probing when no param group runs a configurable kernel (Lion, Muon
 bring their own) and when a capture could start before any eager step (``capture_warmup_steps=0``):
 the compile must run eagerly first.
@@ -104,3 +107,19 @@ def choose(configured: str, device: torch.device, *, capture: str, warmup_steps:
         warnings.warn(f"graphstep: kernel='auto' runs 'fused': torch.compile does not work on {device} "
                       f"({why_not}); set kernel='fused' to choose it explicitly", stacklevel=3)
     return KernelChoice("fused", f"torch.compile does not work on {device}: {why_not}")
+
+
+def agree(choice: KernelChoice, comm, device: torch.device) -> KernelChoice:
+    """The same choice on every data-parallel rank: "fused" everywhere when any rank's probe failed.
+
+    Each rank probes ``torch.compile`` alone, and one without a working compiler would otherwise update its
+    shard with the fused kernel while the others run the compiled one: still correct, but the ranks'
+    arithmetic would differ, and a sharded run would no longer match a one-process run the way a
+    uniform one does. One MAX all-reduce at build (1.0 = "this rank runs fused")."""
+    fused_here = torch.tensor(0.0 if choice.name == "compiled" else 1.0, device=device)
+    comm.all_reduce_max(fused_here, "kernel='auto' agreement")
+    if choice.name == "compiled" and fused_here.item():
+        warnings.warn("graphstep: kernel='auto' runs 'fused': torch.compile does not work on another "
+                      "data-parallel rank, and every rank must run the same kernel", stacklevel=4)
+        return KernelChoice("fused", "torch.compile does not work on another data-parallel rank", choice.compile_s)
+    return choice

@@ -179,3 +179,24 @@ def failing_peer(rank: int, world_size: int, how: str, timeout_s: float, capture
 def compiled_kernel(rank: int, world_size: int) -> dict:
     """The Adam parity run with kernel="compiled": its loops over this rank's shard views."""
     return train(make_config("adam_fp32", world_size, kernel="compiled"), rank, world_size)
+
+
+def auto_kernel_agreement(rank: int, world_size: int) -> dict:
+    """kernel="auto" built twice: with every rank's probe passing, then with rank 1's failing (the probe
+    results are set, not run: nothing compiles here). Returns each build's choice and warnings."""
+    import warnings
+
+    import _kernel_pin
+    from graphstep.kernels import auto
+
+    auto.choose = _kernel_pin._real_choose  # the real "auto": the harness pins it to "fused"
+    out = {}
+    for case, failing_rank in (("all_work", None), ("rank1_fails", 1)):
+        works = rank != failing_rank
+        auto._probed[("cpu", -1)] = (works, "" if works else "forced failure", 0.0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt = get_optimizer(make_config("adam_fp32", world_size, kernel="auto"), tiny_transformer())
+        out[case] = {"name": opt.kernel_choice.name, "reason": opt.kernel_choice.reason,
+                     "warnings": [str(w.message) for w in caught if "kernel='auto'" in str(w.message)]}
+    return out

@@ -122,3 +122,14 @@ def test_compiled_kernel_on_shards_matches_its_single_process_run():
         drift = relative_drift(result["params"], ref["params"], ref["start"])
         assert drift < 1e-3, f"rank {rank}/2: drift {drift:.2e} of the motion"
         assert result["ok"] == expected_ok
+
+
+def test_kernel_auto_is_agreed_across_ranks():
+    # Each rank probes torch.compile alone; if it fails on one rank, every rank runs "fused", and says why.
+    results = values(spawn(_workers.auto_kernel_agreement, 2, timeout=50))
+    assert [r["all_work"]["name"] for r in results] == ["compiled", "compiled"]
+    assert all(not r["all_work"]["warnings"] for r in results)
+    assert [r["rank1_fails"]["name"] for r in results] == ["fused", "fused"]
+    assert "another data-parallel rank" in results[0]["rank1_fails"]["reason"]
+    assert any("another data-parallel rank" in w for w in results[0]["rank1_fails"]["warnings"])
+    assert "forced failure" in results[1]["rank1_fails"]["reason"]
