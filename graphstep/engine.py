@@ -7,7 +7,6 @@ once, and ``step`` only refreshes the hyperparameter tensors (host side) and app
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -31,6 +30,7 @@ from .hyperparams import HyperParams
 from .kernels import choose_kernels
 from .layout import plan_layout
 from .memory import memory_stats
+from .micro_batches import NoSync
 from .model_params import named_trainable_params, param_spec
 from .routing import build_family_param_groups
 from .runner import StepRunner
@@ -180,11 +180,12 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             static_inputs=_static_inputs(self._domain_buffers(), self.hyper, self.tensors),
             baked_values=baked_values(self.stages),
             agree=_agreement(config, device, self.comm))
+        self._no_sync = NoSync()  # opt.no_sync(): read by the overlap and the folded norm's hooks
         self._overlap = overlap.install(ctx, config, model_chunks, may_capture=self._runner.may_capture,
-                                        experts=expert_ctx)
+                                        no_sync=self._no_sync, experts=expert_ctx)
         self._publish = chain(publish_chain(ctx, expert_ctx))
         self._grads_seen = GradsSeen(params)
-        self._fold = folded_norm.Fold([ctx.folded, expert_ctx and expert_ctx.folded], self.buffers)
+        self._fold = folded_norm.Fold([ctx.folded, expert_ctx and expert_ctx.folded], self.buffers, self._no_sync)
         self.result = StepResult(self.tensors.update_successful, self.tensors.grad_norm, self.tensors.num_zeros,
                                  self.tensors.loss_scale)
 
@@ -318,12 +319,10 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         not (graphstep.folded_norm). A loop that gets the fold's benefit keeps the second at 0."""
         return self._fold.counts()
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Grad accumulation: backward inside only accumulates. The reduce-scatters (``overlap_grad_reduce``)
         and the folded norm (``fold_grad_norm``) run in the last micro-batch's backward, outside it."""
-        with self._overlap.no_sync(), self._fold.no_sync():
-            yield
+        return self._no_sync()
 
     @torch.no_grad()
     def publish_params(self) -> None:

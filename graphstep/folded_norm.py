@@ -32,12 +32,12 @@ backward; ``debug_step()`` warns, naming the params, when a folded norm no longe
 """
 from __future__ import annotations
 
-import contextlib
 import warnings
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
+from .micro_batches import NoSync
 from .stages.norm import RESCUE_ROWS, ROW, RowRescue, SumOfSquares
 
 
@@ -174,13 +174,13 @@ class Fold:
     """The engine's side of the fold: the one-rank hooks (a post-accumulate-grad hook per param) and the host
     bookkeeping around a step, over every domain's folded sums. Inert without ``fold_grad_norm``."""
 
-    def __init__(self, domains: Sequence[Optional[_Slots]], buffers):
+    def __init__(self, domains: Sequence[Optional[_Slots]], buffers, no_sync: NoSync):
         self.domains = [d for d in domains if d is not None]
         hooked = [d for d in self.domains if d.in_backward]
         self.hooked = hooked[0] if hooked else None  # the dense domain on one rank
         self._buffers = buffers
         self._handles = []
-        self._no_sync = False
+        self._no_sync = no_sync
         if self.hooked is None:
             return
         for index in self.hooked.hooked:
@@ -192,7 +192,7 @@ class Fold:
         folded = self.hooked
 
         def hook(param: torch.nn.Parameter) -> None:
-            if self._no_sync:  # an earlier micro-batch: the grad changed, the last one folds it
+            if self._no_sync.active:  # an earlier micro-batch: the grad changed, the last one folds it
                 folded.current[index] = False
                 return
             buffers.adopt_grad(index, param)
@@ -200,15 +200,6 @@ class Fold:
             folded.in_backward_folds += 1
 
         return hook
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backwards inside only accumulate: their grads are folded by the last micro-batch's backward."""
-        previous, self._no_sync = self._no_sync, True
-        try:
-            yield
-        finally:
-            self._no_sync = previous
 
     def forget_unbound_grads(self) -> None:
         """Before the engine re-binds grads: a folded param whose ``.grad`` is no longer its flat view (set to

@@ -34,25 +34,23 @@ launched by a hook; the step launches it in bucket order.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 
+from .micro_batches import NoSync
 from .stages.reduce import bucket_reduces
 
 
 class Overlap:
     """The hooks of one engine. ``enabled`` is what the engine (or a capture) flips; see the module doc."""
 
-    def __init__(self, ctx, config, model_chunks=None, *, may_capture: bool):
+    def __init__(self, ctx, config, model_chunks=None, *, may_capture: bool, no_sync: NoSync):
         self._comm = ctx.comm
         self._buffers = ctx.buffers
         self.grad_reduce = bool(config.overlap_grad_reduce) and ctx.layout.dp_size > 1
         self.param_gather = bool(config.overlap_param_gather) and ctx.layout.dp_size > 1
         self._comm.defer_param_gather = self.param_gather
         self._handles: list = []
-        self._no_sync = False
+        self._no_sync = no_sync
         self.launched_reduces = 0  # reduce-scatters launched from backward hooks (for tests and stats)
         self.waited_gathers = 0  # deferred all-gathers finished by a forward pre-hook
         if self.grad_reduce:
@@ -70,15 +68,6 @@ class Overlap:
     @enabled.setter
     def enabled(self, value: bool) -> None:
         self._comm.overlap_enabled = bool(value) and (self.grad_reduce or self.param_gather)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backwards inside only accumulate grads: no reduce-scatter is launched from them."""
-        previous, self._no_sync = self._no_sync, True
-        try:
-            yield
-        finally:
-            self._no_sync = previous
 
     def finish(self) -> None:
         """Wait on every collective still in flight (deferred all-gathers, launched reduce-scatters)."""
@@ -101,7 +90,7 @@ class Overlap:
             reduce = reduces[bucket]
 
             def hook(param: torch.nn.Parameter) -> None:
-                if not comm.overlap_enabled or self._no_sync:
+                if not comm.overlap_enabled or self._no_sync.active:
                     return
                 # A grad set to None (model.zero_grad()) comes back as a fresh tensor: into the flat buffer.
                 buffers.adopt_grad(index, param)
@@ -199,13 +188,6 @@ class Overlaps:
     def waited_gathers(self) -> int:
         return sum(part.waited_gathers for part in self._parts)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            for part in self._parts:
-                stack.enter_context(part.no_sync())
-            yield
-
     def finish(self) -> None:
         for part in self._parts:
             part.finish()
@@ -215,11 +197,11 @@ class Overlaps:
             part.remove()
 
 
-def install(ctx, config, model_chunks=None, *, may_capture: bool, experts=None) -> Overlap | Overlaps:
+def install(ctx, config, model_chunks=None, *, may_capture: bool, no_sync: NoSync, experts=None) -> Overlap | Overlaps:
     """The engine's overlap hooks (an inert Overlap when neither overlap option is on). ``may_capture``:
     the step is or may be captured, so the hooks start switched off. ``experts``: the expert domain's
     context, whose collectives (over the expert data-parallel group) get hooks of their own."""
-    dense = Overlap(ctx, config, model_chunks, may_capture=may_capture)
+    dense = Overlap(ctx, config, model_chunks, may_capture=may_capture, no_sync=no_sync)
     if experts is None:
         return dense
-    return Overlaps([dense, Overlap(experts, config, model_chunks, may_capture=may_capture)])
+    return Overlaps([dense, Overlap(experts, config, model_chunks, may_capture=may_capture, no_sync=no_sync)])
