@@ -185,7 +185,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                                         no_sync=self._no_sync, experts=expert_ctx)
         self._publish = chain(publish_chain(ctx, expert_ctx))
         self._grads_seen = GradsSeen(params)
-        self._fold = folded_norm.Fold([ctx.folded, expert_ctx and expert_ctx.folded], self.buffers, self._no_sync)
+        folds = [ctx.folded] + ([] if expert_ctx is None else [expert_ctx.folded])
+        self._fold = folded_norm.Fold(folds, self.buffers, self._no_sync)  # inert without fold_grad_norm
         self.result = StepResult(self.tensors.update_successful, self.tensors.grad_norm, self.tensors.num_zeros,
                                  self.tensors.loss_scale)
 

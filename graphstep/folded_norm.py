@@ -30,6 +30,7 @@ that gets the fold's benefit). Not detectable: a grad changed in place after its
 (``p.grad.mul_(...)`` after backward, a hand-made all-reduce). With the fold on, change grads only through
 backward; ``debug_step()`` warns, naming the params, when a folded norm no longer matches its grad.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -171,8 +172,9 @@ def plan(config, layout, buffers, *, hooked: bool) -> Optional[_Slots]:
 
 
 class Fold:
-    """The engine's side of the fold: the one-rank hooks (a post-accumulate-grad hook per param) and the host
-    bookkeeping around a step, over every domain's folded sums. Inert without ``fold_grad_norm``."""
+    """The engine's side of the fold: the one-rank hooks (a post-accumulate-grad hook per param of a full row)
+    and the host bookkeeping around a step, over every domain's folded sums. Inert without
+    ``fold_grad_norm``."""
 
     def __init__(self, domains: Sequence[Optional[_Slots]], buffers, no_sync: NoSync):
         self.domains = [d for d in domains if d is not None]
@@ -226,15 +228,15 @@ class Fold:
                 "before_step": sum(d.before_step_folds for d in self.domains)}
 
     def warn_out_of_date(self) -> None:
-        """debug_step's check: warn naming every param whose folded sum no longer matches its grad. (Only
-        hook-folded sums can be out of date here: the others are folded by the step itself.)"""
+        """debug_step's check: warn naming every param whose folded row norms no longer match its grad. (Only
+        hook-folded norms can be out of date here: the others are folded by the step itself.)"""
         stale = self.hooked.out_of_date() if self.hooked is not None else []
         if stale:
             shown = ", ".join(stale[:5]) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
-            warnings.warn(f"graphstep: fold_grad_norm: the folded sum of squares of {shown} no longer matches "
-                          "the grad: it changed after backward folded it (an in-place change to .grad). The "
-                          "step's norm uses the stale sum; change grads only through backward, or turn "
-                          "fold_grad_norm off", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"graphstep: fold_grad_norm: the folded norm of {shown} no longer matches the grad: "
+                          "it changed after backward folded it (an in-place change to .grad). The step's norm "
+                          "uses the stale one; change grads only through backward, or turn fold_grad_norm off",
+                          RuntimeWarning, stacklevel=3)
 
     def remove(self) -> None:
         for handle in self._handles:

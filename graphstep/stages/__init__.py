@@ -20,7 +20,8 @@ silently keeps a stale value (DESIGN.md law 3).
 
 With several data-parallel ranks ``reduce`` (reduce-scatter) runs first and ``gather`` (all-gather)
 after the copy-back. With ``fold_grad_norm`` the norm stage reads no grad: it adds up sums of squares
-folded where the grads became final (backward hooks, or the reduce stage; graphstep/folded_norm.py). Expert params of MoE models (graphstep/experts.py) have a domain of their own, whose
+folded where the grads became final (backward hooks, or the reduce stage; graphstep/folded_norm.py).
+Expert params of MoE models (graphstep/experts.py) have a domain of their own, whose
 ``expert_*`` stages join the same chain.
 """
 
