@@ -58,6 +58,8 @@ VARIANTS = {
     "fold": dict(fold_grad_norm=True),
     "fold_overlap": dict(fold_grad_norm=True, **OVERLAP),
     "fold_both_overlaps": dict(fold_grad_norm=True, **BOTH_OVERLAPS),
+    # CPU offload of half of each rank's shard: the norm still folds over the device grads of the whole shard.
+    "fold_offload": dict(fold_grad_norm=True, optimizer_cpu_offload=True, optimizer_offload_fraction=0.5),
 }
 
 

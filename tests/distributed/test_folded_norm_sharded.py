@@ -2,7 +2,8 @@
 
 With several ranks each bucket's sum of squares is folded as its reduce-scatter lands (in the step, or in
 backward with ``overlap_grad_reduce``): the same sums of the same shards in the same order as the unfolded
-norm, so every variant is bitwise the unfolded step, and the captured folded step is bitwise the eager one.
+norm, so every variant (plain, overlapped, with half of each shard's update offloaded to the CPU) is bitwise
+the unfolded step, and the captured folded step is bitwise the eager one.
 Against one process (the oracle of every multi-rank run) only the reduction order differs: SGD in fp32,
 within DESIGN.md §8's rounding-level drift.
 """
@@ -36,7 +37,7 @@ def same(a: dict, b: dict) -> bool:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("variant", ["fold", "fold_overlap", "fold_both_overlaps"])
+@pytest.mark.parametrize("variant", ["fold", "fold_overlap", "fold_both_overlaps", "fold_offload"])
 def test_every_folded_variant_is_bitwise_the_unfolded_step(world_size, variant):
     for rank, result in enumerate(runs(world_size)):
         for micro in MICRO_BATCHES:
