@@ -121,3 +121,37 @@ def flat_vs_floor(device, sizes: dict) -> dict:
                   f"captured step {step_ms:.3f} ms vs floor {floor_ms:.3f} ms ({core.GRAPHSTEP_BYTES} B x "
                   f"{inputs.numel / 1e6:.1f}M at the measured {bandwidth / 1e9:.0f} GB/s) = {ratio:.2f}x "
                   f"(goal <= {FLOOR_GOAL}x)", step_ms=step_ms, floor_ms=floor_ms, stream_gbps=bandwidth / 1e9)
+
+
+FOLD_STEP_GOAL = 1.05  # issue 18: the folded step within 1.05x the bare update
+
+
+def part_fold(device, small: bool) -> list[dict]:
+    """``fold_grad_norm`` on the device, GPT-2 small's shapes, captured, the default kernel (compiled with
+    Triton: it reads the grads without writing them back), one interleaved run: the folded step against one
+    flat ``_fused_adamw_`` (goal <= 1.05x), and the backward stand-in + step with the fold against without
+    it (goal: faster). The CPU dry run: quick shapes and the fused kernel (no compile), for reference."""
+    inputs = core.Inputs(bench_shapes.gpt2_quick() if small else bench_shapes.gpt2_small(), device)
+    scaled = dict(loss_scale=core.LOSS_SCALE, capture="graph", kernel="fused" if small else None)
+    pipelines = {"floor": core.build_fused_floor(inputs),
+                 "step": core.build_graphstep(inputs, **scaled),
+                 "step-folded": core.build_graphstep(inputs, fold=True, **scaled),
+                 "backward-step": core.build_graphstep(inputs, timed="backward+step", **scaled),
+                 "backward-step-folded": core.build_graphstep(inputs, fold=True, timed="backward+step", **scaled)}
+    times = core.time_interleaved({k: p.step for k, p in pipelines.items()}, device, 3, 10 if small else 30,
+                                  before={k: p.refill for k, p in pipelines.items() if p.refill is not None})
+    ms = {k: statistics.median(v) for k, v in times.items()}
+    pipelines = inputs = None
+    core.free_memory(device)
+    step_ratio, whole_ratio = ms["step-folded"] / ms["floor"], ms["backward-step-folded"] / ms["backward-step"]
+    numbers = {f"{k}_ms": v for k, v in ms.items()}
+    step_detail = (f"folded step {ms['step-folded']:.3f} ms / _fused_adamw_ {ms['floor']:.3f} ms = {step_ratio:.2f}x "
+                   f"(unfolded {ms['step'] / ms['floor']:.2f}x; goal <= {FOLD_STEP_GOAL}x)")
+    whole_detail = (f"backward stand-in + folded step {ms['backward-step-folded']:.3f} ms / + unfolded step "
+                    f"{ms['backward-step']:.3f} ms = {whole_ratio:.2f}x (goal < 1)")
+    if not is_cuda(device):
+        return [record("fold-step-vs-fused-floor", NO_CUDA, "CPU for reference: " + step_detail, **numbers),
+                record("fold-backward-plus-step", NO_CUDA, "CPU for reference: " + whole_detail, **numbers)]
+    return [record("fold-step-vs-fused-floor", "pass" if step_ratio <= FOLD_STEP_GOAL else "fail", step_detail,
+                   **numbers),
+            record("fold-backward-plus-step", "pass" if whole_ratio < 1.0 else "fail", whole_detail, **numbers)]

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # Every check the script owns; the ones that only mean something on a GPU are skipped in the dry run.
 GPU_ONLY = {"pytest-tests-cuda", "replay-without-host-sync", "captured-vs-eager-10k-tensors", "flat-64M-vs-hbm-floor",
             "memory-flat-over-10-recaptures", "capture-with-pinned-memory-thread", "nccl-world1-collectives-captured",
-            "nccl-world1-distributed-optimizer", "graphstep-profile-capture-graph", "offload-pinned-and-memory"}
+            "nccl-world1-distributed-optimizer", "graphstep-profile-capture-graph", "offload-pinned-and-memory",
+            "fold-step-vs-fused-floor", "fold-backward-plus-step"}
 CPU_RUNNABLE = {f"bitwise-{p}-{k}" for p in ("fp32", "bf16", "fp16") for k in ("fused", "compiled")} | {
     "preflight", "bitwise-negative-control", "forced-recapture", "cpu-time-per-replay",
     "kernels-per-replay-independent-of-tensor-count", "offload-eager-vs-captured", "offload-vs-device-only",
