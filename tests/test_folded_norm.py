@@ -299,3 +299,23 @@ def test_muon_with_the_folded_norm_matches_the_unfolded_step():
     assert folded["norms"][0] == pytest.approx(plain["norms"][0], rel=1e-6)
     # Newton-Schulz turns the last-bit change of the clip coefficient into larger ones of later grads.
     assert_close_to_unfolded(folded, plain, drift=DRIFT["adam"], norm_rel=1e-3)
+
+
+def test_fp8_weights_fold_their_main_grads_in_backward():
+    from graphstep import fp8
+
+    runs = {}
+    for fold in (False, True):
+        model = folded_model()
+        fp8.convert(model, recipe="tensorwise", dtype=torch.float8_e4m3fn)
+        opt = gs.get_optimizer(gs.OptimizerConfig(fp8_recipe="tensorwise", capture="eager", clip_grad=0.5,
+                                                  kernel="fused", fold_grad_norm=fold, **SGD), model)
+        norms = []
+        for step in range(4):
+            opt.zero_grad()
+            loss_fn(model, step).backward()
+            norms.append(float(opt.step().grad_norm))
+        runs[fold] = (norms, opt.fold_counts)
+    assert sum(fp8.is_fp8(p) for p in model.parameters()) > 0
+    assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-6)
+    assert runs[True][1]["in_backward"] > 0 and runs[True][1]["before_step"] == 0
