@@ -118,6 +118,7 @@ def agree(choice: KernelChoice, comm, device: torch.device) -> KernelChoice:
     uniform one does. One MAX all-reduce at build (1.0 = "this rank runs fused")."""
     fused_here = torch.tensor(0.0 if choice.name == "compiled" else 1.0, device=device)
     comm.all_reduce_max(fused_here, "kernel='auto' agreement")
+    # A host read at build, never in the step: the stages are built from the module chosen here.
     if choice.name == "compiled" and fused_here.item():
         warnings.warn("graphstep: kernel='auto' runs 'fused': torch.compile does not work on another "
                       "data-parallel rank, and every rank must run the same kernel", stacklevel=4)
