@@ -9,42 +9,19 @@ found_inf (``update_successful``), grad norm and loss scale; and the captured ru
 import pytest
 import torch
 
-import graphstep as gs
 from _bitwise import assert_state_equal
+from _training import train
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA)")]
 
-DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else None
-PRECISIONS = {"fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True, "initial_loss_scale": 2.0**10}}
 INF_STEP = 17
-
-
-def tiny_model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)).to(DEVICE)
 
 
 def run(mode, precision, steps=40, kernel="fused"):
     """``steps`` steps under a schedule with one inf grad; returns the model, the optimizer and each step's
     (update_successful, grad_norm, loss_scale)."""
-    model = tiny_model()
-    opt = gs.get_optimizer(gs.OptimizerConfig(lr=1e-3, clip_grad=0.5, capture=mode, capture_warmup_steps=3,
-                                              kernel=kernel, **PRECISIONS[precision]), model)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
-    g = torch.Generator(device=DEVICE).manual_seed(0)
-    reported = []
-    for step in range(steps):
-        x = torch.randn(16, 64, device=DEVICE, generator=g)
-        opt.zero_grad()
-        opt.scale_loss(model(x.to(next(model.parameters()).dtype)).float().square().mean()).backward()
-        if step == INF_STEP:
-            next(model.parameters()).main_grad.view(-1)[0] = float("inf")
-        result = opt.step()
-        reported.append(tuple(t.clone() for t in (result.update_successful, result.grad_norm, result.loss_scale)))
-        sched.step()
-    torch.cuda.synchronize()
-    return model, opt, reported
+    return train(mode, precision, steps=steps, inf_step=INF_STEP, kernel=kernel)
 
 
 def assert_bitwise_equal(eager, graph):

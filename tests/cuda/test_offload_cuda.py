@@ -12,39 +12,19 @@ import torch
 import capture
 import graphstep as gs
 from _bitwise import assert_state_equal
+from _training import PRECISIONS, tiny_model, train
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA)")]
 
-DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else None
 HALF = {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5}
-PRECISIONS = {"fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True, "initial_loss_scale": 2.0**10}}
 INF_STEP = 11
 
 
-def tiny_model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)).to(DEVICE)
-
-
 def run(mode, precision="bf16", steps=25, **offload):
-    model = tiny_model()
-    opt = gs.get_optimizer(gs.OptimizerConfig(lr=1e-3, clip_grad=0.5, capture=mode, capture_warmup_steps=3,
-                                              **PRECISIONS[precision], **offload), model)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
-    g = torch.Generator(device=DEVICE).manual_seed(0)
-    flags = []
-    for step in range(steps):
-        x = torch.randn(16, 64, device=DEVICE, generator=g)
-        opt.zero_grad()
-        opt.scale_loss(model(x.to(next(model.parameters()).dtype)).float().square().mean()).backward()
-        if step == INF_STEP:
-            next(model.parameters()).main_grad.view(-1)[0] = float("inf")
-        flags.append(opt.step().update_successful.clone())
-        sched.step()
-    opt.finish_param_gather()
-    torch.cuda.synchronize()
-    return model, opt, [bool(f) for f in flags]
+    """The shared run; its skip decisions as bools."""
+    model, opt, reported = train(mode, precision, steps=steps, inf_step=INF_STEP, **offload)
+    return model, opt, [bool(update_successful) for update_successful, _, _ in reported]
 
 
 def test_host_buffers_are_pinned_and_the_device_keeps_only_its_part():
