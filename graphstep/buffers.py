@@ -216,12 +216,8 @@ class StaticBuffers:
         ``grad_flat`` view, as ``bind_grads`` would before the step, so that what reads the view now (a
         reduce-scatter, a folded norm) reads this backward's grad."""
         view = self._grad_view_of.get(index)  # the very object bindings_intact checks for
-        if view is None:  # grads accumulate into an fp32 main grad: .grad is None between backwards
-            return
-        if param.grad is not None and param.grad is not view:
-            if param.grad.data_ptr() != view.data_ptr():
-                view.copy_(param.grad)
-            param.grad = view
+        if view is not None and param.grad is not None:  # None view: grads accumulate into an fp32 main grad
+            _rebind_grad(param, view)
 
     def bind_grads(self) -> None:
         """Point every param's grad back at its ``grad_flat`` view, keeping any values written elsewhere.
@@ -236,10 +232,8 @@ class StaticBuffers:
             if p.grad is None:
                 view.zero_()
                 p.grad = view
-            elif p.grad is not view:
-                if p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad)
-                p.grad = view
+            else:
+                _rebind_grad(p, view)
 
     def readopt_params(self) -> list[str]:
         """Take back params whose tensor was replaced (``p.data = new``): copy the new values into the flat
@@ -343,6 +337,15 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
     buffers.record_bindings()
     buffers.bind_grads()
     return buffers
+
+
+def _rebind_grad(param: torch.nn.Parameter, view: torch.Tensor) -> None:
+    """Make ``view`` the param's (non-None) grad again, moving the grad's values into it unless they are
+    already there."""
+    if param.grad is not view:
+        if param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+        param.grad = view
 
 
 def _accumulate_into_main_grad(param: torch.nn.Parameter) -> None:
