@@ -109,9 +109,10 @@ class OptimizerConfig:
     fold_grad_norm: bool = False
     """graphstep's own: compute each grad's sum of squares where the grad becomes final (one rank: a
     post-accumulate-grad hook per param of 4,096 elements or more; several: as each bucket's reduce-scatter
-    lands), so the step reads the grads once, in the update (graphstep/folded_norm.py). Grads must then
-    change only through backward: an in-place change after backward is not seen by the norm
-    (``debug_step()`` warns). Run earlier micro-batches under ``opt.no_sync()`` to fold only in the last."""
+    lands), so the step reads the grads once, in the update (graphstep/folded_norm.py). A grad changed in
+    place after backward is refolded before the step (its buffer's version counter moved on); a write that
+    bypasses the counter (``p.grad.data``) is not seen (``debug_step()`` warns). Run earlier micro-batches
+    under ``opt.no_sync()`` to fold only in the last."""
 
     log_num_zeros_in_grad: bool = False
     """Count zero grad elements on device into ``StepResult.num_zeros``."""

@@ -22,13 +22,17 @@ buffer, as unfolded.
 
 Which sums are current (one rank). A param's folded norms are current when they were folded after its
 grad last changed. The host keeps a flag per param: a fold sets it; a backward under ``no_sync()`` (an
-earlier micro-batch: no fold), ``zero_grad``, a step and a broken grad binding clear it. Before each step
-every param that is not current is folded then, as eager device work ahead of the (captured) step:
-params without a grad in the last backward, grads written by hand, a step with no backward.
-``fold_counts`` says how many folds ran in backward and how many before the step (none there in a loop
-that gets the fold's benefit). Not detectable: a grad changed in place after its hook ran
-(``p.grad.mul_(...)`` after backward, a hand-made all-reduce). With the fold on, change grads only through
-backward; ``debug_step()`` warns, naming the params, when a folded norm no longer matches its grad.
+earlier micro-batch: no fold), ``zero_grad``, a step and a broken grad binding clear it. It also keeps,
+per grad buffer, the buffer's version counter as backward left it: every param's hook (folded or not)
+records it after the param's grad was accumulated. Every in-place write to a grad bumps the counter of
+its whole buffer (grads are views of it), so a count that moved on by the step means a grad changed after
+backward (``p.grad.mul_(...)``, ``clip_grad_norm_``, a hand unscale): the buffer's params are then no
+longer current. Before each step every param that is not current is folded then, as eager device work
+ahead of the (captured) step: such changed grads, params without a grad in the last backward, grads
+written by hand, a step with no backward. ``fold_counts`` says how many folds ran in backward and how many
+before the step (none there in a loop that gets the fold's benefit). Not detectable: a write that bypasses
+the version counter (through ``.data``, or into the buffer's memory by an extension or collective);
+``debug_step()`` warns, naming the params, when a folded norm no longer matches its grad.
 """
 
 from __future__ import annotations
@@ -115,14 +119,29 @@ class ParamSums(_Slots):
         """The params folded in backward (at least one full row); the rest is read by the step."""
         self.current = dict.fromkeys(self.hooked, False)
         """Per hooked param: folded since its grad last changed (host flags)."""
+        self._grads = grads
+        self._buffer_of = [place.buffer for place in layout.params]
+        self._backward_versions: list = [None] * len(grads)
+        """Per grad buffer: its version counter as the last hook of a backward saw it (None: no backward)."""
 
     def fold(self, param: int) -> None:
         rows, row_norms = self._rows[param]
         torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32, out=row_norms)
         self.current[param] = True
 
+    def saw_backward_write(self, param: int) -> None:
+        """From param ``param``'s hook, after backward accumulated its grad (folded or not)."""
+        buffer = self._buffer_of[param]
+        self._backward_versions[buffer] = self._grads[buffer]._version
+
     def fold_stale(self) -> None:
-        """Fold every hooked param that is not current (before the step)."""
+        """Fold every hooked param that is not current (before the step), counting as not current every param
+        of a buffer written in place since backward's last write to it."""
+        for buffer, grad in enumerate(self._grads):
+            if grad._version != self._backward_versions[buffer]:
+                for param in self.hooked:
+                    if self._buffer_of[param] == buffer:
+                        self.current[param] = False
         for param, current in self.current.items():
             if not current:
                 self.fold(param)
@@ -130,6 +149,7 @@ class ParamSums(_Slots):
 
     def invalidate(self) -> None:
         self.current = dict.fromkeys(self.hooked, False)
+        self._backward_versions = [None] * len(self._grads)
 
     def finish(self) -> None:
         for slot, (row_norms, tails, rescue) in zip(self._slots, self._buffers):
@@ -172,9 +192,9 @@ def plan(config, layout, buffers, *, hooked: bool) -> Optional[_Slots]:
 
 
 class Fold:
-    """The engine's side of the fold: the one-rank hooks (a post-accumulate-grad hook per param of a full row)
-    and the host bookkeeping around a step, over every domain's folded sums. Inert without
-    ``fold_grad_norm``."""
+    """The engine's side of the fold: the one-rank hooks (a post-accumulate-grad hook per param: it folds a
+    param of a full row, and records its buffer's version counter for every param) and the host bookkeeping
+    around a step, over every domain's folded sums. Inert without ``fold_grad_norm``."""
 
     def __init__(self, domains: Sequence[Optional[_Slots]], buffers, no_sync: NoSync):
         self.domains = [d for d in domains if d is not None]
@@ -185,21 +205,25 @@ class Fold:
         self._no_sync = no_sync
         if self.hooked is None:
             return
-        for index in self.hooked.hooked:
+        for index, param in enumerate(buffers.params):
             # Registered after buffers' main-grad hook (allocate), so it runs once main_grad holds the grad.
             hook = self._hook(index, buffers)
-            self._handles.append(buffers.params[index].register_post_accumulate_grad_hook(hook))
+            self._handles.append(param.register_post_accumulate_grad_hook(hook))
 
     def _hook(self, index: int, buffers):
         folded = self.hooked
+        has_rows = index in folded.current
 
         def hook(param: torch.nn.Parameter) -> None:
             if self._no_sync.active:  # an earlier micro-batch: the grad changed, the last one folds it
-                folded.current[index] = False
+                if has_rows:
+                    folded.current[index] = False
                 return
-            buffers.adopt_grad(index, param)
-            folded.fold(index)
-            folded.in_backward_folds += 1
+            buffers.adopt_grad(index, param)  # before recording: adopting a fresh grad writes the buffer
+            if has_rows:
+                folded.fold(index)
+                folded.in_backward_folds += 1
+            folded.saw_backward_write(index)
 
         return hook
 
@@ -234,8 +258,9 @@ class Fold:
         if stale:
             shown = ", ".join(stale[:5]) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
             warnings.warn(f"graphstep: fold_grad_norm: the folded norm of {shown} no longer matches the grad: "
-                          "it changed after backward folded it (an in-place change to .grad). The step's norm "
-                          "uses the stale one; change grads only through backward, or turn fold_grad_norm off",
+                          "it changed after backward folded it, by a write that bypassed its version counter "
+                          "(through .data, or by an extension). The step's norm uses the stale one; change "
+                          "grads in place through the grad itself, or turn fold_grad_norm off",
                           RuntimeWarning, stacklevel=3)
 
     def remove(self) -> None:

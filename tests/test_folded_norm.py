@@ -179,21 +179,47 @@ def test_model_zero_grad_to_none_then_backward_folds_the_fresh_grads():
 
 
 def test_the_step_reads_only_the_folded_sums():
-    # Poison the grads after backward folded them: the step's norm is the folded one, not the poisoned grads'.
+    # Poison a grad after backward folded it, through .data (which bypasses the version counter, so the fold
+    # cannot see it): the step's norm is the folded one, not the poisoned grads'.
     model, opt = build(True, clip_grad=0.0)
     loss_fn(model, 0).backward()
     expected = math.sqrt(sum(float(SumOfSquares(p.grad.reshape(-1))()) for p in model.parameters()))
-    with torch.no_grad():
-        model[3].weight.grad[0, 0] = math.nan
+    model[3].weight.grad.data[0, 0] = math.nan
     result = opt.step()
     assert float(result.grad_norm) == pytest.approx(expected, rel=1e-7)  # the reported norm is fp32
+    assert opt.fold_counts["before_step"] == 0
+
+
+@pytest.mark.parametrize("change", ["mul_", "clip_grad_norm_", "unused_param_add_"])
+def test_grads_changed_in_place_after_backward_are_folded_again(change):
+    # Any in-place write to a grad bumps its buffer's version counter: the step refolds that buffer, so the
+    # norm is that of the grads the update reads. "unused_param_add_" writes a small (unhooked) param's grad.
+    results = {}
+    for fold in (False, True):
+        model, opt = build(fold, clip_grad=0.1, **SGD)
+        norms = []
+        for step in range(3):
+            opt.zero_grad()
+            loss_fn(model, step).backward()
+            with torch.no_grad():
+                if change == "mul_":
+                    model[3].weight.grad.mul_(3.0)
+                elif change == "clip_grad_norm_":
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+                else:
+                    model[2].bias.grad.add_(5.0)
+            norms.append(float(opt.step().grad_norm))
+        results[fold] = (norms, [p.detach().clone() for p in model.parameters()], dict(opt.fold_counts))
+    (folded, folded_params, counts), (plain, plain_params, _) = results[True], results[False]
+    assert folded == pytest.approx(plain, rel=1e-6)
+    assert relative_drift(folded_params, plain_params, list(folded_model().parameters())) <= DRIFT["sgd"]
+    assert counts["before_step"] == counts["in_backward"] > 0  # every hooked param refolded, every step
 
 
 def test_debug_step_warns_naming_a_grad_changed_after_its_fold():
     model, opt = build(True)
     loss_fn(model, 0).backward()
-    with torch.no_grad():
-        model[3].weight.grad.mul_(2.0)
+    model[3].weight.grad.data.mul_(2.0)  # bypasses the version counter: the one change the step cannot see
     with pytest.warns(RuntimeWarning, match=r"param '3\.weight'.*no longer matches"):
         opt.debug_step()
 
