@@ -38,6 +38,7 @@ the version counter (through ``.data``, or into the buffer's memory by an extens
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -207,25 +208,23 @@ class Fold:
             return
         for index, param in enumerate(buffers.params):
             # Registered after buffers' main-grad hook (allocate), so it runs once main_grad holds the grad.
-            hook = self._hook(index, buffers)
-            self._handles.append(param.register_post_accumulate_grad_hook(hook))
+            self._handles.append(param.register_post_accumulate_grad_hook(_hook(weakref.ref(self), index)))
+        # The hooks live as long as the model's params, the optimizer maybe not: they reach this object only
+        # weakly (a dropped optimizer's buffers are freed), and its collection removes them.
+        weakref.finalize(self, _remove_hooks, self._handles)
 
-    def _hook(self, index: int, buffers):
+    def grad_arrived(self, index: int, param: torch.nn.Parameter) -> None:
+        """Param ``index``'s hook: backward has accumulated its grad."""
         folded = self.hooked
-        has_rows = index in folded.current
-
-        def hook(param: torch.nn.Parameter) -> None:
-            if self._no_sync.active:  # an earlier micro-batch: the grad changed, the last one folds it
-                if has_rows:
-                    folded.current[index] = False
-                return
-            buffers.adopt_grad(index, param)  # before recording: adopting a fresh grad writes the buffer
-            if has_rows:
-                folded.fold(index)
-                folded.in_backward_folds += 1
-            folded.saw_backward_write(index)
-
-        return hook
+        if self._no_sync.active:  # an earlier micro-batch: the grad changed, the last one folds it
+            if index in folded.current:
+                folded.current[index] = False
+            return
+        self._buffers.adopt_grad(index, param)  # before recording: adopting a fresh grad writes the buffer
+        if index in folded.current:
+            folded.fold(index)
+            folded.in_backward_folds += 1
+        folded.saw_backward_write(index)
 
     def forget_unbound_grads(self) -> None:
         """Before the engine re-binds grads: a folded param whose ``.grad`` is no longer its flat view (set to
@@ -264,6 +263,19 @@ class Fold:
                           RuntimeWarning, stacklevel=3)
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        _remove_hooks(self._handles)
+
+
+def _hook(fold: "weakref.ref[Fold]", index: int):
+    def hook(param: torch.nn.Parameter) -> None:
+        live = fold()
+        if live is not None:
+            live.grad_arrived(index, param)
+
+    return hook
+
+
+def _remove_hooks(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
