@@ -33,6 +33,11 @@ written by hand, a step with no backward. ``fold_counts`` says how many folds ra
 before the step (none there in a loop that gets the fold's benefit). Not detectable: a write that bypasses
 the version counter (through ``.data``, or into the buffer's memory by an extension or collective);
 ``debug_step()`` warns, naming the params, when a folded norm no longer matches its grad.
+
+Grad accumulation without ``no_sync()``. Every backward then folds, and only the last fold counts: one read
+of the grads per micro-batch where the unfolded norm reads them once. A step that saw a param's grad
+arrive twice outside ``no_sync()`` warns once and sends the next steps' fold to the step itself (before
+it, as for stale params), until a step sees a single backward again.
 """
 
 from __future__ import annotations
@@ -204,6 +209,12 @@ class Fold:
         self._buffers = buffers
         self._handles = []
         self._no_sync = no_sync
+        self.fold_in_backward = True
+        """False after a step whose grads were accumulated over several backwards outside ``no_sync()``: each
+        of those would fold again, so the hooks leave the fold to the step until a step sees one backward."""
+        self._arrived: set[int] = set()  # hooked params a backward delivered since the grads were zeroed/stepped
+        self._repeated = False  # one of them was delivered again: unmarked accumulation
+        self._warned = False
         if self.hooked is None:
             return
         for index, param in enumerate(buffers.params):
@@ -222,8 +233,13 @@ class Fold:
             return
         self._buffers.adopt_grad(index, param)  # before recording: adopting a fresh grad writes the buffer
         if index in folded.current:
-            folded.fold(index)
-            folded.in_backward_folds += 1
+            self._repeated |= index in self._arrived
+            self._arrived.add(index)
+            if self.fold_in_backward:
+                folded.fold(index)
+                folded.in_backward_folds += 1
+            else:
+                folded.current[index] = False
         folded.saw_backward_write(index)
 
     def forget_unbound_grads(self) -> None:
@@ -241,9 +257,25 @@ class Fold:
             self.hooked.fold_stale()
 
     def invalidate(self) -> None:
-        """After a step or ``zero_grad``: the next backward must fold again."""
+        """After ``zero_grad`` (and a step): the next backward must fold again."""
         if self.hooked is not None:
             self.hooked.invalidate()
+        self._arrived.clear()
+        self._repeated = False
+
+    def after_step(self) -> None:
+        """Invalidate, and decide where the next step's fold runs: in backward, unless this step's grads were
+        accumulated over several backwards outside ``no_sync()`` (folding in each costs a read of the grads
+        per backward; folding before the step, one)."""
+        if self._repeated and self.fold_in_backward and not self._warned:
+            self._warned = True
+            warnings.warn("graphstep: fold_grad_norm: backward ran more than once outside opt.no_sync() between "
+                          "steps (grad accumulation), and each folded the norm again. While steps see that, the "
+                          "norm is folded right before the step instead (one read of the grads, as with "
+                          "fold_grad_norm=False). Run the earlier micro-batches under opt.no_sync() to fold in "
+                          "the last backward only", RuntimeWarning, stacklevel=4)
+        self.fold_in_backward = not self._repeated
+        self.invalidate()
 
     def counts(self) -> dict[str, int]:
         """Folds run in backward (hooks, or buckets landed there) and right before the step (stale slots)."""
