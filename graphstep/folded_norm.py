@@ -273,7 +273,7 @@ class Fold:
                           "steps (grad accumulation), and each folded the norm again. While steps see that, the "
                           "norm is folded right before the step instead (one read of the grads, as with "
                           "fold_grad_norm=False). Run the earlier micro-batches under opt.no_sync() to fold in "
-                          "the last backward only", RuntimeWarning, stacklevel=4)
+                          "the last backward only", RuntimeWarning, stacklevel=5)
         self.fold_in_backward = not self._repeated
         self.invalidate()
 

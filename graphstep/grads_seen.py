@@ -34,4 +34,4 @@ class GradsSeen:
             warnings.warn("graphstep: step() ran before any backward: every grad is zero, so this step applies "
                           "only weight decay (and momentum) to every param. graphstep steps all the params it "
                           "holds (torch's optimizers skip params without grads); run backward first",
-                          RuntimeWarning, stacklevel=4)
+                          RuntimeWarning, stacklevel=6)
