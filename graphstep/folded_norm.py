@@ -1,5 +1,5 @@
-"""The folded grad norm (``fold_grad_norm=True``): each grad's sum of squares is computed where the grad
-becomes final, so the step reads the grads once, in the update (issue 18).
+"""The folded grad norm (``fold_grad_norm``, on by default): each grad's sum of squares is computed where
+the grad becomes final, so the step reads the grads once, in the update (issue 18).
 
 Where the fold happens, per domain (the dense params, and the MoE expert params when there are some):
 

@@ -19,6 +19,9 @@ untimed before every step (a copy; for ``fold_grad_norm`` rows the backward stan
   the default kernel (``kernel="auto"``: compiled where torch.compile works, else fused; the row's build
   prints which ran and its compile seconds) and with ``kernel="fused"`` and ``"compiled"`` by name.
 
+graphstep's rows run ``fold_grad_norm=False`` ("unfolded": the norm pass in the step) unless they say
+folded; the rows called "the default config" run the default, which folds the norm into backward.
+
 Bytes per param: Adam over fp32 must read param, grad, m, v and write param, m, v (28 B); the full step
 also reads the grads once for the norm (32 B) — DESIGN.md §6. GB/s is those bytes over the median time:
 how close each row comes to the machine's stream bandwidth for the work it has to do.
@@ -67,52 +70,54 @@ PIPELINES = {
                       lambda i: core.build_torch_adamw(i, fused=False)),
     # clip_grad=0 turns the clip off but not the norm pass: it doubles as the non-finite check, so the
     # engine still reads the grads once more than a bare update (32 B, not 28).
-    "graphstep-update": ("graphstep, no clip (eager, clip_grad=0; norm/inf check still run), default kernel",
+    "graphstep-update": ("graphstep, no clip (eager, clip_grad=0; norm/inf check still run), unfolded, default kernel",
                          "update", FULL_BYTES, lambda i: core.build_graphstep(i, clip_grad=0.0, kernel=DEFAULT)),
     "adamw-fused-clip": ("torch clip_grad_norm_ + AdamW(fused=True)", "full", FULL_BYTES,
                          lambda i: core.build_torch_adamw(i, fused=True, clip=True)),
     # The full step rows: the default kernel ("auto": compiled where torch.compile works), and each kernel
     # by name. torch's fused kernels write the divided grads back whenever given a grad scale, i.e. on every
     # clipped or loss-scaled step (36 B); the compiled loop reads them without writing (32 B).
-    "graphstep-full": ("graphstep, full step (eager, clip_grad=1.0), default kernel", "full", FULL_BYTES,
+    "graphstep-full": ("graphstep, full step (eager, clip_grad=1.0), unfolded, default kernel", "full", FULL_BYTES,
                        lambda i: core.build_graphstep(i, kernel=DEFAULT)),
-    "graphstep-full-graph": ("graphstep, full step (capture='graph'), default kernel", "full", FULL_BYTES,
+    "graphstep-full-graph": ("graphstep, full step (capture='graph'), unfolded, default kernel", "full", FULL_BYTES,
                              lambda i: core.build_graphstep(i, capture="graph", kernel=DEFAULT)),
-    "graphstep-full-fused": ("graphstep, full step, kernel='fused' (eager)", "full", FULL_BYTES,
+    "graphstep-full-fused": ("graphstep, full step, unfolded, kernel='fused' (eager)", "full", FULL_BYTES,
                              lambda i: core.build_graphstep(i, kernel="fused")),
-    "graphstep-full-compiled": ("graphstep, full step, kernel='compiled' (eager)", "full", FULL_BYTES,
-                                lambda i: core.build_graphstep(i, kernel="compiled")),
-    "graphstep-full-compiled-graph": ("graphstep, full step, kernel='compiled' (capture='graph')", "full",
+    "graphstep-full-compiled": ("graphstep, full step, unfolded, kernel='compiled' (eager)", "full",
+                                FULL_BYTES, lambda i: core.build_graphstep(i, kernel="compiled")),
+    "graphstep-full-compiled-graph": ("graphstep, full step, unfolded, kernel='compiled' (capture='graph')", "full",
                                       FULL_BYTES, lambda i: core.build_graphstep(i, capture="graph", kernel="compiled")),
     "graphstep-update-stage": ("graphstep update stage alone (fused kernel over group views)", "update",
                                core.ADAM_BYTES, core.build_graphstep_update_stage),
     "torch-amp": ("torch GradScaler.unscale_ + clip_grad_norm_ + AdamW(fused) + update", "scaled",
                   core.TORCH_AMP_BYTES, lambda i: core.build_torch_amp(i)),
-    "graphstep-scaled": ("graphstep full step with loss scale (unscale + clip folded in), default kernel", "scaled",
-                         FULL_BYTES, lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel=DEFAULT)),
-    "graphstep-scaled-fused": ("graphstep full step with loss scale, kernel='fused'", "scaled", FULL_BYTES,
+    "graphstep-scaled": ("graphstep full step with loss scale, unfolded (fold_grad_norm=False), default kernel",
+                         "scaled", FULL_BYTES,
+                         lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel=DEFAULT)),
+    "graphstep-scaled-fused": ("graphstep full step with loss scale, unfolded, kernel='fused'", "scaled", FULL_BYTES,
                                lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel="fused")),
-    "graphstep-scaled-compiled": ("graphstep full step with loss scale, kernel='compiled'", "scaled", FULL_BYTES,
+    "graphstep-scaled-compiled": ("graphstep full step with loss scale, unfolded, kernel='compiled'", "scaled",
+                                  FULL_BYTES,
                                   lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel="compiled")),
     # fold_grad_norm: the norm is folded into backward (its hooks), so the step reads the grads once (28 B);
     # the refill before each timed step is the backward stand-in, whose hooks fold (untimed).
-    "graphstep-scaled-folded": ("graphstep full step with loss scale, fold_grad_norm=True, default kernel",
+    "graphstep-scaled-folded": ("graphstep full step with loss scale: the default config (folded norm, kernel auto)",
                                 "scaled", core.ADAM_BYTES,
                                 lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel=DEFAULT,
                                                                fold=True)),
     # What the fold costs backward, and backward + step together, with and without it.
-    "backward": ("backward stand-in (zero_grad + every grad accumulated through autograd)", "backward",
+    "backward": ("backward stand-in (zero_grad + every grad accumulated through autograd), unfolded", "backward",
                  core.BACKWARD_BYTES,
                  lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel=DEFAULT, timed="backward")),
-    "backward-folded": ("backward stand-in with fold_grad_norm=True (norm folded in its hooks)", "backward",
+    "backward-folded": ("backward stand-in, folded norm (the default: folded in its hooks)", "backward",
                         core.BACKWARD_BYTES + core.NORM_BYTES,
                         lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel=DEFAULT, fold=True,
                                                        timed="backward")),
-    "backward-step": ("backward stand-in + graphstep full step with loss scale, default kernel", "train",
+    "backward-step": ("backward stand-in + full step with loss scale, unfolded, default kernel", "train",
                       core.BACKWARD_BYTES + FULL_BYTES,
                       lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel=DEFAULT,
                                                      timed="backward+step")),
-    "backward-step-folded": ("backward stand-in + full step with loss scale, fold_grad_norm=True, default kernel",
+    "backward-step-folded": ("backward stand-in + full step with loss scale, the default config (folded)",
                              "train", core.BACKWARD_BYTES + FULL_BYTES,
                              lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel=DEFAULT,
                                                             fold=True, timed="backward+step")),
