@@ -38,6 +38,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from . import weak_hooks
 from .fp8 import is_fp8
 from .fp8.engine_support import main_values
 from .layout import Layout
@@ -55,7 +56,8 @@ class StaticBuffers:
     grad_shard: list[torch.Tensor]
     state: dict[str, list[torch.Tensor]]
     params: list[torch.nn.Parameter]  # in layout (input) order
-    main_grad_hooks: list = field(default_factory=list)
+    main_grad_hooks: Any = None  # weak_hooks.Handles of the hooks below (allocate)
+    _main_grads: list = field(default_factory=list)  # each param's main_grad view, kept for identity checks
     _param_ptrs: list = field(default_factory=list)
     _grad_params: list = field(default_factory=list)  # params whose .grad is a view of grad_flat
     _grad_views: list = field(default_factory=list)  # those views, one object each, kept for identity checks
@@ -205,6 +207,20 @@ class StaticBuffers:
     def grads_in_param_dtype(self, index: int) -> bool:
         return self.grad_flat[self.layout.params[index].buffer].dtype == self.params[index].dtype
 
+    def owns(self, index: int, param: torch.nn.Parameter) -> bool:
+        """Whether ``param`` (param ``index``) is still laid out in these buffers: an optimizer built later over
+        the same model gives it a main_grad of its own, and this one's hooks must then leave it alone."""
+        return getattr(param, "main_grad", None) is self._main_grads[index]
+
+    def accumulate_into_main_grad(self, index: int, param: torch.nn.Parameter) -> None:
+        """The post-accumulate-grad hook of a param whose grads accumulate into an fp32 main grad."""
+        if not self.owns(index, param):
+            return
+        # Backward has just written this micro-batch's grad in the param's (half) dtype; fold it into the fp32
+        # main grad and drop it, so the next micro-batch starts a fresh half grad and accumulation is in fp32.
+        param.main_grad.add_(param.grad)
+        param.grad = None
+
     def grad_bound(self, index: int) -> bool:
         """Whether param ``index``'s ``.grad`` is its ``grad_flat`` view (always, for grads that accumulate into
         an fp32 main grad: their ``.grad`` is None between backwards by design)."""
@@ -330,10 +346,13 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
         source = source[owned.param_start:owned.param_end]
         buffers.shard_part("main", buf, owned.shard_start, size).copy_(source)
 
+    buffers.main_grad_hooks = weak_hooks.Handles(buffers)
     for i, p in enumerate(params):
         p.main_grad = buffers.grad_view(i)
+        buffers._main_grads.append(p.main_grad)
         if not buffers.grads_in_param_dtype(i) and not is_fp8(p):  # fp8 backward writes main_grad itself
-            buffers.main_grad_hooks.append(p.register_post_accumulate_grad_hook(_accumulate_into_main_grad))
+            hook = weak_hooks.calling(buffers, "accumulate_into_main_grad", i)
+            buffers.main_grad_hooks.append(p.register_post_accumulate_grad_hook(hook))
     buffers.record_bindings()
     buffers.bind_grads()
     return buffers
@@ -348,8 +367,3 @@ def _rebind_grad(param: torch.nn.Parameter, view: torch.Tensor) -> None:
         param.grad = view
 
 
-def _accumulate_into_main_grad(param: torch.nn.Parameter) -> None:
-    # Backward has just written this micro-batch's grad in the param's (half) dtype; fold it into the fp32
-    # main grad and drop it, so the next micro-batch starts a fresh half grad and accumulation is in fp32.
-    param.main_grad.add_(param.grad)
-    param.grad = None

@@ -43,11 +43,11 @@ it, as for stale params), until a step sees a single backward again.
 from __future__ import annotations
 
 import warnings
-import weakref
 from typing import Optional, Sequence
 
 import torch
 
+from . import weak_hooks
 from .micro_batches import NoSync
 from .stages.norm import RESCUE_ROWS, ROW, RowRescue, SumOfSquares
 
@@ -207,7 +207,7 @@ class Fold:
         hooked = [d for d in self.domains if d.in_backward]
         self.hooked = hooked[0] if hooked else None  # the dense domain on one rank
         self._buffers = buffers
-        self._handles = []
+        self._handles = weak_hooks.Handles(self)
         self._no_sync = no_sync
         self.fold_in_backward = True
         """False after a step whose grads were accumulated over several backwards outside ``no_sync()``: each
@@ -219,13 +219,13 @@ class Fold:
             return
         for index, param in enumerate(buffers.params):
             # Registered after buffers' main-grad hook (allocate), so it runs once main_grad holds the grad.
-            self._handles.append(param.register_post_accumulate_grad_hook(_hook(weakref.ref(self), index)))
-        # The hooks live as long as the model's params, the optimizer maybe not: they reach this object only
-        # weakly (a dropped optimizer's buffers are freed), and its collection removes them.
-        weakref.finalize(self, _remove_hooks, self._handles)
+            hook = weak_hooks.calling(self, "grad_arrived", index)
+            self._handles.append(param.register_post_accumulate_grad_hook(hook))
 
     def grad_arrived(self, index: int, param: torch.nn.Parameter) -> None:
         """Param ``index``'s hook: backward has accumulated its grad."""
+        if not self._buffers.owns(index, param):  # a later optimizer over the same model took the param
+            return
         folded = self.hooked
         if self._no_sync.active:  # an earlier micro-batch: the grad changed, the last one folds it
             if index in folded.current:
@@ -295,19 +295,4 @@ class Fold:
                           RuntimeWarning, stacklevel=3)
 
     def remove(self) -> None:
-        _remove_hooks(self._handles)
-
-
-def _hook(fold: "weakref.ref[Fold]", index: int):
-    def hook(param: torch.nn.Parameter) -> None:
-        live = fold()
-        if live is not None:
-            live.grad_arrived(index, param)
-
-    return hook
-
-
-def _remove_hooks(handles: list) -> None:
-    for handle in handles:
-        handle.remove()
-    handles.clear()
+        self._handles.remove()

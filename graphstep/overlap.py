@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from . import weak_hooks
 from .micro_batches import NoSync
 from .stages.reduce import bucket_reduces
 
@@ -49,7 +50,7 @@ class Overlap:
         self.grad_reduce = bool(config.overlap_grad_reduce) and ctx.layout.dp_size > 1
         self.param_gather = bool(config.overlap_param_gather) and ctx.layout.dp_size > 1
         self._comm.defer_param_gather = self.param_gather
-        self._handles: list = []
+        self._handles = weak_hooks.Handles(self)
         self._no_sync = no_sync
         self.launched_reduces = 0  # reduce-scatters launched from backward hooks (for tests and stats)
         self.waited_gathers = 0  # deferred all-gathers finished by a forward pre-hook
@@ -75,52 +76,45 @@ class Overlap:
 
     def remove(self) -> None:
         """Remove every hook (the engine's close()); the stages then run their collectives in the step."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._handles.remove()
         self.enabled = False
 
     # ---- backward: launch a bucket's reduce-scatter when its last grad arrives -----------------------
     def _install_grad_hooks(self, ctx) -> None:
-        reduces = {r.bucket: r for r in bucket_reduces(ctx) if r.overlappable}
-        seen: dict[int, set[int]] = {b: set() for b in reduces}
-        comm, buffers, folded = self._comm, self._buffers, ctx.folded
-
-        def make_hook(index: int, bucket: int):
-            reduce = reduces[bucket]
-
-            def hook(param: torch.nn.Parameter) -> None:
-                if not comm.overlap_enabled or self._no_sync.active:
-                    return
-                # A grad set to None (model.zero_grad()) comes back as a fresh tensor: into the flat buffer.
-                buffers.adopt_grad(index, param)
-                arrived = seen[bucket]
-                if index in arrived or len(arrived) == len(reduce.params):
-                    # A new backward into this bucket. Normally the step consumed the last launch; if it is
-                    # still pending (or landed), this is grad accumulation into grads already summed in place.
-                    if comm.wait(("reduce", bucket)) or (folded is not None and bucket in folded.landed):
-                        raise RuntimeError(
-                            f"graphstep: a backward reached bucket {bucket} again after its grad reduce-scatter "
-                            "was launched (overlap_grad_reduce): it sums in place, so accumulating on top is "
-                            "wrong. Run every micro-batch but the last under `with opt.no_sync():`, or step "
-                            "between backwards")
-                    arrived.clear()
-                arrived.add(index)
-                if len(arrived) == len(reduce.params):
-                    if folded is not None:
-                        self._land_launched(reduces, folded)
-                    reduce.launch(comm, key=("reduce", bucket))
-                    self.launched_reduces += 1
-
-            return hook
-
-        for bucket, reduce in reduces.items():
+        self._reduces = {r.bucket: r for r in bucket_reduces(ctx) if r.overlappable}
+        self._arrived: dict[int, set[int]] = {b: set() for b in self._reduces}
+        self._folded = ctx.folded
+        for bucket, reduce in self._reduces.items():
             for index in reduce.params:
-                param = buffers.params[index]
+                param = self._buffers.params[index]
                 # Registered after buffers' main-grad hook, so it runs after the grad reached main_grad.
-                self._handles.append(param.register_post_accumulate_grad_hook(make_hook(index, bucket)))
+                hook = weak_hooks.calling(self, "_grad_arrived", index, bucket)
+                self._handles.append(param.register_post_accumulate_grad_hook(hook))
 
-    def _land_launched(self, reduces: dict, folded) -> None:
+    def _grad_arrived(self, index: int, bucket: int, param: torch.nn.Parameter) -> None:
+        comm, folded, reduce = self._comm, self._folded, self._reduces[bucket]
+        if not comm.overlap_enabled or self._no_sync.active or not self._buffers.owns(index, param):
+            return
+        # A grad set to None (model.zero_grad()) comes back as a fresh tensor: into the flat buffer.
+        self._buffers.adopt_grad(index, param)
+        arrived = self._arrived[bucket]
+        if index in arrived or len(arrived) == len(reduce.params):
+            # A new backward into this bucket. Normally the step consumed the last launch; if it is still
+            # pending (or landed), this is grad accumulation into grads already summed in place.
+            if comm.wait(("reduce", bucket)) or (folded is not None and bucket in folded.landed):
+                raise RuntimeError(
+                    f"graphstep: a backward reached bucket {bucket} again after its grad reduce-scatter was "
+                    "launched (overlap_grad_reduce): it sums in place, so accumulating on top is wrong. Run "
+                    "every micro-batch but the last under `with opt.no_sync():`, or step between backwards")
+            arrived.clear()
+        arrived.add(index)
+        if len(arrived) == len(reduce.params):
+            if folded is not None:
+                self._land_launched()
+            reduce.launch(comm, key=("reduce", bucket))
+            self.launched_reduces += 1
+
+    def _land_launched(self) -> None:
         """fold_grad_norm: before launching the next bucket, land those launched earlier (by now their
         reduce-scatters have had a layer of backward to run): wait, average, and fold their sums of squares
         while the shards are hot; the step then skips them (graphstep.folded_norm). The wait orders the
@@ -128,10 +122,10 @@ class Overlap:
         for key in [k for k in self._comm.pending if k[0] == "reduce"]:
             self._comm.wait(key)
             bucket = key[1]
-            reduces[bucket].finish()
-            folded.fold(bucket)
-            folded.landed.add(bucket)
-            folded.in_backward_folds += 1
+            self._reduces[bucket].finish()
+            self._folded.fold(bucket)
+            self._folded.landed.add(bucket)
+            self._folded.in_backward_folds += 1
 
     # ---- forward: wait on a module's buckets just before it runs -------------------------------------
     def _install_forward_hooks(self, ctx, model_chunks) -> None:
@@ -139,18 +133,6 @@ class Overlap:
             raise ValueError("overlap_param_gather needs the model's modules to hook: pass model_chunks")
         chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
         bucket_of = {id(p): ctx.layout.params[i].bucket for i, p in enumerate(self._buffers.params)}
-        comm = self._comm
-
-        def make_pre_hook(buckets: tuple[int, ...]):
-            def pre_hook(module, args) -> None:
-                if not comm.overlap_enabled:
-                    return
-                for bucket in buckets:
-                    if comm.wait(("gather", bucket)):
-                        self.waited_gathers += 1
-
-            return pre_hook
-
         # A module that owns params waits on the buckets of all its params, its children's included: some
         # modules use a child's params without calling the child (torch's MultiheadAttention reads
         # out_proj.weight directly). Containers without params of their own get no hook, so the forward
@@ -161,7 +143,15 @@ class Overlap:
                     continue
                 buckets = sorted({bucket_of[id(p)] for p in module.parameters() if id(p) in bucket_of})
                 if buckets:
-                    self._handles.append(module.register_forward_pre_hook(make_pre_hook(tuple(buckets))))
+                    hook = weak_hooks.calling(self, "_before_forward", tuple(buckets))
+                    self._handles.append(module.register_forward_pre_hook(hook))
+
+    def _before_forward(self, buckets: tuple[int, ...], module, args) -> None:
+        if not self._comm.overlap_enabled:
+            return
+        for bucket in buckets:
+            if self._comm.wait(("gather", bucket)):
+                self.waited_gathers += 1
 
 
 class Overlaps:

@@ -22,6 +22,8 @@ from typing import Optional
 
 import torch
 
+from .. import weak_hooks
+
 
 class ChunkWorker:
     def __init__(self, offload, model_chunks, ctx):
@@ -34,7 +36,7 @@ class ChunkWorker:
         self._ready = [threading.Event() for _ in self._chunks]
         self._events: list = [None] * len(self._chunks)
         self._stream = torch.Stream(device=self._device) if self._accelerator else None
-        self._handles: list = []
+        self._handles = weak_hooks.Handles(self)
         self.waited_chunks = 0
         """How many chunk waits a forward pre-hook made before the chunk was ready (for tests and stats)."""
         self._install_forward_hooks(ctx, model_chunks)
@@ -88,9 +90,7 @@ class ChunkWorker:
         self._events = [None] * len(self._chunks)
 
     def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._handles.remove()
         try:
             self.finish()
         finally:
@@ -105,16 +105,14 @@ class ChunkWorker:
             for index in chunk.params:
                 chunk_of.setdefault(id(ctx.buffers.params[index]), set()).add(c)
 
-        def make_pre_hook(indices: tuple[int, ...]):
-            def pre_hook(module, args) -> None:
-                self.wait_chunks(indices)
-
-            return pre_hook
-
         for root in modules:
             for module in root.modules():
                 if not any(True for _ in module.parameters(recurse=False)):
                     continue
                 needed = sorted({c for p in module.parameters() for c in chunk_of.get(id(p), ())})
                 if needed:
-                    self._handles.append(module.register_forward_pre_hook(make_pre_hook(tuple(needed))))
+                    hook = weak_hooks.calling(self, "_before_forward", tuple(needed))
+                    self._handles.append(module.register_forward_pre_hook(hook))
+
+    def _before_forward(self, indices: tuple[int, ...], module, args) -> None:
+        self.wait_chunks(indices)

@@ -136,6 +136,30 @@ def overlap(rank: int, world_size: int) -> dict:
     return out
 
 
+def dropped_optimizer(rank: int, world_size: int) -> dict:
+    """An optimizer with overlap hooks (and the fold's), trained, then dropped: are its buffers freed and its
+    hooks gone from the model, and does the model still run a forward and backward without it?"""
+    import gc
+    import weakref
+
+    model = tiny_transformer()
+    opt = get_optimizer(make_config("adam_fp32", world_size, overlap_grad_reduce=True, overlap_param_gather=True),
+                        model)
+    for step in range(2):
+        opt.zero_grad()
+        local_loss(model, step, rank, world_size).backward()
+        opt.step()
+    opt.finish_param_gather()
+    launched = opt.overlap_counts["launched_reduces"]
+    buffers = weakref.ref(opt.buffers)
+    del opt
+    gc.collect()
+    hooks = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+    hooks += sum(len(m._forward_pre_hooks) for m in model.modules())
+    local_loss(model, 2, rank, world_size).backward()  # no hook left to launch a collective
+    return {"launched": launched, "freed": buffers() is None, "hooks_left": hooks}
+
+
 def mismatch(rank: int, world_size: int) -> dict:
     errors = {}
     width = 32 if rank == 0 else 48

@@ -46,6 +46,14 @@ def test_overlap_hooks_launched_every_bucket_and_forward_waited_the_gathers(over
         assert launched_accum == 8 * result["overlap"]["num_buckets"]  # no_sync: only the last micro-batch
 
 
+def test_a_dropped_optimizer_frees_its_buffers_and_leaves_no_hook_on_the_model():
+    # The overlap hooks (and the folded norm's) reach the optimizer weakly: dropping it frees its buffers
+    # and removes its hooks, so a later backward launches no collective.
+    for result in values(spawn(_workers.dropped_optimizer, 2, timeout=55)):
+        assert result["launched"] > 0
+        assert result["freed"] and result["hooks_left"] == 0
+
+
 def test_a_rank_local_recapture_makes_every_rank_recapture_at_the_same_step():
     # A captured collective must be replayed by every rank from the same capture: rank 1 alone replaces a
     # param, and both ranks recapture at that step (graphstep/agreement.py), staying equal to eager.
