@@ -19,8 +19,9 @@ The parts (check names in the JSON):
 - speed: kernels per replay at 150 / 1,000 / 10,000 tensors of one total size (torch.profiler; equal
   counts expected), captured vs eager at 10,000 small tensors (goal >= 3x), CPU time per replay, the flat
   64M-param step against the measured HBM bandwidth floor (goal <= 1.15x);
-- fold: ``fold_grad_norm`` at GPT-2 small, captured: the folded step against one flat ``_fused_adamw_``
-  (goal <= 1.05x) and backward (a stand-in) + step against the unfolded pair (goal: faster; issue 18);
+- fold: ``fold_grad_norm`` (the default) at GPT-2 small, captured: the folded step against one flat
+  ``_fused_adamw_`` (goal <= 1.05x), backward (a stand-in) + step against the unfolded pair (goal: faster),
+  and torch's AMP step and clip_grad_norm_ + AdamW(fused) against it (goals >= 2x, >= 1.5x; issue 18);
 - memory: CUDA memory flat across 10 recaptures;
 - pinned-thread: capture while another thread pins host memory and copies from it;
 - nccl: a world-size-1 NCCL group capturing reduce-scatter / all-gather / all-reduce, and the
@@ -61,7 +62,9 @@ PARTS = {
     "speed": ("gpu_check_speed", "part_speed", True, 120,
               ["captured-vs-eager-10k-tensors", "cpu-time-per-replay", "flat-64M-vs-hbm-floor"]),
     "kernels": ("gpu_check_speed", "part_kernels", True, 120, ["kernels-per-replay-independent-of-tensor-count"]),
-    "fold": ("gpu_check_speed", "part_fold", True, 150, ["fold-step-vs-fused-floor", "fold-backward-plus-step"]),
+    "fold": ("gpu_check_speed", "part_fold", True, 180,
+             ["fold-step-vs-fused-floor", "fold-backward-plus-step", "default-step-vs-torch-amp",
+              "default-step-vs-adamw-fused-clip"]),
     "memory": ("gpu_check_numerics", "part_memory", False, 60, ["memory-flat-over-10-recaptures"]),
     "pinned-thread": ("gpu_check_numerics", "part_pinned_thread", False, 60, ["capture-with-pinned-memory-thread"]),
     "nccl": ("gpu_check_numerics", "part_nccl", False, 90,

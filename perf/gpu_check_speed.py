@@ -124,20 +124,27 @@ def flat_vs_floor(device, sizes: dict) -> dict:
 
 
 FOLD_STEP_GOAL = 1.05  # issue 18: the folded step within 1.05x the bare update
+# issue 18: graphstep's default step at least this many times faster than each torch peer.
+PEER_GOALS = {"torch-amp": 2.0, "adamw-fused-clip": 1.5}
+PEER_NAMES = {"torch-amp": "GradScaler.unscale_ + clip_grad_norm_ + AdamW(fused) + update",
+              "adamw-fused-clip": "clip_grad_norm_ + AdamW(fused=True)"}
 
 
 def part_fold(device, small: bool) -> list[dict]:
-    """``fold_grad_norm`` on the device, GPT-2 small's shapes, captured, the default kernel (compiled with
-    Triton: it reads the grads without writing them back), one interleaved run: the folded step against one
-    flat ``_fused_adamw_`` (goal <= 1.05x), and the backward stand-in + step with the fold against without
-    it (goal: faster). The CPU dry run: quick shapes and the fused kernel (no compile), for reference."""
+    """``fold_grad_norm`` (the default) on the device, GPT-2 small's shapes, captured, the default kernel
+    (compiled with Triton: it reads the grads without writing them back), one interleaved run: the folded
+    step against one flat ``_fused_adamw_`` (goal <= 1.05x), the backward stand-in + step with the fold
+    against without it (goal: faster), and the torch peers against the folded step (goals: PEER_GOALS).
+    The CPU dry run: quick shapes and the fused kernel (no compile), for reference."""
     inputs = core.Inputs(bench_shapes.gpt2_quick() if small else bench_shapes.gpt2_small(), device)
     scaled = dict(loss_scale=core.LOSS_SCALE, capture="graph", kernel="fused" if small else None)
     pipelines = {"floor": core.build_fused_floor(inputs),
                  "step": core.build_graphstep(inputs, **scaled),
                  "step-folded": core.build_graphstep(inputs, fold=True, **scaled),
                  "backward-step": core.build_graphstep(inputs, timed="backward+step", **scaled),
-                 "backward-step-folded": core.build_graphstep(inputs, fold=True, timed="backward+step", **scaled)}
+                 "backward-step-folded": core.build_graphstep(inputs, fold=True, timed="backward+step", **scaled),
+                 "torch-amp": core.build_torch_amp(inputs),
+                 "adamw-fused-clip": core.build_torch_adamw(inputs, fused=True, clip=True)}
     times = core.time_interleaved({k: p.step for k, p in pipelines.items()}, device, 3, 10 if small else 30,
                                   before={k: p.refill for k, p in pipelines.items() if p.refill is not None})
     ms = {k: statistics.median(v) for k, v in times.items()}
@@ -149,9 +156,13 @@ def part_fold(device, small: bool) -> list[dict]:
                    f"(unfolded {ms['step'] / ms['floor']:.2f}x; goal <= {FOLD_STEP_GOAL}x)")
     whole_detail = (f"backward stand-in + folded step {ms['backward-step-folded']:.3f} ms / + unfolded step "
                     f"{ms['backward-step']:.3f} ms = {whole_ratio:.2f}x (goal < 1)")
+    checks = [("fold-step-vs-fused-floor", step_ratio <= FOLD_STEP_GOAL, step_detail),
+              ("fold-backward-plus-step", whole_ratio < 1.0, whole_detail)]
+    for peer, goal in PEER_GOALS.items():
+        speedup = ms[peer] / ms["step-folded"]
+        checks.append((f"default-step-vs-{peer}", speedup >= goal,
+                       f"torch {PEER_NAMES[peer]} {ms[peer]:.3f} ms / graphstep's default step "
+                       f"{ms['step-folded']:.3f} ms = {speedup:.2f}x faster (goal >= {goal}x)"))
     if not is_cuda(device):
-        return [record("fold-step-vs-fused-floor", NO_CUDA, "CPU for reference: " + step_detail, **numbers),
-                record("fold-backward-plus-step", NO_CUDA, "CPU for reference: " + whole_detail, **numbers)]
-    return [record("fold-step-vs-fused-floor", "pass" if step_ratio <= FOLD_STEP_GOAL else "fail", step_detail,
-                   **numbers),
-            record("fold-backward-plus-step", "pass" if whole_ratio < 1.0 else "fail", whole_detail, **numbers)]
+        return [record(name, NO_CUDA, "CPU for reference: " + detail, **numbers) for name, _, detail in checks]
+    return [record(name, "pass" if ok else "fail", detail, **numbers) for name, ok, detail in checks]

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 GPU_ONLY = {"pytest-tests-cuda", "replay-without-host-sync", "captured-vs-eager-10k-tensors", "flat-64M-vs-hbm-floor",
             "memory-flat-over-10-recaptures", "capture-with-pinned-memory-thread", "nccl-world1-collectives-captured",
             "nccl-world1-distributed-optimizer", "graphstep-profile-capture-graph", "offload-pinned-and-memory",
-            "fold-step-vs-fused-floor", "fold-backward-plus-step"}
+            "fold-step-vs-fused-floor", "fold-backward-plus-step", "default-step-vs-torch-amp",
+            "default-step-vs-adamw-fused-clip"}
 CPU_RUNNABLE = {f"bitwise-{p}-{k}" for p in ("fp32", "bf16", "fp16") for k in ("fused", "compiled")} | {
     "preflight", "bitwise-negative-control", "forced-recapture", "cpu-time-per-replay",
     "kernels-per-replay-independent-of-tensor-count", "offload-eager-vs-captured", "offload-vs-device-only",
