@@ -79,6 +79,9 @@ PIPELINES = {
     # clipped or loss-scaled step (36 B); the compiled loop reads them without writing (32 B).
     "graphstep-full": ("graphstep, full step (eager, clip_grad=1.0), unfolded, default kernel", "full", FULL_BYTES,
                        lambda i: core.build_graphstep(i, kernel=DEFAULT)),
+    "graphstep-full-folded": ("graphstep, full step (eager, clip_grad=1.0): the default config (folded norm, "
+                              "kernel auto)", "full", core.ADAM_BYTES,
+                              lambda i: core.build_graphstep(i, kernel=DEFAULT, fold=True)),
     "graphstep-full-graph": ("graphstep, full step (capture='graph'), unfolded, default kernel", "full", FULL_BYTES,
                              lambda i: core.build_graphstep(i, capture="graph", kernel=DEFAULT)),
     "graphstep-full-fused": ("graphstep, full step, unfolded, kernel='fused' (eager)", "full", FULL_BYTES,

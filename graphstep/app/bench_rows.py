@@ -34,10 +34,10 @@ class Row:
         return self
 
 
-# The row each kind's "× graphstep" column divides by: for the loss-scaled steps, graphstep's default config
-# (the folded norm); for the unscaled ones, its unfolded step; for the read rows, the read-only floor; for the
-# backward and backward + step rows, those without the folded norm.
-ENGINE_ROW = {"update": "graphstep-update", "full": "graphstep-full", "scaled": "graphstep-scaled-folded",
+# The row each kind's "× graphstep" column divides by: for the full steps (with and without a loss scale),
+# graphstep's default config (the folded norm); without clipping, its unfolded step; for the read rows, the
+# read-only floor; for the backward and backward + step rows, those without the folded norm.
+ENGINE_ROW = {"update": "graphstep-update", "full": "graphstep-full-folded", "scaled": "graphstep-scaled-folded",
               "read": "read-floor", "backward": "backward", "train": "backward-step"}
 # Kinds that are not an optimizer step: no "× fused floor" column.
 NOT_A_STEP = ("stream", "read", "backward", "train")
@@ -81,9 +81,9 @@ def markdown(rows: list[Row], meta: dict) -> str:
         lines.append(f"| {r.label} | {r.median_ms:.1f} | {r.p10_ms:.1f} | {r.p90_ms:.1f} | "
                      f"{_fmt(r.vs_graphstep, '.2f')} | {_fmt(r.vs_floor, '.2f')} | {r.bytes_per_elem} | "
                      f"{r.gbps:.1f} |")
-    lines += ["", "× graphstep: time over graphstep's eager row of the same kind (with loss scale: the default "
-              "config, folded; no clip or full step: unfolded, default kernel; for the read rows, over the "
-              "read-only reduction; for the backward and backward + step rows, over those unfolded); "
+    lines += ["", "× graphstep: time over graphstep's eager row of the same kind (full step, with or without "
+              "loss scale: the default config, folded; no clip: unfolded, default kernel; for the read rows, "
+              "over the read-only reduction; for the backward and backward + step rows, over those unfolded); "
               "× fused floor: over the one-buffer `_fused_adamw_`. GB/s: bytes/param × params / median time "
               "(4 = one read of the grads; 28 = Adam's read p,g,m,v + write p,m,v; 32 = plus the norm's grad "
               "read; 16 = the backward stand-in's zero and accumulate; DESIGN.md §6)."]
