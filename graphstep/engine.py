@@ -238,7 +238,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             with device_scope(self.device), self.comm.named_errors():
                 self._runner.run()
                 self._offload.after_device_step()  # CPU offload: never captured, the host update and H2D
-            self._fold.after_step()
+            self._fold.after_step(stacklevel=5)  # past torch's no_grad and optimizer-hook wrappers
         # capture="auto" may have settled on eager at this step: the overlap hooks may run from now on.
         self._overlap.enabled = not self._runner.may_capture
         return self.result
@@ -295,7 +295,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             self._prepare()
             self._fold.warn_out_of_date()
             report = run_debug_step(self)
-            self._fold.after_step()
+            self._fold.after_step(stacklevel=3)
             return report
 
     def memory_stats(self) -> dict[str, dict[str, int]]:

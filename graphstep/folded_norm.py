@@ -263,17 +263,18 @@ class Fold:
         self._arrived.clear()
         self._repeated = False
 
-    def after_step(self) -> None:
+    def after_step(self, stacklevel: int) -> None:
         """Invalidate, and decide where the next step's fold runs: in backward, unless this step's grads were
         accumulated over several backwards outside ``no_sync()`` (folding in each costs a read of the grads
-        per backward; folding before the step, one)."""
+        per backward; folding before the step, one). ``stacklevel``: the warning's, from here to the user's
+        call."""
         if self._repeated and self.fold_in_backward and not self._warned:
             self._warned = True
             warnings.warn("graphstep: fold_grad_norm: backward ran more than once outside opt.no_sync() between "
                           "steps (grad accumulation), and each folded the norm again. While steps see that, the "
                           "norm is folded right before the step instead (one read of the grads, as with "
                           "fold_grad_norm=False). Run the earlier micro-batches under opt.no_sync() to fold in "
-                          "the last backward only", RuntimeWarning, stacklevel=5)
+                          "the last backward only", RuntimeWarning, stacklevel=stacklevel)
         self.fold_in_backward = not self._repeated
         self.invalidate()
 
