@@ -218,10 +218,10 @@ def test_the_step_reads_only_the_folded_sums():
     assert opt.fold_counts["before_step"] == 0
 
 
-@pytest.mark.parametrize("change", ["mul_", "clip_grad_norm_", "unused_param_add_"])
+@pytest.mark.parametrize("change", ["mul_", "clip_grad_norm_", "small_param_add_"])
 def test_grads_changed_in_place_after_backward_are_folded_again(change):
     # Any in-place write to a grad bumps its buffer's version counter: the step refolds that buffer, so the
-    # norm is that of the grads the update reads. "unused_param_add_" writes a small (unhooked) param's grad.
+    # norm is that of the grads the update reads. "small_param_add_" writes a small (unhooked) param's grad.
     results = {}
     for fold in (False, True):
         model, opt = build(fold, clip_grad=0.1, **SGD)
