@@ -365,5 +365,3 @@ def _rebind_grad(param: torch.nn.Parameter, view: torch.Tensor) -> None:
         if param.grad.data_ptr() != view.data_ptr():
             view.copy_(param.grad)
         param.grad = view
-
-

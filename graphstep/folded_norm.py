@@ -106,6 +106,7 @@ class ParamSums(_Slots):
         self.names = [f"param '{place.name}'" for place in layout.params]
         self._rows: dict[int, tuple] = {}  # param index -> (its rows, their norms' slice of the buffer's)
         self._buffers = []
+        self._hooked_in: list[list[int]] = []  # per grad buffer: its params of at least one row
         for b, grad in enumerate(grads):
             members = sorted((i for i, place in enumerate(layout.params) if place.buffer == b),
                              key=lambda i: layout.params[i].start)
@@ -121,6 +122,7 @@ class ParamSums(_Slots):
                 if start + rows * ROW < end:
                     tails.append(grad[start + rows * ROW:end])
             self._buffers.append((row_norms, tails, _row_rescue(grad, row_norms, starts)))
+            self._hooked_in.append([i for i, rows in zip(members, row_counts) if rows])
         self.hooked = sorted(self._rows)
         """The params folded in backward (at least one full row); the rest is read by the step."""
         self.current = dict.fromkeys(self.hooked, False)
@@ -145,9 +147,8 @@ class ParamSums(_Slots):
         of a buffer written in place since backward's last write to it."""
         for buffer, grad in enumerate(self._grads):
             if grad._version != self._backward_versions[buffer]:
-                for param in self.hooked:
-                    if self._buffer_of[param] == buffer:
-                        self.current[param] = False
+                for param in self._hooked_in[buffer]:
+                    self.current[param] = False
         for param, current in self.current.items():
             if not current:
                 self.fold(param)

@@ -317,6 +317,11 @@ class _Engine:
     backward: Callable[[], None]  # the backward stand-in: the same grads through autograd (and its hooks)
     notes: str
 
+    @property
+    def refill(self) -> Callable[[], None]:
+        """What restores the grads before a step: with a folded norm, backward (its hooks fold), else a copy."""
+        return self.backward if self.opt.config.fold_grad_norm else self.copy_grads
+
 
 # Rows that time different parts of one configuration (its step, its backward, both, its norm stage) share
 # one engine while they are built together (``--interleave``): at GPT-2 small each engine holds ~2 GB, and
@@ -340,18 +345,18 @@ def _engine(inputs: Inputs, config) -> _Engine:
 
     def copy_grads():
         torch._foreach_copy_(grads, sources)
-    backward = backward_stand_in(opt, params, sources)
-    refill = backward if config.fold_grad_norm else copy_grads  # a folded norm is folded by backward's hooks
+    engine = _Engine(opt, copy_grads, backward_stand_in(opt, params, sources), notes="")
     with torch.no_grad():
-        refill()
+        engine.refill()
         for _ in range(config.capture_warmup_steps + 1 if config.capture == "graph" else 1):
             opt.step()  # eager: one step here, so a compile is not timed (graph: the warm-up and the capture)
-            refill()
+            engine.refill()
     choice = opt.kernel_choice
     notes = f"kernel={choice.name} ({choice.reason}); compile {choice.compile_s + compiled.compile_seconds() - compile_before:.1f} s"
     if config.capture == "graph":
         notes += f"; captured={opt.captured}, backend={opt.capture_backend}"
-    _SHARED_ENGINES[key] = engine = _Engine(opt, copy_grads, backward, notes)
+    engine.notes = notes
+    _SHARED_ENGINES[key] = engine
     return engine
 
 
@@ -377,7 +382,7 @@ def build_graphstep(inputs: Inputs, *, clip_grad: float = CLIP, capture: str = "
     if timed == "norm":
         norm = next(stage for stage in opt.stages if stage.name == "norm")
         return Pipeline(norm.apply, engine.copy_grads, opt, engine.notes)
-    return Pipeline(opt.step, backward if fold else engine.copy_grads, opt, engine.notes)
+    return Pipeline(opt.step, engine.refill, opt, engine.notes)
 
 
 def build_read_floor(inputs: Inputs) -> Pipeline:
@@ -388,7 +393,8 @@ def build_read_floor(inputs: Inputs) -> Pipeline:
 
 def build_graphstep_norm_pass(inputs: Inputs) -> Pipeline:
     """graphstep's norm stage alone (sum of squares, non-finite check, grad norm): one read of the grads. Of
-    the same engine as the default loss-scaled step's row (shared when built together)."""
+    the same engine as the unfolded loss-scaled step's row, ``graphstep-scaled`` (shared when built
+    together)."""
     return build_graphstep(inputs, loss_scale=LOSS_SCALE, kernel=None, timed="norm")
 
 
