@@ -25,7 +25,8 @@ Counting: each storage counts once, whole (``untyped_storage().nbytes()``), unde
 that holds it; a view of a storage already counted adds nothing. So fp32 main params that are views of
 the param buffer count under ``params`` only, and a storage listed in ``host_tensors`` counts under host
 only. Not counted: the few small per-step work tensors stages keep (the grad norm's row norms: 4 bytes
-per 4,096 grads), the user's model outside the optimizer's buffers, and the allocator's own slack.
+per 4,096 grads; the folded norm's copy of the grads too short for a row: 0.1% of them at GPT-2 small),
+the user's model outside the optimizer's buffers, and the allocator's own slack.
 
 Per rank, with the distributed optimizer over N ranks and P params, this is ZeRO's accounting (the ZeRO
 paper, Rajbhandari et al. 2020, §3): fp32 Adam 4P (params) + 4P (grads) + 8P/N (moments); bf16/fp16
