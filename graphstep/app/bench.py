@@ -49,7 +49,7 @@ import torch
 
 from . import bench_core as core
 from . import bench_shapes
-from .bench_rows import Row, add_ratios, markdown
+from .bench_rows import Row, add_ratios, key_ratios, markdown
 
 FULL_BYTES = core.GRAPHSTEP_BYTES
 DEFAULT = None  # build_graphstep's kernel=None: the config's default, kernel="auto"
@@ -230,7 +230,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     add_ratios(rows)
     print(markdown(rows, meta))
     if args.json:
-        Path(args.json).write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
+        paired = key_ratios(rows) if args.interleave else []
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows], "key_ratios": paired},
+                                              indent=2))
     return 0
 
 

@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import math
 import platform
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -125,6 +126,29 @@ def summarize(times: list[float]) -> dict:
     ordered = sorted(times)
     return {"median_ms": statistics.median(times), "p10_ms": percentile(ordered, 0.1),
             "p90_ms": percentile(ordered, 0.9)}
+
+
+def ratio_interval(numerator: list[float], denominator: list[float], *, level: float = 0.95,
+                   resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """The ratio of the medians of two rows timed in the same interleaved rounds, and its ``level``
+    bootstrap interval: rounds resampled with replacement, each resample taking both rows' times of the
+    same rounds (so a round's slow phase stays on both sides of the ratio). Deterministic for a seed.
+
+    Why: on a shared machine single steps vary by tens of percent, so one run's ratio of medians moves by
+    several percent from run to run; the interval says how far this run's figure can be trusted."""
+    if len(numerator) != len(denominator) or not numerator:
+        raise ValueError("ratio_interval needs two equally long, non-empty lists of times from the same rounds")
+    rounds = len(numerator)
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(resamples):
+        picked = [rng.randrange(rounds) for _ in range(rounds)]
+        ratios.append(statistics.median([numerator[i] for i in picked]) /
+                      statistics.median([denominator[i] for i in picked]))
+    ratios.sort()
+    tail = (1.0 - level) / 2
+    return (statistics.median(numerator) / statistics.median(denominator),
+            percentile(ratios, tail), percentile(ratios, 1.0 - tail))
 
 
 def count_ops(pipeline: "Pipeline") -> tuple[Optional[int], str]:

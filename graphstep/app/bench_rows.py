@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .bench_core import summarize
+from .bench_core import ratio_interval, summarize
 
 
 @dataclass
@@ -41,6 +41,31 @@ ENGINE_ROW = {"update": "graphstep-update", "full": "graphstep-full-folded", "sc
               "read": "read-floor", "backward": "backward", "train": "backward-step"}
 # Kinds that are not an optimizer step: no "× fused floor" column.
 NOT_A_STEP = ("stream", "read", "backward", "train")
+
+
+# The ratios issue 18's goals are stated in: (numerator row, denominator row, what the ratio is, the goal).
+KEY_RATIOS = (
+    ("graphstep-scaled-folded", "fused-floor", "default step with loss scale / `_fused_adamw_` floor", "<= 1.05"),
+    ("graphstep-full-folded", "fused-floor", "default step (clip, no loss scale) / floor", "<= 1.05"),
+    ("graphstep-scaled", "fused-floor", "unfolded step with loss scale / floor", "—"),
+    ("backward-step-folded", "backward-step", "backward + default step / backward + unfolded step", "< 1"),
+    ("torch-amp", "graphstep-scaled-folded", "torch AMP step / default step", ">= 2"),
+    ("adamw-fused-clip", "graphstep-full-folded", "`clip_grad_norm_` + `AdamW(fused)` / default step", ">= 1.5"),
+    ("norm-pass", "read-floor", "norm pass / read-only reduction", "—"),
+)
+
+
+def key_ratios(rows: list[Row]) -> list[dict]:
+    """Each of ``KEY_RATIOS`` whose two rows ran (in the same interleaved rounds): the ratio of their
+    medians and its 95% bootstrap interval over the rounds (``bench_core.ratio_interval``)."""
+    by_key = {r.key: r for r in rows if not r.error and r.times_ms}
+    out = []
+    for numerator, denominator, label, goal in KEY_RATIOS:
+        if numerator in by_key and denominator in by_key:
+            ratio, low, high = ratio_interval(by_key[numerator].times_ms, by_key[denominator].times_ms)
+            out.append({"numerator": numerator, "denominator": denominator, "label": label, "goal": goal,
+                        "ratio": ratio, "low": low, "high": high})
+    return out
 
 
 def add_ratios(rows: list[Row]) -> None:
@@ -87,4 +112,11 @@ def markdown(rows: list[Row], meta: dict) -> str:
               "× fused floor: over the one-buffer `_fused_adamw_`. GB/s: bytes/param × params / median time "
               "(4 = one read of the grads; 28 = Adam's read p,g,m,v + write p,m,v; 32 = plus the norm's grad "
               "read; 16 = the backward stand-in's zero and accumulate; DESIGN.md §6)."]
+    paired = key_ratios(rows) if meta.get("interleave") else []
+    if paired:
+        lines += ["", "| ratio (of medians) | this run | 95% interval | issue 18's goal |", "|---|---:|---:|---|"]
+        lines += [f"| {r['label']} | {r['ratio']:.2f} | {r['low']:.2f}–{r['high']:.2f} | {r['goal']} |"
+                  for r in paired]
+        lines += ["", "95% interval: bootstrap over the rounds (each resample takes both rows' times of the same "
+                  "rounds); it says how far one run's ratio can be trusted on this machine."]
     return "\n".join(lines)
