@@ -150,19 +150,26 @@ def part_fold(device, small: bool) -> list[dict]:
     ms = {k: statistics.median(v) for k, v in times.items()}
     pipelines = inputs = None
     core.free_memory(device)
-    step_ratio, whole_ratio = ms["step-folded"] / ms["floor"], ms["backward-step-folded"] / ms["backward-step"]
+
+    def ratio(numerator: str, denominator: str) -> tuple[float, str]:
+        """The ratio of the two rows' medians, and its 95% bootstrap interval over the rounds in words."""
+        value, low, high = core.ratio_interval(times[numerator], times[denominator])
+        return value, f"[95% interval {low:.2f}-{high:.2f}]"
+
+    step_ratio, step_interval = ratio("step-folded", "floor")
+    whole_ratio, whole_interval = ratio("backward-step-folded", "backward-step")
     numbers = {f"{k}_ms": v for k, v in ms.items()}
     step_detail = (f"folded step {ms['step-folded']:.3f} ms / _fused_adamw_ {ms['floor']:.3f} ms = {step_ratio:.2f}x "
-                   f"(unfolded {ms['step'] / ms['floor']:.2f}x; goal <= {FOLD_STEP_GOAL}x)")
+                   f"{step_interval} (unfolded {ms['step'] / ms['floor']:.2f}x; goal <= {FOLD_STEP_GOAL}x)")
     whole_detail = (f"backward stand-in + folded step {ms['backward-step-folded']:.3f} ms / + unfolded step "
-                    f"{ms['backward-step']:.3f} ms = {whole_ratio:.2f}x (goal < 1)")
+                    f"{ms['backward-step']:.3f} ms = {whole_ratio:.2f}x {whole_interval} (goal < 1)")
     checks = [("fold-step-vs-fused-floor", step_ratio <= FOLD_STEP_GOAL, step_detail),
               ("fold-backward-plus-step", whole_ratio < 1.0, whole_detail)]
     for peer, goal in PEER_GOALS.items():
-        speedup = ms[peer] / ms["step-folded"]
+        speedup, interval = ratio(peer, "step-folded")
         checks.append((f"default-step-vs-{peer}", speedup >= goal,
                        f"torch {PEER_NAMES[peer]} {ms[peer]:.3f} ms / graphstep's default step "
-                       f"{ms['step-folded']:.3f} ms = {speedup:.2f}x faster (goal >= {goal}x)"))
+                       f"{ms['step-folded']:.3f} ms = {speedup:.2f}x faster {interval} (goal >= {goal}x)"))
     if not is_cuda(device):
         return [record(name, NO_CUDA, "CPU for reference: " + detail, **numbers) for name, _, detail in checks]
     return [record(name, "pass" if ok else "fail", detail, **numbers) for name, ok, detail in checks]
