@@ -45,8 +45,9 @@ NOT_A_STEP = ("stream", "read", "backward", "train")
 
 # The ratios issue 18's goals are stated in: (numerator row, denominator row, what the ratio is, the goal).
 KEY_RATIOS = (
-    ("graphstep-scaled-folded", "fused-floor", "default step with loss scale / `_fused_adamw_` floor", "<= 1.05"),
-    ("graphstep-full-folded", "fused-floor", "default step (clip, no loss scale) / floor", "<= 1.05"),
+    ("graphstep-scaled-folded", "fused-floor", "default step with loss scale / `_fused_adamw_` floor",
+     "<= 1.15; folded <= 1.05"),
+    ("graphstep-full-folded", "fused-floor", "default step (clip, no loss scale) / floor", "—"),
     ("graphstep-scaled", "fused-floor", "unfolded step with loss scale / floor", "—"),
     ("backward-step-folded", "backward-step", "backward + default step / backward + unfolded step", "< 1"),
     ("torch-amp", "graphstep-scaled-folded", "torch AMP step / default step", ">= 2"),
