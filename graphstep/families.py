@@ -8,7 +8,8 @@ A family (Adam, SGD, Lion, Muon) is:
   the family's live fields;
 - its **hyperparameters**: which ``HyperParams`` field feeds which kernel keyword;
 - its **state**: the names of the optimizer-state buffers it keeps per element;
-- its **call**: how the update stage hands a group's views and hyperparameters to the kernel;
+- its **call**: how the update stage hands a group's views and hyperparameters to the kernel (and,
+  optionally, **call_groups**: all of a step's groups of the family in one call);
 - its **views** (optional): how a group's slice of the flat buffers is cut for the kernel. The default is
   one flat view per segment (elementwise rules); Muon needs whole matrices, batched by shape
   (``graphstep/matrix_views.py``).
@@ -89,6 +90,10 @@ class Family:
     hyperparameters: tuple[tuple[str, str], ...]  # (kernel keyword, HyperParams field)
     state_names: Callable[[object], tuple[str, ...]]  # config -> names of the per-element state buffers
     call: Callable[..., None]  # call(kernels, views, scalars, config, grad_scale, **hyperparameters)
+    call_groups: Optional[Callable[..., None]] = None
+    """call_groups(kernels, groups, scalars, config, grad_scale), ``groups`` a list of (views,
+    hyperparameters): all of a step's groups of the family in one kernel call (Adam: the compiled kernel
+    runs them as one loop; ``run``). None: ``call`` per group."""
     kernels: Optional[ModuleType] = None
     """The family's own kernels module, used whatever ``OptimizerConfig.kernel`` says; None: the
     configured implementation (fused, compiled, reference)."""
@@ -111,15 +116,28 @@ class Family:
         """The kernels module this family's groups run: its own, else the configured implementation."""
         return self.kernels if self.kernels is not None else configured
 
+    def run(self, kernels: ModuleType, groups: Sequence, scalars: "StepScalars", config, grad_scale) -> None:
+        """The update of ``groups`` (each (views, hyperparameters)) with ``kernels`` (this family's own, or
+        the configured implementation)."""
+        if self.call_groups is not None:
+            self.call_groups(kernels, groups, scalars, config, grad_scale)
+            return
+        for views, hyper in groups:
+            self.call(kernels, views, scalars, config, grad_scale, **hyper)
+
     def live_fields(self, kernels: ModuleType) -> frozenset[str]:
         """The fields of this family that ``kernels`` reads from device tensors (the rest are baked)."""
         return frozenset(field for _, field in self.hyperparameters) & self.kernels_for(kernels).LIVE_FIELDS
 
 
 def _adam(kernels, views: GroupViews, scalars: StepScalars, config, grad_scale, **hyper) -> None:
-    kernels.adam(views.params, views.grads, views.state["exp_avg"], views.state["exp_avg_sq"], step=scalars.step,
-                 decoupled=config.decoupled_weight_decay, grad_scale=grad_scale, found_inf=scalars.found_inf,
-                 **hyper)
+    _adam_groups(kernels, [(views, hyper)], scalars, config, grad_scale)
+
+
+def _adam_groups(kernels, groups: Sequence, scalars: StepScalars, config, grad_scale) -> None:
+    kernels.adam_groups([(views.params, views.grads, views.state["exp_avg"], views.state["exp_avg_sq"], hyper)
+                         for views, hyper in groups], step=scalars.step, decoupled=config.decoupled_weight_decay,
+                        grad_scale=grad_scale, found_inf=scalars.found_inf)
 
 
 def _sgd(kernels, views: GroupViews, scalars: StepScalars, config, grad_scale, **hyper) -> None:
@@ -133,6 +151,7 @@ ADAM = Family(
                      ("eps", "eps")),
     state_names=lambda config: ("exp_avg", "exp_avg_sq"),
     call=_adam,
+    call_groups=_adam_groups,
 )
 
 def _sgd_group_problem(group: dict, config) -> Optional[str]:

@@ -139,6 +139,55 @@ def test_compiled_kernel_is_one_operator_per_call_to_the_dispatcher():
     assert ops.names.count("graphstep.compiled_adam_.default") == 1  # all three views in one call
 
 
+@pytest.mark.parametrize("kernels", [fused, compiled, reference], ids=["fused", "compiled", "reference"])
+def test_adam_groups_equal_one_adam_call_per_group_bitwise(kernels):
+    # Two groups of different hyperparameters (a no-decay group with its own lr and betas); the compiled
+    # kernel runs both in one call, each view reading its own group's coefficients.
+    f64 = (lambda v: torch.tensor(v, dtype=torch.float64)) if kernels is not fused else float
+    hypers = [dict(lr=f64(1e-2), beta1=f64(0.9), beta2=f64(0.95), weight_decay=f64(0.1), eps=f64(1e-8)),
+              dict(lr=f64(3e-3), beta1=f64(0.8), beta2=f64(0.99), weight_decay=f64(0.0), eps=f64(1e-6))]
+    if kernels is fused:
+        hypers = [dict(h, lr=torch.tensor(h["lr"])) for h in hypers]
+    together, apart = make_state(8, 2), make_state(8, 2)
+    step_wide = dict(step=torch.tensor(3.0), decoupled=True, grad_scale=torch.tensor(4.0), found_inf=torch.zeros(()))
+
+    def group_views(flat, group):  # group 0: the first two views, group 1: the third
+        return views(flat)[:2] if group == 0 else views(flat)[2:]
+
+    def group(state, index):
+        params, grads, (exp_avg, exp_avg_sq) = state
+        return tuple(group_views(t, index) for t in (params, grads, exp_avg, exp_avg_sq)) + (hypers[index],)
+
+    kernels.adam_groups([group(together, 0), group(together, 1)], **step_wide)
+    for index in (0, 1):
+        *tensors, hyper = group(apart, index)
+        kernels.adam(*tensors, **hyper, **step_wide)
+    for a, b in zip([together[0], *together[2]], [apart[0], *apart[2]]):
+        assert torch.equal(a, b)
+    assert not torch.equal(together[0], make_state(8, 2)[0])  # the step did move the params
+
+
+def test_compiled_adam_groups_is_one_operator_call():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    params, grads, (exp_avg, exp_avg_sq) = make_state(9, 2)
+    hyper = dict(lr=torch.tensor(1e-3, dtype=torch.float64), beta1=0.9, beta2=0.99, weight_decay=0.1, eps=1e-8)
+    groups = [tuple(views(t)[:1] for t in (params, grads, exp_avg, exp_avg_sq)) + (hyper,),
+              tuple(views(t)[1:] for t in (params, grads, exp_avg, exp_avg_sq)) + (dict(hyper, weight_decay=0.0),)]
+    with Ops() as ops:
+        compiled.adam_groups(groups, step=torch.ones(()), decoupled=True, grad_scale=None, found_inf=torch.zeros(()))
+    assert ops.names.count("graphstep.compiled_adam_.default") == 1
+
+
 def test_fused_kernel_refuses_tensor_betas():
     params, grads, states = make_state(4, 2)
     with pytest.raises(TypeError, match="beta1 must be a Python float"):

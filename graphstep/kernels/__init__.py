@@ -6,6 +6,9 @@ of them it reads from device tensors. Every implementation module provides::
 
     adam(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, weight_decay, eps,
          decoupled, grad_scale, found_inf) -> None
+    adam_groups(groups, *, step, decoupled, grad_scale, found_inf) -> None
+        several param groups at once, each (params, grads, exp_avgs, exp_avg_sqs, {lr, beta1, beta2,
+        weight_decay, eps}): one compiled call for all of them, else one ``adam`` call per group
     sgd(params, grads, momentum_buffers, *, lr, weight_decay, momentum, nesterov,
         grad_scale, found_inf) -> None
     LIVE_FIELDS: frozenset of the hyperparameters it reads from device tensors

@@ -11,9 +11,10 @@ inside the same loop, so skips are bitwise.
 
 The loops are compiled on first use (inductor: C++/OpenMP on the CPU, Triton on a GPU; a few seconds,
 then cached for the process), over views reshaped to rows of a fixed length with a dynamic row count,
-so views of any length share one compile. One call per param group, wrapped in a ``torch.library``
-custom op so that it is one operator to the dispatcher: capture's replay backend records and replays it
-like any aten op, and ``capture.check`` sees what it reads and writes.
+so views of any length share one compile. One call per step for all of Adam's param groups (each view
+reads its group's row of the coefficients; ``adam_groups``), one per group for SGD, wrapped in a
+``torch.library`` custom op so that it is one operator to the dispatcher: capture's replay backend
+records and replays it like any aten op, and ``capture.check`` sees what it reads and writes.
 
 Grads are left as they were (not divided by the grad scale), unlike the fused and reference kernels.
 """
@@ -69,9 +70,10 @@ def _sgd_nesterov_loop(param, grad, momentum_buffer, c):
     param.copy_(torch.where(keep, param - c[_SGD_LR] * (g + c[_SGD_MOMENTUM] * new_buffer), param))
 
 
-def _adam_views(params, grads, exp_avgs, exp_avg_sqs, c):
-    for param, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs):
-        _adam_loop(param, grad, exp_avg, exp_avg_sq, c)
+def _adam_views(params, grads, exp_avgs, exp_avg_sqs, coefficients, part_groups):
+    # Each part reads its group's row of the (groups, 11) coefficients: several groups in one call.
+    for param, grad, exp_avg, exp_avg_sq, group in zip(params, grads, exp_avgs, exp_avg_sqs, part_groups):
+        _adam_loop(param, grad, exp_avg, exp_avg_sq, coefficients[group])
 
 
 def _sgd_views(params, grads, c):
@@ -89,12 +91,14 @@ def _sgd_nesterov_views(params, grads, momentum_buffers, c):
         _sgd_nesterov_loop(param, grad, buffer, c)
 
 
-# One compiled call covers all of a param group's views (each call costs a few hundred µs of dynamo and
-# AOT bookkeeping on this CPU, whatever its size). Views run as (rows, _ROW) matrices with the row count
-# dynamic and the row length static: one compile serves views of every length, and the inner loop stays
-# a fixed-length vector loop (fully dynamic 1-D shapes measured ~17% slower at GPT-2 small on the CPU);
-# the < _ROW leftover elements of a view run as (n, 1). Separate functions per variant (SGD with and
-# without momentum, nesterov) keep their compiles apart.
+# One compiled call covers all of a param group's views, and for Adam all of its groups' (``adam_groups``):
+# each call costs a few hundred µs of dynamo and AOT bookkeeping on this CPU, whatever its size, and two
+# calls over GPT-2 small's two groups measured 1.02-1.05x one ``_fused_adamw_`` over the same bytes where
+# one call over the same views measured 1.00-1.02x (40 interleaved rounds, twice). Views run as (rows,
+# _ROW) matrices with the row count dynamic and the row length static: one compile serves views of every
+# length, and the inner loop stays a fixed-length vector loop (fully dynamic 1-D shapes measured ~17%
+# slower at GPT-2 small on the CPU); the < _ROW leftover elements of a view run as (n, 1). Separate
+# functions per variant (SGD with and without momentum, nesterov) keep their compiles apart.
 _ROW = 64
 _RECOMPILE_LIMIT = 32
 
@@ -111,19 +115,28 @@ def _compiled(views_fn, count: int):
     return torch.compile(types.FunctionType(code, views_fn.__globals__), fullgraph=True, dynamic=False)
 
 
+def _cuts(n: int) -> list[tuple[int, int, int]]:
+    """A 1-D view of ``n`` elements as its (rows, _ROW) body and (leftover, 1) tail: (start, end, row width)
+    of each, empty parts dropped."""
+    body = n - n % _ROW
+    return [(lo, hi, width) for lo, hi, width in ((0, body, _ROW), (body, n, 1)) if hi > lo]
+
+
 def _as_rows(views: list) -> list:
-    """Each 1-D view as its (rows, _ROW) body and (leftover, 1) tail, dropping empty parts."""
+    """Each 1-D view cut into its ``_cuts`` parts, as matrices."""
     parts = []
     for view in views:
-        n = view.numel()
-        body = n - n % _ROW
-        for lo, hi, width in ((0, body, _ROW), (body, n, 1)):
-            if hi > lo:
-                part = view.detach()[lo:hi].view(-1, width)
-                if part.shape[0] > 1:  # a single row stays static (dynamo specializes sizes 0 and 1)
-                    torch._dynamo.mark_dynamic(part, 0)
-                parts.append(part)
+        for lo, hi, width in _cuts(view.numel()):
+            part = view.detach()[lo:hi].view(-1, width)
+            if part.shape[0] > 1:  # a single row stays static (dynamo specializes sizes 0 and 1)
+                torch._dynamo.mark_dynamic(part, 0)
+            parts.append(part)
     return parts
+
+
+def _part_groups(views: list, view_groups: list[int]) -> list[int]:
+    """Per part ``_as_rows`` cuts from ``views``, the group of the view it comes from."""
+    return [group for view, group in zip(views, view_groups) for _ in _cuts(view.numel())]
 
 
 # Variants already run in this process, and the seconds their first calls took (compile included).
@@ -137,11 +150,13 @@ def compile_seconds() -> float:
     return _first_call_seconds[0]
 
 
-def _variant(views_fn, parts) -> tuple:
-    # What dynamo specializes on: the function, the view count, and per part its dtype, device, row width
-    # and whether its row count is a static 1 (see _as_rows).
+def _variant(views_fn, parts, rest) -> tuple:
+    # What dynamo specializes on: the function, the view count, per part its dtype, device, row width and
+    # whether its row count is a static 1 (see _as_rows), and the other arguments that are not tensors
+    # (Adam's part groups: a list of ints, guarded by value).
     return (views_fn, len(parts[0]), tuple((p.dtype, p.device, p.shape[1], p.shape[0] == 1)
-                                           for views in parts for p in views))
+                                           for views in parts for p in views),
+            tuple(tuple(r) for r in rest if isinstance(r, list)))
 
 
 def _run(views_fn, lists, *rest) -> None:
@@ -150,7 +165,7 @@ def _run(views_fn, lists, *rest) -> None:
     # rows, tails, views with and without autograd's view tracking).
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
         parts = [_as_rows(views) for views in lists]
-        variant = _variant(views_fn, parts)
+        variant = _variant(views_fn, parts, rest)
         start = time.perf_counter() if variant not in _seen_variants else None
         _compiled(views_fn, len(parts[0]))(*parts, *rest)
         if start is not None:
@@ -160,12 +175,12 @@ def _run(views_fn, lists, *rest) -> None:
 
 @torch.library.custom_op("graphstep::compiled_adam_", mutates_args=("params", "exp_avgs", "exp_avg_sqs"))
 def _adam_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-             exp_avg_sqs: list[torch.Tensor], coefficients: torch.Tensor) -> None:
-    _run(_adam_views, (params, grads, exp_avgs, exp_avg_sqs), coefficients)
+             exp_avg_sqs: list[torch.Tensor], coefficients: torch.Tensor, view_groups: list[int]) -> None:
+    _run(_adam_views, (params, grads, exp_avgs, exp_avg_sqs), coefficients, _part_groups(params, view_groups))
 
 
 @_adam_op.register_fake
-def _(params, grads, exp_avgs, exp_avg_sqs, coefficients) -> None:
+def _(params, grads, exp_avgs, exp_avg_sqs, coefficients, view_groups) -> None:
     return None
 
 
@@ -207,16 +222,38 @@ def _precision(lr, device) -> torch.Tensor:
 
 def adam(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, weight_decay, eps, decoupled,
          grad_scale, found_inf):
-    if not params:
+    adam_groups([(params, grads, exp_avgs, exp_avg_sqs, dict(lr=lr, beta1=beta1, beta2=beta2,
+                                                              weight_decay=weight_decay, eps=eps))],
+                step=step, decoupled=decoupled, grad_scale=grad_scale, found_inf=found_inf)
+
+
+def adam_groups(groups, *, step, decoupled, grad_scale, found_inf):
+    """Several param groups' Adam in one compiled call: each group's coefficients are computed apart (a
+    row each of one (groups, 11) tensor) and every view reads its group's row."""
+    groups = [g for g in groups if g[0]]
+    if not groups:
         return
-    like = _precision(lr, params[0].device)
+    dtype, device = groups[0][0][0].dtype, groups[0][0][0].device
+    rows, views, view_groups = [], ([], [], [], []), []
+    for index, (params, grads, exp_avgs, exp_avg_sqs, hyper) in enumerate(groups):
+        rows.append(_adam_coefficients(step=step, decoupled=decoupled, grad_scale=grad_scale, found_inf=found_inf,
+                                       device=device, **hyper))
+        for into, tensors in zip(views, (params, grads, exp_avgs, exp_avg_sqs)):
+            into.extend(tensors)
+        view_groups += [index] * len(params)
+    _adam_op(*views, torch.stack(rows).to(dtype), view_groups)
+
+
+def _adam_coefficients(*, step, lr, beta1, beta2, weight_decay, eps, decoupled, grad_scale, found_inf, device):
+    """One group's row of the loop's scalars (positions ``_DECAY`` ... ``_KEEP``), in the hyperparameters'
+    precision."""
+    like = _precision(lr, device)
     lr, beta1, beta2, weight_decay, eps, step = _scalars(lr, beta1, beta2, weight_decay, eps, step, like=like)
     one = torch.ones_like(lr)
     decay, coupled_wd = (one - lr * weight_decay, torch.zeros_like(lr)) if decoupled else (one, weight_decay)
     scale = one if grad_scale is None else grad_scale.to(lr.dtype)
-    coefficients = _pack((decay, coupled_wd, beta1, 1 - beta1, beta2, 1 - beta2, (1 - beta2 ** step).sqrt(), eps,
-                          lr / (1 - beta1 ** step), scale, found_inf == 0), params[0].dtype)
-    _adam_op(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), coefficients)
+    return torch.stack((decay, coupled_wd, beta1, 1 - beta1, beta2, 1 - beta2, (1 - beta2 ** step).sqrt(), eps,
+                        lr / (1 - beta1 ** step), scale, found_inf == 0))
 
 
 def sgd(params, grads, momentum_buffers, *, lr, weight_decay, momentum, nesterov, grad_scale, found_inf):

@@ -8,6 +8,8 @@ baked into a capture; the engine records them at capture and recaptures when the
 
 import torch
 
+from .groups import one_call_per_group
+
 LIVE_FIELDS = frozenset({"lr"})
 
 
@@ -24,6 +26,10 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, weight
            beta1=_float("beta1", beta1), beta2=_float("beta2", beta2),
            weight_decay=_float("weight_decay", weight_decay), eps=_float("eps", eps), amsgrad=False,
            maximize=False, grad_scale=grad_scale, found_inf=found_inf)
+
+
+# torch's fused kernels take one set of hyperparameters per call: one call per param group.
+adam_groups = one_call_per_group(adam)
 
 
 def sgd(params, grads, momentum_buffers, *, lr, weight_decay, momentum, nesterov, grad_scale, found_inf):

@@ -6,6 +6,8 @@ capture. It follows the operation order of torch.optim's single-tensor Adam/SGD.
 
 import torch
 
+from .groups import one_call_per_group
+
 LIVE_FIELDS = frozenset({"lr", "weight_decay", "beta1", "beta2", "eps", "momentum"})
 
 
@@ -40,6 +42,9 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, weight
         param.copy_(torch.where(keep, new_param, param))
         exp_avg.copy_(torch.where(keep, new_exp_avg, exp_avg))
         exp_avg_sq.copy_(torch.where(keep, new_exp_avg_sq, exp_avg_sq))
+
+
+adam_groups = one_call_per_group(adam)
 
 
 def sgd(params, grads, momentum_buffers, *, lr, weight_decay, momentum, nesterov, grad_scale, found_inf):

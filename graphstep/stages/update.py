@@ -1,11 +1,11 @@
 """The update on the main params, skip folded in; and the copy back into the model params.
 
-One kernel call per param group, over that group's segments of this rank's shard (a few large views:
-one per bucket, see layout.py; Muon's groups: one (n, r, c) view per run of same-shape matrices, see
-matrix_views.py), through the group's optimizer family (graphstep/families.py), whose view builder cuts
-the views once, here, at build. The step
-count advances by ``1 - found_inf`` before the kernels, so a skipped step leaves it, like the params and
-the state, bitwise unchanged.
+One kernel call per param group (Adam: one for all its groups, which the compiled kernel runs as one
+loop), over that group's segments of this rank's shard (a few large views: one per bucket, see
+layout.py; Muon's groups: one (n, r, c) view per run of same-shape matrices, see matrix_views.py),
+through the group's optimizer family (graphstep/families.py), whose view builder cuts the views once,
+here, at build. The step count advances by ``1 - found_inf`` before the kernels, so a skipped step
+leaves it, like the params and the state, bitwise unchanged.
 
 Hyperparameters: each group's kernel arguments are resolved here once, at build: a live field is the
 group's 0-d device tensor, a baked one is read from the last refresh's host values by precomputed
@@ -38,7 +38,9 @@ def build(ctx, *, advance_step: bool = True) -> Stage:
                           main_in_flat=_main_in_flat(ctx), grads_in_flat=grads_in_flat)
 
     scalars = StepScalars(t.step, t.found_inf)
-    calls = []  # (family call, family kernels, views, live kwargs, baked (keyword, row, column))
+    # Per (family, its kernels module): (family, kernels, its groups' [(views, live kwargs, baked)]), baked
+    # as (keyword, row, column) of the host values.
+    calls = []
     baked_sources = []  # (group, field, row, column), for the baked report
     segments = device_segments(ctx)
     for group, family in enumerate(ctx.families):
@@ -57,7 +59,12 @@ def build(ctx, *, advance_step: bool = True) -> Stage:
                 row, column = hyper.position(field, group)
                 baked.append((keyword, row, column))
                 baked_sources.append((group, field, row, column))
-        calls.append((family.call, family.kernels_for(kernels), views, live_kwargs, tuple(baked)))
+        family_kernels = family.kernels_for(kernels)
+        call = next((c for c in calls if c[0] is family and c[1] is family_kernels), None)
+        if call is None:
+            call = (family, family_kernels, [])
+            calls.append(call)
+        call[2].append((views, live_kwargs, tuple(baked)))
 
     clip_row, clip_column = hyper.position("clip_grad")
     scaled = ctx.scaler is not None
@@ -72,11 +79,10 @@ def build(ctx, *, advance_step: bool = True) -> Stage:
         if advance_step:
             t.step.add_(1.0 - t.found_inf)
         grad_scale = t.grad_scale if uses_grad_scale() else None
-        for call, family_kernels, views, live_kwargs, baked in calls:
-            kwargs = dict(live_kwargs)
-            for keyword, row, column in baked:
-                kwargs[keyword] = host[row][column]
-            call(family_kernels, views, scalars, config, grad_scale, **kwargs)
+        for family, family_kernels, groups in calls:
+            resolved = [(views, {**live_kwargs, **{keyword: host[row][column] for keyword, row, column in baked}})
+                        for views, live_kwargs, baked in groups]
+            family.run(family_kernels, resolved, scalars, config, grad_scale)
 
     def baked_values() -> tuple:
         values = tuple((f"group {group}", field, host[row][column]) for group, field, row, column in baked_sources)

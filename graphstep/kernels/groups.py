@@ -1,0 +1,11 @@
+"""``adam_groups`` for a kernels module whose ``adam`` runs one param group per call (fused, reference)."""
+
+
+def one_call_per_group(adam):
+    """``adam_groups`` (graphstep/kernels/__init__.py) as one ``adam`` call per group, in order."""
+
+    def adam_groups(groups, **step_wide) -> None:
+        for params, grads, exp_avgs, exp_avg_sqs, hyper in groups:
+            adam(params, grads, exp_avgs, exp_avg_sqs, **hyper, **step_wide)
+
+    return adam_groups
