@@ -110,9 +110,9 @@ class OptimizerConfig:
     """graphstep's own: compute each grad's sum of squares where the grad becomes final (one rank: a
     post-accumulate-grad hook per param of 4,096 elements or more; several: as each bucket's reduce-scatter
     lands), so the step reads the grads once, in the update (graphstep/folded_norm.py). On by default: the
-    step then costs about the bare update (1.08x it, against 1.32x unfolded), and backward + step a little
-    less than with the norm in the step (0.98x; README, Performance, on the 2-core CPU). A grad changed in
-    place after backward is refolded before the step (its buffer's version counter moved on); a write that
+    step then costs about the bare update (1.07-1.09x it, against 1.29-1.32x unfolded), and backward + step no
+    more than with the norm in the step (0.98-1.00x; README, Performance, on the 2-core CPU). A grad changed
+    in place after backward is refolded before the step (its buffer's version counter moved on); a write that
     bypasses the counter (``p.grad.data``) is not seen (``debug_step()`` warns). Run earlier micro-batches
     under ``opt.no_sync()`` to fold only in the last. False: the step's norm stage reads the grads itself.
     Several ranks: the two give bitwise the same step; one rank: sums as accurate, in another order (not

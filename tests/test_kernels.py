@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphstep.kernels import auto, compiled, fused, get_kernels, reference
 
@@ -118,21 +119,22 @@ def test_compiled_kernel_reads_the_grads_without_writing_them():
     assert torch.equal(grads, before) and not torch.equal(params, start)
 
 
+class DispatchedOps(TorchDispatchMode):
+    """The names of the operators dispatched inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def test_compiled_kernel_is_one_operator_per_call_to_the_dispatcher():
     # What lets capture's replay backend record it and capture.check see it.
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     params, grads, states = make_state(6, 2)
-    with Ops() as ops:
+    with DispatchedOps() as ops:
         compiled.adam(views(params), views(grads), views(states[0]), views(states[1]), step=torch.ones(()),
                       lr=torch.tensor(1e-3, dtype=torch.float64), beta1=0.9, beta2=0.99, weight_decay=0.1,
                       eps=1e-8, decoupled=True, grad_scale=None, found_inf=torch.zeros(()))
@@ -168,22 +170,11 @@ def test_adam_groups_equal_one_adam_call_per_group_bitwise(kernels):
 
 
 def test_compiled_adam_groups_is_one_operator_call():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     params, grads, (exp_avg, exp_avg_sq) = make_state(9, 2)
     hyper = dict(lr=torch.tensor(1e-3, dtype=torch.float64), beta1=0.9, beta2=0.99, weight_decay=0.1, eps=1e-8)
     groups = [tuple(views(t)[:1] for t in (params, grads, exp_avg, exp_avg_sq)) + (hyper,),
               tuple(views(t)[1:] for t in (params, grads, exp_avg, exp_avg_sq)) + (dict(hyper, weight_decay=0.0),)]
-    with Ops() as ops:
+    with DispatchedOps() as ops:
         compiled.adam_groups(groups, step=torch.ones(()), decoupled=True, grad_scale=None, found_inf=torch.zeros(()))
     assert ops.names.count("graphstep.compiled_adam_.default") == 1
 
