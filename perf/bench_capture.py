@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's graphstep, not an installed one
 from graphstep.app import bench_core as core  # noqa: E402
 from graphstep.app import bench_shapes  # noqa: E402
+from graphstep.app import bench_stats  # noqa: E402
 
 PIPELINES = {
     "graphstep eager": lambda inputs: core.build_graphstep(inputs, capture="eager"),
@@ -44,7 +45,7 @@ def main(argv=None) -> int:
         pipeline = build(inputs)
         times = core.time_steps(pipeline.step, device, args.warmup, args.steps, before=pipeline.refill)
         ops, note = core.count_ops(pipeline)
-        rows[name] = {**core.summarize(times), "ops_per_step": ops, "notes": "; ".join(filter(None, [pipeline.notes, note]))}
+        rows[name] = {**bench_stats.summarize(times), "ops_per_step": ops, "notes": "; ".join(filter(None, [pipeline.notes, note]))}
         pipeline = None
         core.free_memory(device)
     base = rows["graphstep captured"]["median_ms"]

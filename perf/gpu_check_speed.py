@@ -12,7 +12,7 @@ import time
 
 from capture.devices import is_cuda, synchronize
 from graphstep.app import bench_core as core
-from graphstep.app import bench_shapes
+from graphstep.app import bench_shapes, bench_stats
 from gpu_check_numerics import NO_CUDA, record
 
 TENSOR_COUNTS = (150, 1_000, 10_000)
@@ -153,7 +153,7 @@ def part_fold(device, small: bool) -> list[dict]:
 
     def ratio(numerator: str, denominator: str) -> tuple[float, str]:
         """The ratio of the two rows' medians, and its 95% bootstrap interval over the rounds in words."""
-        value, low, high = core.ratio_interval(times[numerator], times[denominator])
+        value, low, high = bench_stats.ratio_interval(times[numerator], times[denominator])
         return value, f"[95% interval {low:.2f}-{high:.2f}]"
 
     step_ratio, step_interval = ratio("step-folded", "floor")

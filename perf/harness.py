@@ -69,6 +69,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # the checkout's graphstep (its app holds the benchmark core), not an installed one
 from graphstep.app import bench_core as core  # noqa: E402
 from graphstep.app import bench_shapes  # noqa: E402
+from graphstep.app import bench_stats  # noqa: E402
 from harness_report import (LABELS, STREAM_BYTES, GRAPHSTEP_BYTES, TORCH_AMP_BYTES,  # noqa: E402
                             add_derived, done_when_checks, machine_info, markdown)
 
@@ -136,7 +137,7 @@ def time_row(built: "core.Pipeline", device, warmup: int, steps: int, repeat: in
     warmup_s = time.perf_counter() - t0
     blocks = [core.time_steps(built.step, device, 0, steps, before=built.refill) for _ in range(repeat)]
     best = min(blocks, key=statistics.median)
-    return {**core.summarize(best), "times_ms": best, "warmup_s": warmup_s}
+    return {**bench_stats.summarize(best), "times_ms": best, "warmup_s": warmup_s}
 
 
 def worker(spec: dict) -> dict:

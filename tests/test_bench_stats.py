@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from graphstep.app import bench
-from graphstep.app.bench_core import ratio_interval
+from graphstep.app.bench_stats import ratio_interval
 
 
 def noisy_times(rounds: int, seed: int) -> list[float]:

@@ -7,7 +7,8 @@ grads a step rewrites in place (torch's unscale_ and clip, graphstep's fused ker
 
 Timing is wall clock on the CPU (kernels run synchronously there) and device events elsewhere, with one
 synchronisation after all timed steps; ``time_interleaved`` runs several pipelines round-robin so that a
-shared machine's slow phases fall on every row alike.
+shared machine's slow phases fall on every row alike. What is computed from the times (medians,
+percentiles, a ratio's bootstrap interval) is in ``bench_stats``.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import dataclasses
 import gc
 import math
 import platform
-import random
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -114,41 +113,6 @@ def time_steps(step: Callable[[], object], device: torch.device, warmup: int, st
 def _call(fn: Optional[Callable[[], object]]) -> None:
     if fn is not None:
         fn()
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """The ``q`` quantile of already sorted values (nearest rank below)."""
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
-
-
-def summarize(times: list[float]) -> dict:
-    """Median, p10 and p90 of a list of ms timings."""
-    ordered = sorted(times)
-    return {"median_ms": statistics.median(times), "p10_ms": percentile(ordered, 0.1),
-            "p90_ms": percentile(ordered, 0.9)}
-
-
-def ratio_interval(numerator: list[float], denominator: list[float], *, level: float = 0.95,
-                   resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-    """The ratio of the medians of two rows timed in the same interleaved rounds, and its ``level``
-    bootstrap interval: rounds resampled with replacement, each resample taking both rows' times of the
-    same rounds (so a round's slow phase stays on both sides of the ratio). Deterministic for a seed.
-
-    Why: on a shared machine single steps vary by tens of percent, so one run's ratio of medians moves by
-    several percent from run to run; the interval says how far this run's figure can be trusted."""
-    if len(numerator) != len(denominator) or not numerator:
-        raise ValueError("ratio_interval needs two equally long, non-empty lists of times from the same rounds")
-    rounds = len(numerator)
-    rng = random.Random(seed)
-    ratios = []
-    for _ in range(resamples):
-        picked = [rng.randrange(rounds) for _ in range(rounds)]
-        ratios.append(statistics.median([numerator[i] for i in picked]) /
-                      statistics.median([denominator[i] for i in picked]))
-    ratios.sort()
-    tail = (1.0 - level) / 2
-    return (statistics.median(numerator) / statistics.median(denominator),
-            percentile(ratios, tail), percentile(ratios, 1.0 - tail))
 
 
 def count_ops(pipeline: "Pipeline") -> tuple[Optional[int], str]:

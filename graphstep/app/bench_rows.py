@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
-from .bench_core import ratio_interval, summarize
+from .bench_stats import ratio_interval, summarize
 
 
 @dataclass
@@ -58,7 +58,7 @@ KEY_RATIOS = (
 
 def key_ratios(rows: list[Row]) -> list[dict]:
     """Each of ``KEY_RATIOS`` whose two rows ran (in the same interleaved rounds): the ratio of their
-    medians and its 95% bootstrap interval over the rounds (``bench_core.ratio_interval``)."""
+    medians and its 95% bootstrap interval over the rounds (``bench_stats.ratio_interval``)."""
     by_key = {r.key: r for r in rows if not r.error and r.times_ms}
     out = []
     for numerator, denominator, label, goal in KEY_RATIOS:
@@ -88,8 +88,9 @@ def _fmt(value: float, spec: str) -> str:
     return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
-def markdown(rows: list[Row], meta: dict) -> str:
-    """The results table with a one-line header saying what was run where."""
+def markdown(rows: list[Row], meta: dict, paired: Sequence[dict] = ()) -> str:
+    """The results table with a one-line header saying what was run where; then ``paired`` (``key_ratios``
+    of an interleaved run), when given, as a table of the key ratios with their intervals."""
     how = (", every row timed in the same round-robin rounds." if meta.get("interleave")
            else f", fastest of {meta['repeat']} runs per row." if meta["repeat"] > 1 else ".")
     lines = [
@@ -113,7 +114,6 @@ def markdown(rows: list[Row], meta: dict) -> str:
               "× fused floor: over the one-buffer `_fused_adamw_`. GB/s: bytes/param × params / median time "
               "(4 = one read of the grads; 28 = Adam's read p,g,m,v + write p,m,v; 32 = plus the norm's grad "
               "read; 16 = the backward stand-in's zero and accumulate; DESIGN.md §6)."]
-    paired = key_ratios(rows) if meta.get("interleave") else []
     if paired:
         lines += ["", "| ratio (of medians) | this run | 95% interval | issue 18's goal |", "|---|---:|---:|---|"]
         lines += [f"| {r['label']} | {r['ratio']:.2f} | {r['low']:.2f}–{r['high']:.2f} | {r['goal']} |"

@@ -209,9 +209,9 @@ def _scalars(*values, like: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _pack(values, dtype) -> torch.Tensor:
-    """The 0-d scalars as one small tensor in the params' dtype (what the loop reads): stacked in their own
-    precision (a bool flag promotes to 0 or 1), then cast once; the same values as casting each, in two
-    device ops instead of one per scalar."""
+    """The scalars (0-d, or a row of them per group) as one small tensor in the params' dtype (what the loop
+    reads): stacked in their own precision (a bool flag promotes to 0 or 1), then cast once; the same values
+    as casting each, in two device ops instead of one per scalar."""
     return torch.stack(values).to(dtype)
 
 
@@ -241,7 +241,7 @@ def adam_groups(groups, *, step, decoupled, grad_scale, found_inf):
         for into, tensors in zip(views, (params, grads, exp_avgs, exp_avg_sqs)):
             into.extend(tensors)
         view_groups += [index] * len(params)
-    _adam_op(*views, torch.stack(rows).to(dtype), view_groups)
+    _adam_op(*views, _pack(rows, dtype), view_groups)
 
 
 def _adam_coefficients(*, step, lr, beta1, beta2, weight_decay, eps, decoupled, grad_scale, found_inf, device):
