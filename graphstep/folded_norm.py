@@ -7,7 +7,7 @@ Where the fold happens, per domain (the dense params, and the MoE expert params 
   computes, right after backward wrote the grad and while it is still in cache, the fp32 norms of the
   param's 4,096-element rows: one op per param. The step's norm stage then rescues rows whose fp32 norm
   overflowed, adds the leftovers (tails under 4,096 elements and the small params: 0.1% of GPT-2 small's
-  grads, gathered by one ``cat`` into a static scratch and normed in fp64) and sums the squares in fp64,
+  grads, gathered by a few ``cat``s into a static scratch and normed in fp64) and sums the squares in fp64,
   per grad buffer.
 - **Several ranks** (``ShardSums``): the norm is of this rank's reduced shard, so each bucket's sum of
   squares is computed right after its reduce-scatter lands: in the step's reduce stage, or, with
@@ -94,13 +94,13 @@ class ParamSums(_Slots):
     """The dense params on one rank. A param of at least one 4,096-element row is folded by its
     post-accumulate-grad hook: one op on a grad still in cache, the fp32 norms of its rows, into one
     row-norm vector per grad buffer. What is left over (the tails of fewer than 4,096 elements, and the
-    params smaller than a row: biases, norms' weights) is read by the norm stage itself: per buffer, one
-    ``cat`` of them into a static scratch and one fp64 norm of it (at GPT-2 small 99 pieces, 98 of the 148
-    params whole and one tail, 0.1% of the grads: hooks and ops per small param would cost backward more
-    than the bytes; a foreach norm upcasting each piece to fp64 ran a cast and a norm per piece: 0.66
-    against 0.41 ms a step, measured after a backward stand-in on the 2-core CPU). The stage ``finish``es
-    each buffer: rows whose fp32 norm overflowed are rescued (``norm.RowRescue``), then the squares are
-    summed in fp64 into the buffer's slot."""
+    params smaller than a row: biases, norms' weights) is read by the norm stage itself: per buffer, a few
+    ``cat``s of them into a static scratch (``_gathers``) and one fp64 norm of it (at GPT-2 small 99
+    pieces, 98 of the 148 params whole and one tail, 0.1% of the grads: hooks and ops per small param would
+    cost backward more than the bytes; a foreach norm upcasting each piece to fp64 ran a cast and a norm per
+    piece: 0.66 against 0.41 ms a step, measured after a backward stand-in on the 2-core CPU). The stage
+    ``finish``es each buffer: rows whose fp32 norm overflowed are rescued (``norm.RowRescue``), then the
+    squares are summed in fp64 into the buffer's slot."""
 
     in_backward = True
 
@@ -126,7 +126,8 @@ class ParamSums(_Slots):
                 if start + rows * ROW < end:
                     tails.append(grad[start + rows * ROW:end])
             leftovers = torch.empty(sum(t.numel() for t in tails), dtype=grad.dtype, device=grad.device)
-            self._buffers.append((row_norms, tails, leftovers, _row_rescue(grad, row_norms, starts)))
+            rescue = _row_rescue(grad, row_norms, starts)
+            self._buffers.append((row_norms, _gathers(tails, leftovers), leftovers, rescue))
             self._hooked_in.append([i for i, rows in zip(members, row_counts) if rows])
         self.hooked = sorted(self._rows)
         """The params folded in backward (at least one full row); the rest is read by the step."""
@@ -164,18 +165,46 @@ class ParamSums(_Slots):
         self._backward_versions = [None] * len(self._grads)
 
     def finish(self) -> None:
-        for slot, (row_norms, tails, leftovers, rescue) in zip(self._slots, self._buffers):
-            total = torch.zeros((), dtype=torch.float64, device=slot.device)
-            if tails:
-                total = torch.linalg.vector_norm(torch.cat(tails, out=leftovers), dtype=torch.float64).square()
+        for slot, (row_norms, gathers, leftovers, rescue) in zip(self._slots, self._buffers):
+            total = None
+            if gathers:
+                for pieces, into in gathers:
+                    torch.cat(pieces, out=into)
+                total = torch.linalg.vector_norm(leftovers, dtype=torch.float64).square()
             if row_norms.numel():
-                total = rescue().square_().sum() + total
-            slot.copy_(total)
+                rows_total = rescue().square_().sum()
+                total = rows_total if total is None else rows_total + total
+            if total is None:
+                slot.zero_()
+            else:
+                slot.copy_(total)
 
     def out_of_date(self) -> list[str]:
         """Names of the params whose folded row norms differ from norms computed now (host reads: debug_step)."""
         return [self.names[i] for i, (rows, row_norms) in self._rows.items()
                 if not torch.equal(torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32), row_norms)]
+
+
+# torch's CPU ``cat`` copies its pieces with one memcpy loop when the result has fewer elements than its
+# grain size (32,768); above it, it goes through a narrow and a copy op per piece (99 at GPT-2 small).
+_SERIAL_CAT = 32_768
+
+
+def _gathers(tails: list, leftovers: torch.Tensor) -> list[tuple[list, torch.Tensor]]:
+    """``tails`` gathered into ``leftovers`` as (pieces, their slice of ``leftovers``) cats: on the CPU each
+    under ``_SERIAL_CAT`` elements (after a backward stand-in, one cat of GPT-2 small's 99 pieces took
+    ~0.46 ms, most of it the per-piece ops), elsewhere one."""
+    limit = _SERIAL_CAT if leftovers.device.type == "cpu" else leftovers.numel() + 1
+    gathers, pieces, start, size = [], [], 0, 0
+    for tail in tails:
+        if pieces and size + tail.numel() >= limit:
+            gathers.append((pieces, leftovers[start:start + size]))
+            pieces, start, size = [], start + size, 0
+        pieces.append(tail)
+        size += tail.numel()
+    if pieces:
+        gathers.append((pieces, leftovers[start:start + size]))
+    return gathers
 
 
 def _row_rescue(grad: torch.Tensor, row_norms: torch.Tensor, starts: list[int]) -> RowRescue:

@@ -316,6 +316,32 @@ def test_more_overflowing_folded_rows_than_rescued_count_as_non_finite():
     assert not math.isfinite(_folded_norm_of(coefficients))
 
 
+class _ManySmall(torch.nn.Module):
+    """Leftovers past one CPU gather (``folded_norm._SERIAL_CAT`` elements): 12 row-holding params with
+    tails and 30 params under a row, ~100,000 leftover elements in all."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(2 * ROW + 1000)) for _ in range(12))
+        self.small = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(3000 + i)) for i in range(30))
+
+
+def test_leftovers_gathered_in_several_cats_add_up_to_the_exact_norm():
+    from graphstep import folded_norm
+
+    model = _ManySmall()
+    leftover_numel = 12 * 1000 + sum(3000 + i for i in range(30))
+    assert leftover_numel > 3 * folded_norm._SERIAL_CAT  # several gathers on the CPU
+    opt = gs.get_optimizer(gs.OptimizerConfig(optimizer="sgd", lr=0.0, clip_grad=0.0, capture="eager",
+                                              kernel="fused", fold_grad_norm=True), model)
+    g = torch.Generator().manual_seed(3)
+    coefficients = [torch.randn(p.numel(), generator=g) * (1 + i) for i, p in enumerate(model.parameters())]
+    sum((p * c).sum() for p, c in zip(model.parameters(), coefficients)).backward()
+    exact = math.sqrt(sum(float(c.double().square().sum()) for c in coefficients))
+    assert float(opt.step().grad_norm) == pytest.approx(exact, rel=1e-6)
+    assert opt.fold_counts == {"in_backward": 12, "before_step": 0}
+
+
 @pytest.mark.parametrize("where", ["row", "tail"])
 def test_a_folded_inf_or_nan_stays_non_finite(where):
     coefficients = _coefficients()

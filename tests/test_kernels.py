@@ -179,6 +179,58 @@ def test_compiled_adam_groups_is_one_operator_call():
     assert ops.names.count("graphstep.compiled_adam_.default") == 1
 
 
+def _adam_once(kernels, params, grads, exp_avgs, exp_avg_sqs):
+    f64 = lambda v: torch.tensor(v, dtype=torch.float64)
+    kernels.adam(params, grads, exp_avgs, exp_avg_sqs, step=torch.ones(()), lr=f64(1e-2), beta1=f64(0.9),
+                 beta2=f64(0.95), weight_decay=f64(0.1), eps=f64(1e-8), decoupled=True, grad_scale=None,
+                 found_inf=torch.zeros(()))
+
+
+def test_compiled_kernel_cuts_the_same_views_once_and_cuts_again_what_changed(monkeypatch):
+    # An engine passes the same view objects every step: cut once. A list with another tensor, a freed
+    # view whose id a new tensor may take, or a view moved to other memory is cut again, never served the
+    # old cut (which would update the old memory): each such call matches the reference kernel.
+    cuts = []
+    as_rows = compiled._as_rows
+    monkeypatch.setattr(compiled, "_as_rows", lambda views: cuts.append(len(views)) or as_rows(views))
+    params, grads, (exp_avg, exp_avg_sq) = make_state(11, 2)
+    lists = [views(t) for t in (params, grads, exp_avg, exp_avg_sq)]
+    _adam_once(compiled, *lists)
+    assert len(cuts) == 4  # one cut per list
+    _adam_once(compiled, *lists)
+    assert len(cuts) == 4  # the same views: no cut
+
+    def last_view_matches_reference(step_with_last_param):
+        expected = [lists[0][2].clone()] if step_with_last_param is None else [step_with_last_param.clone()]
+        state = [[lst[2].clone()] for lst in lists[2:]]
+        before = len(cuts)
+        _adam_once(compiled, lists[0][:2] + [step_with_last_param if step_with_last_param is not None
+                                             else lists[0][2]], *lists[1:])
+        _adam_once(reference, expected, [lists[1][2]], *state)
+        updated = lists[0][2] if step_with_last_param is None else step_with_last_param
+        return len(cuts) > before and rel(updated, expected[0]) < 1e-6
+
+    for _ in range(3):  # a temporary last param, freed after each call: its id may come back
+        assert last_view_matches_reference(torch.randn(64))
+    _adam_once(compiled, *lists)  # the original views again: cut, and kept
+    lists[0][2].set_(torch.randn(64))  # the same view object, over other memory
+    assert last_view_matches_reference(None)
+
+
+def test_compiled_kernel_forgets_the_cut_of_views_that_are_gone():
+    # The cut of an optimizer's views holds their memory: it must go when the views do.
+    import gc
+    gc.collect()
+    held = len(compiled._rows_by_first_view)
+    params, grads, (exp_avg, exp_avg_sq) = make_state(12, 2)
+    lists = [views(t) for t in (params, grads, exp_avg, exp_avg_sq)]
+    _adam_once(compiled, *lists)
+    assert len(compiled._rows_by_first_view) == held + 1
+    del lists
+    gc.collect()
+    assert len(compiled._rows_by_first_view) == held
+
+
 def test_fused_kernel_refuses_tensor_betas():
     params, grads, states = make_state(4, 2)
     with pytest.raises(TypeError, match="beta1 must be a Python float"):
