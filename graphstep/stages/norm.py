@@ -63,12 +63,14 @@ class RowRescue:
     def __call__(self) -> torch.Tensor:
         norms = self.norms
         norms.copy_(self.row_norms)
-        overflowed = torch.isinf(self.row_norms)
-        picked = torch.topk(overflowed.to(torch.float32), self.rescue, sorted=False).indices
+        # The largest row norms: every overflowed one (inf) when there are at most ``rescue`` of them. A row
+        # holding a NaN sorts above them in top-k and stays NaN. Picking from the norms themselves, not from
+        # an isinf mask, spares two passes over the row count.
+        picked = torch.topk(self.row_norms, self.rescue, sorted=False).indices
+        picked_norms = norms.index_select(0, picked)
         rows = self.fetch(picked, self.picked_rows).mul_(_DOWN)
         scaled = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32)
-        rescued = torch.where(overflowed.index_select(0, picked), scaled.to(torch.float64) * _UP,
-                              norms.index_select(0, picked))
+        rescued = torch.where(torch.isinf(picked_norms), scaled.to(torch.float64) * _UP, picked_norms)
         return norms.index_copy_(0, picked, rescued)
 
 
