@@ -10,7 +10,7 @@ Device kinds, in this order:
   0 where the params are fp32, since those *are* the main params (counted once, under ``params``);
 - one kind per optimizer state (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, ...): this rank's shard;
 - ``grad_cast``    (where present) the fp32 copy of this rank's grad shard that the update reads when
-  grads are kept in a half dtype while the main params are fp32;
+  grads are kept in a half dtype while the main params are fp32 (with CPU offload, of the device part);
 - ``comm_scratch`` buffers only the collectives use: 0, as the reduce-scatter and the all-gather both
   run in place in the flat buffers (stages/reduce.py, stages/gather.py);
 - ``fp8_scales``   (where present) the scale, inverse scale and amax history of each fp8 weight;

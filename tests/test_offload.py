@@ -12,6 +12,7 @@ from graphstep.offload import host_buckets, plan_offload
 from toy import loss_fn, tiny_transformer
 
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": True},
+              "bf16-grads": {"bf16": True, "main_grads_dtype": torch.bfloat16},  # bf16 grads, fp32 main params
               "fp16": {"fp16": True, "initial_loss_scale": 2.0**12, "loss_scale_window": 7}}
 INF_STEPS = (9, 23, 24)
 FRACTIONS = (0.3, 0.5, 1.0)
@@ -265,6 +266,17 @@ def test_memory_stats_reports_device_and_host_bytes_apart():
     dropped = ref["device"]["total"] - stats["device"]["total"]
     expected = _device_optimizer_bytes(base) - _device_optimizer_bytes(opt)
     assert dropped == expected > 0
+
+
+def test_half_grads_are_cast_to_fp32_only_for_the_device_part():
+    # bf16 grads under fp32 main params: the device update reads an fp32 cast of its part of the grads; the
+    # host casts its own part, so a scratch over the whole shard would hold the offloaded bytes on the device.
+    half, base = train(0.5, "adam", "bf16-grads", steps=20), train(None, "adam", "bf16-grads", steps=20)
+    assert_same_run(half, base)
+    opt = half[1]
+    on_device = sum(opt.buffers.device_numel(b) for b in range(len(opt.layout.buffers)))
+    assert 0 < on_device < sum(buf.shard_numel for buf in opt.layout.buffers)
+    assert opt.memory_stats()["device"]["grad_cast"] == 4 * on_device
 
 
 def test_a_replaced_offloaded_param_is_adopted_into_the_host_main_params():

@@ -115,8 +115,9 @@ def _kernel_grads(ctx) -> tuple[list, list, tuple[bool, ...]]:
 
     The kernel reads grads in the main params' dtype. Such grads are read where they lie: ``grad_flat``,
     whose slices this rank owns hold the reduced grads (stages/reduce.py). Other grads (half grads with
-    fp32 main params) are cast into a compact fp32 scratch of this rank's shard before the kernels:
-    ``casts`` lists (source piece, target piece) copies, and the scratch is registered as "grad_cast".
+    fp32 main params) are cast into a compact fp32 scratch of this rank's shard before the kernels (of its
+    device part, ``[0, buffers.device_numel(b))``, with CPU offload): ``casts`` lists (source piece, target
+    piece) copies, and the scratch is registered as "grad_cast".
     """
     buffers, layout = ctx.buffers, ctx.layout
     main_dtype = ctx.config.main_params_dtype
@@ -127,15 +128,19 @@ def _kernel_grads(ctx) -> tuple[list, list, tuple[bool, ...]]:
             grads.append(flat)
             in_flat.append(layout.dp_size > 1)
             continue
-        scratch = torch.empty(buf.shard_numel, dtype=main_dtype, device=flat.device)
+        on_device = buffers.device_numel(b)  # with CPU offload the host casts its own part
+        scratch = torch.empty(on_device, dtype=main_dtype, device=flat.device)
         scratches.append(scratch)
         if layout.dp_size == 1:
-            casts.append((flat, scratch))  # one copy of the whole buffer
+            if on_device:
+                casts.append((flat[:on_device], scratch))  # one copy
         else:
             for index in buf.buckets:  # this rank's slice of each bucket, into its place in the shard
                 bucket = layout.buckets[index]
-                lo, hi = bucket.shard_range(ctx.rank)
-                casts.append((flat[lo:hi], scratch[bucket.shard_offset:bucket.shard_offset + bucket.shard_numel]))
+                lo, _ = bucket.shard_range(ctx.rank)
+                size = min(bucket.shard_numel, on_device - bucket.shard_offset)
+                if size > 0:
+                    casts.append((flat[lo:lo + size], scratch[bucket.shard_offset:bucket.shard_offset + size]))
         grads.append(scratch)
         in_flat.append(False)
     if scratches:

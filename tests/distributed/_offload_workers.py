@@ -14,8 +14,9 @@ from _harness import local_loss, tiny_transformer
 STEPS = 12
 INF_STEP = 5
 FRACTIONS = (None, 0.3, 0.5, 1.0)  # None: no offload, the reference
-RUNS = (("adam", {}, "eager"), ("adam", {"bf16": True}, "graph"), ("sgd", {"fp16": True, "initial_loss_scale": 2.0**10},
-                                                                   "eager"))
+RUNS = (("adam", {}, "eager"), ("adam", {"bf16": True}, "graph"),
+        ("sgd", {"fp16": True, "initial_loss_scale": 2.0**10}, "eager"),
+        ("adam", {"bf16": True, "main_grads_dtype": torch.bfloat16}, "eager"))  # bf16 grads: cast for the update
 
 
 def _config(rule: str, precision: dict, mode: str, fraction, world_size: int) -> OptimizerConfig:
@@ -48,6 +49,8 @@ def _train(config: OptimizerConfig, rank: int, world_size: int) -> dict:
             "device_main_numel": sum(0 if is_param else t.numel()
                                      for t, is_param in zip(opt.buffers.main_shard, opt.buffers.main_is_param)),
             "device_state_numel": sum(t.numel() for tensors in opt.buffers.state.values() for t in tensors),
+            "grad_cast_numel": sum(t.numel() for t in opt.buffers.scratch.get("grad_cast", [])),
+            "device_part_numel": sum(opt.buffers.device_numel(b) for b in range(len(opt.layout.buffers))),
             "captured": opt.captured}
 
 

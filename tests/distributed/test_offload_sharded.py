@@ -45,6 +45,10 @@ def test_offloaded_shards_match_the_run_without_offload_bitwise(results, run, fr
         assert got["device_state_numel"] < ref["device_state_numel"]
         if fraction == 1.0:
             assert got["device_main_numel"] == got["device_state_numel"] == 0
+        # Half grads are cast to fp32 for the device update only, never for the part the host updates.
+        cast = "main_grads_dtype" in precision
+        assert got["grad_cast_numel"] == (got["device_part_numel"] if cast else 0)
+        assert ref["grad_cast_numel"] == (ref["device_part_numel"] if cast else 0)
 
 
 def test_overlap_with_several_ranks_is_refused_with_what_to_do():
