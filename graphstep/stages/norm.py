@@ -138,9 +138,9 @@ def _stage(total: Callable[[], torch.Tensor], t: StepTensors, comm) -> Stage:
         sumsq = total()
         comm.all_reduce_sum(sumsq, "grad-norm all_reduce")
         norm = sumsq.sqrt()
-        t.nonfinite.copy_(torch.logical_not(torch.isfinite(norm)))
+        torch.logical_not(torch.isfinite(norm), out=t.nonfinite)
         t.found_inf.copy_(t.nonfinite)
-        t.grad_norm.copy_(norm * t.inv_loss_scale)
+        torch.mul(norm, t.inv_loss_scale, out=t.grad_norm)
 
     return Stage("norm", apply)
 
