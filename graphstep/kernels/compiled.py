@@ -3,11 +3,11 @@
 Why a third implementation: torch's fused kernels write the divided grads back whenever they are given a
 grad scale (4 more bytes per param on every clipped or loss-scaled step), and take betas, eps and weight
 decay only as Python floats, which a capture bakes in. Here the per-step scalars (bias corrections, step
-size, decay factor, the grad scale, the skip flag) are computed first by a handful of 0-d device ops,
-packed into one small coefficient tensor, and the compiled loop reads them from it: it reads param,
-grad and state once and writes param and state once (28 B for Adam over fp32), never the grads, and no
-hyperparameter is baked into anything. A skipped step selects the old values with ``torch.where``
-inside the same loop, so skips are bitwise.
+size, decay factor, the grad scale, the skip flag) are computed first by a handful of small device ops
+(for all of Adam's param groups at once), packed into one small coefficient tensor, and the compiled
+loop reads them from it: it reads param, grad and state once and writes param and state once (28 B for
+Adam over fp32), never the grads, and no hyperparameter is baked into anything. A skipped step selects
+the old values with ``torch.where`` inside the same loop, so skips are bitwise.
 
 The loops are compiled on first use (inductor: C++/OpenMP on the CPU, Triton on a GPU; a few seconds,
 then cached for the process), over views reshaped to rows of a fixed length with a dynamic row count,
@@ -149,7 +149,7 @@ class _Rows:
     def __init__(self, lists: tuple):
         tensors = [view for views in lists for view in views]
         self._refs = tuple(weakref.ref(view) for view in tensors)
-        self._where = _where(tensors)
+        self._addresses = _addresses(tensors)
         self.parts = [_as_rows(views) for views in lists]
         self.cuts_per_view = [len(_cuts(view.numel())) for view in lists[0]]
         self._variants = {}
@@ -162,12 +162,13 @@ class _Rows:
         return self._variants[key]
 
     def hold(self, lists: tuple) -> bool:
+        """Whether these are the views this cut was made of, still where they were."""
         tensors = [view for views in lists for view in views]
         return (len(tensors) == len(self._refs) and all(ref() is view for ref, view in zip(self._refs, tensors))
-                and _where(tensors) == self._where)
+                and _addresses(tensors) == self._addresses)
 
 
-def _where(tensors: list) -> tuple:
+def _addresses(tensors: list) -> tuple:
     return tuple((view.data_ptr(), view.shape) for view in tensors)
 
 
@@ -263,9 +264,9 @@ def _scalars(*values, like: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _pack(values, dtype) -> torch.Tensor:
-    """The scalars (0-d, or a row of them per group) as one small tensor in the params' dtype (what the loop
-    reads): stacked in their own precision (a bool flag promotes to 0 or 1), then cast once; the same values
-    as casting each, in two device ops instead of one per scalar."""
+    """0-d scalars as one small tensor in the params' dtype (what the loop reads): stacked in their own
+    precision (a bool flag promotes to 0 or 1), then cast once; the same values as casting each, in two
+    device ops instead of one per scalar."""
     return torch.stack(values).to(dtype)
 
 
@@ -304,8 +305,10 @@ _ADAM_FIELDS = ("lr", "beta1", "beta2", "weight_decay", "eps")
 def _adam_coefficient_rows(hypers: list[dict], *, step, decoupled, grad_scale, found_inf, device) -> torch.Tensor:
     """Each group's row of the loop's scalars (positions ``_DECAY`` ... ``_KEEP``), in the hyperparameters'
     precision, for all groups at once: one op per coefficient whatever the group count (per group, the
-    ~17 scalar ops cost ~3 µs each warm, several times that right after a backward, on this CPU). Fewer
-    than 8 groups run each op's scalar loop, as 0-d math would: the same values bitwise."""
+    ~17 scalar ops cost ~3 µs each warm, several times that right after a backward, on this CPU). The same
+    math as one group at a time; on the CPU fewer than 8 groups run each op's scalar loop, so the values
+    are bitwise those (tested with two groups); from 8 on, the vectorized ``pow`` may differ in the last
+    bit."""
     like = _precision(hypers[0]["lr"], device)
     table = torch.stack(_scalars(*(hyper[name] for hyper in hypers for name in _ADAM_FIELDS), like=like))
     lr, beta1, beta2, weight_decay, eps = table.view(len(hypers), len(_ADAM_FIELDS)).unbind(1)
