@@ -186,7 +186,8 @@ class ParamSums(_Slots):
 
 
 # torch's CPU ``cat`` copies its pieces with one memcpy loop when the result has fewer elements than its
-# grain size (32,768); above it, it goes through a narrow and a copy op per piece (99 at GPT-2 small).
+# grain size (32,768), or when it runs one thread; otherwise it goes through a narrow and a copy op per
+# piece (99 at GPT-2 small).
 _SERIAL_CAT = 32_768
 
 

@@ -186,19 +186,19 @@ def _adam_once(kernels, params, grads, exp_avgs, exp_avg_sqs):
                  found_inf=torch.zeros(()))
 
 
-def test_compiled_kernel_cuts_the_same_views_once_and_cuts_again_what_changed(monkeypatch):
-    # An engine passes the same view objects every step: cut once. A list with another tensor, a freed
-    # view whose id a new tensor may take, or a view moved to other memory is cut again, never served the
-    # old cut (which would update the old memory): each such call matches the reference kernel.
+def test_compiled_kernel_keeps_the_cut_of_views_it_sees_again_and_cuts_again_what_changed(monkeypatch):
+    # An engine passes the same view objects every step: cut on the first two calls, kept from the second.
+    # A list with another tensor (here a fresh temporary each time) or a view moved to other memory is cut
+    # again, never served the old cut (which would update the old memory): each such call matches the
+    # reference kernel.
     cuts = []
     as_rows = compiled._as_rows
     monkeypatch.setattr(compiled, "_as_rows", lambda views: cuts.append(len(views)) or as_rows(views))
     params, grads, (exp_avg, exp_avg_sq) = make_state(11, 2)
     lists = [views(t) for t in (params, grads, exp_avg, exp_avg_sq)]
-    _adam_once(compiled, *lists)
-    assert len(cuts) == 4  # one cut per list
-    _adam_once(compiled, *lists)
-    assert len(cuts) == 4  # the same views: no cut
+    for expected_cuts in (4, 8, 8, 8):  # one cut per list, on the first and second call only
+        _adam_once(compiled, *lists)
+        assert len(cuts) == expected_cuts
 
     def last_view_matches_reference(step_with_last_param):
         expected = [lists[0][2].clone()] if step_with_last_param is None else [step_with_last_param.clone()]
@@ -210,11 +210,22 @@ def test_compiled_kernel_cuts_the_same_views_once_and_cuts_again_what_changed(mo
         updated = lists[0][2] if step_with_last_param is None else step_with_last_param
         return len(cuts) > before and rel(updated, expected[0]) < 1e-6
 
-    for _ in range(3):  # a temporary last param, freed after each call: its id may come back
+    for _ in range(3):  # a temporary last param, freed after each call
         assert last_view_matches_reference(torch.randn(64))
-    _adam_once(compiled, *lists)  # the original views again: cut, and kept
+    for _ in range(2):
+        _adam_once(compiled, *lists)  # the original views again, twice: cut, and kept
     lists[0][2].set_(torch.randn(64))  # the same view object, over other memory
     assert last_view_matches_reference(None)
+
+
+def test_compiled_kernel_keeps_no_cut_of_grads_that_are_new_every_call():
+    # A torch.optim-style caller: the same params, grads reallocated every step. Keeping their cut would
+    # hold the last step's grads in memory until the next call.
+    params, _, (exp_avg, exp_avg_sq) = make_state(13, 2)
+    param_views, state = views(params), [views(exp_avg), views(exp_avg_sq)]
+    for _ in range(3):
+        _adam_once(compiled, param_views, views(torch.randn(sum(SIZES))), *state)
+    assert compiled._rows_by_first_view[param_views[0]].parts is None
 
 
 def test_compiled_kernel_forgets_the_cut_of_views_that_are_gone():
@@ -224,8 +235,10 @@ def test_compiled_kernel_forgets_the_cut_of_views_that_are_gone():
     held = len(compiled._rows_by_first_view)
     params, grads, (exp_avg, exp_avg_sq) = make_state(12, 2)
     lists = [views(t) for t in (params, grads, exp_avg, exp_avg_sq)]
-    _adam_once(compiled, *lists)
+    for _ in range(2):
+        _adam_once(compiled, *lists)
     assert len(compiled._rows_by_first_view) == held + 1
+    assert compiled._rows_by_first_view[lists[0][0]].parts is not None  # the cut, holding the views' memory
     del lists
     gc.collect()
     assert len(compiled._rows_by_first_view) == held

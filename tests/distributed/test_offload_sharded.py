@@ -14,7 +14,7 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="module")
 def results():
-    return values(spawn(workers.offload_parity, 2, timeout=55))
+    return values(spawn(workers.offload_parity, 2, timeout=90))
 
 
 @pytest.mark.parametrize("run", workers.RUNS, ids=lambda r: f"{r[0]}-{r[2]}-{'-'.join(r[1]) or 'fp32'}")
