@@ -122,25 +122,15 @@ def _kernel_grads(ctx) -> tuple[list, list, tuple[bool, ...]]:
     buffers, layout = ctx.buffers, ctx.layout
     main_dtype = ctx.config.main_params_dtype
     casts, grads, in_flat, scratches = [], [], [], []
-    for b, buf in enumerate(layout.buffers):
-        flat = buffers.grad_flat[b]
+    for b, flat in enumerate(buffers.grad_flat):
         if flat.dtype == main_dtype:
             grads.append(flat)
             in_flat.append(layout.dp_size > 1)
             continue
-        on_device = buffers.device_numel(b)  # with CPU offload the host casts its own part
-        scratch = torch.empty(on_device, dtype=main_dtype, device=flat.device)
+        # With CPU offload only the device part: the host casts its own part.
+        scratch = torch.empty(buffers.device_numel(b), dtype=main_dtype, device=flat.device)
         scratches.append(scratch)
-        if layout.dp_size == 1:
-            if on_device:
-                casts.append((flat[:on_device], scratch))  # one copy
-        else:
-            for index in buf.buckets:  # this rank's slice of each bucket, into its place in the shard
-                bucket = layout.buckets[index]
-                lo, _ = bucket.shard_range(ctx.rank)
-                size = min(bucket.shard_numel, on_device - bucket.shard_offset)
-                if size > 0:
-                    casts.append((flat[lo:lo + size], scratch[bucket.shard_offset:bucket.shard_offset + size]))
+        casts += [(flat[lo:lo + size], scratch[start:start + size]) for lo, start, size in _device_pieces(ctx, b)]
         grads.append(scratch)
         in_flat.append(False)
     if scratches:
@@ -167,23 +157,27 @@ def _copy_back_pairs(ctx) -> list:
     owned shard (the gather stage then all-gathers the rest). Only the part of the shard whose main
     params are on the device (all of it without CPU offload; graphstep.offload copies the host part).
     """
-    buffers, layout = ctx.buffers, ctx.layout
+    buffers = ctx.buffers
     pairs = []
-    for b, buf in enumerate(layout.buffers):
+    for b, buf in enumerate(ctx.layout.buffers):
         if buffers.main_is_param[b] or is_fp8_buffer(buf):  # fp8: the requantize stage writes those bytes
             continue
-        on_device = buffers.device_numel(b)
-        if layout.dp_size == 1:
-            if on_device == buf.numel:
-                pairs.append((buffers.param_flat[b], buffers.main_shard[b]))
-            elif on_device:
-                pairs.append((buffers.param_flat[b][:on_device], buffers.main_shard[b]))
-            continue
-        for index in buf.buckets:
-            bucket = layout.buckets[index]
-            lo, _ = bucket.shard_range(ctx.rank)
-            size = min(bucket.shard_numel, on_device - bucket.shard_offset)
-            if size > 0:
-                pairs.append((buffers.param_flat[b][lo:lo + size],
-                              buffers.main_shard[b][bucket.shard_offset:bucket.shard_offset + size]))
+        pairs += [(buffers.param_flat[b][lo:lo + size], buffers.main_shard[b][start:start + size])
+                  for lo, start, size in _device_pieces(ctx, b)]
     return pairs
+
+
+def _device_pieces(ctx, b: int) -> list[tuple[int, int, int]]:
+    """(start in the flat buffer, start in the shard, size) of each piece of buffer ``b`` that this rank owns
+    and whose main params are on the device (the prefix ``[0, buffers.device_numel(b))`` of the shard): with
+    one rank the whole prefix in one piece, with several this rank's slice of each bucket, cut there."""
+    on_device = ctx.buffers.device_numel(b)
+    if ctx.layout.dp_size == 1:
+        return [(0, 0, on_device)] if on_device else []
+    pieces = []
+    for index in ctx.layout.buffers[b].buckets:
+        bucket = ctx.layout.buckets[index]
+        size = min(bucket.shard_numel, on_device - bucket.shard_offset)
+        if size > 0:
+            pieces.append((bucket.shard_range(ctx.rank)[0], bucket.shard_offset, size))
+    return pieces
