@@ -3,11 +3,12 @@
 Why a third implementation: torch's fused kernels write the divided grads back whenever they are given a
 grad scale (4 more bytes per param on every clipped or loss-scaled step), and take betas, eps and weight
 decay only as Python floats, which a capture bakes in. Here the per-step scalars (bias corrections, step
-size, decay factor, the grad scale, the skip flag) are computed first by a handful of small device ops
-(for all of Adam's param groups at once), packed into one small coefficient tensor, and the compiled
-loop reads them from it: it reads param, grad and state once and writes param and state once (28 B for
-Adam over fp32), never the grads, and no hyperparameter is baked into anything. A skipped step selects
-the old values with ``torch.where`` inside the same loop, so skips are bitwise.
+size, decay factor, the grad scale, the skip flag) are computed from device tensors into one small
+coefficient tensor, and the compiled loop reads them from it: it reads param, grad and state once and
+writes param and state once (28 B for Adam over fp32), never the grads, and no hyperparameter is baked
+into anything. Adam computes its coefficients inside the compiled graph, for all its param groups at
+once (on a GPU no separate small kernels); SGD's few are packed by two device ops before its call. A
+skipped step selects the old values with ``torch.where`` inside the same loop, so skips are bitwise.
 
 The loops are compiled on first use (inductor: C++/OpenMP on the CPU, Triton on a GPU; a few seconds,
 then cached for the process), over views reshaped to rows of a fixed length with a dynamic row count,
@@ -25,6 +26,7 @@ import functools
 import time
 import types
 import weakref
+from typing import Optional
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -72,8 +74,10 @@ def _sgd_nesterov_loop(param, grad, momentum_buffer, c):
     param.copy_(torch.where(keep, param - c[_SGD_LR] * (g + c[_SGD_MOMENTUM] * new_buffer), param))
 
 
-def _adam_views(params, grads, exp_avgs, exp_avg_sqs, coefficients, part_groups):
-    # Each part reads its group's row of the (groups, 11) coefficients: several groups in one call.
+def _adam_views(params, grads, exp_avgs, exp_avg_sqs, hypers, step, grad_scale, found_inf, decoupled, part_groups):
+    # The coefficients are computed in the compiled graph itself (no separate small ops before the loop);
+    # each part reads its group's row of them: several groups in one call.
+    coefficients = _adam_coefficients(hypers, step, grad_scale, found_inf, decoupled).to(params[0].dtype)
     for param, grad, exp_avg, exp_avg_sq, group in zip(params, grads, exp_avgs, exp_avg_sqs, part_groups):
         _adam_loop(param, grad, exp_avg, exp_avg_sq, coefficients[group])
 
@@ -115,9 +119,12 @@ def _compiled(views_fn, count: int):
     """
     code = views_fn.__code__.replace(co_name=f"{views_fn.__name__}_{count}")
     # No size asserts in the generated code: dynamo's guards have checked every view's shape and strides
-    # before the call, and the asserts (~4 per view) cost ~30 µs a call here.
+    # before the call, and the asserts (~4 per view) cost ~30 µs a call here. Dynamic threads: with Adam's
+    # coefficient math in the same C++ kernel as its loops, inductor emitted no parallel region at all (one
+    # of the two cores: 18-22 against 10-11.5 ms for 19.2M params, measured); with the thread count left
+    # to OpenMP at run time the loops run in a parallel region again, the scalar math before it.
     return torch.compile(types.FunctionType(code, views_fn.__globals__), fullgraph=True, dynamic=False,
-                         options={"size_asserts": False})
+                         options={"size_asserts": False, "cpp.dynamic_threads": True})
 
 
 def _cuts(n: int) -> list[tuple[int, int, int]]:
@@ -157,8 +164,8 @@ class _Rows:
         self._variants = {}
 
     def variant(self, views_fn, parts, rest) -> tuple:
-        """``_variant`` of a call over these parts, computed once per function and list arguments."""
-        key = (views_fn, tuple(tuple(r) for r in rest if isinstance(r, list)))
+        """``_variant`` of a call over these parts, computed once per function and other arguments."""
+        key = (views_fn, _static_arguments(rest))
         if key not in self._variants:
             self._variants[key] = _variant(views_fn, parts, rest)
         return self._variants[key]
@@ -208,11 +215,17 @@ def compile_seconds() -> float:
 
 def _variant(views_fn, parts, rest) -> tuple:
     # What dynamo specializes on: the function, the view count, per part its dtype, device, row width and
-    # whether its row count is a static 1 (see _as_rows), and the other arguments that are not tensors
-    # (Adam's part groups: a list of ints, guarded by value).
+    # whether its row count is a static 1 (see _as_rows), and the other arguments (``_static_arguments``).
     return (views_fn, len(parts[0]), tuple((p.dtype, p.device, p.shape[1], p.shape[0] == 1)
-                                           for views in parts for p in views),
-            tuple(tuple(r) for r in rest if isinstance(r, list)))
+                                           for views in parts for p in views), _static_arguments(rest))
+
+
+def _static_arguments(rest) -> tuple:
+    # Of the arguments after the views, what dynamo guards on: a tensor's dtype, device and shape (the
+    # coefficient tensors, compiled static), and the value of the rest (Adam's part groups, a list of
+    # ints; ``decoupled``; whether a grad scale is given at all).
+    return tuple((r.dtype, r.device, tuple(r.shape)) if isinstance(r, torch.Tensor) else
+                 tuple(r) if isinstance(r, list) else r for r in rest)
 
 
 def _run(views_fn, lists: tuple, *rest, view_groups=None) -> None:
@@ -234,12 +247,15 @@ def _run(views_fn, lists: tuple, *rest, view_groups=None) -> None:
 
 @torch.library.custom_op("graphstep::compiled_adam_", mutates_args=("params", "exp_avgs", "exp_avg_sqs"))
 def _adam_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-             exp_avg_sqs: list[torch.Tensor], coefficients: torch.Tensor, view_groups: list[int]) -> None:
-    _run(_adam_views, (params, grads, exp_avgs, exp_avg_sqs), coefficients, view_groups=view_groups)
+             exp_avg_sqs: list[torch.Tensor], hypers: torch.Tensor, step: torch.Tensor,
+             grad_scale: Optional[torch.Tensor], found_inf: torch.Tensor, decoupled: bool,
+             view_groups: list[int]) -> None:
+    _run(_adam_views, (params, grads, exp_avgs, exp_avg_sqs), hypers, step, grad_scale, found_inf, decoupled,
+         view_groups=view_groups)
 
 
 @_adam_op.register_fake
-def _(params, grads, exp_avgs, exp_avg_sqs, coefficients, view_groups) -> None:
+def _(params, grads, exp_avgs, exp_avg_sqs, hypers, step, grad_scale, found_inf, decoupled, view_groups) -> None:
     return None
 
 
@@ -286,42 +302,47 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, weight
 
 
 def adam_groups(groups, *, step, decoupled, grad_scale, found_inf):
-    """Several param groups' Adam in one compiled call: every view reads its group's row of one (groups, 11)
-    coefficient tensor (``_adam_coefficient_rows``)."""
+    """Several param groups' Adam in one compiled call: every view reads its group's row of the (groups, 11)
+    coefficients, which the compiled graph computes first from the groups' hyperparameters
+    (``_adam_coefficients``)."""
     groups = [g for g in groups if g[0]]
     if not groups:
         return
-    dtype, device = groups[0][0][0].dtype, groups[0][0][0].device
+    device = groups[0][0][0].device
     views, view_groups = ([], [], [], []), []
     for index, (params, grads, exp_avgs, exp_avg_sqs, _) in enumerate(groups):
         for into, tensors in zip(views, (params, grads, exp_avgs, exp_avg_sqs)):
             into.extend(tensors)
         view_groups += [index] * len(params)
-    coefficients = _adam_coefficient_rows([g[4] for g in groups], step=step, decoupled=decoupled,
-                                          grad_scale=grad_scale, found_inf=found_inf, device=device)
-    _adam_op(*views, coefficients.to(dtype), view_groups)
+    _adam_op(*views, _hyper_table([g[4] for g in groups], device), step, grad_scale, found_inf, decoupled,
+             view_groups)
 
 
 _ADAM_FIELDS = ("lr", "beta1", "beta2", "weight_decay", "eps")
 
 
-def _adam_coefficient_rows(hypers: list[dict], *, step, decoupled, grad_scale, found_inf, device) -> torch.Tensor:
-    """Each group's row of the loop's scalars (positions ``_DECAY`` ... ``_KEEP``), for all groups at once:
-    one op per coefficient whatever the group count (per group, the ~17 scalar ops cost ~3 µs each warm,
-    several times that right after a backward, on this CPU). The math runs in group 0's hyperparameter
-    precision (the engine's are all one dtype). The values are bitwise those of one group at a time: the
-    tests check two groups, and 1-19, 32 and 64 groups (fp32 and fp64, both decays, with and without a grad
-    scale) were compared once against the per-group code this replaced."""
+def _hyper_table(hypers: list[dict], device) -> torch.Tensor:
+    """The groups' hyperparameters as one (groups, 5) tensor (columns ``_ADAM_FIELDS``) in group 0's
+    hyperparameter precision (the engine's are all one dtype): one ``stack``. A table, not 0-d tensors,
+    goes into the compiled graph: dynamo reads a 0-d fp64 CPU tensor argument as a Python float behind a
+    guard (an ``.item()`` per call), where a table is an ordinary tensor input, read live."""
     like = _precision(hypers[0]["lr"], device)
     table = torch.stack(_scalars(*(hyper[name] for hyper in hypers for name in _ADAM_FIELDS), like=like))
-    lr, beta1, beta2, weight_decay, eps = table.view(len(hypers), len(_ADAM_FIELDS)).unbind(1)
-    step = step.to(like.dtype)
+    return table.view(len(hypers), len(_ADAM_FIELDS))
+
+
+def _adam_coefficients(hypers: torch.Tensor, step, grad_scale, found_inf, decoupled: bool) -> torch.Tensor:
+    """Each group's row of the loop's scalars (positions ``_DECAY`` ... ``_KEEP``), in the hyperparameters'
+    precision, from the (groups, 5) ``_hyper_table``. Traced into the compiled update, so these dozen scalar
+    ops are no separate ops (kernels on a GPU) in the step: inductor computes them with the loop."""
+    lr, beta1, beta2, weight_decay, eps = hypers.unbind(1)
+    step = step.to(hypers.dtype)
     if decoupled:
         decay, coupled_wd = 1 - lr * weight_decay, torch.zeros_like(lr)
     else:
         decay, coupled_wd = torch.ones_like(lr), weight_decay
-    scale = torch.ones_like(lr) if grad_scale is None else grad_scale.to(like.dtype).expand(len(hypers))
-    keep = (found_inf == 0).expand(len(hypers))
+    scale = torch.ones_like(lr) if grad_scale is None else grad_scale.to(hypers.dtype).expand(len(lr))
+    keep = (found_inf == 0).expand(len(lr))
     return torch.stack((decay, coupled_wd, beta1, 1 - beta1, beta2, 1 - beta2, (1 - beta2 ** step).sqrt(), eps,
                         lr / (1 - beta1 ** step), scale, keep), dim=1)
 
