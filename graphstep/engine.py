@@ -16,7 +16,7 @@ from capture.devices import backend_for, device_scope
 from capture.profile import Ranges
 
 from . import experts as experts_mod
-from . import folded_norm, offload, overlap
+from . import folded_norm, offload, overlap, scalar_graph
 from . import state_dict as state_dict_mod
 from .agreement import agreement_for
 from .buffers import StaticBuffers, allocate
@@ -162,6 +162,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         """Which update kernel runs (``kernel="auto"`` resolved), why, and the probe's compile seconds."""
         ctx = StepContext(config, self.layout, self.buffers, self.hyper, kernels, families,
                           self.tensors, self.scaler, self.comm, rank,
+                          compile_scalars=scalar_graph.wanted(self.kernel_choice.name, device),
                           folded=folded_norm.plan(config, self.layout, self.buffers, hooked=True))
         self.experts = None if expert_group is None else experts_mod.build_domain(  # layout, buffers, comm, ctx
             ctx, expert_group, [specs[i] for i in expert], [params[i] for i in expert], device=device,

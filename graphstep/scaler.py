@@ -25,6 +25,8 @@ from typing import Optional
 
 import torch
 
+from . import scalar_graph
+
 MAX_LOSS_SCALE = 2.0**127
 """The largest power of two a float32 holds: the dynamic scale never grows past it (and so stays finite)."""
 MIN_LOSS_SCALE = 2.0**-126
@@ -99,7 +101,7 @@ class ConstantLossScaler:
         self.scale = _scalar(scale, device)
         self.inv_scale = _scalar(1.0 / scale, device)
 
-    def update(self, found_inf: torch.Tensor) -> None:
+    def update(self, found_inf: torch.Tensor, *, compiled: bool = False) -> None:
         """Nothing changes: a constant scale (the step still skips a non-finite update by itself)."""
         _check_found_inf(found_inf)
 
@@ -147,27 +149,21 @@ class DynamicLossScaler:
         self.inv_scale = _scalar(1.0 / initial_scale, device)
         self.growth_tracker = _scalar(0, device)
         self.hysteresis_tracker = _scalar(hysteresis, device)
+        # The rule's constants as fp32 device values (each a float32 either way: a Python float in an op with
+        # an fp32 tensor is rounded to fp32), so that one compiled rule serves every scaler in the process.
+        self._constants = torch.tensor([self.growth_interval, self.hysteresis, self.growth_factor,
+                                        self.backoff_factor, self.min_scale], dtype=torch.float32, device=device)
 
-    def update(self, found_inf: torch.Tensor) -> None:
+    def update(self, found_inf: torch.Tensor, *, compiled: bool = False) -> None:
         """Advance the rule by one step; ``found_inf`` is a 0-d tensor, non-zero for a non-finite step.
 
         Every branch of the rule is computed and the right one selected with ``torch.where``, so the same
-        ops run whatever the value of ``found_inf``: a captured graph replays it correctly.
+        ops run whatever the value of ``found_inf``: a captured graph replays it correctly. ``compiled``: the
+        rule as one compiled graph (graphstep/scalar_graph.py), as the engine runs it where it compiles.
         """
         _check_found_inf(found_inf)
-        bad = found_inf.reshape(()) > 0
-        hysteresis_left = torch.where(bad, self.hysteresis_tracker - 1, self.hysteresis_tracker)
-        growth = torch.where(bad, torch.zeros_like(self.growth_tracker), self.growth_tracker + 1)
-        grow = growth >= self.growth_interval
-        back_off = bad & (hysteresis_left <= 0)
-        backed_off = torch.clamp(self.scale * self.backoff_factor, min=self.min_scale)
-        # Capped: an overflowing product is inf, and clamp turns it into MAX_LOSS_SCALE (module docstring).
-        grown = torch.clamp(self.scale * self.growth_factor, max=MAX_LOSS_SCALE)
-        self.scale.copy_(torch.where(back_off, backed_off, torch.where(grow, grown, self.scale)))
-        self.hysteresis_tracker.copy_(torch.where(grow, torch.full_like(hysteresis_left, self.hysteresis),
-                                                  hysteresis_left))
-        self.growth_tracker.copy_(torch.where(grow, torch.zeros_like(growth), growth))
-        torch.reciprocal(self.scale, out=self.inv_scale)
+        _DYNAMIC_RULE([self.scale, self.growth_tracker, self.hysteresis_tracker, self.inv_scale],
+                      [found_inf, self._constants], compiled=compiled)
 
     def state_dict(self) -> dict:
         return {"scale": self.scale.clone(), "growth_tracker": self.growth_tracker.clone(),
@@ -195,3 +191,25 @@ def scaler_from_config(config, device) -> Optional[ConstantLossScaler | DynamicL
         return DynamicLossScaler(config.initial_loss_scale, config.min_loss_scale, config.loss_scale_window,
                                  config.hysteresis, device)
     return None
+
+
+def _dynamic_rule(outs, ins) -> None:
+    """``DynamicLossScaler.update``'s math (the module docstring's rule)."""
+    scale, growth_tracker, hysteresis_tracker, inv_scale = outs
+    found_inf, constants = ins
+    growth_interval, hysteresis, growth_factor, backoff_factor, min_scale = constants.unbind()
+    bad = found_inf.reshape(()) > 0
+    hysteresis_left = torch.where(bad, hysteresis_tracker - 1, hysteresis_tracker)
+    growth = torch.where(bad, torch.zeros_like(growth_tracker), growth_tracker + 1)
+    grow = growth >= growth_interval
+    back_off = bad & (hysteresis_left <= 0)
+    backed_off = torch.clamp(scale * backoff_factor, min=min_scale)
+    # Capped: an overflowing product is inf, and clamp turns it into MAX_LOSS_SCALE (module docstring).
+    grown = torch.clamp(scale * growth_factor, max=MAX_LOSS_SCALE)
+    scale.copy_(torch.where(back_off, backed_off, torch.where(grow, grown, scale)))
+    hysteresis_tracker.copy_(torch.where(grow, hysteresis, hysteresis_left))
+    growth_tracker.copy_(torch.where(grow, torch.zeros_like(growth), growth))
+    torch.reciprocal(scale, out=inv_scale)
+
+
+_DYNAMIC_RULE = scalar_graph.register("dynamic_loss_scale", _dynamic_rule)

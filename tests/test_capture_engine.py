@@ -4,9 +4,11 @@ import logging
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import capture
 import graphstep as gs
+from graphstep import scalar_graph
 from toy import loss_fn, tiny_transformer
 
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True, "initial_loss_scale": 2.0**12,
@@ -74,6 +76,36 @@ def test_compiled_kernel_replays_bitwise_and_never_recaptures(precision):
     assert eager_flags == graph_flags and not all(eager_flags)
     for a, b in zip(eager_model.parameters(), graph_model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_compiled_scalar_math_replays_bitwise_and_equals_the_eager_ops(monkeypatch):
+    # On a GPU the compiled kernel's step also compiles its scalar math (graphstep/scalar_graph.py); forced
+    # here on the CPU: fp16's dynamic loss scale, clipping and the inf steps run through the compiled graphs,
+    # captured and eager, and land bitwise where the step with the same math run op by op lands.
+    plain_model, _, plain_flags = run("eager", "adam", "fp16", steps=30, kernel="compiled")
+    monkeypatch.setattr(scalar_graph, "wanted", lambda kernel, device: kernel == "compiled")
+    eager_model, eager_opt, eager_flags = run("eager", "adam", "fp16", steps=30, kernel="compiled")
+    graph_model, graph_opt, graph_flags = run("graph", "adam", "fp16", steps=30, kernel="compiled")
+    assert graph_opt.captured and graph_opt.recaptures == 0
+    assert plain_flags == eager_flags == graph_flags and not all(eager_flags)
+    for a, b, c in zip(plain_model.parameters(), eager_model.parameters(), graph_model.parameters()):
+        assert torch.equal(a, b) and torch.equal(b, c)
+    assert torch.equal(eager_opt.loss_scale, graph_opt.loss_scale)
+    with DispatchedOps() as ops:  # the norm's result, the clip and the loss-scale rule: a graph each
+        eager_opt.step()
+    assert ops.names.count("graphstep.scalar_graph_.default") == 3
+
+
+class DispatchedOps(TorchDispatchMode):
+    """The names of the operators dispatched inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 def test_a_python_float_lr_read_at_capture_freezes_and_graphsteps_lr_does_not():

@@ -30,6 +30,9 @@ class StepContext:
     scaler: Optional[Union["ConstantLossScaler", "DynamicLossScaler"]]
     comm: "Collectives"
     rank: int
+    compile_scalars: bool = False
+    """Run each stage's scalar math as one compiled graph (graphstep/scalar_graph.py): on a GPU whose update
+    runs the compiled kernel (``scalar_graph.wanted``)."""
     average_over: Optional[int] = None
     """The data-parallel size the reduce stage averages grads by; None: the layout's own. An expert domain
     (graphstep/experts.py) sums over the expert data-parallel group but averages by the full one."""

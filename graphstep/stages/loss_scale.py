@@ -11,14 +11,15 @@ from typing import Optional
 from . import Stage, StepTensors
 
 
-def build_over(scaler: Optional[object], t: StepTensors) -> Stage:
+def build_over(scaler: Optional[object], t: StepTensors, compiled: bool = False) -> Stage:
+    """``compiled``: the scaler's rule as one compiled graph (graphstep/scalar_graph.py)."""
     def apply() -> None:
         if scaler is not None:
-            scaler.update(t.nonfinite)
+            scaler.update(t.nonfinite, compiled=compiled)
         t.update_successful.copy_(t.found_inf == 0)
 
     return Stage("loss_scale", apply)
 
 
 def build(ctx) -> Stage:
-    return build_over(ctx.scaler, ctx.tensors)
+    return build_over(ctx.scaler, ctx.tensors, ctx.compile_scalars)

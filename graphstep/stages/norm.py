@@ -22,6 +22,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from .. import scalar_graph
+from ..scalar_graph import scalar
 from . import Stage, StepTensors
 
 # Row length of the two-level sum of squares: norms of 4,096-element rows, then the sum of their squares,
@@ -107,17 +109,18 @@ class ForeachSumOfSquares:
         return norms.square().sum()
 
 
-def build_over(sums: Sequence[Callable[[], torch.Tensor]], t: StepTensors, comm) -> Stage:
-    """The norm stage over ``sums`` (each returns an fp64 0-d sum of squares of its grads)."""
+def build_over(sums: Sequence[Callable[[], torch.Tensor]], t: StepTensors, comm, compiled: bool = False) -> Stage:
+    """The norm stage over ``sums`` (each returns an fp64 0-d sum of squares of its grads); ``compiled``: as in
+    ``_stage``."""
 
     def total() -> torch.Tensor:
         parts = [sum_of_squares() for sum_of_squares in sums]
         return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
 
-    return _stage(total, t, comm)
+    return _stage(total, t, comm, compiled)
 
 
-def build_folded(folds: Sequence, t: StepTensors, comm) -> Stage:
+def build_folded(folds: Sequence, t: StepTensors, comm, compiled: bool = False) -> Stage:
     """The norm stage over sums of squares already folded where the grads became final (graphstep.folded_norm):
     it reads no grad. Each domain ``finish``es its fp64 vector (one rank: rescue and sum the folded row
     norms), then the vectors are summed as one: with several ranks the same values in the same order as
@@ -130,17 +133,29 @@ def build_folded(folds: Sequence, t: StepTensors, comm) -> Stage:
             folded.finish()
         return vectors[0].sum() if len(vectors) == 1 else torch.cat(vectors, out=joined).sum()
 
-    return _stage(total, t, comm)
+    return _stage(total, t, comm, compiled)
 
 
-def _stage(total: Callable[[], torch.Tensor], t: StepTensors, comm) -> Stage:
+def _result_math(outs, ins) -> None:
+    nonfinite, found_inf, grad_norm = outs
+    sumsq, inv_loss_scale = ins
+    norm = scalar(sumsq).sqrt()
+    torch.logical_not(torch.isfinite(norm), out=nonfinite)
+    found_inf.copy_(nonfinite)
+    torch.mul(norm, inv_loss_scale, out=grad_norm)
+
+
+_RESULT = scalar_graph.register("norm_result", _result_math)
+
+
+def _stage(total: Callable[[], torch.Tensor], t: StepTensors, comm, compiled: bool) -> Stage:
+    """``compiled``: the result's scalar math (norm, flags) as one compiled graph (graphstep/scalar_graph.py)."""
+    outs = [t.nonfinite, t.found_inf, t.grad_norm]
+
     def apply() -> None:
         sumsq = total()
         comm.all_reduce_sum(sumsq, "grad-norm all_reduce")
-        norm = sumsq.sqrt()
-        torch.logical_not(torch.isfinite(norm), out=t.nonfinite)
-        t.found_inf.copy_(t.nonfinite)
-        torch.mul(norm, t.inv_loss_scale, out=t.grad_norm)
+        _RESULT(outs, [sumsq, t.inv_loss_scale], compiled=compiled)
 
     return Stage("norm", apply)
 
@@ -151,5 +166,6 @@ def build(ctx, *others) -> Stage:
     became final (graphstep.folded_norm) and the stage only adds them up."""
     domains = (ctx, *others)
     if ctx.folded is not None:
-        return build_folded([c.folded for c in domains], ctx.tensors, ctx.comm)
-    return build_over([SumOfSquares(g) for c in domains for g in c.buffers.grad_shard], ctx.tensors, ctx.comm)
+        return build_folded([c.folded for c in domains], ctx.tensors, ctx.comm, ctx.compile_scalars)
+    return build_over([SumOfSquares(g) for c in domains for g in c.buffers.grad_shard], ctx.tensors, ctx.comm,
+                      ctx.compile_scalars)
