@@ -160,6 +160,12 @@ class GraphstepOptimizer(torch.optim.Optimizer):
 
         kernels, self.kernel_choice = choose_kernels(config, device, families, self.comm)
         """Which update kernel runs (``kernel="auto"`` resolved), why, and the probe's compile seconds."""
+        if self.kernel_choice.name == "compiled" and config.capture_warmup_steps < 1 \
+                and backend_for(device, config.capture)[0] != "eager":
+            # The config refuses capture="graph" so; "auto" captures where the device has CUDA graphs.
+            raise ValueError(f"graphstep: kernel='compiled' compiles on its first step, which must run before the "
+                             f"step is captured (capture={config.capture!r} captures on {device}): use "
+                             "capture_warmup_steps >= 1")
         ctx = StepContext(config, self.layout, self.buffers, self.hyper, kernels, families,
                           self.tensors, self.scaler, self.comm, rank,
                           compile_scalars=scalar_graph.wanted(self.kernel_choice.name, device),

@@ -14,7 +14,14 @@ by one; tests/test_scalar_graph.py holds the two bitwise equal.
 The compiled graph is called through one ``torch.library`` custom op, so that it is one operator to the
 dispatcher (capture's CPU replay backend records and re-calls it; ``capture.check`` sees that it reads
 ``ins`` and writes ``outs``), and it is compiled once per process and math function: its arguments are
-tensors, guarded on dtype, shape and device only, so every optimizer in the process shares the compile.
+tensors, guarded on their metadata (dtype, shape, strides, device; aliasing), never on their values, so
+every optimizer in the process shares the compile (its first call counts in ``compile_seconds()`` of
+graphstep/kernels/compiled.py).
+
+Numerics: the compiled graph computes what the ops compute, bitwise on the CPU (tests/test_scalar_graph.py).
+On a GPU, Triton lowers an fp32 division to an approximate one unless told otherwise: these graphs are
+compiled with inductor's ``eager_numerics.division_rounding``, the rounded division the eager ops do
+(free on a few scalars); they hold no multiply-add that Triton could contract.
 
 A 0-d float64 tensor argument on the CPU would be read by dynamo as a Python float behind a guard (an
 ``.item()`` per call): the compiled path passes such inputs (the CPU's fp64 hyperparameters, the fp64 sum
@@ -28,7 +35,8 @@ from typing import Callable, Sequence
 
 import torch
 
-_RECOMPILE_LIMIT = 32
+from .kernels import compiled as compiled_kernels
+
 _MATH: dict[str, Callable] = {}
 
 
@@ -73,15 +81,14 @@ def _as_vector(t: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _compiled(name: str):
-    return torch.compile(_MATH[name], fullgraph=True, dynamic=False, options={"size_asserts": False})
+    return torch.compile(_MATH[name], fullgraph=True, dynamic=False,
+                         options={"size_asserts": False, "eager_numerics.division_rounding": True})
 
 
 @torch.library.custom_op("graphstep::scalar_graph_", mutates_args=("outs",))
 def _scalar_graph(name: str, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
-    # The recompile limit is raised for these calls only: one function meets a few variants in a process
-    # (dtypes per device, a scaler or none), and with fullgraph=True going past the limit is an error.
-    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-        _compiled(name)(outs, ins)
+    variant = (name, tuple((t.dtype, t.device, t.dim()) for t in (*outs, *ins)))
+    compiled_kernels.call_compiled(_compiled(name), outs, ins, variant=variant)
 
 
 @_scalar_graph.register_fake

@@ -124,8 +124,12 @@ class ConstantLossScaler:
 _TRACKERS = ("growth_tracker", "hysteresis_tracker")
 
 
+_RULE_SETTINGS = ("min_scale", "growth_interval", "hysteresis", "growth_factor", "backoff_factor")
+
+
 class DynamicLossScaler:
-    """Megatron-Core's dynamic loss scale, decided on device."""
+    """Megatron-Core's dynamic loss scale, decided on device. The rule's settings (``_RULE_SETTINGS``) are
+    fixed at construction: they are copied to the device there, and assigning one later raises."""
 
     def __init__(self, initial_scale: float, min_scale: float, growth_interval: int, hysteresis: int, device,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5):
@@ -153,6 +157,12 @@ class DynamicLossScaler:
         # an fp32 tensor is rounded to fp32), so that one compiled rule serves every scaler in the process.
         self._constants = torch.tensor([self.growth_interval, self.hysteresis, self.growth_factor,
                                         self.backoff_factor, self.min_scale], dtype=torch.float32, device=device)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _RULE_SETTINGS and name in self.__dict__:
+            raise AttributeError(f"DynamicLossScaler.{name} is fixed at construction (the rule reads a device copy "
+                                 "made there): build a new scaler to change it")
+        super().__setattr__(name, value)
 
     def update(self, found_inf: torch.Tensor, *, compiled: bool = False) -> None:
         """Advance the rule by one step; ``found_inf`` is a 0-d tensor, non-zero for a non-finite step.

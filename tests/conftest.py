@@ -5,7 +5,8 @@ The shared helpers live in importable modules next to this file, one copy each:
   metrics of DESIGN.md §8 (used by the engine tests and by every spawned rank);
 - ``distributed/_harness.py``: spawning gloo ranks on 127.0.0.1 on a free port, bounded in time;
 - ``_source.py``: the line a marker stands on in a test's own source (capture's findings name it);
-- ``_kernel_pin.py``: ``kernel="auto"`` runs as "fused" in tests not marked ``default_kernel``.
+- ``_kernel_pin.py``: ``kernel="auto"`` runs as "fused" in tests not marked ``default_kernel``;
+- ``_dispatched.py``: ``DispatchedOps``, the operators a block sends to the dispatcher.
 
 This conftest puts tests/ on ``sys.path`` (pytest does so for a conftest's folder), so ``import toy``
 works from tests/distributed too, and ranks spawned from a test inherit that path. It also gives the

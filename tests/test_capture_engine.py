@@ -4,11 +4,11 @@ import logging
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import capture
 import graphstep as gs
 from graphstep import scalar_graph
+from _dispatched import DispatchedOps
 from toy import loss_fn, tiny_transformer
 
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True, "initial_loss_scale": 2.0**12,
@@ -94,18 +94,6 @@ def test_compiled_scalar_math_replays_bitwise_and_equals_the_eager_ops(monkeypat
     with DispatchedOps() as ops:  # the norm's result, the clip and the loss-scale rule: a graph each
         eager_opt.step()
     assert ops.names.count("graphstep.scalar_graph_.default") == 3
-
-
-class DispatchedOps(TorchDispatchMode):
-    """The names of the operators dispatched inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def test_a_python_float_lr_read_at_capture_freezes_and_graphsteps_lr_does_not():

@@ -262,3 +262,17 @@ def test_bad_input_is_refused_with_a_clear_message():
     opt.param_groups[0]["lr"] = torch.tensor(1e-3)
     with pytest.raises(TypeError, match="write a Python float"):
         opt.step()
+
+
+def test_compiled_kernel_without_warm_up_is_refused_where_the_default_capture_would_capture(monkeypatch):
+    # capture="auto" captures on CUDA, where the compiled kernel would compile inside the capture; the
+    # config alone cannot tell (it refuses capture="graph" so). Here the device is made to look like CUDA.
+    import graphstep.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "backend_for",
+                        lambda device, mode: ("eager", None) if mode == "eager" else ("cuda", None))
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="capture_warmup_steps >= 1"):
+        gs.get_optimizer(gs.OptimizerConfig(kernel="compiled", capture_warmup_steps=0), model)
+    opt = gs.get_optimizer(gs.OptimizerConfig(kernel="compiled", capture="eager", capture_warmup_steps=0), model)
+    assert opt.kernel_choice.name == "compiled"

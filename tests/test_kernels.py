@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphstep.kernels import auto, compiled, fused, get_kernels, reference
+from _dispatched import DispatchedOps
 
 SIZES = [129, 1000, 64]
 
@@ -117,18 +117,6 @@ def test_compiled_kernel_reads_the_grads_without_writing_them():
                   lr=torch.tensor(1e-3, dtype=torch.float64), beta1=0.9, beta2=0.99, weight_decay=0.0, eps=1e-8,
                   decoupled=True, grad_scale=torch.tensor(4.0), found_inf=torch.zeros(()))
     assert torch.equal(grads, before) and not torch.equal(params, start)
-
-
-class DispatchedOps(TorchDispatchMode):
-    """The names of the operators dispatched inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def test_compiled_kernel_is_one_operator_per_call_to_the_dispatcher():

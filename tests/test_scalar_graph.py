@@ -6,24 +6,14 @@ import itertools
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphstep import scalar_graph
 from graphstep.scaler import MAX_LOSS_SCALE, DynamicLossScaler
 from graphstep.stages import clip, norm
+from _dispatched import DispatchedOps
 
 F32, F64 = torch.float32, torch.float64
 NORMS = [0.0, 1e-30, 0.3, 1.0, 7.5, 3e38, float("inf"), float("nan")]
-
-
-class DispatchedOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def scalars(*values, dtype=F32):

@@ -321,3 +321,12 @@ def test_bad_scaler_settings_are_named(kwargs, message):
 def test_bad_constant_scale_is_named(scale):
     with pytest.raises(ValueError, match="ConstantLossScaler: scale="):
         ConstantLossScaler(scale, device="cpu")
+
+
+def test_the_dynamic_rule_settings_are_fixed_at_construction():
+    # The rule reads a device copy of them made at construction: a later assignment would be ignored.
+    scaler = DynamicLossScaler(2.0**16, min_scale=1.0, growth_interval=5, hysteresis=2, device="cpu")
+    for name in ("min_scale", "growth_interval", "hysteresis", "growth_factor", "backoff_factor"):
+        with pytest.raises(AttributeError, match="fixed at construction"):
+            setattr(scaler, name, getattr(scaler, name))
+    assert scaler.growth_interval == 5 and scaler.hysteresis == 2

@@ -110,14 +110,15 @@ _RECOMPILE_LIMIT = 32
 
 
 @functools.cache
-def _compiled(views_fn, count: int):
-    """``views_fn`` compiled for lists of ``count`` views.
+def _compiled(views_fn, count: int, flags: tuple = ()):
+    """``views_fn`` compiled for lists of ``count`` views (and Adam's ``flags``: decoupled, grad scale given).
 
     Dynamo keeps its compiled variants, and its recompile limit, per code object: one code object per
-    view count keeps optimizers of different layouts in one process (a sweep, a test suite) from
-    crowding one another out of a shared limit.
+    view count and flags keeps optimizers of different layouts and configs in one process (a sweep, a
+    test suite) from crowding one another out of a shared limit.
     """
-    code = views_fn.__code__.replace(co_name=f"{views_fn.__name__}_{count}")
+    suffix = "".join(f"_{int(flag)}" for flag in flags)
+    code = views_fn.__code__.replace(co_name=f"{views_fn.__name__}_{count}{suffix}")
     # No size asserts in the generated code: dynamo's guards have checked every view's shape and strides
     # before the call, and the asserts (~4 per view) cost ~30 µs a call here. Dynamic threads: with Adam's
     # coefficient math in the same C++ kernel as its loops, inductor emitted no parallel region at all (one
@@ -208,8 +209,9 @@ _first_call_seconds = [0.0]
 
 
 def compile_seconds() -> float:
-    """Seconds this process spent in the first call of each compiled variant (its compile, then one run):
-    what ``kernel="compiled"`` (or "auto" choosing it) costs up front."""
+    """Seconds this process spent in the first call of each compiled variant (its compile, then one run),
+    the update's and the scalar graphs' (graphstep/scalar_graph.py): what ``kernel="compiled"`` (or "auto"
+    choosing it) costs up front."""
     return _first_call_seconds[0]
 
 
@@ -221,25 +223,33 @@ def _variant(views_fn, parts, rest) -> tuple:
 
 
 def _static_arguments(rest) -> tuple:
-    # Of the arguments after the views, what dynamo guards on: a tensor's dtype, device and shape (the
-    # coefficient tensors, compiled static), and the value of the rest (Adam's part groups, a list of
-    # ints; ``decoupled``; whether a grad scale is given at all).
+    # Of the arguments after the views, what dynamo guards on: a tensor's dtype, device and shape (the small
+    # scalar inputs: SGD's coefficients; Adam's hyperparameter table, step, grad scale and skip flag, all
+    # compiled static), and the value of the rest (Adam's part groups, a list of ints; ``decoupled``;
+    # whether a grad scale is given at all).
     return tuple((r.dtype, r.device, tuple(r.shape)) if isinstance(r, torch.Tensor) else
                  tuple(r) if isinstance(r, list) else r for r in rest)
 
 
-def _run(views_fn, lists: tuple, *rest, view_groups=None) -> None:
-    # The same grad mode and plain (detached) views on every call: dynamo guards on both. The recompile
-    # limit is raised for these calls only: each compiled function has a few legitimate variants (single
-    # rows, tails, views with and without autograd's view tracking), and with fullgraph=True going past
-    # the limit is an error, not a slower fallback.
+def _run(views_fn, lists: tuple, *rest, view_groups=None, flags: tuple = ()) -> None:
+    # Plain (detached) views on every call: dynamo guards on them.
     rows, parts = _rows(lists)
     if view_groups is not None:  # Adam: each part reads its group's row of the coefficients
         rest = rest + (_part_groups(rows, view_groups),)
-    variant = rows.variant(views_fn, parts, rest)
+    call_compiled(_compiled(views_fn, len(parts[0]), flags), *parts, *rest,
+                  variant=rows.variant(views_fn, parts, rest))
+
+
+def call_compiled(fn, *args, variant) -> None:
+    """Call ``fn``, a ``torch.compile``d function, the way every compiled call of graphstep's runs: in no-grad
+    mode every time (dynamo guards on the grad mode) and with dynamo's recompile limit raised for this call
+    only (each compiled function has a few legitimate variants: single rows, tails, views with and
+    without autograd's view tracking, a device's dtypes; with fullgraph=True going past the limit is an
+    error, not a slower fallback). The first call of each ``variant`` (a hashable naming what dynamo
+    specializes on) is timed into ``compile_seconds()``."""
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
         start = time.perf_counter() if variant not in _seen_variants else None
-        _compiled(views_fn, len(parts[0]))(*parts, *rest)
+        fn(*args)
         if start is not None:
             _seen_variants.add(variant)
             _first_call_seconds[0] += time.perf_counter() - start
@@ -251,7 +261,7 @@ def _adam_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: li
              grad_scale: Optional[torch.Tensor], found_inf: torch.Tensor, decoupled: bool,
              view_groups: list[int]) -> None:
     _run(_adam_views, (params, grads, exp_avgs, exp_avg_sqs), hypers, step, grad_scale, found_inf, decoupled,
-         view_groups=view_groups)
+         view_groups=view_groups, flags=(decoupled, grad_scale is not None))
 
 
 @_adam_op.register_fake
@@ -334,7 +344,11 @@ def _hyper_table(hypers: list[dict], device) -> torch.Tensor:
 def _adam_coefficients(hypers: torch.Tensor, step, grad_scale, found_inf, decoupled: bool) -> torch.Tensor:
     """Each group's row of the loop's scalars (positions ``_DECAY`` ... ``_KEEP``), in the hyperparameters'
     precision, from the (groups, 5) ``_hyper_table``. Traced into the compiled update, so these dozen scalar
-    ops are no separate ops (kernels on a GPU) in the step: inductor computes them with the loop."""
+    ops are no separate ops (kernels on a GPU) in the step: inductor computes them with the loop. On the CPU
+    a call over several groups updates bitwise as one call per group: the tests check two groups, and 2-5,
+    8, 13 and 19 groups (fp64 hyperparameters, both decays) were compared once. On a GPU Triton's fp32
+    division is approximate: the coefficients then differ from eager ops' in the last bits, within the
+    compiled kernel's drift against torch (tests/test_engine.py), the same in eager steps and replays."""
     lr, beta1, beta2, weight_decay, eps = hypers.unbind(1)
     step = step.to(hypers.dtype)
     if decoupled:
