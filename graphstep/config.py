@@ -111,7 +111,7 @@ class OptimizerConfig:
     post-accumulate-grad hook per param of 4,096 elements or more; several: as each bucket's reduce-scatter
     lands), so the step reads the grads once, in the update (graphstep/folded_norm.py). On by default: the
     step then costs about the bare update (1.05-1.12x it, against 1.27-1.36x unfolded), and backward + step no
-    more than with the norm in the step (0.98-0.99x; README, Performance, on the 2-core CPU). A grad changed
+    more than with the norm in the step (0.98-1.00x; README, Performance, on the 2-core CPU). A grad changed
     in place after backward is refolded before the step (its buffer's version counter moved on); a write that
     bypasses the counter (``p.grad.data``) is not seen (``debug_step()`` warns). Run earlier micro-batches
     under ``opt.no_sync()`` to fold only in the last. False: the step's norm stage reads the grads itself.
