@@ -21,7 +21,7 @@ graphstep/kernels/compiled.py).
 Numerics: the compiled graph computes what the ops compute, bitwise on the CPU (tests/test_scalar_graph.py).
 On a GPU, Triton lowers an fp32 division to an approximate one unless told otherwise: these graphs are
 compiled with inductor's ``eager_numerics.division_rounding``, the rounded division the eager ops do
-(free on a few scalars); they hold no multiply-add that Triton could contract.
+(on a few scalars; not measured on a GPU); they hold no multiply-add that Triton could contract.
 
 A 0-d float64 tensor argument on the CPU would be read by dynamo as a Python float behind a guard (an
 ``.item()`` per call): the compiled path passes such inputs (the CPU's fp64 hyperparameters, the fp64 sum

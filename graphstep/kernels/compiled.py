@@ -347,8 +347,9 @@ def _adam_coefficients(hypers: torch.Tensor, step, grad_scale, found_inf, decoup
     ops are no separate ops (kernels on a GPU) in the step: inductor computes them with the loop. On the CPU
     a call over several groups updates bitwise as one call per group: the tests check two groups, and 2-5,
     8, 13 and 19 groups (fp64 hyperparameters, both decays) were compared once. On a GPU Triton's fp32
-    division is approximate: the coefficients then differ from eager ops' in the last bits, within the
-    compiled kernel's drift against torch (tests/test_engine.py), the same in eager steps and replays."""
+    division is approximate: the coefficients then differ from eager ops' in the last bits, expected
+    within the compiled kernel's drift against torch (tests/test_engine.py; not run on a GPU), the same in
+    eager steps and replays."""
     lr, beta1, beta2, weight_decay, eps = hypers.unbind(1)
     step = step.to(hypers.dtype)
     if decoupled:
