@@ -7,6 +7,7 @@ once, and ``step`` only refreshes the hyperparameter tensors (host side) and app
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -16,7 +17,7 @@ from capture.devices import backend_for, device_scope
 from capture.profile import Ranges
 
 from . import experts as experts_mod
-from . import folded_norm, offload, overlap, scalar_graph
+from . import folded_norm, model_state_dict, offload, overlap, scalar_graph
 from . import state_dict as state_dict_mod
 from .agreement import agreement_for
 from .buffers import StaticBuffers, allocate
@@ -175,6 +176,10 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             state_names=state_names(families, config))
         expert_ctx = None if self.experts is None else self.experts.ctx
         self._offload = offload.install(ctx, host, model_chunks)  # inert without CPU offload
+        chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+        self._model_chunks = tuple(weakref.ref(chunk) for chunk in chunks)
+        """The model's modules, weakly (the optimizer never keeps a dropped model alive): for debug_step."""
+        self._model_state_dict = model_state_dict.install(chunks, self._domain_buffers())
         self.stages = self._offload.adjust_chain(default_chain(ctx, expert_ctx))
         # host_stages: run after the device step, never captured; host_tensors: {kind: host buffers}.
         self.host_stages, self.host_tensors = self._offload.host_stages, self._offload.host_tensors
@@ -282,6 +287,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self._offload.remove()
         self._grads_seen.remove()
         self._fold.remove()
+        self._model_state_dict.remove()
 
     def __enter__(self) -> "GraphstepOptimizer":
         return self
