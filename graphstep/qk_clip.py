@@ -34,7 +34,8 @@ it; the model only declares its attention layers and records their logits:
     graphstep.qk_clip.record(attn, scores)
 
 ``register`` gives the module a non-persistent buffer ``qk_clip_max_logits`` (num_heads,) at -inf and tags
-the weights, so the engine finds every registered layer among the params it trains, at build.
+the weights, so the engine finds every registered layer among the params it trains, at build. ``record`` on
+a module never registered raises ``NotRegisteredError`` (a ValueError) saying how to register it.
 """
 
 from __future__ import annotations
@@ -110,6 +111,10 @@ def clip_factors(max_logits: torch.Tensor, layout: HeadLayout, threshold: Scalar
     key between them). Dividing by ``where(over, S_g, τ)`` keeps every intermediate finite. A non-finite
     S_g (an overflowed score, typically on a step that is skipped anyway) leaves the group unscaled:
     τ / inf = 0 would zero W_q and W_k for good.
+
+    An unclipped group's factors are selected as 1.0, not computed: torch divides a Python float by a
+    tensor as τ · (1/τ), which is 0.99999994 for 40 of the τ in 1..300, and its power would move the
+    rows of a group that Megatron-Core leaves bitwise unchanged.
     """
     if max_logits.shape != (layout.num_heads,):
         raise ValueError(f"clip_factors: max_logits of shape {tuple(max_logits.shape)}, expected "
@@ -117,7 +122,7 @@ def clip_factors(max_logits: torch.Tensor, layout: HeadLayout, threshold: Scalar
     group_max = max_logits.float().view(layout.num_kv_groups, layout.heads_per_group).amax(dim=1)
     over = (group_max > threshold) & torch.isfinite(group_max)
     eta = threshold / torch.where(over, group_max, threshold)
-    return eta ** alpha, eta ** (1 - alpha)
+    return torch.where(over, eta ** alpha, 1.0), torch.where(over, eta ** (1 - alpha), 1.0)
 
 
 def clip_qk_(layout: HeadLayout, q_factor: torch.Tensor, k_factor: torch.Tensor, *,
@@ -232,11 +237,22 @@ def register(module: torch.nn.Module, *, layout: HeadLayout, q: Optional[torch.n
     module.register_buffer(BUFFER_NAME, buffer, persistent=False)
 
 
+class NotRegisteredError(ValueError):
+    """``record`` on a module that ``register`` never saw (it has no max-logit buffer to record into)."""
+
+
 def record(module: torch.nn.Module, logits: torch.Tensor, *, head_dim: int = 1) -> None:
     """``record_max_logits`` into ``module``'s registered buffer, in training mode only (eval forwards do
-    not count towards the next step's clip)."""
+    not count towards the next step's clip). Raises ``NotRegisteredError`` for a module never registered,
+    in eval mode too: the mistake is the same."""
+    buffer = getattr(module, BUFFER_NAME, None)  # nn.Module raises a bare AttributeError without a default
+    if buffer is None:
+        raise NotRegisteredError(
+            f"qk_clip.record: {type(module).__name__} is not registered for QK-clip, so it has no max-logit "
+            f"buffer: call graphstep.qk_clip.register(module, layout=HeadLayout(...), q=W_q, k=W_k) (or qkv=W_qkv) "
+            "once, when the model is built and before get_optimizer")
     if module.training:
-        record_max_logits(getattr(module, BUFFER_NAME), logits, head_dim=head_dim)
+        record_max_logits(buffer, logits, head_dim=head_dim)
 
 
 def registrations(params) -> list[Registration]:

@@ -201,3 +201,38 @@ def test_a_non_finite_max_logit_leaves_its_group_unscaled():
     q_factor, k_factor = clip_factors(torch.tensor([float("inf"), float("nan"), 250.0]), layout, 100.0, 0.5)
     assert torch.equal(q_factor[:2], torch.ones(2)) and torch.equal(k_factor[:2], torch.ones(2))
     torch.testing.assert_close(q_factor[2] * k_factor[2], torch.tensor(100 / 250))
+
+
+def megatron_factors(max_logits, layout, tau, alpha):
+    """Megatron-Core's ``clip_qk`` factors, written out: η = clamp(τ / S_g, max=1), then (η^α, η^(1−α)).
+
+    The oracle for groups with S_g > 0 (Megatron gives NaN at S ≤ 0, see the test above): a group at or under
+    τ gets clamp(...) = 1 exactly, so Megatron leaves its weights bitwise unchanged.
+    """
+    group_max = max_logits.view(layout.num_kv_groups, -1).amax(dim=1)
+    eta = torch.clamp(tau / group_max, max=1.0)
+    return eta ** alpha, eta ** (1 - alpha)
+
+
+@pytest.mark.parametrize("alpha", [0.3, 0.5, 0.7])
+def test_unclipped_groups_stay_bitwise_unchanged_for_every_threshold(alpha):
+    # Group 0 peaks at 10 (clipped only for τ < 10), group 1 at 350 (clipped for every τ here). τ/τ computed as
+    # τ·(1/τ) is 0.99999994 for 40 of these τ, which once scaled an unclipped group's K (or Q) rows.
+    layout = HeadLayout(4, 2, 2)
+    max_logits = torch.tensor([10.0, 3.0, 350.0, -2.0])
+    wq, wk = torch.randn(8, HIDDEN), torch.randn(4, HIDDEN)
+    for tau in range(1, 301):
+        oracle_q, oracle_k = megatron_factors(max_logits, layout, float(tau), alpha)
+        for threshold in (float(tau), torch.tensor(tau, dtype=torch.float64), torch.tensor(float(tau))):
+            q_factor, k_factor = clip_factors(max_logits, layout, threshold, alpha)
+            new_q, new_k = wq.clone(), wk.clone()
+            clip_qk_(layout, q_factor, k_factor, q=new_q, k=new_k)
+            if tau >= 10:  # group 0 not over τ: factor exactly 1, rows bitwise unchanged, as in Megatron-Core
+                assert q_factor[0].item() == 1.0 and k_factor[0].item() == 1.0, (tau, threshold)
+                assert torch.equal(new_q[:4], wq[:4]) and torch.equal(new_k[:2], wk[:2]), (tau, threshold)
+            if isinstance(threshold, float):  # same arithmetic as Megatron's (τ a Python float): bitwise
+                assert torch.equal(q_factor, oracle_q) and torch.equal(k_factor, oracle_k), tau
+            else:  # τ / S_g in a tensor division rounds apart from the float scalar's reciprocal
+                torch.testing.assert_close(q_factor, oracle_q, rtol=2e-7, atol=0)
+                torch.testing.assert_close(k_factor, oracle_k, rtol=2e-7, atol=0)
+            assert not torch.equal(new_q[4:], wq[4:]) and not torch.equal(new_k[2:], wk[2:])  # group 1 clipped

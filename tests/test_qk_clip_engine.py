@@ -176,3 +176,61 @@ def test_registration_errors_say_what_to_do():
     fused = torch.nn.Linear(HIDDEN, 16 + 16, bias=False)
     gs.qk_clip.register(torch.nn.Module(), layout=HeadLayout(4, 2, 4, fused_qkv=True), qkv=fused.weight)
     assert fused.weight.qkv_split == gs.QKVSplit(2, 8, 4, 4)  # Muon's split QKV follows the head layout
+
+
+def params_and_main_shards(model, opt):
+    return [p.detach().clone() for p in model.parameters()] + [s.clone() for s in opt.buffers.main_shard]
+
+
+# τ for which τ·(1/τ) (how torch divides a Python float by a tensor) is 0.99999994: with α = 0.3 or 0.7 the
+# old factor of an unclipped group rounded below 1 and moved its K (or Q) rows.
+@pytest.mark.parametrize("threshold", [41.0, 47.0, 55.0])
+@pytest.mark.parametrize("alpha", [0.3, 0.5, 0.7])
+def test_no_group_over_tau_steps_bitwise_like_qk_clip_off(threshold, alpha):
+    results = []
+    for qk_clip in (True, False):
+        model, opt = make(threshold=threshold, qk_clip=qk_clip, qk_clip_alpha=alpha, lr=1e-3, mode="eager")
+        for step in range(3):
+            before, _, result = train_step(model, opt, step)
+            assert bool(result.update_successful) and (before < threshold).all()  # nothing clipped, params moved
+        results.append(params_and_main_shards(model, opt))
+    assert len(results[0]) == len(results[1])
+    for with_clip, without in zip(*results):
+        assert torch.equal(with_clip, without)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("alpha", [0.3, 0.7])
+def test_only_clipped_groups_move_by_megatrons_factors(mode, alpha):
+    # Per-head maxima handed over (as from Transformer Engine). Steps 0-1 (warm-up, capture): every group under
+    # τ = 41, so the runs with and without QK-clip stay identical. Step 2: group 0 under τ, group 1 over it.
+    threshold = 41.0
+    under = torch.tensor([10.0, 3.0, 7.0, 9.0, 40.0, 20.0, 5.0, 1.0])
+    mixed = torch.tensor([10.0, 3.0, 7.0, 9.0, 300.0, 20.0, 5.0, 1.0])
+    results = []
+    for qk_clip in (True, False):
+        model, opt = make(8, 2, fused=False, threshold=threshold, qk_clip=qk_clip, qk_clip_alpha=alpha, lr=1e-3,
+                          mode=mode)
+        for step, maxima in enumerate((under, under, mixed)):
+            opt.zero_grad()
+            model(micro_batches(step)[0]).pow(2).mean().backward()
+            model.qk_clip_max_logits.copy_(maxima)
+            opt.step()
+        results.append((model.q.weight.detach().clone(), model.k.weight.detach().clone()))
+    assert mode == "eager" or opt.captured
+    (q_on, k_on), (q_off, k_off) = results
+    # Megatron-Core's clip on the same update: (η^α, η^(1−α)) per group, η = clamp(τ/S_g, max=1) = (1, τ/300).
+    eta = torch.clamp(threshold / mixed.view(2, 4).amax(dim=1), max=1.0)
+    assert eta[0].item() == 1.0 and eta[1].item() < 1.0
+    q_rows, k_rows = (eta ** alpha).repeat_interleave(16), (eta ** (1 - alpha)).repeat_interleave(4)
+    assert torch.equal(q_on, q_off * q_rows[:, None]) and torch.equal(k_on, k_off * k_rows[:, None])
+    assert torch.equal(q_on[:16], q_off[:16]) and torch.equal(k_on[:4], k_off[:4])  # group 0: bitwise untouched
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_record_on_an_unregistered_module_says_how_to_register(training):
+    module = torch.nn.Linear(HIDDEN, HIDDEN).train(training)
+    with pytest.raises(gs.qk_clip.NotRegisteredError, match=r"Linear is not registered for QK-clip.*"
+                                                            r"graphstep\.qk_clip\.register\(module, layout="):
+        gs.qk_clip.record(module, torch.zeros(1, 4, SEQ, SEQ))
+    assert issubclass(gs.qk_clip.NotRegisteredError, ValueError)
