@@ -11,6 +11,8 @@ classes only, refuses checkpoints holding pickled objects (graphstep's format ha
 non-tensor is JSON in a uint8 tensor), checks the format version and the params (names, shapes) before
 reading any data, reads exactly this rank's ranges into fresh tensors, validates them, and only then
 copies into the static buffers (so a refused checkpoint changes nothing) and publishes the params.
+A damaged checkpoint (missing, empty, truncated or garbage files) raises ``CheckpointError`` naming the file
+(``integrity.py``), before anything is copied.
 
 ``async_save(...)`` snapshots the state (a copy, at the call) and saves it in a background thread over a
 dedicated gloo group, so training steps go on meanwhile; the returned future completes once the
@@ -32,10 +34,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from .. import state_dict as flat
-from . import sharded
+from . import integrity, sharded
+from .integrity import CheckpointError
 
 _SAVING, _OLD = ".saving", ".old"
 MODEL_PREFIX = "model."
@@ -51,33 +55,59 @@ _TORCH_ENUM_VALUES = {"float32", "float64", "float16", "bfloat16", "uint8", "int
                       "float8_e4m3fn", "float8_e5m2"}  # a model's fp8 weights (graphstep.fp8), saved with it
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded (missing, unsafe, of another model or format version)."""
-
-
 class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, path) -> None:
+        super().__init__(io.BytesIO(data))
+        self.path = path
+
     def find_class(self, module: str, name: str):
         if module in _SAFE_MODULES or (module, name) in _SAFE_GLOBALS or \
                 (module == "torch" and name in _TORCH_ENUM_VALUES):
             return super().find_class(module, name)
-        raise CheckpointError(f"checkpoint metadata references {module}.{name}, which graphstep does not "
-                              "unpickle (only DCP's own metadata classes are allowed)")
+        raise CheckpointError(f"{self.path}: checkpoint metadata references {module}.{name}, which graphstep "
+                              "does not unpickle (only DCP's own metadata classes are allowed)")
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's file reader, with the metadata read by a restricted unpickler (weights_only semantics)."""
+    """DCP's file reader, with the metadata read by a restricted unpickler (weights_only semantics) and a
+    damaged checkpoint reported as ``CheckpointError`` naming the file (``integrity.py``)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        try:
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _MetadataUnpickler(f.read(), path).load()
+        except CheckpointError:
+            raise
+        except Exception as err:  # any unpickling failure (EOFError, UnpicklingError, ...): a damaged file
+            raise integrity.metadata_error(path, err) from err
         if not isinstance(metadata, Metadata):
-            raise CheckpointError(f"{path}: not DCP metadata")
+            raise CheckpointError(f"{path}: not DCP metadata (it unpickles to a {type(metadata).__name__}); "
+                                  "the file is damaged or not a DCP checkpoint's")
         from torch.distributed.checkpoint.metadata import StorageMeta
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, *args: Any, **kwargs: Any) -> None:
+        integrity.check_data_files(metadata, os.fspath(self.path))  # missing/empty/truncated: before any read
+        super().set_up_storage_reader(metadata, *args, **kwargs)
+
+    def _slice_file(self, file, sinfo):
+        self._reading = sinfo.relative_path  # which file a decoding error comes from (read_data)
+        return super()._slice_file(file, sinfo)
+
+    def read_data(self, plan, planner):
+        self._reading = None
+        try:
+            return super().read_data(plan, planner)
+        except CheckpointError:
+            raise
+        except Exception as err:
+            name = getattr(err, "filename", None) or self._reading
+            path = os.path.join(os.fspath(self.path), name) if name else os.fspath(self.path)
+            raise integrity.data_error(path, err) from err
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -215,7 +245,22 @@ def _resolve(path: str) -> str:
         warnings.warn(f"{path}: a save was interrupted while swapping directories; loading the previous "
                       f"checkpoint {path + _OLD}")
         return path + _OLD
-    raise CheckpointError(f"{path}: no checkpoint there (no DCP .metadata file)")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint directory; pass the directory gs.checkpoint.save "
+                              "wrote")
+    raise CheckpointError(f"{os.path.join(path, '.metadata')}: missing, so {path} holds no checkpoint (not a "
+                          "DCP checkpoint, or a save that never committed); load an earlier checkpoint")
+
+
+def _dcp_load(state: dict, where: str) -> None:
+    """``dcp.load`` of ``state`` from ``where``; a failure on any rank as ``CheckpointError`` on every rank
+    (DCP's ``CheckpointException`` is a ``BaseException``: it would escape ``except Exception``)."""
+    try:
+        with _single_process_quiet():
+            dcp.load(state, storage_reader=SafeFileSystemReader(where), planner=SafeLoadPlanner())
+    except CheckpointException as exc:
+        error = integrity.from_dcp_failure(exc, where)
+        raise error from (error.__cause__ or exc)
 
 
 def read_metadata(path: str) -> Metadata:
@@ -249,6 +294,16 @@ def _check_keys(opt, metadata: Metadata, model, path: str) -> dict:
     return sizes
 
 
+@contextlib.contextmanager
+def _naming(where: str):
+    """A refusal of the checkpoint's contents (``StateDictError``: another model, NaN, a bad entry) as a
+    ``CheckpointError`` that names the checkpoint too."""
+    try:
+        yield
+    except flat.StateDictError as err:
+        raise CheckpointError(f"{where}: {err}") from err
+
+
 @torch.no_grad()
 def load(opt, path: str, model: Optional[torch.nn.Module] = None) -> None:
     """Load a checkpoint written by ``save`` (any data-parallel size, any bucket layout) into ``opt``
@@ -256,14 +311,14 @@ def load(opt, path: str, model: Optional[torch.nn.Module] = None) -> None:
 
     Collective: call it on every rank."""
     where = _resolve(os.fspath(path))
-    reader = SafeFileSystemReader(where)
-    metadata = reader.read_metadata()
+    metadata = SafeFileSystemReader(where).read_metadata()
     sizes = _check_keys(opt, metadata, model, where)
+    integrity.check_data_files(metadata, where)
     # The metadata entry first (small): the version and the params are checked before the big read.
     head = {sharded.META_KEY: torch.empty(sizes[sharded.META_KEY], dtype=torch.uint8)}
-    with _single_process_quiet():
-        dcp.load(head, storage_reader=SafeFileSystemReader(where), planner=SafeLoadPlanner())
-    sharded.check_meta(opt, sharded.decode_json(head[sharded.META_KEY], f"[{sharded.META_KEY!r}]"))
+    _dcp_load(head, where)
+    with _naming(where):
+        sharded.check_meta(opt, sharded.decode_json(head[sharded.META_KEY], f"[{sharded.META_KEY!r}]"))
     template = sharded.load_template(opt, sizes)
     model_sd = {}
     if model is not None:
@@ -272,13 +327,13 @@ def load(opt, path: str, model: Optional[torch.nn.Module] = None) -> None:
     missing = [k for k in template if k not in metadata.state_dict_metadata]
     if missing:
         raise CheckpointError(f"{where}: entry '{missing[0]}' is missing")
-    with _single_process_quiet():
-        dcp.load(template, storage_reader=SafeFileSystemReader(where), planner=SafeLoadPlanner())
-    for key, value in model_sd.items():
-        if not flat.all_finite(value):
-            raise flat.StateDictError(f"load: model entry '{key}' holds NaN or inf")
+    _dcp_load(template, where)
     opt_sd = {k: v for k, v in template.items() if not k.startswith(MODEL_PREFIX)}
-    plan = sharded.validate_everywhere(opt, opt_sd)  # every check, on every rank, before anything changes
+    with _naming(where):
+        for key, value in model_sd.items():
+            if not flat.all_finite(value):
+                raise flat.StateDictError(f"load: model entry '{key}' holds NaN or inf")
+        plan = sharded.validate_everywhere(opt, opt_sd)  # every check, on every rank, before anything changes
     if model is not None:
         model.load_state_dict(model_sd)  # in place; the params are then published from the main params
     sharded.apply_validated(opt, plan)
