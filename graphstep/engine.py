@@ -38,6 +38,7 @@ from .runner import StepRunner
 from .scaler import scaler_from_config
 from .stages import StepTensors, baked_values, chain, default_chain, publish_chain
 from .stages.context import StepContext
+from .torch_amp import TorchGradScaler
 
 @dataclass(frozen=True)
 class StepResult:
@@ -101,6 +102,9 @@ def _defaults(config: OptimizerConfig) -> dict:
 
 
 class GraphstepOptimizer(torch.optim.Optimizer):
+    _step_supports_amp_scaling = True
+    """torch's GradScaler hands its scale and inf flag to ``step`` instead of unscaling (graphstep/torch_amp.py)."""
+
     def __init__(self, config: OptimizerConfig, model_chunks, config_overrides=None, process_group=None,
                  model_parallel_group=None, expert_data_parallel_group=None):
         if not isinstance(config, OptimizerConfig):
@@ -150,6 +154,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         # zero-lr step on an optimizer whose ``.state`` is empty, which would advance the step and moments.
         for p in params:
             self.state[p]["step"] = self.tensors.step
+        self._torch_amp = TorchGradScaler(self.tensors, own_scaler=scaled)
         self.clip_grad = config.clip_grad
         """Clip threshold, refreshed into a device tensor before each step: may change between steps."""
         self.grad_norm_skip_threshold = config.grad_norm_skip_threshold
@@ -168,7 +173,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                              f"step is captured (capture={config.capture!r} captures on {device}): use "
                              "capture_warmup_steps >= 1")
         ctx = StepContext(config, self.layout, self.buffers, self.hyper, kernels, families,
-                          self.tensors, self.scaler, self.comm, rank,
+                          self.tensors, self.scaler, self.comm, rank, torch_amp=self._torch_amp,
                           compile_scalars=scalar_graph.wanted(self.kernel_choice.name, device),
                           folded=folded_norm.plan(config, self.layout, self.buffers, hooked=True))
         self.experts = None if expert_group is None else experts_mod.build_domain(  # layout, buffers, comm, ctx
@@ -220,6 +225,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
     def _prepare(self) -> None:
         """Host-side work before the device step: keep the static bindings, refresh the hyperparameters."""
         self._offload.finish()  # an overlapped host update of the last step must be done first
+        if self._torch_amp.take(self.__dict__):  # torch's GradScaler: its scale and inf flag, on the device
+            self._fold.grads_rewritten()  # scaler.unscale_(opt) rewrote the grads unseen by version counters
         self._grads_seen.check()
         self._fold.forget_unbound_grads()  # fold_grad_norm: before the grads are re-bound
         replaced = []

@@ -31,9 +31,12 @@ backward (``p.grad.mul_(...)``, ``clip_grad_norm_``, a hand unscale): the buffer
 longer current. Before each step every param that is not current is folded then, as eager device work
 ahead of the (captured) step: such changed grads, params without a grad in the last backward, grads
 written by hand, a step with no backward. ``fold_counts`` says how many folds ran in backward and how many
-before the step (none there in a loop that gets the fold's benefit). Not detectable: a write that bypasses
-the version counter (through ``.data``, or into the buffer's memory by an extension or collective);
-``debug_step()`` warns, naming the params, when a folded norm no longer matches its grad.
+before the step (none there in a loop that gets the fold's benefit). torch's ``GradScaler.unscale_``
+rewrites the grads without bumping their counters (``_amp_foreach_non_finite_check_and_unscale_``), but
+``scaler.step(opt)`` then tells the engine so (graphstep/torch_amp.py): every sum is folded again before
+that step. Not detectable: any other write that bypasses the version counter (through ``.data``, or into
+the buffer's memory by an extension or collective); ``debug_step()`` warns, naming the params, when a
+folded norm no longer matches its grad.
 
 Grad accumulation without ``no_sync()``. Every backward then folds, and only the last fold counts: one read
 of the grads per micro-batch where the unfolded norm reads them once. A step that saw a param's grad
@@ -67,6 +70,10 @@ class _Slots:
     def finish(self) -> None:
         """Device work the norm stage runs first, so that ``sums`` holds the sums of squares."""
 
+    def rewritten(self) -> None:
+        """The grads were changed in place by a write the version counters did not see, and the engine was told
+        (torch's ``GradScaler.unscale_``): no sum folded before it may count."""
+
 
 class ShardSums(_Slots):
     """Grads finished by a stage of the step (several ranks: a bucket's reduce-scatter; an expert domain
@@ -81,6 +88,11 @@ class ShardSums(_Slots):
 
     def fold(self, unit: int) -> None:
         self._slots[unit].copy_(self._units[unit]())
+
+    def rewritten(self) -> None:
+        for bucket in self.landed:  # folded in backward; the others are folded by the step itself
+            self.fold(bucket)
+            self.before_step_folds += 1
 
     def take_landed(self, bucket: int) -> bool:
         """Whether ``bucket`` was landed (reduced, averaged and folded) in backward; forgets it."""
@@ -164,6 +176,9 @@ class ParamSums(_Slots):
         self.current = dict.fromkeys(self.hooked, False)
         self._backward_versions = [None] * len(self._grads)
 
+    def rewritten(self) -> None:
+        self.current = dict.fromkeys(self.hooked, False)
+
     def finish(self) -> None:
         for slot, (row_norms, gathers, leftovers, rescue) in zip(self._slots, self._buffers):
             total = None
@@ -181,8 +196,10 @@ class ParamSums(_Slots):
 
     def out_of_date(self) -> list[str]:
         """Names of the params whose folded row norms differ from norms computed now (host reads: debug_step)."""
+        # equal_nan: a NaN grad folds to a NaN norm, which is current, not a stale one.
         return [self.names[i] for i, (rows, row_norms) in self._rows.items()
-                if not torch.equal(torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32), row_norms)]
+                if not torch.allclose(torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32), row_norms,
+                                      rtol=0.0, atol=0.0, equal_nan=True)]
 
 
 # torch's CPU ``cat`` copies its pieces with one memcpy loop when the result has fewer elements than its
@@ -291,6 +308,12 @@ class Fold:
         """Right before the step: fold every param backward did not (or whose grad changed since)."""
         if self.hooked is not None:
             self.hooked.fold_stale()
+
+    def grads_rewritten(self) -> None:
+        """Before the step, ahead of ``fold_stale``: every grad was rewritten in place unseen by the version
+        counters (torch's ``GradScaler.unscale_``): every folded sum is computed again."""
+        for domain in self.domains:
+            domain.rewritten()
 
     def invalidate(self) -> None:
         """After ``zero_grad`` (and a step): the next backward must fold again."""

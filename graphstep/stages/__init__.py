@@ -60,6 +60,7 @@ class StepTensors:
     update_successful: torch.Tensor  # bool
     loss_scale: torch.Tensor  # fp32, the scale of the next backward (ones without a scaler)
     inv_loss_scale: torch.Tensor  # fp32, 1 / the scale of this step's backward
+    reported_nonfinite: torch.Tensor  # fp64, 0, or NaN when the caller's check found non-finite grads (torch_amp.py)
     num_zeros: Optional[torch.Tensor]  # int64, or None when not counted
 
     @staticmethod
@@ -73,12 +74,13 @@ class StepTensors:
             grad_scale=scalar(1.0), update_successful=scalar(True, torch.bool),
             loss_scale=loss_scale if loss_scale is not None else scalar(1.0),
             inv_loss_scale=inv_loss_scale if inv_loss_scale is not None else scalar(1.0),
+            reported_nonfinite=scalar(0.0, torch.float64),
             num_zeros=scalar(0, torch.int64) if count_zeros else None)
 
     def named(self) -> dict[str, torch.Tensor]:
         """Every scalar by name (what a capture guards), ``num_zeros`` when counted."""
         names = ("step", "nonfinite", "found_inf", "grad_norm", "clip_coef", "grad_scale", "update_successful",
-                 "loss_scale", "inv_loss_scale", "num_zeros")
+                 "loss_scale", "inv_loss_scale", "reported_nonfinite", "num_zeros")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 

@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # annotations only: the context module imports nothing at run
     from ..hyperparams import HyperParams
     from ..layout import Layout
     from ..scaler import ConstantLossScaler, DynamicLossScaler
+    from ..torch_amp import TorchGradScaler
     from . import StepTensors
 
 
@@ -36,6 +37,9 @@ class StepContext:
     average_over: Optional[int] = None
     """The data-parallel size the reduce stage averages grads by; None: the layout's own. An expert domain
     (graphstep/experts.py) sums over the expert data-parallel group but averages by the full one."""
+    torch_amp: Optional["TorchGradScaler"] = None
+    """torch's GradScaler's side of the step (graphstep/torch_amp.py): whether the grads come loss-scaled by it;
+    None where no GradScaler can step (``graphstep.wrap``'s engine)."""
     folded: Optional[Union["ParamSums", "ShardSums"]] = None
     """With ``fold_grad_norm``: the domain's folded sums of squares (graphstep.folded_norm), which the reduce
     (or local-average) stage fills and the norm stage adds up; None otherwise."""

@@ -153,7 +153,9 @@ def _stage(total: Callable[[], torch.Tensor], t: StepTensors, comm, compiled: bo
     outs = [t.nonfinite, t.found_inf, t.grad_norm]
 
     def apply() -> None:
-        sumsq = total()
+        # Plus 0, or NaN where torch's GradScaler reported a non-finite grad (graphstep/torch_amp.py): before
+        # the all-reduce, so that every rank decides that skip alike, from the one number.
+        sumsq = total() + t.reported_nonfinite
         comm.all_reduce_sum(sumsq, "grad-norm all_reduce")
         _RESULT(outs, [sumsq, t.inv_loss_scale], compiled=compiled)
 

@@ -11,8 +11,8 @@ Hyperparameters: each group's kernel arguments are resolved here once, at build:
 group's 0-d device tensor, a baked one is read from the last refresh's host values by precomputed
 position. The baked floats, and the one host choice below, are what this stage reports as baked.
 
-The kernel is given the grad scale only when it can differ from 1 (a loss scaler, or a clip threshold
-above 0): torch's fused kernels write the divided grads back whenever they get one, 4 more bytes per
+The kernel is given the grad scale only when it can differ from 1 (a loss scaler, torch's GradScaler
+handing over scaled grads, or a clip threshold above 0): torch's fused kernels write the divided grads back whenever they get one, 4 more bytes per
 param that an unclipped, unscaled step need not pay. Whether it is given is a host choice a capture bakes
 in; a flip recaptures.
 """
@@ -67,11 +67,11 @@ def build(ctx, *, advance_step: bool = True) -> Stage:
         call[2].append((views, live_kwargs, tuple(baked)))
 
     clip_row, clip_column = hyper.position("clip_grad")
-    scaled = ctx.scaler is not None
+    scaled, torch_amp = ctx.scaler is not None, ctx.torch_amp
     host = hyper.host_rows  # a list the refresh updates in place: read it, never rebind it
 
     def uses_grad_scale() -> bool:
-        return scaled or host[clip_row][clip_column] > 0
+        return scaled or host[clip_row][clip_column] > 0 or (torch_amp is not None and torch_amp.scaled)
 
     def apply() -> None:
         for source, target in casts:
