@@ -1,13 +1,94 @@
-"""The model's own ``state_dict`` while graphstep manages it (placeholder: filled in by the safetensors work)."""
+"""The model's own ``state_dict`` while graphstep manages it: one storage object per param, so safetensors
+saves every weight.
+
+Why. graphstep makes every model param a view of one flat buffer (graphstep/buffers.py), so by default all
+of ``model.state_dict()``'s tensors share one storage. Savers that deduplicate shared tensors by storage
+(safetensors' ``save_model`` / ``load_model``, accelerate's ``save_state``, transformers'
+``save_pretrained``) then see one storage that no tensor covers: they refuse to save, or keep one tensor
+and drop the rest with a warning.
+
+What. A state-dict post-hook on every module that holds a managed param puts, in place of the detached
+param (``param.detach()``, what ``Module._save_to_state_dict`` stores), a zero-copy *alias*: a tensor
+over exactly that param's bytes whose storage object is its own (``flat.untyped_storage()[a:b]``, a
+storage that shares the memory and keeps the flat one alive). Nothing is copied: a write into a
+state-dict value (``torch.distributed.checkpoint`` loads in place) lands in the param. One alias per
+param, made at install, so a param under two names (tied weights: the user's own tie) gives two tensors
+over one storage, which every saver keeps as one tensor and ``torch.load`` / ``load_model`` tie again.
+
+Left as they are: ``keep_vars=True`` entries (the Parameters themselves), a param the user replaced
+(``p.data = ...``: it is no longer a view of the flat buffer, so its plain detached tensor is already
+its own; the next step adopts it back and aliasing resumes), params graphstep does not manage, and any
+value another hook or override put there.
+
+The params themselves stay views of the flat buffer (the step reads static addresses). The hooks reach
+this object only weakly and come off when it is collected (graphstep/weak_hooks.py): they never keep a
+dropped optimizer's buffers alive, and a later optimizer over the same model aliases its own buffers.
+"""
 
 from __future__ import annotations
 
+from typing import Iterable, Sequence
 
-class _Inert:
+import torch
+
+from . import weak_hooks
+
+
+def alias(view: torch.Tensor) -> torch.Tensor:
+    """A tensor equal to the contiguous ``view`` in memory, shape and dtype, with a storage object of its
+    own covering exactly its bytes (zero-copy: the storage slice holds a reference to ``view``'s)."""
+    if not view.is_contiguous():
+        raise ValueError("graphstep: a param view of the flat buffer is expected to be contiguous")
+    start = view.storage_offset() * view.element_size()
+    storage = view.untyped_storage()[start:start + view.numel() * view.element_size()]
+    return torch.empty(0, dtype=view.dtype, device=view.device).set_(storage, 0, view.shape, view.stride())
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride() and a.device == b.device)
+
+
+class ModelStateDict:
+    """The hooks of one optimizer on its model's modules and the aliases they hand out."""
+
+    def __init__(self, modules: Iterable[torch.nn.Module], domain_buffers: Sequence):
+        self._aliases: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        for buffers in domain_buffers:
+            for index, param in enumerate(buffers.params):
+                # Made while the param is the flat buffer's view (right after allocation); keyed by the
+                # param object, which the model holds as long as it can ask for a state dict.
+                self._aliases[id(param)] = (param, alias(buffers.param_view(index)))
+        self._handles = weak_hooks.Handles(self)
+        for module in modules:
+            if any(id(p) in self._aliases for p in module._parameters.values() if p is not None):
+                hook = weak_hooks.calling(self, "replace_detached_params")
+                self._handles.append(module.register_state_dict_post_hook(hook))
+
+    def replace_detached_params(self, module: torch.nn.Module, state_dict: dict, prefix: str,
+                                local_metadata: dict) -> None:
+        """The post-hook: each of ``module``'s managed params stored detached becomes its alias."""
+        for name, param in module._parameters.items():
+            entry = self._aliases.get(id(param))
+            key = prefix + name
+            if entry is None or entry[0] is not param or key not in state_dict:
+                continue
+            value, param_alias = state_dict[key], entry[1]
+            # type() is exact: a Parameter (keep_vars=True) or a subclass someone else stored stays.
+            if type(value) is torch.Tensor and _same_memory(param, param_alias) and _same_memory(value, param):
+                state_dict[key] = param_alias.detach()  # one storage per param; a fresh tensor per call
+
     def remove(self) -> None:
-        pass
+        self._handles.remove()
 
 
-def install(model_chunks, domain_buffers) -> _Inert:
-    """Hooks on the model's modules; ``remove()`` takes them off."""
-    return _Inert()
+def install(model_chunks: Sequence[torch.nn.Module], domain_buffers: Sequence) -> ModelStateDict:
+    """Hooks on the modules of ``model_chunks`` that hold params of ``domain_buffers`` (each a
+    StaticBuffers: the dense one, then the experts'); ``remove()`` takes them off."""
+    seen, modules = set(), []
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if id(module) not in seen:
+                seen.add(id(module))
+                modules.append(module)
+    return ModelStateDict(modules, domain_buffers)
