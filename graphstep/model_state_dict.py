@@ -44,21 +44,31 @@ def alias(view: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=view.dtype, device=view.device).set_(storage, 0, view.shape, view.stride())
 
 
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
-            and a.stride() == b.stride() and a.device == b.device)
+class _Alias:
+    """A managed param, its alias, and what the param must still be for the alias to stand for it."""
+
+    __slots__ = ("param", "tensor", "data_ptr", "dtype", "shape")
+
+    def __init__(self, param: torch.nn.Parameter, view: torch.Tensor):
+        self.param, self.tensor = param, alias(view)
+        self.data_ptr, self.dtype, self.shape = view.data_ptr(), view.dtype, view.shape
+
+    def stands_for(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is the param's memory as the flat buffer lays it out (pointers are unique per
+        device only, but a param never changes device while it is a view of the flat buffer)."""
+        return (tensor.data_ptr() == self.data_ptr and tensor.dtype == self.dtype and tensor.shape == self.shape
+                and tensor.is_contiguous())
 
 
 class ModelStateDict:
     """The hooks of one optimizer on its model's modules and the aliases they hand out."""
 
     def __init__(self, modules: Iterable[torch.nn.Module], domain_buffers: Sequence):
-        self._aliases: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        self._aliases: dict[int, _Alias] = {}
         for buffers in domain_buffers:
             for index, param in enumerate(buffers.params):
-                # Made while the param is the flat buffer's view (right after allocation); keyed by the
-                # param object, which the model holds as long as it can ask for a state dict.
-                self._aliases[id(param)] = (param, alias(buffers.param_view(index)))
+                # Keyed by the param's id; the entry holds the param, so the id stays its own.
+                self._aliases[id(param)] = _Alias(param, buffers.param_view(index))
         self._handles = weak_hooks.Handles(self)
         for module in modules:
             if any(id(p) in self._aliases for p in module._parameters.values() if p is not None):
@@ -70,13 +80,12 @@ class ModelStateDict:
         """The post-hook: each of ``module``'s managed params stored detached becomes its alias."""
         for name, param in module._parameters.items():
             entry = self._aliases.get(id(param))
-            key = prefix + name
-            if entry is None or entry[0] is not param or key not in state_dict:
+            if entry is None or entry.param is not param:
                 continue
-            value, param_alias = state_dict[key], entry[1]
+            value = state_dict.get(prefix + name)
             # type() is exact: a Parameter (keep_vars=True) or a subclass someone else stored stays.
-            if type(value) is torch.Tensor and _same_memory(param, param_alias) and _same_memory(value, param):
-                state_dict[key] = param_alias.detach()  # one storage per param; a fresh tensor per call
+            if type(value) is torch.Tensor and entry.stands_for(value) and entry.stands_for(param):
+                state_dict[prefix + name] = entry.tensor.detach()  # one storage per param, a fresh tensor
 
     def remove(self) -> None:
         self._handles.remove()
