@@ -16,13 +16,14 @@ import torch
 from capture.devices import backend_for, device_scope
 from capture.profile import Ranges
 
+from . import ddp
 from . import experts as experts_mod
 from . import folded_norm, model_state_dict, offload, overlap, scalar_graph
 from . import state_dict as state_dict_mod
 from .agreement import agreement_for
 from .buffers import StaticBuffers, allocate
 from .config import OptimizerConfig
-from .debug import StepReport, run_debug_step
+from .debug import StepReport, run_debug_step, trace_closure
 from .distributed import Collectives, data_parallel_group
 from .families import families_of, state_names
 from .fp8 import engine_support as fp8_support
@@ -111,8 +112,10 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             raise TypeError(f"get_optimizer: config must be an OptimizerConfig, got {type(config).__name__}")
         self.config = config
         named = named_trainable_params(model_chunks)
+        chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+        ddp.check_at_build(chunks, config.use_distributed_optimizer)
         # Validates the overrides; routes each param to its optimizer family (the groups' "optimizer" key).
-        groups = build_family_param_groups(named, config, config_overrides)
+        groups = build_family_param_groups(named, config, config_overrides, model_chunks=model_chunks)
         self._building = True
         super().__init__(groups, _defaults(config))
         self._building = False
@@ -181,7 +184,6 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             state_names=state_names(families, config))
         expert_ctx = None if self.experts is None else self.experts.ctx
         self._offload = offload.install(ctx, host, model_chunks)  # inert without CPU offload
-        chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
         self._model_chunks = tuple(weakref.ref(chunk) for chunk in chunks)
         """The model's modules, weakly (the optimizer never keeps a dropped model alive): for debug_step."""
         self._model_state_dict = model_state_dict.install(chunks, self._domain_buffers())
@@ -204,6 +206,9 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self._grads_seen = GradsSeen(params)
         folds = [ctx.folded] + ([] if expert_ctx is None else [expert_ctx.folded])
         self._fold = folded_norm.Fold(folds, self.buffers, self._no_sync)  # inert without fold_grad_norm
+        explicit_groups = any(g is not None for g in (process_group, model_parallel_group, expert_data_parallel_group))
+        self._ddp = ddp.DdpWatch(chunks, distributed_optimizer=config.use_distributed_optimizer,
+                                 explicit_groups=explicit_groups, on_ddp=self._fold.fold_before_step)
         self.result = StepResult(self.tensors.update_successful, self.tensors.grad_norm, self.tensors.num_zeros,
                                  self.tensors.loss_scale)
 
@@ -295,6 +300,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self._grads_seen.remove()
         self._fold.remove()
         self._model_state_dict.remove()
+        self._ddp.remove()
 
     def __enter__(self) -> "GraphstepOptimizer":
         return self
@@ -308,13 +314,13 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         Syncs with the device after every stage: for debugging, not for training speed. It applies a
         real step (the same stage functions a capture records), so it can stand in for ``step()``.
         """
-        if closure is not None:
-            with torch.enable_grad():
-                closure()
+        # The closure (if any) runs with hooks on every module of the model: they find the module that first
+        # made a non-finite value, in forward or backward (graphstep/debug.py), and are removed after it.
+        trace = trace_closure(self, closure)
         with torch.no_grad():
             self._prepare()
             self._fold.warn_out_of_date()
-            report = run_debug_step(self)
+            report = run_debug_step(self, trace)
             self._fold.after_step(stacklevel=3)
             return report
 

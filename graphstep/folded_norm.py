@@ -267,6 +267,7 @@ class Fold:
         of those would fold again, so the hooks leave the fold to the step until a step sees one backward."""
         self._arrived: set[int] = set()  # hooked params a backward delivered since the grads were zeroed/stepped
         self._repeated = False  # one of them was delivered again: unmarked accumulation
+        self._rewritten_after_backward = False  # DDP writes the averaged grads after the hooks: fold at the step
         self._warned = False
         if self.hooked is None:
             return
@@ -315,6 +316,12 @@ class Fold:
         for domain in self.domains:
             domain.rewritten()
 
+    def fold_before_step(self) -> None:
+        """From now on fold right before each step, never in backward: something rewrites every grad after
+        backward's hooks ran (DDP's averaged grads, graphstep/ddp.py), so a fold in backward would be wasted."""
+        self._rewritten_after_backward = True
+        self.fold_in_backward = False
+
     def invalidate(self) -> None:
         """After ``zero_grad`` (and a step): the next backward must fold again."""
         if self.hooked is not None:
@@ -334,7 +341,7 @@ class Fold:
                           "norm is folded right before the step instead (one read of the grads, as with "
                           "fold_grad_norm=False). Run the earlier micro-batches under opt.no_sync() to fold in "
                           "the last backward only", RuntimeWarning, stacklevel=stacklevel)
-        self.fold_in_backward = not self._repeated
+        self.fold_in_backward = not (self._repeated or self._rewritten_after_backward)
         self.invalidate()
 
     def counts(self) -> dict[str, int]:

@@ -206,3 +206,11 @@ def test_a_megatron_marked_model_routes_by_its_marks_alone_and_logs_at_info(capl
     assert getattr(model[1].self_attn.in_proj_weight, "qkv_split", None) is None  # no split added
     routing = [r for r in caplog.records if "routing" in r.getMessage()]
     assert len(routing) == 1 and routing[0].levelno == logging.INFO
+
+
+def test_get_optimizer_routes_a_plain_embedding_by_its_module_type():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 16))
+    family = families_by_name(gs.get_optimizer(muon_config(), model).param_groups)
+    assert family == {"0.weight": "adam", "1.weight": "muon", "1.bias": "adam", "2.weight": "muon",
+                      "2.bias": "adam"}
