@@ -186,7 +186,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self._offload = offload.install(ctx, host, model_chunks)  # inert without CPU offload
         self._model_chunks = tuple(weakref.ref(chunk) for chunk in chunks)
         """The model's modules, weakly (the optimizer never keeps a dropped model alive): for debug_step."""
-        self._model_state_dict = model_state_dict.install(chunks, self._domain_buffers())
+        model_state_dict.install(chunks, self._domain_buffers())  # the model's hooks: they outlive the optimizer
         self.stages = self._offload.adjust_chain(default_chain(ctx, expert_ctx))
         # host_stages: run after the device step, never captured; host_tensors: {kind: host buffers}.
         self.host_stages, self.host_tensors = self._offload.host_stages, self._offload.host_tensors
@@ -299,7 +299,6 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self._offload.remove()
         self._grads_seen.remove()
         self._fold.remove()
-        self._model_state_dict.remove()
         self._ddp.remove()
 
     def __enter__(self) -> "GraphstepOptimizer":

@@ -20,9 +20,12 @@ Left as they are: ``keep_vars=True`` entries (the Parameters themselves), a para
 its own; the next step adopts it back and aliasing resumes), params graphstep does not manage, and any
 value another hook or override put there.
 
-The params themselves stay views of the flat buffer (the step reads static addresses). The hooks reach
-this object only weakly and come off when it is collected (graphstep/weak_hooks.py): they never keep a
-dropped optimizer's buffers alive, and a later optimizer over the same model aliases its own buffers.
+The params themselves stay views of the flat buffer (the step reads static addresses), after the optimizer
+is closed or dropped too: so the hooks belong to the model, not to the optimizer, and stay as long as its
+modules do. They hold the aliases, which keep alive only the params' own memory (the flat param buffer,
+which the params keep alive anyway), never the optimizer's grads, state or main params. A later optimizer
+over the same model takes over: it drops an earlier one's aliases of the params it lays out anew (whose
+old buffer would otherwise stay alive through them) and its hooks with no param left.
 """
 
 from __future__ import annotations
@@ -30,8 +33,6 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 import torch
-
-from . import weak_hooks
 
 
 def alias(view: torch.Tensor) -> torch.Tensor:
@@ -61,7 +62,7 @@ class _Alias:
 
 
 class ModelStateDict:
-    """The hooks of one optimizer on its model's modules and the aliases they hand out."""
+    """The aliases of one optimizer's params and the hooks on the model's modules that hand them out."""
 
     def __init__(self, modules: Iterable[torch.nn.Module], domain_buffers: Sequence):
         self._aliases: dict[int, _Alias] = {}
@@ -69,11 +70,12 @@ class ModelStateDict:
             for index, param in enumerate(buffers.params):
                 # Keyed by the param's id; the entry holds the param, so the id stays its own.
                 self._aliases[id(param)] = _Alias(param, buffers.param_view(index))
-        self._handles = weak_hooks.Handles(self)
+        self._handles: dict[int, tuple] = {}  # id(module) -> (module's hook handle, ids of its managed params)
         for module in modules:
-            if any(id(p) in self._aliases for p in module._parameters.values() if p is not None):
-                hook = weak_hooks.calling(self, "replace_detached_params")
-                self._handles.append(module.register_state_dict_post_hook(hook))
+            _take_over(module, self._aliases)
+            mine = {id(p) for p in module._parameters.values() if p is not None and id(p) in self._aliases}
+            if mine:
+                self._handles[id(module)] = (module.register_state_dict_post_hook(_Hook(self)), mine)
 
     def replace_detached_params(self, module: torch.nn.Module, state_dict: dict, prefix: str,
                                 local_metadata: dict) -> None:
@@ -87,13 +89,37 @@ class ModelStateDict:
             if type(value) is torch.Tensor and entry.stands_for(value) and entry.stands_for(param):
                 state_dict[prefix + name] = entry.tensor.detach()  # one storage per param, a fresh tensor
 
-    def remove(self) -> None:
-        self._handles.remove()
+    def forget(self, param_ids: set) -> None:
+        """A later optimizer laid these params out anew: drop their aliases, and every hook left with none."""
+        for key in param_ids & self._aliases.keys():
+            del self._aliases[key]
+        for module_id, (handle, mine) in list(self._handles.items()):
+            if not mine & self._aliases.keys():
+                handle.remove()
+                del self._handles[module_id]
+
+
+class _Hook:
+    """The state-dict post-hook, an object (torch marks the hooks it registers with an attribute) that names
+    its owner, so that a later optimizer finds it."""
+
+    def __init__(self, owner: ModelStateDict):
+        self.owner = owner
+
+    def __call__(self, module, state_dict, prefix, local_metadata) -> None:
+        self.owner.replace_detached_params(module, state_dict, prefix, local_metadata)
+
+
+def _take_over(module: torch.nn.Module, aliases: dict) -> None:
+    """Earlier optimizers' hooks on ``module`` forget the params a new one lays out (``aliases``' keys)."""
+    for hook in list(getattr(module, "_state_dict_hooks", {}).values()):
+        if isinstance(hook, _Hook):
+            hook.owner.forget(set(aliases))
 
 
 def install(model_chunks: Sequence[torch.nn.Module], domain_buffers: Sequence) -> ModelStateDict:
     """Hooks on the modules of ``model_chunks`` that hold params of ``domain_buffers`` (each a
-    StaticBuffers: the dense one, then the experts'); ``remove()`` takes them off."""
+    StaticBuffers: the dense one, then the experts'). They stay while the modules do (module docstring)."""
     seen, modules = set(), []
     for chunk in model_chunks:
         for module in chunk.modules():
