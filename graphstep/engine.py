@@ -22,6 +22,7 @@ from . import folded_norm, model_state_dict, offload, overlap, scalar_graph
 from . import state_dict as state_dict_mod
 from .agreement import agreement_for
 from .buffers import StaticBuffers, allocate
+from .checkpoint.torch_api import ParamState
 from .config import OptimizerConfig
 from .debug import StepReport, run_debug_step, trace_closure
 from .distributed import Collectives, data_parallel_group
@@ -33,7 +34,7 @@ from .kernels import choose_kernels
 from .layout import plan_layout
 from .memory import memory_stats
 from .micro_batches import NoSync
-from .model_params import named_trainable_params, param_spec
+from .model_params import named_trainable_params, param_spec, warn_dtype_conversion
 from .routing import build_family_param_groups
 from .runner import StepRunner
 from .scaler import scaler_from_config
@@ -127,6 +128,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"param '{name}' is on {p.device}, others on {device}: put the model on one "
                                  "device before get_optimizer")
         group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
+        warn_dtype_conversion(config, named)
         fp8_support.check_against_config(config, named)
         self._families = families = families_of(self.param_groups, config.optimizer)
         specs = [param_spec(config, name, p, group_of[id(p)], families[group_of[id(p)]].batch_by_shape)
@@ -155,6 +157,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         # buffers (``opt.state_dict()``, ``gs.checkpoint``); each param's entry names the one step count they
         # share. Non-empty on purpose: torch.distributed.checkpoint's get/set_optimizer_state_dict run a
         # zero-lr step on an optimizer whose ``.state`` is empty, which would advance the step and moments.
+        self.state = ParamState(dict)  # refuses torch's get/set_state_dict with the way that works
         for p in params:
             self.state[p]["step"] = self.tensors.step
         self._torch_amp = TorchGradScaler(self.tensors, own_scaler=scaled)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .config import OptimizerConfig
@@ -24,6 +26,12 @@ def named_trainable_params(model_chunks) -> list[tuple[str, torch.nn.Parameter]]
                 continue
             seen.add(id(p))
             name = name if len(chunks) == 1 else f"{c}.{name}"
+            if _is_dtensor(p):
+                raise TypeError(
+                    f"param '{name}' is a DTensor (FSDP2's fully_shard, or another torch.distributed.tensor "
+                    "parallelism): get_optimizer lays params out in its own flat buffers and does not take DTensor "
+                    "params yet. What works today: gs.wrap(torch.optim.AdamW(model.parameters(), fused=True)) "
+                    "captures torch's fused step over the sharded params")
             if not p.is_leaf:
                 raise ValueError(f"param '{name}' is not a leaf tensor (it was computed from other tensors): "
                                  "register an nn.Parameter, or freeze it with requires_grad_(False)")
@@ -31,6 +39,31 @@ def named_trainable_params(model_chunks) -> list[tuple[str, torch.nn.Parameter]]
     if not named:
         raise ValueError("get_optimizer: the model has no trainable parameters")
     return named
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+    return isinstance(p, DTensor)
+
+
+def warn_dtype_conversion(config: OptimizerConfig, named) -> None:
+    """Say once, at build, which of the model's params the config casts (``bf16`` / ``fp16`` /
+    ``params_dtype``): the model's forward then runs in that dtype, and its inputs must match."""
+    target = config.model_dtype
+    cast: dict = {}
+    for name, p in named:
+        if target is not None and p.dtype != target and not is_fp8(p):
+            cast.setdefault(p.dtype, []).append(name)
+    if not cast:
+        return
+    source = "params_dtype" if config.params_dtype is not None else ("bf16=True" if config.bf16 else "fp16=True")
+    what = "; ".join(f"{len(names)} from {dtype} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+                     for dtype, names in cast.items())
+    warnings.warn(f"graphstep: {source} casts the model's params to {target}: {what}. The model now computes in "
+                  f"{target} (fp32 main params stay inside the optimizer): feed it {target} inputs, or build the model "
+                  f"in {target} yourself (model.to({target})) to make the choice visible", UserWarning, stacklevel=4)
 
 
 def param_spec(config: OptimizerConfig, name: str, p: torch.nn.Parameter, group: int,

@@ -183,11 +183,11 @@ def _print_intro(settings: DemoSettings, captures: Sequence[str], world: int, ou
 
 def _fp8_param_bytes(settings: DemoSettings) -> str:
     """The param bytes an fp8 run allocates, measured on an optimizer built over the same model here."""
-    from .precision import param_bytes, prepare
+    from .precision import cast_by_the_optimizer, param_bytes, prepare
 
     model = models.GPT(models.preset(settings.preset, qk_clip=settings.qk_clip), seed=settings.seed)
     prepare(model.to(settings.device), settings.precision)
-    with gs.get_optimizer(optimizer_config(settings, "eager"), model) as opt:
+    with cast_by_the_optimizer(), gs.get_optimizer(optimizer_config(settings, "eager"), model) as opt:
         return param_bytes(opt).summary()
 
 

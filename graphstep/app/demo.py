@@ -22,7 +22,7 @@ from capture.devices import is_cuda, synchronize
 import graphstep as gs
 
 from . import models
-from .precision import config_flags, prepare
+from .precision import cast_by_the_optimizer, config_flags, prepare
 # Muon: 3e-3 reached a lower loss than 1e-3 on the tiny preset (2.25 against 2.69 after 60 steps; Adam at
 # 1e-3: 2.75), measured when Muon was added. Its other params train with Adam at the same lr.
 DEFAULT_LR = {"adam": 1e-3, "sgd": 0.1, "muon": 3e-3}
@@ -186,7 +186,8 @@ def train(settings: DemoSettings, capture: str, report: Optional[Callable[[Progr
     model = models.GPT(model_config, seed=settings.seed).to(device)  # same seed: same params on all ranks
     prepare(model, settings.precision)  # fp8: hidden Linear weights -> fp8 params (same bytes on all ranks)
     corpus = models.SyntheticCorpus(model_config.vocab_size, seed=settings.seed)
-    opt = gs.get_optimizer(optimizer_config(settings, capture, world_size > 1), model)  # params -> flat buffers
+    with cast_by_the_optimizer():
+        opt = gs.get_optimizer(optimizer_config(settings, capture, world_size > 1), model)  # params -> flat buffers
     warmup = max(1, min(50, settings.steps // 10))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(settings.steps, warmup))
     per_rank = settings.batch_size // world_size

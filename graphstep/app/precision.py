@@ -11,6 +11,8 @@ the param bytes the engine actually allocated.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +30,15 @@ def config_flags(precision: str, *, initial_loss_scale: float = 2.0 ** 16) -> di
         raise ValueError(f"precision={precision!r}: choose one of {', '.join(PRECISIONS)}")
     return {"fp32": {}, "bf16": {"bf16": True}, "fp8": {"bf16": True, "fp8_recipe": FP8_RECIPE},
             "fp16": {"fp16": True, "initial_loss_scale": initial_loss_scale}}[precision]
+
+
+@contextlib.contextmanager
+def cast_by_the_optimizer():
+    """Around the app's get_optimizer: the cast of the built-in model to bf16 / fp16 is its ``--precision``,
+    which the app reports itself, so the engine's build-time note about casting a user's model is not shown."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="graphstep: .* casts the model's params")
+        yield
 
 
 def prepare(model: torch.nn.Module, precision: str) -> list[str]:

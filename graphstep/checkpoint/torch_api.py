@@ -10,6 +10,8 @@ result DCP saves and reshards like any state dict (or ``gs.checkpoint.save`` / `
 
 from __future__ import annotations
 
+import collections
+import sys
 from typing import Any
 
 from . import sharded
@@ -43,3 +45,24 @@ def set_optimizer_state_dict(model, optimizers, optim_state_dict: dict, *, optio
     """``load_sharded_state_dict(opt, optim_state_dict)``: validated, copied in place, params published."""
     _check_options(options)
     sharded.load_sharded_state_dict(_single(optimizers), optim_state_dict)
+
+
+_TORCH_API = "torch.distributed.checkpoint.state_dict"
+
+
+class ParamState(collections.defaultdict):
+    """The engine's ``Optimizer.state``: torch's per-param mapping (each entry names the shared step count),
+    which refuses to serve torch's ``get_state_dict`` / ``set_state_dict`` (and their optimizer-only forms):
+    those read and write optimizer state per param, which graphstep keeps in flat buffers, and would fail
+    deep inside torch (a bare ``KeyError: 'exp_avg'``). Both first ask whether the state is empty
+    (``_init_optim_state``); that question, from that module, gets the way that works instead."""
+
+    def __bool__(self) -> bool:
+        if sys._getframe(1).f_globals.get("__name__") == _TORCH_API:
+            raise TypeError(
+                "graphstep keeps its optimizer state in flat buffers, which torch.distributed.checkpoint.state_dict's "
+                "get_state_dict / set_state_dict (and get/set_optimizer_state_dict) cannot read or write. Use "
+                "gs.checkpoint.get_optimizer_state_dict(model, opt) and gs.checkpoint.set_optimizer_state_dict(model, "
+                "opt, state_dict) instead (the same call shapes; DCP saves and reshards what they return), and "
+                "torch's get_model_state_dict / set_model_state_dict for the model")
+        return len(self) > 0
