@@ -1,0 +1,208 @@
+"""Every Python block of README.md runs as written, on small stand-ins for the names its prose supplies.
+
+A block's info string says what it needs (GitHub shows only the language, so the tag costs readers
+nothing):
+
+- ```` ```python ````: a small token model (``model(batch)`` and ``model(inputs, targets)`` return the loss;
+  ``model.blocks[i].attn`` has ``q`` / ``k`` Linear weights of 8 heads in 2 query groups of 64), ``data``
+  (a few token batches), ``batch`` and an ``opt`` over the model, in a fresh namespace;
+- ```` ```python hf ````: a tiny transformers ``GPT2LMHeadModel`` as ``model``, a token dataset as ``data``,
+  an ``accelerate.Accelerator`` and a graphstep optimizer over the model;
+- ```` ```python torchrun ````: a script under torchrun, run here as one gloo rank in a fresh process
+  (``sys.argv`` = a checkpoint path and a step count); a block that does not start the process group
+  itself gets one, and ``edp_group``.
+
+Only the sizes a block names for a real job are shrunk (``SHRINK``), and a GPU's device name becomes the
+CPU's; each replacement must still match something, so the list cannot go stale. Blocks run in a
+temporary working directory (they write checkpoints and ``out/``).
+"""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import graphstep as gs
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+SHRINK = {"hf": [("10_000", "2")], "python": [('"cuda"', '"cpu"')]}
+
+
+def blocks(tag: str) -> list:
+    """(first line number, code) of every README block whose info string is ``python`` + ``tag``."""
+    found, info, start, body = [], None, 0, []
+    for number, line in enumerate(README.read_text().split("\n"), 1):
+        if line.startswith("```"):
+            if info is None:
+                info, start, body = line[3:].strip(), number + 1, []
+            else:
+                if info.split()[:1] == ["python"] and " ".join(info.split()[1:]) == tag:
+                    found.append((start, "\n".join(body)))
+                info = None
+        elif info is not None:
+            body.append(line)
+    return found
+
+
+def shrunk(code: str, tag: str) -> str:
+    for old, new in SHRINK.get(tag or "python", []):
+        code = code.replace(old, new)
+    return code
+
+
+def test_the_shrink_list_matches_the_readme():
+    for tag, pairs in SHRINK.items():
+        text = "\n".join(code for _, code in blocks("" if tag == "python" else tag))
+        for old, _ in pairs:
+            assert old in text, f"SHRINK[{tag!r}]: {old!r} is in no block any more"
+
+
+def test_every_python_block_is_tagged_with_a_known_setup():
+    text = README.read_text()
+    infos = set(re.findall(r"^```(python[^\n]*)$", text, flags=re.M))
+    assert infos <= {"python", "python hf", "python torchrun"}, infos
+    tagged = len(blocks("")) + len(blocks("hf")) + len(blocks("torchrun"))
+    assert tagged == len(re.findall(r"^```python", text, flags=re.M)) and blocks("hf") and blocks("torchrun")
+
+
+# ---- the default setup: a small token model --------------------------------------------------------
+
+VOCAB, SEQ, WIDTH, HEADS, GROUPS, HEAD_DIM = 64, 8, 512, 8, 2, 64
+
+
+class Attention(torch.nn.Module):
+    """Grouped-query attention with separate q / k / v weights, recording its max logits once registered."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(WIDTH, HEADS * HEAD_DIM, bias=False)
+        self.k = torch.nn.Linear(WIDTH, GROUPS * HEAD_DIM, bias=False)
+        self.v = torch.nn.Linear(WIDTH, GROUPS * HEAD_DIM, bias=False)
+        self.o = torch.nn.Linear(HEADS * HEAD_DIM, WIDTH, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, HEADS, HEAD_DIM).transpose(1, 2)
+        k = self.k(x).view(b, t, GROUPS, HEAD_DIM).transpose(1, 2).repeat_interleave(HEADS // GROUPS, 1)
+        v = self.v(x).view(b, t, GROUPS, HEAD_DIM).transpose(1, 2).repeat_interleave(HEADS // GROUPS, 1)
+        scores = q @ k.transpose(-1, -2) / HEAD_DIM ** 0.5
+        if hasattr(self, "qk_clip_max_logits"):  # registered for QK-clip
+            gs.qk_clip.record(self, scores)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        attention = scores.masked_fill(causal, float("-inf")).softmax(-1)
+        return self.o((attention @ v).transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(WIDTH)
+        self.attn = Attention()
+
+    def forward(self, x):
+        return x + self.attn(self.norm(x))
+
+
+class TokenModel(torch.nn.Module):
+    """``model(batch)`` (tokens, the last column the targets) or ``model(inputs, targets)``: the mean loss."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        self.head = torch.nn.Linear(WIDTH, VOCAB)
+        self.embed.weight.is_embedding_or_output_parameter = True
+        self.head.weight.is_embedding_or_output_parameter = True
+
+    def forward(self, inputs, targets=None):
+        if targets is None:
+            inputs, targets = inputs[:, :-1], inputs[:, 1:]
+        x = self.embed(inputs)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x).float()
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def token_batches(count=3):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (2, SEQ + 1), generator=g) for _ in range(count)]
+
+
+def run(code: str, namespace: dict, where: int) -> None:
+    exec(compile(code, f"README.md, block at line {where}", "exec"), namespace)
+
+
+@pytest.mark.parametrize("where, code", blocks(""), ids=lambda v: f"line{v}" if isinstance(v, int) else "")
+def test_block_runs(where, code, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model, data = TokenModel(), token_batches()
+    opt = gs.get_optimizer(gs.OptimizerConfig(lr=1e-3, capture="eager"), model)
+    run(shrunk(code, ""), {"torch": torch, "gs": gs, "model": model, "data": data, "batch": data[0],
+                           "opt": opt}, where)
+
+
+# ---- transformers / accelerate ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where, code", blocks("hf"), ids=lambda v: f"line{v}" if isinstance(v, int) else "")
+def test_hf_block_runs(where, code, tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
+    accelerate = pytest.importorskip("accelerate", reason="the hf extra is not installed")
+    import safetensors.torch
+
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
+                                                                 n_positions=16))
+    tokens = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in tokens]
+    opt = gs.get_optimizer(gs.OptimizerConfig(lr=1e-3, capture="eager"), model)
+    run(shrunk(code, "hf"), {"torch": torch, "gs": gs, "transformers": transformers, "safetensors": safetensors,
+                             "model": model, "data": data, "opt": opt,
+                             "accelerator": accelerate.Accelerator(cpu=True)}, where)
+
+
+# ---- torchrun scripts: one process, one gloo rank ---------------------------------------------------
+
+_RUNNER = '''
+import os, sys, torch, torch.distributed as dist, graphstep as gs
+sys.path.insert(0, {tests!r})
+from test_readme import TokenModel, token_batches
+for where, code in {blocks!r}:
+    model = TokenModel()
+    namespace = {{"torch": torch, "dist": dist, "gs": gs, "model": model, "config": gs.OptimizerConfig(use_distributed_optimizer=True),
+                  "my_slice_of_each_global_batch": [(b[:, :-1], b[:, 1:]) for b in token_batches()]}}
+    if "init_process_group" not in code:
+        dist.init_process_group("gloo")
+        namespace["edp_group"] = dist.group.WORLD
+        model.blocks[1].attn.o.weight.allreduce = False  # an expert param (Megatron-Core's mark)
+    exec(compile(code, f"README.md, block at line {{where}}", "exec"), namespace)
+    dist.destroy_process_group()
+    print(f"ran block {{where}}")
+'''
+
+
+def test_torchrun_blocks_run_as_one_rank(tmp_path):
+    scripts = blocks("torchrun")
+    port = _free_port()
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    runner = textwrap.dedent(_RUNNER).format(tests=str(Path(__file__).parent), blocks=scripts)
+    done = subprocess.run([sys.executable, "-c", runner, str(tmp_path / "ckpt"), "2"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("ran block") == len(scripts), done.stdout
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
