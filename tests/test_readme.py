@@ -173,7 +173,7 @@ def test_hf_block_runs(where, code, tmp_path, monkeypatch):
 
 _RUNNER = '''
 import os, sys, torch, torch.distributed as dist, graphstep as gs
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{root!r}, {tests!r}]  # this checkout's graphstep, whatever is installed
 from test_readme import TokenModel, token_batches
 for where, code in {blocks!r}:
     model = TokenModel()
@@ -194,7 +194,7 @@ def test_torchrun_blocks_run_as_one_rank(tmp_path):
     port = _free_port()
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port)}
-    runner = textwrap.dedent(_RUNNER).format(tests=str(Path(__file__).parent), blocks=scripts)
+    runner = textwrap.dedent(_RUNNER).format(root=str(README.parent), tests=str(Path(__file__).parent), blocks=scripts)
     done = subprocess.run([sys.executable, "-c", runner, str(tmp_path / "ckpt"), "2"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
