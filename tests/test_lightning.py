@@ -291,3 +291,14 @@ def test_graphsteps_clip_grad_tracks_torchs_unscale_and_clip_grad_norm(precision
     calibrated = relative_drift(params(calibration), params(reference), start)
     assert 0 < calibrated < 1e-3
     assert relative_drift(params(module), params(reference), start) < 10 * calibrated
+
+
+def test_an_engine_with_its_own_loss_scale_refuses_lightnings_gradscaler():
+    # 16-mixed scales the loss with torch's GradScaler; a static loss_scale in the engine would unscale the
+    # grads a second time. The step refuses before anything changes, saying which scaler to drop.
+    def own_scale(module):
+        return gs.get_optimizer(gs.OptimizerConfig(lr=LR, loss_scale=1024.0, kernel="fused", capture="eager"),
+                                module)
+
+    with pytest.raises(RuntimeError, match="GradScaler is stepping an optimizer that scales the loss itself"):
+        fit(own_scale, "16-mixed", steps=1)
