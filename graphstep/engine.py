@@ -155,9 +155,9 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                                             self.scaler.inv_scale if scaled else None, config.log_num_zeros_in_grad)
         # torch's ``Optimizer.state`` stays a per-param mapping, but graphstep's state lives in the flat
         # buffers (``opt.state_dict()``, ``gs.checkpoint``); each param's entry names the one step count they
-        # share. Non-empty on purpose: torch.distributed.checkpoint's get/set_optimizer_state_dict run a
-        # zero-lr step on an optimizer whose ``.state`` is empty, which would advance the step and moments.
-        self.state = ParamState(dict)  # refuses torch's get/set_state_dict with the way that works
+        # share. torch.distributed.checkpoint's get/set_state_dict, which cannot read or write that, are
+        # refused by the mapping with the way that works (graphstep/checkpoint/torch_api.py).
+        self.state = ParamState(dict)
         for p in params:
             self.state[p]["step"] = self.tensors.step
         self._torch_amp = TorchGradScaler(self.tensors, own_scaler=scaled)
