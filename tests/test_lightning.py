@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-L = pytest.importorskip("lightning")
+L = pytest.importorskip("lightning", reason="needs lightning (the optional lightning extra)")
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
