@@ -8,6 +8,7 @@ nothing):
   (a few token batches), ``batch`` and an ``opt`` over the model, in a fresh namespace;
 - ```` ```python hf ````: a tiny transformers ``GPT2LMHeadModel`` as ``model``, a token dataset as ``data``,
   an ``accelerate.Accelerator`` and a graphstep optimizer over the model;
+- ```` ```python lightning ````: the token model and ``data`` as a DataLoader of its batches;
 - ```` ```python torchrun ````: a script under torchrun, run here as one gloo rank in a fresh process
   (``sys.argv`` = a checkpoint path and a step count); a block that does not start the process group
   itself gets one, and ``edp_group``.
@@ -30,7 +31,8 @@ import torch
 import graphstep as gs
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-SHRINK = {"hf": [("10_000", "2")], "python": [('"cuda"', '"cpu"')]}
+SHRINK = {"hf": [("10_000", "2")], "lightning": [("max_steps=10_000", "max_steps=2")],
+          "python": [('"cuda"', '"cpu"')]}
 
 
 def blocks(tag: str) -> list:
@@ -65,8 +67,8 @@ def test_the_shrink_list_matches_the_readme():
 def test_every_python_block_is_tagged_with_a_known_setup():
     text = README.read_text()
     infos = set(re.findall(r"^```(python[^\n]*)$", text, flags=re.M))
-    assert infos <= {"python", "python hf", "python torchrun"}, infos
-    tagged = len(blocks("")) + len(blocks("hf")) + len(blocks("torchrun"))
+    assert infos <= {"python", "python hf", "python lightning", "python torchrun"}, infos
+    tagged = sum(len(blocks(tag)) for tag in ("", "hf", "lightning", "torchrun"))
     assert tagged == len(re.findall(r"^```python", text, flags=re.M)) and blocks("hf") and blocks("torchrun")
 
 
@@ -167,6 +169,17 @@ def test_hf_block_runs(where, code, tmp_path, monkeypatch):
     run(shrunk(code, "hf"), {"torch": torch, "gs": gs, "transformers": transformers, "safetensors": safetensors,
                              "model": model, "data": data, "opt": opt,
                              "accelerator": accelerate.Accelerator(cpu=True)}, where)
+
+
+# ---- Lightning -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where, code", blocks("lightning"), ids=lambda v: f"line{v}" if isinstance(v, int) else "")
+def test_lightning_block_runs(where, code, tmp_path, monkeypatch):
+    pytest.importorskip("lightning", reason="the lightning extra is not installed")
+    monkeypatch.chdir(tmp_path)
+    data = torch.utils.data.DataLoader(torch.cat(token_batches(4)), batch_size=2)
+    run(shrunk(code, "lightning"), {"torch": torch, "gs": gs, "model": TokenModel(), "data": data}, where)
 
 
 # ---- torchrun scripts: one process, one gloo rank ---------------------------------------------------
