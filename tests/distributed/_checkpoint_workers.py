@@ -2,12 +2,17 @@
 
 Train the toy on dp ranks, save with graphstep.checkpoint, resume on another data-parallel size or
 bucket layout, continue. The global batch (12 rows) splits evenly over 1, 2, 3 and 4 ranks, so every run
-sees the same data; only the reduction order differs between data-parallel sizes.
+sees the same data; between data-parallel sizes the reduction order differs, and with bf16/fp16 params the
+backward's rounding too (a 6-row slice's grads, averaged, are not the 12-row batch's).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+
+import torch
+import torch.distributed as dist
 
 import graphstep as gs
 from graphstep.checkpoint import sharded
@@ -19,10 +24,22 @@ GLOBAL_BATCH = 12
 SAVE_AT = 4  # steps before the save
 CONTINUE = 4  # steps after it
 BUCKET = 3000  # several buckets: ranks own slivers of some params and none of others
+ADAM = dict(optimizer="adam", lr=3e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95)
 CONFIGS = {
     "sgd": dict(optimizer="sgd", lr=0.05, weight_decay=1e-3, sgd_momentum=0.9),
-    "adam": dict(optimizer="adam", lr=3e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95),
+    "adam": ADAM,
+    # bf16/fp16 model params (fp32 main params): the backward itself rounds differently per batch split.
+    # fp16's dynamic loss scale starts at 2^12 so that no step of the short run is skipped for overflow.
+    "adam_bf16": dict(ADAM, bf16=True),
+    "adam_fp16": dict(ADAM, fp16=True, initial_loss_scale=2.0**12),
 }
+
+
+def make_model(name: str, seed: int = 0):
+    """The toy in the config's param dtype (built so: graphstep's bf16/fp16 cast of an fp32 model warns)."""
+    config = CONFIGS[name]
+    dtype = torch.bfloat16 if config.get("bf16") else torch.float16 if config.get("fp16") else torch.float32
+    return tiny_transformer(seed, dtype=dtype)
 
 
 def make_config(name: str, world_size: int, bucket_size: int = BUCKET) -> OptimizerConfig:
@@ -63,7 +80,7 @@ def save_then_continue(rank: int, world_size: int, root: str, names: tuple) -> d
     the uninterrupted run, and the state at the save."""
     out = {}
     for name in names:
-        model = tiny_transformer()
+        model = make_model(name)
         opt = get_optimizer(make_config(name, world_size), model)
         start = params(model)
         train(model, opt, rank, world_size, 0, SAVE_AT)
@@ -77,20 +94,58 @@ def save_then_continue(rank: int, world_size: int, root: str, names: tuple) -> d
 
 
 def resume(rank: int, world_size: int, root: str, names: tuple, bucket_sizes: tuple, suffix: str = "",
-           with_model: bool = True) -> dict:
+           with_model: bool = True, damaged: bool = False) -> dict:
     """Per bucket size: a fresh model (another seed), load, read the state back, train CONTINUE steps.
     Without ``with_model`` only the optimizer is loaded: the model params come from the post-load
-    publish (main params copied in and all-gathered)."""
+    publish (main params copied in and all-gathered). With ``damaged``, the last optimizer then tries
+    damaged copies of its checkpoint (``refuse_damaged``), under ``out["damaged"]``."""
     out = {}
     for bucket in bucket_sizes:
         for name in names:
-            model = tiny_transformer(seed=1)
+            model = make_model(name, seed=1)
             opt = get_optimizer(make_config(name, world_size, bucket), model)
             gs.checkpoint.load(opt, os.path.join(root, name + suffix), model=model if with_model else None)
             loaded, at_load = owned_state(opt), params(model)
             train(model, opt, rank, world_size, SAVE_AT, CONTINUE)
             out[(bucket, name)] = {"loaded": loaded, "at_load": at_load, "final": params(model),
                                    "buckets": len(opt.layout.buckets)}
+    if damaged:
+        out["damaged"] = refuse_damaged(rank, opt, model, os.path.join(root, names[-1] + suffix))
+    return out
+
+
+def _garbage(f) -> None:
+    size = f.seek(0, os.SEEK_END)
+    f.seek(0)
+    f.write(b"\x5a" * size)  # same size: only decoding the bytes can tell
+
+
+def _truncated(f) -> None:
+    f.truncate(f.seek(0, os.SEEK_END) // 2)
+
+
+DAMAGES = {"garbage": _garbage, "truncated": _truncated}
+
+
+def refuse_damaged(rank: int, opt, model, checkpoint: str) -> dict:
+    """Load copies of ``checkpoint`` (saved on 2 ranks) whose rank-1 data file is damaged (garbage bytes
+    of the same size; cut in half), on every rank: {damage: (error type, message, the damaged file)}, and
+    under "unchanged" whether the owned state and the params stayed as they were."""
+    before, out = (owned_state(opt), params(model)), {}
+    data_file = "__1_0.distcp"  # what rank 1 of the saving 2 wrote
+    for damage, spoil in DAMAGES.items():
+        path = f"{checkpoint}-{damage}"
+        if rank == 0:
+            shutil.copytree(checkpoint, path)
+            with open(os.path.join(path, data_file), "r+b") as f:
+                spoil(f)
+        dist.barrier()
+        try:
+            gs.checkpoint.load(opt, path, model=model)
+            out[damage] = None
+        except Exception as exc:  # what a resume path catches
+            out[damage] = (type(exc).__name__, str(exc), os.path.join(path, data_file))
+    out["unchanged"] = _same(before, (owned_state(opt), params(model)))
     return out
 
 
@@ -125,14 +180,15 @@ def refuse_flat_on_one_rank(rank: int, world_size: int) -> dict:
 def _refused_load(opt, model, before, load) -> dict:
     """Run ``load``; its error message (None if it loaded) and whether the owned state and params are
     still ``before``."""
-    import torch
-
     try:
         load()
         message = None
     except ValueError as exc:
         message = str(exc)
-    after = (owned_state(opt), params(model))
-    unchanged = all(torch.equal(a[1], b[1]) for a, b in zip(before[0].values(), after[0].values())) and \
+    return {"message": message, "unchanged": _same(before, (owned_state(opt), params(model)))}
+
+
+def _same(before, after) -> bool:
+    """``(owned_state, params)`` pairs bitwise equal."""
+    return all(torch.equal(a[1], b[1]) for a, b in zip(before[0].values(), after[0].values())) and \
         all(torch.equal(a, b) for a, b in zip(before[1], after[1]))
-    return {"message": message, "unchanged": unchanged}

@@ -1,9 +1,11 @@
 """Distributed checkpoints (issue 13): save on 2 gloo ranks, resume on 1, 2, 3 and 4 and with another
-bucket size, continue, and compare against the uninterrupted 2-rank run.
+bucket size, continue, and compare against the uninterrupted 2-rank run; SGD fp32 and Adam in fp32, bf16
+and fp16 (issue 27: a bound per precision).
 
-Same data-parallel size and layout: bitwise. Otherwise only the reduction order differs (DESIGN.md §8):
-SGD fp32 within 1e-5 relative, Adam within 1e-3 of the motion. The loaded state equals the saved state
-element-exactly on every rank, read back through the per-param views.
+The loaded state equals the saved state element-exactly on every rank, read back through the per-param
+views, in every precision. Same data-parallel size and layout: the continuation is bitwise. Otherwise the
+arithmetic differs (DESIGN.md §8): the reduction order, and with bf16/fp16 params the backward itself,
+which rounds a 6-row slice differently from a 12-row batch; the bounds below say by how much.
 """
 
 import pytest
@@ -14,12 +16,22 @@ from _harness import relative_drift, relative_error, spawn, values
 
 pytestmark = pytest.mark.distributed
 NAMES = tuple(W.CONFIGS)
+SGD_RELATIVE_ERROR = 1e-5
+# Adam's drift of the motion (DESIGN.md §8) at another dp size or bucket layout, 4 steps after the save,
+# against the uninterrupted 2-rank run. Measured with this harness (issue 27) over resumes on 1, 3 and 4
+# ranks and on 2 with another bucket size: fp32 2.8e-4..4.8e-4 (2 -> 1: 3.8e-4); bf16 2.5e-2..3.6e-2
+# (2 -> 1: 2.8e-2; another bucket size: bitwise); fp16 2.2e-2..3.1e-2 (2 -> 1: 2.2e-2; another bucket
+# size: 1.1e-7). The bounds are about 2-3x the largest. The bf16/fp16 drift is the batch split's, not the
+# checkpoint's: the same two dp sizes without any checkpoint (4 steps from init, 2 ranks vs 1 process) drift
+# 4.3e-2 (bf16), 3.4e-2 (fp16), 6.4e-4 (fp32). A 2 -> 1 resume that loses the Adam moments or the step
+# count drifts 0.5-0.9 in every precision, far above every bound.
+ADAM_DRIFT = {"adam": 1e-3, "adam_bf16": 1e-1, "adam_fp16": 1e-1}
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ckpt"))
-    results = values(spawn(W.save_then_continue, 2, root, NAMES, timeout=55))
+    results = values(spawn(W.save_then_continue, 2, root, NAMES, timeout=90))
     full = {}
     for name in NAMES:
         pieces = {}
@@ -64,20 +76,35 @@ def check_continuation(saved_results, resumed, key, bitwise):
                     assert torch.equal(a, b), f"{name} rank {rank}: not bitwise equal to the uninterrupted run"
             elif name == "sgd":
                 err = relative_error(run["final"], ref["final"])
-                assert err < 1e-5, f"sgd rank {rank}: relative error {err:.2e}"
+                assert err < SGD_RELATIVE_ERROR, f"sgd rank {rank}: relative error {err:.2e}"
             else:
                 drift = relative_drift(run["final"], ref["final"], ref["at_save"])
-                assert drift < 1e-3, f"adam rank {rank}: drift {drift:.2e} of the motion after the load"
+                assert drift < ADAM_DRIFT[name], \
+                    f"{name} rank {rank}: drift {drift:.2e} of the motion after the load (bound {ADAM_DRIFT[name]})"
 
 
 def test_resume_on_2_ranks_same_layout_is_bitwise_and_other_bucket_size_within_drift(saved):
     root, results, full = saved
-    resumed = values(spawn(W.resume, 2, root, NAMES, (W.BUCKET, 100_000), timeout=55))
+    resumed = values(spawn(W.resume, 2, root, NAMES, (W.BUCKET, 100_000), "", True, True, timeout=90))
     assert resumed[0][(100_000, "adam")]["buckets"] < resumed[0][(W.BUCKET, "adam")]["buckets"]
     check_loaded_state(full, resumed, W.BUCKET)
     check_loaded_state(full, resumed, 100_000)
     check_continuation(results, resumed, W.BUCKET, bitwise=True)
     check_continuation(results, resumed, 100_000, bitwise=False)
+    check_damaged_refused_everywhere(resumed)
+
+
+def check_damaged_refused_everywhere(resumed):
+    """Rank 1's data file damaged: every rank raises the same CheckpointError naming that file (DCP hands
+    each rank every rank's read failure; none is left waiting), and nothing changed on any rank."""
+    for damage in W.DAMAGES:
+        outcomes = [result["damaged"][damage] for result in resumed]
+        for rank, outcome in enumerate(outcomes):
+            assert outcome is not None, f"rank {rank} loaded the {damage} checkpoint"
+            kind, message, data_file = outcome
+            assert kind == "CheckpointError" and data_file in message, f"rank {rank}: {kind}: {message}"
+        assert len({message for _, message, _ in outcomes}) == 1, outcomes
+    assert all(result["damaged"]["unchanged"] for result in resumed)
 
 
 def test_resume_on_1_process(saved):
@@ -89,14 +116,14 @@ def test_resume_on_1_process(saved):
 
 def test_resume_on_3_ranks_from_the_async_save_optimizer_only(saved):
     root, results, full = saved
-    resumed = values(spawn(W.resume, 3, root, NAMES, (W.BUCKET,), "-async", False, timeout=55))
+    resumed = values(spawn(W.resume, 3, root, NAMES, (W.BUCKET,), "-async", False, timeout=90))
     check_loaded_state(full, resumed, W.BUCKET)  # the async save holds the state at its call
     check_continuation(results, resumed, W.BUCKET, bitwise=False)
 
 
 def test_resume_on_4_ranks_optimizer_only(saved):
     root, results, full = saved
-    resumed = values(spawn(W.resume, 4, root, NAMES, (W.BUCKET,), "", False, timeout=55))
+    resumed = values(spawn(W.resume, 4, root, NAMES, (W.BUCKET,), "", False, timeout=90))
     check_loaded_state(full, resumed, W.BUCKET)
     check_continuation(results, resumed, W.BUCKET, bitwise=False)
 
