@@ -1,5 +1,5 @@
 """Where a step runs, in one place: which capture backend a device gets, and the few device-type facts
-the rest of the code needs (graphstep/ itself holds no device-type literal, DESIGN.md law 7).
+the rest of the code needs (graphstep/ itself holds no device-type literal, docs/design.md law 7).
 
 ``backend_for(device, mode)`` is the single decision of "how the step runs":
 

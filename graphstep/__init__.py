@@ -1,6 +1,6 @@
 """graphstep: the whole optimizer step over static flat buffers, replayable as one graph.
 
-See README.md for the training loop and shared/DESIGN.md for the data flow and the laws.
+See README.md for the training loop and docs/design.md for the data flow and the laws.
 """
 
 from . import checkpoint, fp8, qk_clip

@@ -1,4 +1,4 @@
-"""Ranks decide together whether a captured step is still valid (DESIGN.md §9).
+"""Ranks decide together whether a captured step is still valid (docs/design.md §9).
 
 A captured NCCL collective must be replayed by every rank from the same capture: if one rank recaptures
 (a param it replaced, a baked value that changed on it alone) while its peers replay the old graph, the

@@ -1,6 +1,6 @@
 """Allocate a Layout once, as StaticBuffers, and rebind the model's params and grads to views of it.
 
-After ``allocate`` nothing here is ever replaced (DESIGN.md law 2): ``zero_grad`` zeroes in place and
+After ``allocate`` nothing here is ever replaced (docs/design.md law 2): ``zero_grad`` zeroes in place and
 checkpoint loading copies in place, so a captured step can keep reading the same addresses forever.
 
 Per buffer key (param dtype, grad dtype) of the layout:

@@ -1,7 +1,7 @@
 """Device tensors for everything a schedule may change, refreshed from ``param_groups`` before each step.
 
 Schedulers (torch's and graphstep's) write Python floats into ``param_groups``. A Python float read inside
-the step would be baked into a captured graph forever (DESIGN.md law 3), so the step reads these tensors
+the step would be baked into a captured graph forever (docs/design.md law 3), so the step reads these tensors
 instead; ``refresh`` copies the current floats in with one small host-to-device copy, outside the graph.
 
 Layout: one ``values`` tensor of shape (num_groups + 1, len(FIELDS)); row g holds group g, the last row
@@ -11,7 +11,7 @@ refresh: what kernels that take floats are given (the update stage reads it by p
 
 dtype: ``scalar_dtype(device)``, float64 on the CPU, where torch's optimizers do their scalar math in
 double: an fp64 lr tensor makes the fused kernel bitwise equal to ``torch.optim.AdamW(fused=True)`` with
-a float lr (DESIGN.md §8); float32 elsewhere, the dtype the fused GPU kernels read a tensor lr in.
+a float lr (docs/design.md §8); float32 elsewhere, the dtype the fused GPU kernels read a tensor lr in.
 
 A refresh refuses a non-finite value (NaN or inf, a negative clip threshold) with an error naming the
 group and field, before anything reaches the device: a NaN lr would otherwise turn every param NaN.

@@ -6,7 +6,7 @@ Why a scheduler of its own when torch's work on the engine as is: Megatron users
 ``graphstep.overrides.build_param_groups`` puts into every group.
 
 The scheduler only writes Python floats into each group's ``lr`` and ``weight_decay``. The engine copies
-them into device tensors before the next step (DESIGN.md law 3), so a captured step follows the schedule;
+them into device tensors before the next step (docs/design.md law 3), so a captured step follows the schedule;
 nothing here touches a tensor.
 
 Learning rate of a group at step ``n`` (W = ``lr_warmup_steps``, D = ``lr_decay_steps``), times its

@@ -3,7 +3,7 @@
 - offload-eager-vs-captured: fraction 0.5, eager against captured, bitwise (params, state, flags);
 - offload-vs-device-only: fraction 0.5 against no offload: bitwise on the CPU (both sides run the same
   fused kernel); on a GPU the host half runs the CPU kernel, so within 1e-2 of the distance moved
-  (DESIGN.md §8's measure), and every skip decision equal;
+  (docs/design.md §8's measure), and every skip decision equal;
 - offload-overlap: ``overlap_cpu_optimizer_d2h_h2d`` (worker thread; side stream and event waits on a GPU)
   against the plain offload, bitwise;
 - offload-pinned-and-memory (GPU only): the host grad / main / staging buffers are pinned, the device's

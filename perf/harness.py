@@ -16,7 +16,7 @@ Rows (every one in its own spawned interpreter, so memory, threads and compile c
 - ``torch-compiled``: the same with ``clip_grad_norm_`` + ``AdamW(foreach).step`` under ``torch.compile``
   (unscale_ and the skip-on-inf check stay GradScaler's), compiled during warm-up, its time capped.
 
-Byte model (bytes each pipeline must move per fp32 param and step, DESIGN.md §6): Adam reads param, grad,
+Byte model (bytes each pipeline must move per fp32 param and step, docs/design.md §6): Adam reads param, grad,
 m, v and writes param, m, v: 28 B. graphstep adds one grad read for the norm (which is also the inf
 check; unscale and clip are folded into the update's grad_scale): 32 B (the fused kernel, which the
 graphstep-eager and -captured rows name explicitly, also writes the divided grads back, 4 B beyond the model

@@ -123,7 +123,7 @@ def markdown(rows, checks, distributed, meta, args) -> str:
     notes = [f"- {r['shape']} / {r['pipeline']}: {r['notes']}" for r in rows if r.get("notes")]
     lines += ["", "Byte model per param: graphstep 32 B (AdamW 28 + norm read 4; unscale and clip folded into the "
               "update); torch pipelines 48 B (unscale_ r+w 8, clip norm r 4, clip multiply r+w 8, AdamW 28); "
-              "DESIGN.md §6. × floor = ms / (bytes moved / stream bandwidth). Ops/step: aten ops under a "
+              "docs/design.md §6. × floor = ms / (bytes moved / stream bandwidth). Ops/step: aten ops under a "
               "TorchDispatchMode for one step (captured: the replayed ops).", "", "Notes:", *notes, "",
               "## Done-when checks (issue 6)", ""]
     lines += [f"- **{'PASS' if c['pass'] else 'FAIL'}** {c['check']}: {c['detail']}" for c in checks]

@@ -2,7 +2,7 @@
 
 The shared helpers live in importable modules next to this file, one copy each:
 - ``toy.py``: the small transformer, the deterministic data stream, the per-rank loss and the drift
-  metrics of DESIGN.md §8 (used by the engine tests and by every spawned rank);
+  metrics of docs/design.md §8 (used by the engine tests and by every spawned rank);
 - ``distributed/_harness.py``: spawning gloo ranks on 127.0.0.1 on a free port, bounded in time;
 - ``_source.py``: the line a marker stands on in a test's own source (capture's findings name it);
 - ``_kernel_pin.py``: ``kernel="auto"`` runs as "fused" in tests not marked ``default_kernel``;

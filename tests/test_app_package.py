@@ -1,5 +1,5 @@
 """graphstep.app stays out of the core: `import graphstep` loads neither the app nor matplotlib, no core module
-imports the app, and the app names no device type (capture.devices decides, DESIGN.md law 7)."""
+imports the app, and the app names no device type (capture.devices decides, docs/design.md law 7)."""
 
 import os
 import re

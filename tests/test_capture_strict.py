@@ -1,4 +1,4 @@
-"""The replay backend as the strict twin of a CUDA graph (DESIGN.md §9): one test per refusal.
+"""The replay backend as the strict twin of a CUDA graph (docs/design.md §9): one test per refusal.
 
 Each refusal names the op and the user's source line; each would be a capture error, a
 use-after-free or a silently frozen value on a GPU.

@@ -50,7 +50,7 @@ def test_adam_with_l2_decay_is_bitwise_equal_to_torch_fused_adam():
 
 @pytest.mark.parametrize("decoupled", [True, False])
 def test_compiled_kernel_drifts_from_torch_fused_adam_no_more_than_torchs_own_for_loop(decoupled):
-    # Its own loop, so not bitwise: Adam turns last-bit differences into drift (DESIGN.md §8). The
+    # Its own loop, so not bitwise: Adam turns last-bit differences into drift (docs/design.md §8). The
     # yardstick is torch's own for-loop Adam against torch's fused one, over the same steps.
     ours, fused, loop = tiny_transformer(), tiny_transformer(), tiny_transformer()
     start = [p.detach().clone() for p in fused.parameters()]

@@ -2,7 +2,7 @@
 
 The oracle is the unfolded step: the same norm within fp64 rounding of the per-row sums (the rows start at
 each param instead of each buffer), the same skip decisions, and params whose drift from it relative to
-their motion is at rounding level (DESIGN.md §8: SGD is the tight oracle; Adam turns the last-bit change of
+their motion is at rounding level (docs/design.md §8: SGD is the tight oracle; Adam turns the last-bit change of
 the clip coefficient into sign flips of near-zero grads).
 The folded step itself is exact across modes: eager equals captured bitwise, and a loop under ``no_sync()``
 equals one that folds every micro-batch bitwise (the last fold sees the same final grads).
@@ -23,7 +23,7 @@ WIDTH = 96  # wide enough that most weights hold whole 4,096-element rows (folde
 
 STEPS = 6
 SGD = dict(optimizer="sgd", lr=0.05, weight_decay=1e-3, sgd_momentum=0.9)
-# Drift bounds relative to the motion (DESIGN.md §8 measured 6e-7 for SGD and 3e-4 for Adam from a 1e-7
+# Drift bounds relative to the motion (docs/design.md §8 measured 6e-7 for SGD and 3e-4 for Adam from a 1e-7
 # change of the clip coefficient; 5e-2 for half-precision params, whose backward rounds on its own).
 DRIFT = {"sgd": 1e-5, "adam": 1e-3, "half": 5e-2}
 

@@ -82,7 +82,7 @@ def test_graphsteps_clip_under_amp_tracks_torchs_unscale_and_clip_grad_norm(unsc
     model, opt, scales = graphstep_run(unscale, clip=CLIP)
     assert scales == torch_scales
     assert opt.fold_counts["in_backward"] > 0  # the hooks did fold: the refold is what keeps the norm right
-    # The same clip factor, applied in the kernel instead of on the grads: last-bit differences (DESIGN §8).
+    # The same clip factor, applied in the kernel instead of on the grads: last-bit differences (docs/design.md §8).
     assert relative_drift(list(model.parameters()), list(reference.parameters()), start) < 1e-5
     clipped = opt.result.grad_norm.item()
     assert 0 < clipped < float("inf")

@@ -88,7 +88,7 @@ def run(tmp_path_factory):
 
 
 def drift(params, reference, start):
-    """||a - b|| / ||b - p0||: the difference relative to how far training moved the params (DESIGN.md §8)."""
+    """||a - b|| / ||b - p0||: the difference relative to how far training moved the params (docs/design.md §8)."""
     return ((params - reference).norm() / (reference - start).norm()).item()
 
 

@@ -49,7 +49,7 @@ def decay_groups(model, weight_decay: float):
 
 
 def relative_drift(params, reference, start):
-    """‖a − b‖ / ‖b − p₀‖ over all params: drift relative to how far the params moved (DESIGN.md §8)."""
+    """‖a − b‖ / ‖b − p₀‖ over all params: drift relative to how far the params moved (docs/design.md §8)."""
     num = sum(((a.detach().double() - b.detach().double()) ** 2).sum() for a, b in zip(params, reference))
     den = sum(((b.detach().double() - s.double()) ** 2).sum() for b, s in zip(reference, start))
     return (num / den).sqrt().item()

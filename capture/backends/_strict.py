@@ -1,6 +1,6 @@
 """The replay backend's rules for what a CUDA capture would refuse that a plain op recorder would not.
 
-DESIGN.md §9: the CPU replay backend is the strict twin of a CUDA graph. The op-level rules (host
+docs/design.md §9: the CPU replay backend is the strict twin of a CUDA graph. The op-level rules (host
 syncs, device-to-host and host-to-device copies, tensors made from Python data, undeclared RNG) are
 classified in `capture.unsafe`; this module holds the rules that need more context than one op:
 

@@ -17,7 +17,7 @@ graph would do to a step:
 * Host syncs (`.item()`, `if t:`, `.tolist()`, nonzero, boolean masks, ...) raise
   CaptureError while recording, naming the op and the user's file:line. The list of
   unsafe ops is `capture.unsafe`, shared with `capture.check`.
-* Strict twin of a CUDA capture (DESIGN.md §9), also refused while recording with the op
+* Strict twin of a CUDA capture (docs/design.md §9), also refused while recording with the op
   and the user's file:line: a tensor made from Python data inside the step
   (`torch.tensor(x, device=d)`: `aten.lift_fresh`), a host-to-device copy other than a
   non_blocking one from pinned memory, host (CPU) work inside a step that runs on a

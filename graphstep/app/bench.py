@@ -7,7 +7,7 @@ untimed before every step (a copy; for ``fold_grad_norm`` rows the backward stan
   bandwidth (8 bytes per element, read + write), the context for every GB/s below;
 - read-only reduction ``x.sum()`` over the same numel, and graphstep's norm/inf pass alone: the floor of
   a read (4 bytes per element) and how close the norm pass comes to it;
-- ``torch._fused_adamw_`` once over one flat buffer: the floor an Adam step can reach (DESIGN.md §6);
+- ``torch._fused_adamw_`` once over one flat buffer: the floor an Adam step can reach (docs/design.md §6);
 - ``torch.optim.AdamW(fused=True)`` and ``AdamW(foreach=True)`` with two param groups (decay and
   no-decay, the standard overrides), and ``AdamW(fused=True)`` after ``clip_grad_norm_``;
 - the backward stand-in (``zero_grad``, then every grad accumulated through autograd, no model compute)
@@ -23,7 +23,7 @@ graphstep's rows run ``fold_grad_norm=False`` ("unfolded": the norm pass in the 
 folded; the rows called "the default config" run the default, which folds the norm into backward.
 
 Bytes per param: Adam over fp32 must read param, grad, m, v and write param, m, v (28 B); the full step
-also reads the grads once for the norm (32 B) — DESIGN.md §6. GB/s is those bytes over the median time:
+also reads the grads once for the norm (32 B) — docs/design.md §6. GB/s is those bytes over the median time:
 how close each row comes to the machine's stream bandwidth for the work it has to do.
 
 One pipeline is built at a time and freed before the next (each holds ~2 GB at GPT-2 small). With

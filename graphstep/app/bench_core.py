@@ -30,7 +30,7 @@ from . import bench_shapes
 
 LR, WEIGHT_DECAY, BETAS, EPS, CLIP = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
 LOSS_SCALE = 1024.0
-# Bytes each pipeline must move per fp32 param and step (DESIGN.md §6): Adam reads param, grad, m, v and
+# Bytes each pipeline must move per fp32 param and step (docs/design.md §6): Adam reads param, grad, m, v and
 # writes param, m, v (28); graphstep adds one grad read for the norm, which is also the inf check (32);
 # torch's AMP pipeline adds unscale_ (read + write grads, 8), the clip norm (read, 4) and the clip
 # multiply (read + write, 8): 48. The memory stream reads and writes each element: 8.

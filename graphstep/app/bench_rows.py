@@ -113,7 +113,7 @@ def markdown(rows: list[Row], meta: dict, paired: Sequence[dict] = ()) -> str:
               "over the read-only reduction; for the backward and backward + step rows, over those unfolded); "
               "× fused floor: over the one-buffer `_fused_adamw_`. GB/s: bytes/param × params / median time "
               "(4 = one read of the grads; 28 = Adam's read p,g,m,v + write p,m,v; 32 = plus the norm's grad "
-              "read; 16 = the backward stand-in's zero and accumulate; DESIGN.md §6)."]
+              "read; 16 = the backward stand-in's zero and accumulate; docs/design.md §6)."]
     if paired:
         lines += ["", "| ratio (of medians) | this run | 95% interval | issue 18's goal |", "|---|---:|---:|---|"]
         lines += [f"| {r['label']} | {r['ratio']:.2f} | {r['low']:.2f}–{r['high']:.2f} | {r['goal']} |"

@@ -21,7 +21,7 @@ every rank runs "fused".
 bring their own) and when a capture could start before any eager step (``capture_warmup_steps=0``):
 the compile must run eagerly first.
 
-Parity (DESIGN.md §8): "fused" is bitwise equal to ``torch.optim``'s fused Adam/AdamW/SGD; "compiled" is
+Parity (docs/design.md §8): "fused" is bitwise equal to ``torch.optim``'s fused Adam/AdamW/SGD; "compiled" is
 its own loop, within the drift torch's own for-loop Adam shows against the fused one
 (tests/test_engine.py). Set ``kernel="fused"`` where bitwise equality with torch's fused step matters
 more than speed.

@@ -1,7 +1,7 @@
 """torch's fused multi-tensor kernels (``_fused_adamw_``, ``_fused_adam_``, ``_fused_sgd_``).
 
 One call per param group over a few large flat views reaches the memory-bandwidth floor on the CPU
-(DESIGN.md §6). The kernels take ``lr``, ``grad_scale`` and ``found_inf`` as tensors but betas, eps,
+(docs/design.md §6). The kernels take ``lr``, ``grad_scale`` and ``found_inf`` as tensors but betas, eps,
 weight decay and momentum only as floats (their tensor forms decompose into host reads), so those are
 baked into a capture; the engine records them at capture and recaptures when they change.
 """

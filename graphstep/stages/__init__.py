@@ -8,7 +8,7 @@ that does (the layout agreement) happens once, visibly, in the engine's build.
 
 A stage that takes host values into the step (a Python float a fused kernel bakes in, a host choice)
 reports them through ``Stage.baked``, so a captured step is recaptured when one changes and never
-silently keeps a stale value (DESIGN.md law 3).
+silently keeps a stale value (docs/design.md law 3).
 
 ``default_chain(ctx)`` is the one step every caller runs: the engine (eager, captured, profiled),
 ``debug_step`` and every optimizer family. Single process::

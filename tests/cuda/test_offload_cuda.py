@@ -2,7 +2,7 @@
 the CUDA graph, the one event wait, side-stream H2D chunks with event waits, and the device memory saved.
 
 On a GPU the host half runs torch's fused CPU kernel and the device half the CUDA one, so a run with
-offload is compared with one without by DESIGN.md §8's drift (and equal skip decisions); eager against
+offload is compared with one without by docs/design.md §8's drift (and equal skip decisions); eager against
 captured, and overlapped against plain offload, run the same kernels on the same data: bitwise.
 """
 

@@ -10,7 +10,7 @@ Two kinds of grads:
   the reduce-scatter's mean equals the mean a single process is given, bitwise, whatever order the
   backend sums in. Same grads, same matrix math on the owner: the runs must agree bitwise.
 - ``data``: real data-parallel training on slices of the global batch (clipping on): only the reduction
-  order differs from a single process, so the comparison is the drift of DESIGN.md §8.
+  order differs from a single process, so the comparison is the drift of docs/design.md §8.
 """
 
 from __future__ import annotations

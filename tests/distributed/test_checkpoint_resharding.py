@@ -4,7 +4,7 @@ and fp16 (issue 27: a bound per precision).
 
 The loaded state equals the saved state element-exactly on every rank, read back through the per-param
 views, in every precision. Same data-parallel size and layout: the continuation is bitwise. Otherwise the
-arithmetic differs (DESIGN.md §8): the reduction order, and with bf16/fp16 params the backward itself,
+arithmetic differs (docs/design.md §8): the reduction order, and with bf16/fp16 params the backward itself,
 which rounds a 6-row slice differently from a 12-row batch; the bounds below say by how much.
 """
 
@@ -17,7 +17,7 @@ from _harness import relative_drift, relative_error, spawn, values
 pytestmark = pytest.mark.distributed
 NAMES = tuple(W.CONFIGS)
 SGD_RELATIVE_ERROR = 1e-5
-# Adam's drift of the motion (DESIGN.md §8) at another dp size or bucket layout, 4 steps after the save,
+# Adam's drift of the motion (docs/design.md §8) at another dp size or bucket layout, 4 steps after the save,
 # against the uninterrupted 2-rank run. Measured with this harness (issue 27) over resumes on 1, 3 and 4
 # ranks and on 2 with another bucket size: fp32 2.8e-4..4.8e-4 (2 -> 1: 3.8e-4); bf16 2.5e-2..3.6e-2
 # (2 -> 1: 2.8e-2; another bucket size: bitwise); fp16 2.2e-2..3.1e-2 (2 -> 1: 2.2e-2; another bucket

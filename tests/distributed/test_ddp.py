@@ -21,7 +21,7 @@ def test_ddp_tracks_the_single_process_run(ranks, order):
     for report in ranks:
         run = report[order]
         assert run["captured"]
-        # Two half-batch grads averaged versus one full batch: Adam in fp32, 2e-4 of the motion (DESIGN §8).
+        # Two half-batch grads averaged versus one full batch: Adam in fp32, 2e-4 of the motion (docs/design.md §8).
         assert relative_drift(run["params"], report["reference"], report["start"]) < 1e-3
         assert not run["warnings"], run["warnings"]
     for a, b in zip(ranks[0][order]["params"], ranks[1][order]["params"]):

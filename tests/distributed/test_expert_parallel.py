@@ -3,7 +3,7 @@
 Expert-parallel size 2 (expert data-parallel size 2: ranks {0, 2} hold experts 0-1, ranks {1, 3} experts
 2-3) and 4 (expert data-parallel size 1: no expert collective, only the 1/dp average). Clipping is active at
 every step, so a global norm that missed or double-counted an expert shard would move every param. Only
-the order of the reductions differs from the oracle (DESIGN.md §8): SGD in fp32 within 1e-5 relative,
+the order of the reductions differs from the oracle (docs/design.md §8): SGD in fp32 within 1e-5 relative,
 Adam in fp32 within 1e-3 of the motion, fp16 grads (pre-scaled before the SUM) within 1e-1 of it.
 """
 

@@ -5,7 +5,7 @@ backward with ``overlap_grad_reduce``): the same sums of the same shards in the 
 norm, so every variant (plain, overlapped, with half of each shard's update offloaded to the CPU) is bitwise
 the unfolded step, and the captured folded step is bitwise the eager one.
 Against one process (the oracle of every multi-rank run) only the reduction order differs: SGD in fp32,
-within DESIGN.md §8's rounding-level drift.
+within docs/design.md §8's rounding-level drift.
 """
 
 import functools

@@ -1,7 +1,7 @@
 """fp8 weights in a distributed checkpoint: saved on 2 gloo ranks with ``graphstep.checkpoint.save``, loaded
 on 2 and on 4. The fp8 bytes, scale, scale_inv and amax history come back bitwise at either size (they are
 replicated across ranks and saved once per weight); at the same size the next steps are bitwise those of
-the uninterrupted run (at another size only the grad reduction order differs, DESIGN.md §8)."""
+the uninterrupted run (at another size only the grad reduction order differs, docs/design.md §8)."""
 
 import pytest
 import torch

@@ -8,7 +8,7 @@ all-gather publishes them. The scalar-optimizer (Adam) params stay element-shard
   the same matrix math runs on the owner, so every param equals the single process's bitwise, in
   fp32-matmul mode ("highest") and in bf16 mode ("medium"); captured equals eager bitwise;
 - data-parallel training on batch slices, clipping on: only the reduction order differs, so the
-  comparison is DESIGN.md §8's drift relative to the motion;
+  comparison is docs/design.md §8's drift relative to the motion;
 - an inf in one rank's Muon grad skips the step on every rank.
 
 One spawn per world size runs every case; each assertion is its own test.
@@ -86,7 +86,7 @@ def test_data_parallel_training_matches_the_single_process_within_the_drift(rank
     # Measured (4 steps, one skipped): Muon matrices 1.8e-6 / 1.9e-6 of the motion at 2 / 4 ranks; the Adam
     # params 1.5e-3 / 1.2e-3. Adam's first steps move each element by ~±lr whatever the grad's size, so
     # a near-zero grad whose last bit differs flips a whole step: over 3 effective steps that weighs more
-    # than over DESIGN.md §8's 20 (2e-4). The Adam params are element-sharded exactly as without Muon.
+    # than over docs/design.md §8's 20 (2e-4). The Adam params are element-sharded exactly as without Muon.
     for rank, result in enumerate(results):
         run = result["data"]
         assert run["ok"] == EXPECTED_OK
@@ -112,7 +112,7 @@ def test_overlapped_reduce_and_gather_give_the_same_params_bitwise(ranks):
 
 
 def test_bf16_params_with_fp32_main_params_match_the_single_process_within_the_drift(ranks):
-    # 2 ranks only. The bf16 backward itself rounds differently on a half batch (DESIGN.md §8: 5e-2 of
+    # 2 ranks only. The bf16 backward itself rounds differently on a half batch (docs/design.md §8: 5e-2 of
     # the motion for Adam over 20 steps); Muon's matrices and the Adam params both stay within 1e-1.
     world_size, results = ranks
     if "data_bf16" not in CASES_BY_WORLD[world_size]:

@@ -2,7 +2,7 @@
 
 2 and 4 gloo ranks on 127.0.0.1, 20 steps, clipping on (and active), one injected non-finite step on the
 last rank, several buckets per buffer (so some ranks own nothing of some param group). Only the order of
-the gradient reduction differs from the single-process run (DESIGN.md §8 has the measured drift): SGD in
+the gradient reduction differs from the single-process run (docs/design.md §8 has the measured drift): SGD in
 fp32 to 1e-5 relative; Adam in fp32 within 1e-3 of the distance moved; bf16 with fp32 main params within
 1e-1 of it. One spawn per world size runs all three configs; each assertion is its own test.
 """
