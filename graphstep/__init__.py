@@ -4,6 +4,7 @@ See README.md for the training loop and docs/design.md for the data flow and the
 """
 
 from . import checkpoint, fp8, qk_clip
+from .checkpoint import CheckpointError
 from .config import OptimizerConfig
 from .debug import NanOrigin, StepReport
 from .distributed import CollectiveError
@@ -25,6 +26,7 @@ __all__ = [
     "NanOrigin",
     "get_optimizer",
     "CollectiveError",
+    "CheckpointError",
     "wrap",
     "CapturedOptimizer",
     "Layout",
