@@ -6,8 +6,7 @@ graph, a few µs of launch and ramp apiece against an update of under a millisec
 GPU where the update runs the compiled kernel (so ``torch.compile`` works there; ``wanted``), each such
 piece of math runs as one compiled graph instead (``StepContext.compile_scalars``): inductor fuses its
 pointwise ops into one kernel. Not on the CPU, where the ops are not kernels: there a compiled graph's
-call cost more than the ops it replaces (warm, the clip's 11 ops took 22 µs, its compiled graph 94 µs
-through the custom op; the norm's result, 14 against 165 µs; measured on the 2-core CPU). The math is one
+call costs more than the ops it replaces (docs/perf-notes.md). The math is one
 Python function either way, written over its tensor arguments, so the eager path runs the same ops one
 by one; tests/test_scalar_graph.py holds the two bitwise equal.
 

@@ -1,8 +1,7 @@
 """``kernel="auto"`` (the default): the compiled update where ``torch.compile`` works on the device, else fused.
 
 Why compiled first: torch's fused kernels write the divided grads back whenever they are given a grad
-scale, i.e. on every clipped or loss-scaled step (4 more bytes per param, ~10% of the update's time on the
-2-core CPU, issue 18), and they bake betas, eps and weight decay into a capture. The compiled kernel reads
+scale, i.e. on every clipped or loss-scaled step (4 more bytes per param; docs/perf-notes.md), and they bake betas, eps and weight decay into a capture. The compiled kernel reads
 the grads without writing them and keeps every hyperparameter live. Its price is a compile: a few seconds
 on the first step of a process (a C++ compiler on the CPU, Triton on a GPU).
 

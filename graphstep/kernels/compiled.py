@@ -98,12 +98,10 @@ def _sgd_nesterov_views(params, grads, momentum_buffers, c):
 
 
 # One compiled call covers all of a param group's views, and for Adam all of its groups' (``adam_groups``):
-# each call costs a few hundred µs of dynamo and AOT bookkeeping on this CPU, whatever its size, and two
-# calls over GPT-2 small's two groups measured 1.02-1.05x one ``_fused_adamw_`` over the same bytes where
-# one call over the same views measured 1.00-1.02x (40 interleaved rounds, twice). Views run as (rows,
-# _ROW) matrices with the row count dynamic and the row length static: one compile serves views of every
-# length, and the inner loop stays a fixed-length vector loop (fully dynamic 1-D shapes measured ~17%
-# slower at GPT-2 small on the CPU); the < _ROW leftover elements of a view run as (n, 1). Separate
+# each call pays dynamo's and AOT's bookkeeping whatever its size, so fewer calls are faster
+# (docs/perf-notes.md, "The update kernels"). Views run as (rows, _ROW) matrices with the row count dynamic
+# and the row length static: one compile serves views of every length, and the inner loop stays a
+# fixed-length vector loop (faster than fully dynamic 1-D shapes); the < _ROW leftover elements of a view run as (n, 1). Separate
 # functions per variant (SGD with and without momentum, nesterov) keep their compiles apart.
 _ROW = 64
 _RECOMPILE_LIMIT = 32
@@ -120,10 +118,10 @@ def _compiled(views_fn, count: int, flags: tuple = ()):
     suffix = "".join(f"_{int(flag)}" for flag in flags)
     code = views_fn.__code__.replace(co_name=f"{views_fn.__name__}_{count}{suffix}")
     # No size asserts in the generated code: dynamo's guards have checked every view's shape and strides
-    # before the call, and the asserts (~4 per view) cost ~30 µs a call here. Dynamic threads: with Adam's
+    # before the call, and the asserts (several per view) cost time every call. Dynamic threads: with Adam's
     # coefficient math in the same C++ kernel as its loops, inductor emitted no parallel region at all (one
-    # of the two cores: 18-22 against 10-11.5 ms for 19.2M params, measured); with the thread count left
-    # to OpenMP at run time the loops run in a parallel region again, the scalar math before it.
+    # core did the work); with the thread count left to OpenMP at run time the loops run in a parallel
+    # region again, the scalar math before it.
     return torch.compile(types.FunctionType(code, views_fn.__globals__), fullgraph=True, dynamic=False,
                          options={"size_asserts": False, "cpp.dynamic_threads": True})
 
@@ -150,8 +148,7 @@ def _as_rows(views: list) -> list:
 class _Rows:
     """A call site's views cut by ``_as_rows``, kept for its next calls once it has passed the same views
     twice: an engine passes the same views every step, and cutting them again (slices, reshapes,
-    ``mark_dynamic``) measured ~0.27 ms a call for GPT-2's 2 x 4 views on this CPU, more than the compiled
-    call's own dispatch. A caller passing fresh tensors every call (grads a ``zero_grad`` reallocated) is
+    ``mark_dynamic``) costs more than the compiled call's own dispatch (docs/perf-notes.md). A caller passing fresh tensors every call (grads a ``zero_grad`` reallocated) is
     only remembered by weak references, so no memory of it outlives its call. The cut is valid while every
     view is the same live tensor object, in the same lists, at the same address, shape and strides: a
     freed view, whose id a new tensor may take, is a miss, never a stale hit."""

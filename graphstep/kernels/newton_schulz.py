@@ -9,7 +9,7 @@ against EO's ``muon_utils.newton_schulz``):
 2. Frobenius-normalise each matrix in fp32: X / max(‖X‖_F, eps), eps = 1e-7 (EO 0.3.0; 1e-15 at HEAD);
 3. "medium" precision: cast to bf16 after normalising and run the matmuls in bf16; "high"/"highest":
    fp32 matmuls under that torch matmul precision (EO sets the global precision around the iteration;
-   on CUDA "high" means TF32, on this CPU build "high" and "highest" compute alike);
+   on CUDA "high" means TF32, on torch's CPU builds "high" and "highest" compute alike);
 4. per step, with coefficients (a, b, c): A = X Xᵀ; B = b·A + c·A²; X = a·X + B·X, each a batched
    matmul (bmm, baddbmm) so that n matrices cost the same number of kernels as one;
 5. back to fp32, un-transpose.
@@ -87,7 +87,7 @@ def coefficient_schedule(coefficient_type: str, num_steps: int) -> tuple[tuple[f
 def matmul_precision(precision: str):
     """torch's global fp32 matmul precision set to ``precision`` for the block, restored after.
 
-    A host-side setting: under capture it decides which kernels are recorded. On this CPU build
+    A host-side setting: under capture it decides which kernels are recorded. On torch's CPU builds
     "medium" lets oneDNN run fp32 matmuls in reduced precision, so the fp32 path must not inherit it.
     """
     previous = torch.get_float32_matmul_precision()

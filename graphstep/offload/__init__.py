@@ -1,4 +1,4 @@
-"""Hybrid CPU offload: the optimizer state and update of part of the params on the host (issue 16).
+"""Hybrid CPU offload: the optimizer state and update of part of the params on the host.
 
 Megatron-Core's ``HybridDeviceOptimizer`` steps a fraction of the params with torch's fused CPU AdamW and
 the rest on the GPU, waiting for each sub-optimizer's copies on the host; its step is never captured.

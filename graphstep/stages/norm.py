@@ -26,19 +26,13 @@ from .. import scalar_graph
 from ..scalar_graph import scalar
 from . import Stage, StepTensors
 
-# Row length of the two-level sum of squares: norms of 4,096-element rows, then the sum of their squares,
-# came within 3e-8 of an fp64 sum at 124M grads and ran as fast as one dot (12.8 against 13.6 ms, side by
-# side on the 2-core CPU). Every buffer is cut into rows of exactly ROW and a tail of fewer than ROW
-# elements (summed in fp64): shorter rows that divide the buffer exactly cost time, not accuracy — GPT-2
-# small's 124.4M grads are 2**8 times an odd number, and rows of 256 made the pass 1.8x a plain read-only
-# sum of the buffer, against ~1.05x with rows of 4,096 and a tail (issue 18; ``graphstep bench`` rows
-# ``read-floor`` and ``norm-pass``).
+# Row length of the two-level sum of squares: as accurate as an fp64 sum and as fast as one dot. Every
+# buffer is cut into rows of exactly ROW and a tail of fewer than ROW elements (summed in fp64): shorter
+# rows that divide the buffer exactly cost time, not accuracy (docs/perf-notes.md, "The norm").
 ROW = 4096
 # Rows whose fp32 norm overflowed, recomputed scaled, per buffer. Few on purpose: 4 x 4,096 elements stay
-# under torch's CPU grain size (32,768), so the rescue's copy, scale and norm run on the calling thread;
-# with 64 rows they ran parallel, and on a busy machine each parallel op waited a scheduler slice for the
-# second thread (the pass measured 2.1x the read-only floor with 64 rescued rows, 1.06x with 4, same run).
-# More overflowing rows than this make the step non-finite: skipped, and a dynamic loss scale backs off.
+# under torch's CPU grain size (32,768), so the rescue's copy, scale and norm run on the calling thread
+# instead of waiting for a second one on a busy machine (docs/perf-notes.md). More overflowing rows than this make the step non-finite: skipped, and a dynamic loss scale backs off.
 RESCUE_ROWS = 4
 _DOWN = 2.0 ** -64
 _UP = 2.0 ** 64
@@ -53,8 +47,7 @@ class RowRescue:
                  dtype: torch.dtype):
         # Every intermediate the size of the row count or of the rescued rows lives in a buffer allocated
         # here, once: a fresh ~1 MB temporary per step is an mmap and its page faults, which on a busy
-        # machine cost more than the read itself (measured: the rescue's row copy took 20-40 ms of a 60 ms
-        # pass at GPT-2 small, 0.02 ms into a static buffer).
+        # machine cost more than the read itself (docs/perf-notes.md).
         count, device = row_norms.numel(), row_norms.device
         self.row_norms = row_norms
         self.fetch = fetch
