@@ -16,7 +16,6 @@ from typing import Optional
 import torch
 
 
-OPTIMIZERS = ("adam", "sgd", "muon", "lion")
 CAPTURE_MODES = ("auto", "graph", "eager")
 KERNELS = ("auto", "fused", "compiled", "reference")
 INVALIDATION_POLICIES = ("recapture", "raise")
@@ -28,7 +27,8 @@ class OptimizerConfig:
     # ---- general -------------------------------------------------------------------------------------
     optimizer: str = "adam"
     """Update rule: "adam" (Adam/AdamW, see ``decoupled_weight_decay``), "sgd" (with momentum), "lion",
-    or "muon" (2-D hidden matrices; the other params go to ``muon_scalar_optimizer``)."""
+    or "muon" (2-D hidden matrices; the other params go to ``muon_scalar_optimizer``): a registered
+    family, graphstep/families/."""
 
     lr: float = 1e-3
     """Peak learning rate; the initial ``lr`` of every param group without an override."""

@@ -1,16 +1,20 @@
 """Validation of ``OptimizerConfig``: every field's type, range and consistency with the others, in one
-place; ``validate`` raises ValueError naming the first field that is wrong and what it must be."""
+place; ``validate`` raises ValueError naming the first field that is wrong and what it must be. The fields
+of one optimizer family are checked by its own rule (``Family.validate``, graphstep/families/), given the
+checks every other field gets."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import typing
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
 
-from .config import _FLOAT_DTYPES, CAPTURE_MODES, INVALIDATION_POLICIES, KERNELS, OPTIMIZERS
+from .config import _FLOAT_DTYPES, CAPTURE_MODES, INVALIDATION_POLICIES, KERNELS
+from .families import FAMILIES, get_family
 from .scaler import MAX_LOSS_SCALE, MIN_LOSS_SCALE
 
 if TYPE_CHECKING:
@@ -41,6 +45,9 @@ def _check_number(config: OptimizerConfig, field: str, *, low: float, low_open: 
         right = ")" if high_open else "]"
         _fail(field, value, f"must lie in {left}{low}, {high}{right}")
 
+
+# What a family's own rule (Family.validate) checks its fields with: the checks every field gets.
+_FAMILY_CHECKS = SimpleNamespace(number=_check_number, choice=_check_choice, fail=_fail)
 
 # What a value of each annotated type must be. bool is a subclass of int, so it is refused explicitly where
 # a number is meant: OptimizerConfig(bucket_size=True) is a mistake, not a bucket of one element.
@@ -75,7 +82,7 @@ def _check_types(config: OptimizerConfig) -> None:
 def validate(config: OptimizerConfig) -> None:
     """Raise ValueError naming the first field of the wrong type, out of range or inconsistent with another."""
     _check_types(config)
-    _check_choice(config, "optimizer", OPTIMIZERS)
+    _check_choice(config, "optimizer", tuple(FAMILIES))
     _check_choice(config, "capture", CAPTURE_MODES)
     _check_choice(config, "kernel", KERNELS)
     _check_choice(config, "capture_invalidation", INVALIDATION_POLICIES)
@@ -86,12 +93,8 @@ def validate(config: OptimizerConfig) -> None:
     if config.min_lr is not None and config.min_lr > config.lr:
         _fail("min_lr", config.min_lr, f"must not exceed lr={config.lr}")
     _check_number(config, "weight_decay", low=0.0, low_open=False)
-    _check_number(config, "adam_beta1", low=0.0, low_open=False, high=1.0)
-    _check_number(config, "adam_beta2", low=0.0, low_open=False, high=1.0)
-    _check_number(config, "adam_eps", low=0.0, low_open=True)
-    _check_number(config, "sgd_momentum", low=0.0, low_open=False, high=1.0)
-    if config.sgd_nesterov and config.sgd_momentum == 0:
-        _fail("sgd_nesterov", True, "needs sgd_momentum > 0")
+    for family in FAMILIES.values():  # every family's fields, whichever family the config names
+        family.validate(config, _FAMILY_CHECKS)
 
     if config.fp16 and config.bf16:
         _fail("bf16", True, "fp16 and bf16 are exclusive; set one")
@@ -138,40 +141,27 @@ def validate(config: OptimizerConfig) -> None:
         field = "overlap_grad_reduce" if config.overlap_grad_reduce else "overlap_param_gather"
         _fail(field, True, "needs use_distributed_optimizer=True")
     _check_number(config, "distributed_timeout_s", low=0.0, low_open=True)
-    _validate_muon_lion_qk_clip(config)
+    _validate_qk_clip(config)
+    _validate_for_family(config)
     _validate_fp8(config)
     _validate_offload(config)
 
 
-def _validate_muon_lion_qk_clip(config: OptimizerConfig) -> None:
-    """The Muon, Lion and QK-clip fields (issue 14), and what they need of the rest of the config."""
-    from .kernels.muon import SCALE_MODES
-    from .kernels.newton_schulz import COEFFICIENT_SETS, MATMUL_PRECISIONS, coefficient_schedule
-
-    _check_number(config, "muon_momentum", low=0.0, low_open=False, high=1.0)
-    _check_choice(config, "muon_coefficient_type", tuple(COEFFICIENT_SETS))
-    _check_choice(config, "muon_scale_mode", SCALE_MODES)
-    _check_choice(config, "muon_fp32_matmul_prec", MATMUL_PRECISIONS)
-    _check_choice(config, "muon_scalar_optimizer", ("adam", "lion"))
-    steps = config.muon_num_ns_steps
-    if isinstance(steps, bool) or not isinstance(steps, int):
-        _fail("muon_num_ns_steps", steps, "must be an int")
-    try:
-        coefficient_schedule(config.muon_coefficient_type, steps)
-    except ValueError as exc:
-        _fail("muon_num_ns_steps", steps, str(exc))
-    _check_number(config, "muon_extra_scale_factor", low=0.0, low_open=True)
-    _check_number(config, "lion_beta1", low=0.0, low_open=False, high=1.0)
-    _check_number(config, "lion_beta2", low=0.0, low_open=False, high=1.0)
+def _validate_qk_clip(config: OptimizerConfig) -> None:
     _check_number(config, "qk_clip_threshold", low=0.0, low_open=True)
     _check_number(config, "qk_clip_alpha", low=0.0, low_open=True, high=1.0)
-    if config.optimizer in ("muon", "lion"):
-        if config.fp16:
-            _fail("fp16", True, f"optimizer={config.optimizer!r} does not train fp16 params (Megatron-Core rejects "
-                  "it too): use bf16=True")
-        if config.main_params_dtype != torch.float32:
-            _fail("main_params_dtype", config.main_params_dtype,
-                  f"optimizer={config.optimizer!r} runs on fp32 main params: use torch.float32")
+
+
+def _validate_for_family(config: OptimizerConfig) -> None:
+    """What the config's family refuses of the rest of the config (Lion and Muon: fp16 params, fp64 main
+    params, as Megatron-Core does)."""
+    family = get_family(config.optimizer)
+    if config.fp16 and not family.trains_fp16:
+        _fail("fp16", True, f"optimizer={config.optimizer!r} does not train fp16 params (Megatron-Core rejects "
+              "it too): use bf16=True")
+    if config.main_params_dtype not in family.main_params_dtypes:
+        _fail("main_params_dtype", config.main_params_dtype,
+              f"optimizer={config.optimizer!r} runs on fp32 main params: use torch.float32")
 
 
 def _validate_fp8(config: OptimizerConfig) -> None:
@@ -199,9 +189,10 @@ def _validate_offload(config: OptimizerConfig) -> None:
         if config.overlap_cpu_optimizer_d2h_h2d:
             _fail("overlap_cpu_optimizer_d2h_h2d", True, "needs optimizer_cpu_offload=True")
         return
-    if config.optimizer not in ("adam", "sgd"):
-        _fail("optimizer_cpu_offload", True, f"runs Adam and SGD updates on the host, not "
-              f"optimizer={config.optimizer!r}: use optimizer='adam' or 'sgd'")
+    if not get_family(config.optimizer).offload:
+        hosted = [family for family in FAMILIES.values() if family.offload]
+        _fail("optimizer_cpu_offload", True, f"runs {' and '.join(f.title for f in hosted)} updates on the host, "
+              f"not optimizer={config.optimizer!r}: use optimizer={' or '.join(repr(f.name) for f in hosted)}")
     if config.fp8_recipe is not None:
         _fail("optimizer_cpu_offload", True, "does not requantize fp8 weights on the host: leave fp8_recipe None")
     if config.qk_clip:

@@ -5,7 +5,9 @@ the step would be baked into a captured graph forever (docs/design.md law 3), so
 instead; ``refresh`` copies the current floats in with one small host-to-device copy, outside the graph.
 
 Layout: one ``values`` tensor of shape (num_groups + 1, len(FIELDS)); row g holds group g, the last row
-holds the step-wide scalars (clip threshold, skip threshold). Each hyperparameter is a 0-d view of it, so
+holds the step-wide scalars (clip threshold, skip threshold). The per-group columns are the registered
+families' hyperparameter fields (``graphstep.families.hyper_columns``: lr, weight_decay, then each family's
+own in registration order); every group fills every column, 0 where its group has no such key. Each hyperparameter is a 0-d view of it, so
 its address never changes. ``host_rows`` holds the same values as floats, updated in place by each
 refresh: what kernels that take floats are given (the update stage reads it by precomputed position).
 
@@ -26,7 +28,10 @@ import torch
 
 from capture.devices import accelerator_available
 
-GROUP_FIELDS = ("lr", "weight_decay", "beta1", "beta2", "eps", "momentum")
+from .families import hyper_columns
+
+_GROUP_COLUMNS = hyper_columns()
+GROUP_FIELDS = tuple(column.column for column in _GROUP_COLUMNS)
 STEP_FIELDS = ("clip_grad", "grad_norm_skip_threshold")
 FIELDS = GROUP_FIELDS + STEP_FIELDS
 _COLUMN = {field: i for i, field in enumerate(FIELDS)}
@@ -41,9 +46,7 @@ def scalar_dtype(device) -> torch.dtype:
 
 def group_values(group: dict) -> tuple[float, ...]:
     """The floats of ``GROUP_FIELDS`` in one param group (missing fields are 0: not used by its rule)."""
-    betas = group.get("betas", (0.0, 0.0))
-    values = (group["lr"], group.get("weight_decay", 0.0), betas[0], betas[1], group.get("eps", 0.0),
-              group.get("momentum", 0.0))
+    values = tuple(column.read(group) for column in _GROUP_COLUMNS)
     for name, value in zip(GROUP_FIELDS, values):
         if isinstance(value, torch.Tensor):
             raise TypeError(f"param_groups[...]['{name}'] is a tensor; graphstep keeps its own device copy: "

@@ -18,6 +18,8 @@ from typing import Callable, Optional, Sequence, TypedDict, Union
 
 import torch
 
+from .families import get_family
+
 
 @dataclass(frozen=True)
 class NamedPredicate:
@@ -197,17 +199,17 @@ def get_mup_config_overrides(config, mup_width_mult: float, optimizer_type: Opti
 
     - classes: *embedding-class* as ``_is_embedding_class`` says; *vector-like* = embedding-class or
       ndim <= 1; *matrix-like* = everything else, hidden matrices and the output layer alike;
-    - Adam (any name containing "adam"): matrix-like params get lr / m and eps / m;
-    - SGD: vector-like params get lr x m, matrix-like ones keep lr;
-    - other optimizers: matrix-like params get lr / m (no eps);
+    - each family's ``MupRule`` (graphstep/families/) says what it scales: Adam (also "adamw"):
+      matrix-like params get lr / m and eps / m; SGD: vector-like params get lr x m, matrix-like ones keep
+      lr; Lion and Muon: matrix-like params get lr / m (no eps), except the matrices Muon itself updates
+      (``muon.takes``): only the params its scalar optimizer takes get it;
     - with ``decoupled_lr`` set, params marked ``is_embedding_or_output_parameter`` keep their decoupled
       lr (MuP sets no lr for them), though Adam's eps / m still applies to a matrix-like output layer;
     - nothing when m == 1.
 
     The schedule floor scales with the peak (``min_lr`` x the same factor when ``config.min_lr`` is set),
-    so ``min_lr <= max_lr`` still holds. ``optimizer_type`` defaults to ``config.optimizer``. For Muon
-    (a name containing "muon"), the matrices Muon itself updates (``muon_managed``) are left out: only the
-    params its scalar optimizer takes get the non-Adam rule.
+    so ``min_lr <= max_lr`` still holds. ``optimizer_type`` (any case) defaults to ``config.optimizer``;
+    a name that is no registered family (nor an alias of one) raises ValueError naming it.
     """
     if isinstance(mup_width_mult, bool) or not isinstance(mup_width_mult, (int, float)) \
             or not 0 < mup_width_mult < math.inf:
@@ -215,11 +217,20 @@ def get_mup_config_overrides(config, mup_width_mult: float, optimizer_type: Opti
                          "(hidden_size / base_hidden_size)")
     optimizer_type = config.optimizer if optimizer_type is None else optimizer_type
     if not isinstance(optimizer_type, str) or not optimizer_type:
-        raise TypeError(f"get_mup_config_overrides: optimizer_type={optimizer_type!r} must be a name like 'adam'")
+        raise TypeError(f"get_mup_config_overrides: optimizer_type={optimizer_type!r} must be the name of an "
+                        f"optimizer family, like {config.optimizer!r}")
+    try:
+        rule = get_family(optimizer_type.lower(), aliases=True).mup
+    except ValueError as exc:
+        raise ValueError(f"get_mup_config_overrides: optimizer_type={optimizer_type!r} names no optimizer family "
+                         f"MuP has a rule for ({exc})") from None
     if mup_width_mult == 1:
         return {}
-    rule = optimizer_type.lower()
-    m = float(mup_width_mult)
+    return _mup_overrides(config, float(mup_width_mult), rule)
+
+
+def _mup_overrides(config, m: float, rule) -> dict[ParamKey, ParamGroupOverride]:
+    """The overrides of one family's ``MupRule`` (``get_mup_config_overrides``)."""
     decoupled = config.decoupled_lr is not None
 
     def scaled_lr(factor: float) -> ParamGroupOverride:
@@ -236,28 +247,20 @@ def get_mup_config_overrides(config, mup_width_mult: float, optimizer_type: Opti
 
     def matrix_like_lr(param, name):
         return (matrix_like(param, name) and not keeps_decoupled_lr(param)
-                and not ("muon" in rule and muon_managed(param)))
+                and not (rule.keeps_lr is not None and rule.keeps_lr(param)))
 
     def vector_like_lr(param, name):
         return _is_vector_like(param, name) and not keeps_decoupled_lr(param)
 
-    if rule == "sgd":
+    if rule.scales == "vector_like":
         return {ParamKey(predicate=NamedPredicate("mup_vector_like_lr", vector_like_lr)): scaled_lr(m)}
     lr_key = ParamKey(predicate=NamedPredicate("mup_matrix_like_lr", matrix_like_lr))
-    if "adam" not in rule:
+    if rule.eps is None:
         return {lr_key: scaled_lr(1.0 / m)}
-    eps: ParamGroupOverride = {"eps": config.adam_eps / m}
+    eps: ParamGroupOverride = {"eps": rule.eps(config) / m}
     if not decoupled:  # both keys would select the same params: one key with both values
         return {ParamKey(predicate=NamedPredicate("mup_matrix_like", matrix_like)): {**scaled_lr(1.0 / m), **eps}}
     return {lr_key: scaled_lr(1.0 / m), ParamKey(predicate=NamedPredicate("mup_matrix_like_eps", matrix_like)): eps}
-
-
-def muon_managed(param) -> bool:
-    """Whether ``optimizer="muon"`` updates ``param`` with Muon itself unless an override routes it elsewhere
-    (Megatron-Core's rule, graphstep/routing.py): a 2-D param that is no embedding/output param and is not
-    marked ``use_muon=False``."""
-    return (param.ndim == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
-            and not getattr(param, "shared_embedding", False) and getattr(param, "use_muon", True))
 
 
 def _merged_override(name: str, param, config_overrides: dict) -> dict:
@@ -339,12 +342,9 @@ def _new_group(config, override: dict, first_param_name: str) -> dict:
         "lr": max_lr * lr_mult, "max_lr": max_lr, "min_lr": min_lr,
         "lr_mult": lr_mult, "wd_mult": wd_mult,
         "weight_decay": start_wd * wd_mult, "start_wd": start_wd, "end_wd": override.get("end_wd", config.weight_decay),
+        # Every group carries eps (Megatron-Core's groups do; MuP's eps override sets it), whatever its family.
         "eps": override.get("eps", config.adam_eps),
         "overrides": dict(override),
     }
-    if config.optimizer == "adam":
-        group["betas"] = (config.adam_beta1, config.adam_beta2)
-    else:
-        group["momentum"] = config.sgd_momentum
-        group["nesterov"] = config.sgd_nesterov
+    group.update(get_family(config.optimizer).group_defaults(config))  # betas, momentum, ...: its family's own
     return group

@@ -3,7 +3,7 @@
 ``build_family_param_groups`` runs ``overrides.build_param_groups`` and then gives each param group the
 family that updates it (``optimizer="muon"``: 2-D hidden matrices to Muon, the rest to
 ``muon_scalar_optimizer``), with that family's hyperparameters in the group. The engine calls it; the
-optimizer families themselves are declared in ``graphstep/families.py``.
+optimizer families themselves, and what each puts into its groups, are declared in graphstep/families/.
 
 Muon on models without Megatron's marks. Megatron-Core's rule reads marks its models set
 (``is_embedding_or_output_parameter``, ``shared_embedding``); Hugging Face, timm and plain torch models
@@ -33,12 +33,11 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
+from .families import FAMILIES, get_family, group_keys
 from .kernels.muon import QKVSplit
-from .overrides import build_param_groups, get_standard_config_overrides, muon_managed
+from .overrides import build_param_groups, get_standard_config_overrides
 
 logger = logging.getLogger("graphstep")
-
-_FAMILY_NAMES = ("adam", "sgd", "lion", "muon")
 
 # Name components that mean an embedding or an output head (GPT-2's wte/wpe, HF's lm_head, GPT-NeoX's
 # embed_out, Megatron's output_layer); any component containing "embed" (embed_tokens, word_embeddings,
@@ -79,10 +78,11 @@ def build_family_param_groups(named_params: Sequence[tuple[str, torch.nn.Paramet
     precedence over the rule. For "adam" and "sgd" without such overrides the groups are those of
     ``build_param_groups``, unchanged (no ``optimizer`` key).
 
-    Family hyperparameters: Muon groups ``momentum`` (``muon_momentum``: live, so torch's OneCycleLR may
-    cycle it), Lion groups ``betas`` = (``lion_beta1``, ``lion_beta2``), Adam groups ``betas``/``eps``,
-    SGD groups ``momentum``/``nesterov``. Groups keep ``build_param_groups``'s order; a group split between
-    families becomes one group per family, in the order its params first appear.
+    Family hyperparameters: each family's ``group_defaults`` (graphstep/families/: Muon groups
+    ``momentum``, live, so torch's OneCycleLR may cycle it; Lion groups ``betas`` = (``lion_beta1``,
+    ``lion_beta2``); Adam groups ``betas``; SGD groups ``momentum``/``nesterov``). Groups keep
+    ``build_param_groups``'s order; a group split between families becomes one group per family, in the
+    order its params first appear. A family name that is not registered raises, naming it.
     """
     if config_overrides is None:
         config_overrides = get_standard_config_overrides(config)
@@ -91,16 +91,17 @@ def build_family_param_groups(named_params: Sequence[tuple[str, torch.nn.Paramet
     for key, override in (config_overrides.items() if isinstance(config_overrides, dict) else ()):
         if isinstance(override, dict) and "optimizer" in override:
             family = override["optimizer"]
-            if family not in _FAMILY_NAMES:
+            if family not in FAMILIES:
                 raise ValueError(f"override for {key}: optimizer={family!r} must be one of "
-                                 f"{', '.join(map(repr, _FAMILY_NAMES))}")
+                                 f"{', '.join(map(repr, FAMILIES))}")
             chosen[key] = family
             override = {k: v for k, v in override.items() if k != "optimizer"}
         stripped[key] = override
     groups = build_param_groups(named_params, config, stripped if isinstance(config_overrides, dict)
                                 else config_overrides)
-    if config.optimizer in ("adam", "sgd") and not chosen:
-        return groups  # build_param_groups already gives these families their hyperparameters
+    base = get_family(config.optimizer)
+    if base.plain_groups and not chosen:
+        return groups  # build_param_groups already gave them the family's keys, and no "optimizer" key
 
     facts = _model_facts(named_params, model_chunks)
     inferred: dict[str, str] = {}  # param name -> why it went to the scalar optimizer without a mark
@@ -112,15 +113,15 @@ def build_family_param_groups(named_params: Sequence[tuple[str, torch.nn.Paramet
                              "keys disjoint")
         if picked:
             return picked.pop()
-        if config.optimizer != "muon":
-            return config.optimizer
-        if not muon_managed(param):
-            return config.muon_scalar_optimizer
+        if base.takes is None:  # the family takes every param
+            return base.name
+        if not base.takes(param):
+            return base.scalar_family(config)
         reason = None if facts.marked else _embedding_or_head_reason(param, name, facts)
         if reason is not None:
             inferred[name] = reason
-            return config.muon_scalar_optimizer
-        return "muon"
+            return base.scalar_family(config)
+        return base.name
 
     routed = []
     for group in groups:
@@ -189,12 +190,12 @@ def fused_qkv_kind(name: str, param) -> Optional[str]:
 
 def _split_or_refuse_fused_qkv(routed: list[dict], config) -> list[str]:
     """Give torch's in_proj_weight left to Muon its known split; refuse any other fused QKV weight left to
-    Muon without a ``qkv_split`` (its layout is unknown). Returns the names given a split."""
-    if not config.muon_split_qkv:
-        return []  # the user asked for fused weights orthogonalised whole, as Megatron-Core allows
+    Muon without a ``qkv_split`` (its layout is unknown). Returns the names given a split. (A family splits
+    fused QKV weights when its ``splits_fused_qkv(config)`` says so: Muon with ``muon_split_qkv``; without
+    it the user asked for fused weights orthogonalised whole, as Megatron-Core allows.)"""
     known, unknown = [], []
     for group in routed:
-        if group["optimizer"] != "muon":
+        if not get_family(group["optimizer"]).splits_fused_qkv(config):
             continue
         for param, name in zip(group["params"], group["param_names"]):
             kind = fused_qkv_kind(name, param)
@@ -252,7 +253,7 @@ def _log_routing(config, routed: list[dict], inferred: dict, split: list) -> Non
     told = []
     if inferred:
         told.append(f"{len(inferred)} embedding/output params recognised by module, tie or name went to "
-                    f"{config.muon_scalar_optimizer}")
+                    f"{get_family(config.optimizer).scalar_family(config)}")
     if split:
         told.append(f"{len(split)} nn.MultiheadAttention in_proj_weight split as [W_q; W_k; W_v] for Muon")
     logger.warning("%s. The model carries none of Megatron's marks (%s), so %s. To route a param otherwise, mark "
@@ -261,15 +262,11 @@ def _log_routing(config, routed: list[dict], inferred: dict, split: list) -> Non
 
 
 def _family_group(config, group: dict, family: str) -> dict:
-    """A copy of ``group`` (no params) for ``family``, with that family's hyperparameters only."""
-    new = {k: v for k, v in group.items() if k not in ("params", "param_names", "betas", "momentum", "nesterov")}
+    """A copy of ``group`` (no params) for ``family``, with that family's hyperparameters only: it sheds
+    every family's group keys, then takes its own (``Family.group_defaults``)."""
+    defaults = get_family(family).group_defaults(config)
+    shed = ("params", "param_names") + group_keys(config)
+    new = {k: v for k, v in group.items() if k not in shed}
     new.update(params=[], param_names=[], optimizer=family, overrides={**group["overrides"], "optimizer": family})
-    if family == "adam":
-        new["betas"] = (config.adam_beta1, config.adam_beta2)
-    elif family == "lion":
-        new["betas"] = (config.lion_beta1, config.lion_beta2)
-    elif family == "muon":
-        new["momentum"] = config.muon_momentum
-    else:
-        new.update(momentum=config.sgd_momentum, nesterov=config.sgd_nesterov)
+    new.update(defaults)
     return new

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed
 
+from .families import state_spec
 from .fp8 import checkpoint as fp8_checkpoint
 
 STATE_DICT_FORMAT = "graphstep/1"
@@ -303,9 +304,9 @@ def _check_buffers(buffers, saved: Mapping, where: str) -> Mapping:
     check_tensor_list(saved["main_params"], f"{where}['main_params']",
                       [buffers.shard_like("main", b) for b in range(len(buffers.main_shard))])
     states = check_mapping(saved["state"], f"{where}['state']", tuple(buffers.state), allowed=tuple(buffers.state))
-    for name, tensors in buffers.state.items():
-        check_tensor_list(states[name], f"{where}['state'][{name!r}]",
-                          [buffers.shard_like(name, b) for b in range(len(tensors))], nonnegative=name == "exp_avg_sq")
+    for name, tensors in buffers.state.items():  # each state's invariants as its family declares them
+        check_tensor_list(states[name], f"{where}['state'][{name!r}]", [buffers.shard_like(name, b)
+                          for b in range(len(tensors))], nonnegative=state_spec(name).nonnegative)
     return states
 
 

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from .. import state_dict as flat
 from ..experts import refuse_checkpoint
+from ..families import state_spec
 from ..fp8 import checkpoint as fp8_checkpoint
 
 FORMAT = "graphstep-sharded"
@@ -264,7 +265,8 @@ def validate(opt, sd: Any) -> dict:
             if key not in sd:
                 raise _fail(f"[{key!r}]", "is missing")
             mine = owned.get(place.index)
-            source = _check_entry(opt, sd[key], key, place, mine, nonnegative=kind == "exp_avg_sq")
+            nonnegative = kind != MAIN_PARAM and state_spec(kind).nonnegative  # as its family declares
+            source = _check_entry(opt, sd[key], key, place, mine, nonnegative=nonnegative)
             if source is not None:
                 copies.append((_kind_part(opt, kind, place.buffer, mine.shard_start, source.numel()), source))
     flat.check_step(sd[STEP_KEY], f"[{STEP_KEY!r}]", opt.tensors.step)

@@ -1,30 +1,9 @@
-"""Optimizer families: what the update stage needs to know to run one, declared in one place.
+"""What an optimizer family is: the ``Family`` record and the structs its parts share.
 
-A family (Adam, SGD, Lion, Muon) is:
-
-- its **kernel**, one function per implementation module in ``graphstep/kernels/`` (``fused``,
-  ``compiled``, ``reference``) with one signature across them; or, for a family whose math has one
-  implementation (Lion, Muon), its own kernels module (``Family.kernels``), which then also declares
-  the family's live fields;
-- its **hyperparameters**: which ``HyperParams`` field feeds which kernel keyword;
-- its **state**: the names of the optimizer-state buffers it keeps per element;
-- its **call**: how the update stage hands a group's views and hyperparameters to the kernel (and,
-  optionally, **call_groups**: all of a step's groups of the family in one call);
-- its **views** (optional): how a group's slice of the flat buffers is cut for the kernel. The default is
-  one flat view per segment (elementwise rules); Muon needs whole matrices, batched by shape
-  (``graphstep/matrix_views.py``).
-
-Which hyperparameters are live (0-d device tensors a captured step reads anew every replay) and which
-are baked (Python floats the kernel takes; a capture records them, the engine guards them and
-recaptures on change) is the implementation's declaration, ``LIVE_FIELDS`` of its kernels module, met
-with the family's fields at build by ``live_fields``. The update stage resolves each group's sources
-once at build; the per-step path does no name look-ups.
-
-Adding an elementwise family: write its kernel in each implementation module (or in those that support
-it; or one module of its own, ``Family.kernels``), add a ``Family`` below to ``FAMILIES``, and accept
-its name in ``OptimizerConfig.optimizer``.
-Nothing in the runner, the engine or the stages changes; param groups choose a family through their
-``optimizer`` key (a config override), defaulting to ``OptimizerConfig.optimizer``.
+A family (Adam, SGD, Lion, Muon) is one module of this package holding every rule about it (the
+package docstring lists them); this module defines the record those modules fill in, and the structs
+the update stage hands to a family's kernel call (``GroupViews``, ``ViewSources``, ``StepScalars``).
+It imports nothing of graphstep, so every family module and the registry can import it.
 """
 
 from __future__ import annotations
@@ -34,10 +13,6 @@ from types import ModuleType
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
-
-from . import matrix_views
-from .kernels import lion as lion_kernels
-from .kernels import muon as muon_kernels
 
 
 @dataclass(frozen=True)
@@ -85,11 +60,93 @@ class StepScalars:
 
 
 @dataclass(frozen=True)
-class Family:
+class HyperField:
+    """A hyperparameter a family's kernel reads: its column in the live table (graphstep/hyperparams.py),
+    which is also the kernel's keyword, and where a param group holds it (``group[key]``, or
+    ``group[key][index]`` for a tuple such as ``betas``). A group without the key reads 0 (the value is
+    not its family's), except a ``required`` field."""
+
+    column: str
+    key: str
+    index: Optional[int] = None
+    required: bool = False
+
+    def read(self, group: dict):
+        if self.required:
+            return group[self.key]
+        if self.key not in group:
+            return 0.0
+        return group[self.key] if self.index is None else group[self.key][self.index]
+
+
+# Every family reads these two; they are the live table's first columns.
+LR = HyperField("lr", "lr", required=True)
+WEIGHT_DECAY = HyperField("weight_decay", "weight_decay")
+# Read by more than one family (a shared column): torch.optim's group keys.
+BETA1 = HyperField("beta1", "betas", index=0)
+BETA2 = HyperField("beta2", "betas", index=1)
+MOMENTUM = HyperField("momentum", "momentum")
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One per-element optimizer-state buffer a family keeps: its name (the buffer's, the checkpoints'),
+    and its invariant: ``nonnegative`` state (a second moment) is refused on load when negative, by
+    both checkpoint formats."""
+
     name: str
-    hyperparameters: tuple[tuple[str, str], ...]  # (kernel keyword, HyperParams field)
-    state_names: Callable[[object], tuple[str, ...]]  # config -> names of the per-element state buffers
+    nonnegative: bool = False
+    needed: Callable[[object], bool] = lambda config: True
+    """config -> whether the family keeps it under this config (SGD: momentum > 0)."""
+
+
+MUP_SCALES = ("matrix_like", "vector_like")
+
+
+@dataclass(frozen=True)
+class MupRule:
+    """How MuP (``graphstep.get_mup_config_overrides``, Megatron-Core's rule) rescales this family's
+    params for a width multiplier m: "matrix_like" params get lr / m, or "vector_like" ones lr x m;
+    with ``eps`` (config -> the family's ε) matrix-like params also get ε / m; ``keeps_lr``
+    (param -> bool) marks params the family updates itself whose lr MuP leaves alone (Muon's matrices)."""
+
+    scales: str
+    eps: Optional[Callable[[object], float]] = None
+    keeps_lr: Optional[Callable[[torch.Tensor], bool]] = None
+
+    def __post_init__(self) -> None:
+        if self.scales not in MUP_SCALES:
+            raise ValueError(f"MupRule.scales={self.scales!r}: must be one of {', '.join(map(repr, MUP_SCALES))}")
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything graphstep knows about one update rule. Every field without a default must be given:
+    a family that forgets a rule does not get another family's by default."""
+
+    name: str  # the value of OptimizerConfig.optimizer and of a param group's "optimizer" key
+    title: str  # how messages name it ("Adam")
+    fields: tuple[HyperField, ...]
+    """The hyperparameters its kernel reads, in the kernel's keyword order; each a live-table column."""
+    states: tuple[StateSpec, ...]  # every per-element state buffer it may keep
+    validate: Callable[[object, object], None]
+    """validate(config, checks): raise (through ``checks.number``/``choice``/``fail``, those of
+    graphstep/config_validation.py) when one of the config fields it reads is out of range. Runs for
+    every config, whichever family it names, as a field is a field."""
+    group_defaults: Callable[[object], dict]
+    """config -> the keys a param group of this family carries for it (``betas``, ``momentum``, ...),
+    after the keys every group has (graphstep/overrides.py)."""
+    torch_defaults: Callable[[object], dict]
+    """config -> the keys of ``torch.optim.Optimizer.defaults`` beside lr and weight_decay when this is
+    the config's family: torch's OneCycleLR cycles ``betas`` or ``momentum`` only where defaults have it."""
+    mup: MupRule
     call: Callable[..., None]  # call(kernels, views, scalars, config, grad_scale, **hyperparameters)
+    offload: bool
+    """Whether graphstep.offload's host update runs it (torch's fused CPU kernels exist for it)."""
+    plain_groups: bool
+    """As the config's ``optimizer`` with no override routing params elsewhere: True, its groups are
+    ``build_param_groups``'s own, without an ``optimizer`` key (torch.optim's shape; Adam, SGD); False,
+    every group names its family (graphstep/routing.py)."""
     call_groups: Optional[Callable[..., None]] = None
     """call_groups(kernels, groups, scalars, config, grad_scale), ``groups`` a list of (views,
     hyperparameters): all of a step's groups of the family in one kernel call (Adam: the compiled kernel
@@ -105,6 +162,29 @@ class Family:
     """group_problem(param_group, config): what in a group's current values the built step cannot honour
     (a schedule switching on momentum the build gave no buffers for), in words; None when all is well.
     The engine asks before each step and refuses the step with it."""
+    aliases: tuple[str, ...] = ()
+    """Other names MuP's ``optimizer_type`` may give it (lower case): "adamw" for Adam."""
+    trains_fp16: bool = True  # False: refuse fp16 params as the config's family (Megatron-Core does)
+    main_params_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
+    takes: Optional[Callable[[torch.Tensor], bool]] = None
+    """As the config's family: which params it updates itself; None: all. The rest go to
+    ``scalar_family(config)`` (Muon: 2-D hidden matrices; graphstep/routing.py)."""
+    scalar_family: Optional[Callable[[object], str]] = None
+    splits_fused_qkv: Callable[[object], bool] = lambda config: False
+    """config -> whether its fused QKV weights are updated as separate Q, K and V matrices (Muon)."""
+
+    def __post_init__(self) -> None:
+        if (self.takes is None) != (self.scalar_family is None):
+            raise ValueError(f"family {self.name!r}: give both takes and scalar_family, or neither")
+
+    @property
+    def hyperparameters(self) -> tuple[tuple[str, str], ...]:
+        """(kernel keyword, live-table column) per hyperparameter, in the kernel's order."""
+        return tuple((field.column, field.column) for field in self.fields)
+
+    def state_names(self, config) -> tuple[str, ...]:
+        """The state buffers it keeps under ``config``."""
+        return tuple(spec.name for spec in self.states if spec.needed(config))
 
     @property
     def batch_by_shape(self) -> bool:
@@ -116,7 +196,7 @@ class Family:
         """The kernels module this family's groups run: its own, else the configured implementation."""
         return self.kernels if self.kernels is not None else configured
 
-    def run(self, kernels: ModuleType, groups: Sequence, scalars: "StepScalars", config, grad_scale) -> None:
+    def run(self, kernels: ModuleType, groups: Sequence, scalars: StepScalars, config, grad_scale) -> None:
         """The update of ``groups`` (each (views, hyperparameters)) with ``kernels`` (this family's own, or
         the configured implementation)."""
         if self.call_groups is not None:
@@ -127,103 +207,4 @@ class Family:
 
     def live_fields(self, kernels: ModuleType) -> frozenset[str]:
         """The fields of this family that ``kernels`` reads from device tensors (the rest are baked)."""
-        return frozenset(field for _, field in self.hyperparameters) & self.kernels_for(kernels).LIVE_FIELDS
-
-
-def _adam(kernels, views: GroupViews, scalars: StepScalars, config, grad_scale, **hyper) -> None:
-    _adam_groups(kernels, [(views, hyper)], scalars, config, grad_scale)
-
-
-def _adam_groups(kernels, groups: Sequence, scalars: StepScalars, config, grad_scale) -> None:
-    kernels.adam_groups([(views.params, views.grads, views.state["exp_avg"], views.state["exp_avg_sq"], hyper)
-                         for views, hyper in groups], step=scalars.step, decoupled=config.decoupled_weight_decay,
-                        grad_scale=grad_scale, found_inf=scalars.found_inf)
-
-
-def _sgd(kernels, views: GroupViews, scalars: StepScalars, config, grad_scale, **hyper) -> None:
-    kernels.sgd(views.params, views.grads, views.state.get("momentum_buffer", []), nesterov=config.sgd_nesterov,
-                grad_scale=grad_scale, found_inf=scalars.found_inf, **hyper)
-
-
-ADAM = Family(
-    name="adam",
-    hyperparameters=(("lr", "lr"), ("beta1", "beta1"), ("beta2", "beta2"), ("weight_decay", "weight_decay"),
-                     ("eps", "eps")),
-    state_names=lambda config: ("exp_avg", "exp_avg_sq"),
-    call=_adam,
-    call_groups=_adam_groups,
-)
-
-def _sgd_group_problem(group: dict, config) -> Optional[str]:
-    if config.sgd_momentum == 0 and group.get("momentum", 0.0) != 0:
-        return (f"momentum={group['momentum']!r}, but the optimizer was built with sgd_momentum=0 and keeps no "
-                "momentum buffers: build it with sgd_momentum > 0 to schedule momentum (torch's OneCycleLR "
-                "cycles it unless cycle_momentum=False)")
-    if "nesterov" in group and bool(group["nesterov"]) != config.sgd_nesterov:
-        return (f"nesterov={group['nesterov']!r}: fixed at build by OptimizerConfig.sgd_nesterov="
-                f"{config.sgd_nesterov}; build a new optimizer to change it")
-    return None
-
-
-SGD = Family(
-    name="sgd",
-    hyperparameters=(("lr", "lr"), ("weight_decay", "weight_decay"), ("momentum", "momentum")),
-    state_names=lambda config: ("momentum_buffer",) if config.sgd_momentum > 0 else (),
-    call=_sgd,
-    group_problem=_sgd_group_problem,
-)
-
-
-
-def _lion(kernels, views: GroupViews, scalars: StepScalars, config, grad_scale, **hyper) -> None:
-    kernels.lion(views.params, views.grads, views.state["exp_avg"], grad_scale=grad_scale,
-                 found_inf=scalars.found_inf, **hyper)
-
-
-def _muon(kernels, views: GroupViews, scalars: StepScalars, config, grad_scale, **hyper) -> None:
-    kernels.muon(views.params, views.grads, views.state["momentum_buffer"], nesterov=config.muon_nesterov,
-                 decoupled=config.decoupled_weight_decay, grad_scale=grad_scale, found_inf=scalars.found_inf,
-                 ns_steps=config.muon_num_ns_steps, coefficient_type=config.muon_coefficient_type,
-                 scale_mode=config.muon_scale_mode, extra_scale_factor=config.muon_extra_scale_factor,
-                 fp32_matmul_prec=config.muon_fp32_matmul_prec, qkv_splits=views.qkv_splits, **hyper)
-
-
-LION = Family(
-    name="lion",
-    hyperparameters=(("lr", "lr"), ("beta1", "beta1"), ("beta2", "beta2"), ("weight_decay", "weight_decay")),
-    state_names=lambda config: lion_kernels.STATE_NAMES,
-    call=_lion,
-    kernels=lion_kernels,
-)
-
-MUON = Family(
-    name="muon",
-    hyperparameters=(("lr", "lr"), ("weight_decay", "weight_decay"), ("momentum", "momentum")),
-    state_names=lambda config: muon_kernels.STATE_NAMES,
-    call=_muon,
-    kernels=muon_kernels,
-    views=matrix_views.matrix_views,
-    check=matrix_views.check_whole_matrices,
-)
-
-FAMILIES: dict[str, Family] = {family.name: family for family in (ADAM, SGD, LION, MUON)}
-
-
-def get_family(name: str) -> Family:
-    try:
-        return FAMILIES[name]
-    except KeyError:
-        raise ValueError(f"optimizer={name!r}: must be one of {', '.join(map(repr, FAMILIES))}") from None
-
-
-def families_of(param_groups: Sequence[dict], default: str) -> tuple[Family, ...]:
-    """Per param group, its family: the group's ``optimizer`` key, else ``default``."""
-    return tuple(get_family(group.get("optimizer", default)) for group in param_groups)
-
-
-def state_names(families: Sequence[Family], config) -> tuple[str, ...]:
-    """Every state buffer some group's family keeps, in first-use order."""
-    names: list[str] = []
-    for family in families:
-        names += [n for n in family.state_names(config) if n not in names]
-    return tuple(names)
+        return frozenset(column for _, column in self.hyperparameters) & self.kernels_for(kernels).LIVE_FIELDS

@@ -1,6 +1,6 @@
 """The update math over lists of flat views, with interchangeable implementations of one signature.
 
-Each optimizer family (graphstep/families.py) has one kernel function per implementation module; the
+Each optimizer family (graphstep/families/) has one kernel function per implementation module; the
 family declares which hyperparameter feeds which argument, the module declares (``LIVE_FIELDS``) which
 of them it reads from device tensors. Every implementation module provides::
 

@@ -3,7 +3,7 @@
 One kernel call per param group (Adam: one for all its groups, which the compiled kernel runs as one
 loop), over that group's segments of this rank's shard (a few large views: one per bucket, see
 layout.py; Muon's groups: one (n, r, c) view per run of same-shape matrices, see matrix_views.py),
-through the group's optimizer family (graphstep/families.py), whose view builder cuts the views once,
+through the group's optimizer family (graphstep/families/), whose view builder cuts the views once,
 here, at build. The step count advances by ``1 - found_inf`` before the kernels, so a skipped step
 leaves it, like the params and the state, bitwise unchanged.
 

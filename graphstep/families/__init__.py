@@ -1,0 +1,155 @@
+"""Optimizer families: one module per update rule, and the registry every other module asks.
+
+Each family module (``adam.py``, ``sgd.py``, ``lion.py``, ``muon.py``) fills in one ``Family``
+(graphstep/families/base.py) with everything graphstep knows about its rule:
+
+- its **name** (``OptimizerConfig.optimizer``, a param group's ``optimizer`` key) and MuP **aliases**;
+- the **config fields** it reads and their **validation** (run by graphstep/config_validation.py), and
+  what it refuses as the config's family (fp16 params, fp64 main params, CPU offload);
+- its **param-group keys** (``betas``, ``momentum``, ...: graphstep/overrides.py and routing.py put them
+  into its groups) and the torch **defaults** schedulers see (``torch_defaults``: OneCycleLR cycles
+  ``betas`` or ``momentum`` only where they are);
+- its **MuP rule** (``MupRule``), and, for a family that takes only some params (Muon), which ones;
+- its **hyperparameter fields**: the live table's columns (graphstep/hyperparams.py) are derived here,
+  from the registered families, by ``hyper_columns``;
+- its **state** (``StateSpec``: names, invariants the checkpoint formats check on load);
+- its **kernel call** (and its own kernels module, where it has one: Lion, Muon), its **view builder**
+  (Muon: whole matrices) and its build-time **checks**.
+
+Which hyperparameters are live (0-d device tensors a captured step reads anew every replay) and which are
+baked (Python floats the kernel takes; a capture records them, the engine guards them and recaptures on
+change) is the implementation's declaration, ``LIVE_FIELDS`` of its kernels module, met with the
+family's fields at build by ``Family.live_fields``.
+
+Adding a family: its kernel (in each implementation module of graphstep/kernels/, or a kernels module of
+its own, ``Family.kernels``), a module here filling in every rule, and its entry in ``_MODULES`` below.
+Nothing else changes: an unknown family name is an error everywhere (``get_family``), never another
+family's rules, and no other module names a family (tests/test_family_registry.py).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from . import adam, lion, muon, sgd
+from .base import (LR, WEIGHT_DECAY, Family, GroupViews, HyperField, MupRule, StateSpec, StepScalars, ViewSources,
+                   flat_views)
+
+__all__ = ["FAMILIES", "Family", "GroupViews", "HyperField", "MupRule", "StateSpec", "StepScalars", "ViewSources",
+           "check_registry", "families_of", "flat_views", "get_family", "group_keys", "hyper_columns",
+           "state_names", "state_spec", "torch_defaults"]
+
+# Registration order is the live table's column order (hyper_columns): keep new families at the end.
+_MODULES = (adam, sgd, lion, muon)
+
+_RULES = ("states", "validate", "group_defaults", "torch_defaults", "mup", "call", "views")
+
+
+def check_registry(families: Sequence[Family]) -> dict[str, Family]:
+    """``families`` by name, refused (naming the family and the rule) when one lacks a rule or two disagree
+    on a shared column, state name or name."""
+    registry: dict[str, Family] = {}
+    aliases: set = set()
+    for family in families:
+        if not isinstance(family, Family):
+            raise TypeError(f"optimizer family {family!r}: must be a graphstep.families.Family")
+        for rule in _RULES:
+            if getattr(family, rule, None) is None:
+                raise ValueError(f"optimizer family {family.name!r} declares no {rule!r} rule; every family "
+                                 "states its own (see graphstep/families/adam.py): none is borrowed from another")
+        if not isinstance(family.mup, MupRule):
+            raise ValueError(f"optimizer family {family.name!r}: mup must be a MupRule, got {family.mup!r}")
+        if LR not in family.fields:
+            raise ValueError(f"optimizer family {family.name!r}: its fields must include lr (every group has one)")
+        names = {family.name, *family.aliases}
+        if family.name in registry or names & aliases or names & set(registry):
+            raise ValueError(f"optimizer family {family.name!r}: its name or an alias is taken by another family")
+        registry[family.name] = family
+        aliases |= set(family.aliases)
+    _columns(registry.values())
+    _state_specs(registry.values())
+    return registry
+
+
+def _columns(families) -> tuple[HyperField, ...]:
+    columns: dict[str, HyperField] = {LR.column: LR, WEIGHT_DECAY.column: WEIGHT_DECAY}
+    for family in families:
+        for field in family.fields:
+            seen = columns.setdefault(field.column, field)
+            if seen != field:
+                raise ValueError(f"optimizer family {family.name!r} reads column {field.column!r} from "
+                                 f"{field}, another family from {seen}: one column, one place in a group")
+    return tuple(columns.values())
+
+
+def _state_specs(families) -> dict[str, StateSpec]:
+    specs: dict[str, StateSpec] = {}
+    for family in families:
+        for spec in family.states:
+            seen = specs.setdefault(spec.name, spec)
+            if seen.nonnegative != spec.nonnegative:
+                raise ValueError(f"optimizer family {family.name!r} declares state {spec.name!r} with "
+                                 f"nonnegative={spec.nonnegative}, another family with {seen.nonnegative}: "
+                                 "families sharing a state buffer share its invariants")
+    return specs
+
+
+FAMILIES: Mapping[str, Family] = check_registry([module.FAMILY for module in _MODULES])
+_COLUMNS = _columns(FAMILIES.values())
+_STATE_SPECS = _state_specs(FAMILIES.values())
+
+
+def get_family(name: str, *, aliases: bool = False) -> Family:
+    """The family named ``name`` (``aliases``: or one of its aliases, such as "adamw"); an unknown name
+    raises ValueError listing the registered ones."""
+    family = FAMILIES.get(name)
+    if family is None and aliases:
+        family = next((f for f in FAMILIES.values() if name in f.aliases), None)
+    if family is None:
+        known = list(FAMILIES) + ([a for f in FAMILIES.values() for a in f.aliases] if aliases else [])
+        raise ValueError(f"optimizer={name!r}: must be one of {', '.join(map(repr, known))}")
+    return family
+
+
+def families_of(param_groups: Sequence[dict], default: str) -> tuple[Family, ...]:
+    """Per param group, its family: the group's ``optimizer`` key, else ``default``."""
+    return tuple(get_family(group.get("optimizer", default)) for group in param_groups)
+
+
+def state_names(families: Sequence[Family], config) -> tuple[str, ...]:
+    """Every state buffer some group's family keeps, in first-use order."""
+    names: list[str] = []
+    for family in families:
+        names += [n for n in family.state_names(config) if n not in names]
+    return tuple(names)
+
+
+def state_spec(name: str) -> StateSpec:
+    """The declaration of state buffer ``name`` (its invariants); an undeclared name raises."""
+    try:
+        return _STATE_SPECS[name]
+    except KeyError:
+        raise ValueError(f"optimizer state {name!r} is declared by no registered family (declared: "
+                         f"{', '.join(map(repr, _STATE_SPECS))})") from None
+
+
+def hyper_columns() -> tuple[HyperField, ...]:
+    """The live table's per-group columns: lr, weight_decay, then each family's new fields in
+    registration order."""
+    return _COLUMNS
+
+
+def group_keys(config) -> tuple[str, ...]:
+    """Every key some family puts into its groups (``group_defaults``), in registration order: what a group
+    sheds when routing gives it to another family."""
+    keys: list[str] = []
+    for family in FAMILIES.values():
+        keys += [k for k in family.group_defaults(config) if k not in keys]
+    return tuple(keys)
+
+
+def torch_defaults(config) -> dict:
+    """``torch.optim.Optimizer.defaults`` for ``config``: lr, weight_decay, then what the config's family
+    adds (``betas`` or ``momentum``: what torch's OneCycleLR cycles)."""
+    family = get_family(config.optimizer)
+    return {"lr": config.lr, "weight_decay": config.weight_decay, **family.torch_defaults(config)}

@@ -1,0 +1,44 @@
+"""Lion (``OptimizerConfig.optimizer="lion"``, or Muon's ``muon_scalar_optimizer="lion"``): every rule
+graphstep has about it.
+
+Config fields: ``lion_beta1``, ``lion_beta2``. Groups carry ``betas`` (live); the kernel is its own
+module, graphstep/kernels/lion.py, whatever ``OptimizerConfig.kernel`` says. State: ``exp_avg``. MuP:
+matrix-like params get lr / m. Trains fp32 main params only, and no fp16 params (Megatron-Core's rule).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import lion as lion_kernels
+from .base import BETA1, BETA2, LR, WEIGHT_DECAY, Family, GroupViews, MupRule, StateSpec, StepScalars
+
+NAME = "lion"
+
+
+def _validate(config, checks) -> None:
+    checks.number(config, "lion_beta1", low=0.0, low_open=False, high=1.0)
+    checks.number(config, "lion_beta2", low=0.0, low_open=False, high=1.0)
+
+
+def _call(kernels, views: GroupViews, scalars: StepScalars, config, grad_scale, **hyper) -> None:
+    kernels.lion(views.params, views.grads, views.state["exp_avg"], grad_scale=grad_scale,
+                 found_inf=scalars.found_inf, **hyper)
+
+
+FAMILY = Family(
+    name=NAME,
+    title="Lion",
+    fields=(LR, BETA1, BETA2, WEIGHT_DECAY),
+    states=tuple(StateSpec(name) for name in lion_kernels.STATE_NAMES),
+    validate=_validate,
+    group_defaults=lambda config: {"betas": (config.lion_beta1, config.lion_beta2)},
+    torch_defaults=lambda config: {"betas": (config.lion_beta1, config.lion_beta2)},
+    mup=MupRule("matrix_like"),
+    call=_call,
+    kernels=lion_kernels,
+    offload=False,
+    plain_groups=False,
+    trains_fp16=False,
+    main_params_dtypes=(torch.float32,),
+)
