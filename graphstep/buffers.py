@@ -6,7 +6,8 @@ checkpoint loading copies in place, so a captured step can keep reading the same
 Per buffer key (param dtype, grad dtype) of the layout:
 - ``param_flat``  model dtype, every model param is a view of it;
 - ``grad_flat``   grad dtype; a param's ``.grad`` is a view of it when grads accumulate in the param's
-  dtype, else backward accumulates into an fp32 view ``param.main_grad`` through a hook;
+  dtype, else backward accumulates into an fp32 view ``param.main_grad`` through the param's
+  post-accumulate-grad hook (``listen_for_main_grads``: the first stage of graphstep/param_hooks.py);
 - ``main_shard``  fp32 main params: where the params are fp32 already, ``param_flat`` itself (at any
   data-parallel size: the update writes this rank's shard of the params in place, no second copy, no
   copy-back); else a separate fp32 tensor of this rank's shard. Address a range of it with
@@ -38,7 +39,6 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from . import weak_hooks
 from .fp8 import is_fp8
 from .fp8.engine_support import main_values
 from .layout import Layout
@@ -56,7 +56,6 @@ class StaticBuffers:
     grad_shard: list[torch.Tensor]
     state: dict[str, list[torch.Tensor]]
     params: list[torch.nn.Parameter]  # in layout (input) order
-    main_grad_hooks: Any = None  # weak_hooks.Handles of the hooks below (allocate)
     _main_grads: list = field(default_factory=list)  # each param's main_grad view, kept for identity checks
     _param_ptrs: list = field(default_factory=list)
     _grad_params: list = field(default_factory=list)  # params whose .grad is a view of grad_flat
@@ -209,13 +208,19 @@ class StaticBuffers:
 
     def owns(self, index: int, param: torch.nn.Parameter) -> bool:
         """Whether ``param`` (param ``index``) is still laid out in these buffers: an optimizer built later over
-        the same model gives it a main_grad of its own, and this one's hooks must then leave it alone."""
+        the same model gives it a main_grad of its own, and this one's grad listeners must then leave it alone
+        (graphstep/param_hooks.py checks it before them)."""
         return getattr(param, "main_grad", None) is self._main_grads[index]
 
+    def listen_for_main_grads(self, hooks) -> None:
+        """Have ``hooks`` (graphstep.param_hooks.GradHooks) accumulate into the fp32 main grad of every param
+        whose grads are not in its own dtype (fp8 params' backward writes ``main_grad`` itself)."""
+        for i, p in enumerate(self.params):
+            if not self.grads_in_param_dtype(i) and not is_fp8(p):
+                hooks.listen("main_grad", self, i, self, "accumulate_into_main_grad", i)
+
     def accumulate_into_main_grad(self, index: int, param: torch.nn.Parameter) -> None:
-        """The post-accumulate-grad hook of a param whose grads accumulate into an fp32 main grad."""
-        if not self.owns(index, param):
-            return
+        """Param ``index``'s listener (stage "main_grad"), called only while these buffers own the param."""
         # Backward has just written this micro-batch's grad in the param's (half) dtype; fold it into the fp32
         # main grad and drop it, so the next micro-batch starts a fresh half grad and accumulation is in fp32.
         param.main_grad.add_(param.grad)
@@ -304,6 +309,9 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
     The main params are seeded from the params' values *before* any cast to the model dtype, so a model
     built in fp32 and trained in bf16 keeps its fp32 initialisation in the main params. An fp8 weight
     (graphstep.fp8) seeds them with its dequantized values.
+
+    No hook is registered here: the fp32 main grads accumulate once the optimizer's one hook per param
+    listens for them (``listen_for_main_grads``).
     """
     if len(params) != len(layout.params):
         raise ValueError(f"allocate: {len(params)} params for a layout of {len(layout.params)}")
@@ -346,13 +354,9 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
         source = source[owned.param_start:owned.param_end]
         buffers.shard_part("main", buf, owned.shard_start, size).copy_(source)
 
-    buffers.main_grad_hooks = weak_hooks.Handles(buffers)
     for i, p in enumerate(params):
-        p.main_grad = buffers.grad_view(i)
+        p.main_grad = buffers.grad_view(i)  # also what marks the param as owned by these buffers (owns)
         buffers._main_grads.append(p.main_grad)
-        if not buffers.grads_in_param_dtype(i) and not is_fp8(p):  # fp8 backward writes main_grad itself
-            hook = weak_hooks.calling(buffers, "accumulate_into_main_grad", i)
-            buffers.main_grad_hooks.append(p.register_post_accumulate_grad_hook(hook))
     buffers.record_bindings()
     buffers.bind_grads()
     return buffers

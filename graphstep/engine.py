@@ -35,6 +35,7 @@ from .layout import plan_layout
 from .memory import memory_stats
 from .micro_batches import NoSync
 from .model_params import named_trainable_params, param_spec, warn_dtype_conversion
+from .param_hooks import GradHooks
 from .routing import build_family_param_groups
 from .runner import StepRunner
 from .scaler import scaler_from_config
@@ -186,6 +187,11 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             ctx, expert_group, [specs[i] for i in expert], [params[i] for i in expert], device=device,
             state_names=state_names(families, config))
         expert_ctx = None if self.experts is None else self.experts.ctx
+        # The one post-accumulate-grad hook per param: the main grads, grads-seen flag, fold and overlap listen
+        # to it, in the order param_hooks.STAGES declares (not the order of the statements here).
+        self._grad_hooks = GradHooks()
+        for buffers in self._domain_buffers():
+            buffers.listen_for_main_grads(self._grad_hooks)
         self._offload = offload.install(ctx, host, model_chunks)  # inert without CPU offload
         self._model_chunks = tuple(weakref.ref(chunk) for chunk in chunks)
         """The model's modules, weakly (the optimizer never keeps a dropped model alive): for debug_step."""
@@ -204,11 +210,11 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             agree=_agreement(config, device, self.comm))
         self._no_sync = NoSync()  # opt.no_sync(): read by the overlap and the folded norm's hooks
         self._overlap = overlap.install(ctx, config, model_chunks, may_capture=self._runner.may_capture,
-                                        no_sync=self._no_sync, experts=expert_ctx)
+                                        no_sync=self._no_sync, hooks=self._grad_hooks, experts=expert_ctx)
         self._publish = chain(publish_chain(ctx, expert_ctx))
-        self._grads_seen = GradsSeen(params)
+        self._grads_seen = GradsSeen(self._grad_hooks, self._domain_buffers())
         folds = [ctx.folded] + ([] if expert_ctx is None else [expert_ctx.folded])
-        self._fold = folded_norm.Fold(folds, self.buffers, self._no_sync)  # inert without fold_grad_norm
+        self._fold = folded_norm.Fold(folds, self.buffers, self._no_sync, self._grad_hooks)  # inert without the fold
         explicit_groups = any(g is not None for g in (process_group, model_parallel_group, expert_data_parallel_group))
         self._ddp = ddp.DdpWatch(chunks, distributed_optimizer=config.use_distributed_optimizer,
                                  explicit_groups=explicit_groups, on_ddp=self._fold.fold_before_step)
@@ -295,8 +301,9 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self._runner.invalidate()
 
     def close(self) -> None:
-        """Release the captured step (its graph and memory pool) and the overlap hooks. Later steps run
-        eagerly. Idempotent; the optimizer is also a context manager that closes on exit."""
+        """Release the captured step (its graph and memory pool) and the overlap hooks (the fold's and the
+        grads-seen flag's too; the fp32 main grads keep accumulating through a param's one hook). Later steps
+        run eagerly. Idempotent; the optimizer is also a context manager that closes on exit."""
         self._runner.close()
         self._overlap.remove()
         self._offload.remove()

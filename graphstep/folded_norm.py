@@ -3,9 +3,10 @@ the grad becomes final, so the step reads the grads once, in the update (issue 1
 
 Where the fold happens, per domain (the dense params, and the MoE expert params when there are some):
 
-- **One rank** (``ParamSums``): a post-accumulate-grad hook on every param of at least 4,096 elements
-  computes, right after backward wrote the grad and while it is still in cache, the fp32 norms of the
-  param's 4,096-element rows: one op per param. The step's norm stage then rescues rows whose fp32 norm
+- **One rank** (``ParamSums``): for every param of at least 4,096 elements, its listener on the param's
+  post-accumulate-grad hook (stage "fold", graphstep/param_hooks.py: after the fp32 main grad's) computes,
+  right after backward wrote the grad and while it is still in cache, the fp32 norms of the param's
+  4,096-element rows: one op per param. The step's norm stage then rescues rows whose fp32 norm
   overflowed, adds the leftovers (tails under 4,096 elements and the small params: 0.1% of GPT-2 small's
   grads, gathered by a few ``cat``s into a static scratch and normed in fp64) and sums the squares in fp64,
   per grad buffer.
@@ -51,7 +52,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import weak_hooks
 from .micro_batches import NoSync
 from .stages.norm import RESCUE_ROWS, ROW, RowRescue, SumOfSquares
 
@@ -251,16 +251,17 @@ def plan(config, layout, buffers, *, hooked: bool) -> Optional[_Slots]:
 
 
 class Fold:
-    """The engine's side of the fold: the one-rank hooks (a post-accumulate-grad hook per param: it folds a
-    param of a full row, and records its buffer's version counter for every param) and the host bookkeeping
-    around a step, over every domain's folded sums. Inert without ``fold_grad_norm``."""
+    """The engine's side of the fold: the one-rank listeners (stage "fold" of every dense param's grad hook,
+    graphstep/param_hooks.py: it folds a param of a full row, and records its buffer's version counter for
+    every param) and the host bookkeeping around a step, over every domain's folded sums. Inert without
+    ``fold_grad_norm``."""
 
-    def __init__(self, domains: Sequence[Optional[_Slots]], buffers, no_sync: NoSync):
+    def __init__(self, domains: Sequence[Optional[_Slots]], buffers, no_sync: NoSync, hooks):
         self.domains = [d for d in domains if d is not None]
         hooked = [d for d in self.domains if d.in_backward]
         self.hooked = hooked[0] if hooked else None  # the dense domain on one rank
         self._buffers = buffers
-        self._handles = weak_hooks.Handles(self)
+        self._hooks = hooks
         self._no_sync = no_sync
         self.fold_in_backward = True
         """False after a step whose grads were accumulated over several backwards outside ``no_sync()``: each
@@ -271,15 +272,13 @@ class Fold:
         self._warned = False
         if self.hooked is None:
             return
-        for index, param in enumerate(buffers.params):
-            # Registered after buffers' main-grad hook (allocate), so it runs once main_grad holds the grad.
-            hook = weak_hooks.calling(self, "grad_arrived", index)
-            self._handles.append(param.register_post_accumulate_grad_hook(hook))
+        for index in range(len(buffers.params)):
+            # Stage "fold" runs after stage "main_grad" (param_hooks.STAGES): main_grad holds the grad by then.
+            hooks.listen("fold", buffers, index, self, "grad_arrived", index)
 
     def grad_arrived(self, index: int, param: torch.nn.Parameter) -> None:
-        """Param ``index``'s hook: backward has accumulated its grad."""
-        if not self._buffers.owns(index, param):  # a later optimizer over the same model took the param
-            return
+        """Param ``index``'s listener: backward has accumulated its grad (called only while the buffers own the
+        param: a later optimizer over the same model may have taken it)."""
         folded = self.hooked
         if self._no_sync.active:  # an earlier micro-batch: the grad changed, the last one folds it
             if index in folded.current:
@@ -362,4 +361,4 @@ class Fold:
                           RuntimeWarning, stacklevel=3)
 
     def remove(self) -> None:
-        self._handles.remove()
+        self._hooks.remove(self)

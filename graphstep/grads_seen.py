@@ -1,4 +1,4 @@
-"""A one-time warning when the optimizer steps before any backward (moved out of engine.py unchanged)."""
+"""A one-time warning when the optimizer steps before any backward."""
 
 from __future__ import annotations
 
@@ -10,23 +10,26 @@ class GradsSeen:
 
     The update then reads all-zero grads and applies weight decay (and momentum) to every param:
     graphstep steps every param it holds, like Megatron-Core's buffers, where torch's optimizers skip
-    params whose ``.grad`` is None. One-shot hooks: the first grad to arrive removes them all, so later
-    backwards pay nothing.
+    params whose ``.grad`` is None. One-shot listeners on every param's grad hook (graphstep/param_hooks.py,
+    stage "grads_seen"): the first grad to arrive removes them all, so later backwards pay nothing for them.
+    Held weakly there, like every listener: the model's hooks never keep this (or its optimizer) alive.
     """
 
-    def __init__(self, params):
+    def __init__(self, hooks, domains):
+        """``hooks``: the optimizer's ``GradHooks``; ``domains``: its ``StaticBuffers`` (every param of each)."""
         self.seen = False
         self._warned = False
-        self._handles = [p.register_post_accumulate_grad_hook(self._arrived) for p in params]
+        self._hooks = hooks
+        for buffers in domains:
+            for index in range(len(buffers.params)):
+                hooks.listen("grads_seen", buffers, index, self, "_arrived")
 
     def _arrived(self, _param) -> None:
         self.seen = True
         self.remove()
 
     def remove(self) -> None:
-        handles, self._handles = self._handles, []
-        for handle in handles:
-            handle.remove()
+        self._hooks.remove(self)
 
     def check(self) -> None:
         if not self.seen and not self._warned:

@@ -1,7 +1,8 @@
 """Overlap communication with backward and forward: hooks that launch and wait the step's collectives.
 
-``overlap_grad_reduce``: a post-accumulate-grad hook on every param counts the bucket's grads that have
-arrived in this backward; when the last one lands, the bucket's reduce-scatter is launched asynchronously
+``overlap_grad_reduce``: a listener on every param's post-accumulate-grad hook (stage "overlap",
+graphstep/param_hooks.py: after the fp32 main grad's) counts the bucket's grads that have arrived in this
+backward; when the last one lands, the bucket's reduce-scatter is launched asynchronously
 (while backward goes on with earlier layers) and the step's reduce stage only waits on it.
 
 ``overlap_param_gather``: the step's gather stage only launches the all-gathers; a forward pre-hook on
@@ -44,13 +45,14 @@ from .stages.reduce import bucket_reduces
 class Overlap:
     """The hooks of one engine. ``enabled`` is what the engine (or a capture) flips; see the module doc."""
 
-    def __init__(self, ctx, config, model_chunks=None, *, may_capture: bool, no_sync: NoSync):
+    def __init__(self, ctx, config, model_chunks=None, *, may_capture: bool, no_sync: NoSync, hooks):
         self._comm = ctx.comm
         self._buffers = ctx.buffers
         self.grad_reduce = bool(config.overlap_grad_reduce) and ctx.layout.dp_size > 1
         self.param_gather = bool(config.overlap_param_gather) and ctx.layout.dp_size > 1
         self._comm.defer_param_gather = self.param_gather
-        self._handles = weak_hooks.Handles(self)
+        self._handles = weak_hooks.Handles(self)  # the forward pre-hooks
+        self._hooks = hooks  # the optimizer's GradHooks, which the grad listeners are added to
         self._no_sync = no_sync
         self.launched_reduces = 0  # reduce-scatters launched from backward hooks (for tests and stats)
         self.waited_gathers = 0  # deferred all-gathers finished by a forward pre-hook
@@ -75,8 +77,10 @@ class Overlap:
         self._comm.wait_all("gather")
 
     def remove(self) -> None:
-        """Remove every hook (the engine's close()); the stages then run their collectives in the step."""
+        """Remove every hook and listener (the engine's close()); the stages then run their collectives in the
+        step."""
         self._handles.remove()
+        self._hooks.remove(self)
         self.enabled = False
 
     # ---- backward: launch a bucket's reduce-scatter when its last grad arrives -----------------------
@@ -86,14 +90,14 @@ class Overlap:
         self._folded = ctx.folded
         for bucket, reduce in self._reduces.items():
             for index in reduce.params:
-                param = self._buffers.params[index]
-                # Registered after buffers' main-grad hook, so it runs after the grad reached main_grad.
-                hook = weak_hooks.calling(self, "_grad_arrived", index, bucket)
-                self._handles.append(param.register_post_accumulate_grad_hook(hook))
+                # Stage "overlap" runs after stage "main_grad" (param_hooks.STAGES): main_grad holds the grad.
+                self._hooks.listen("overlap", self._buffers, index, self, "_grad_arrived", index, bucket)
 
     def _grad_arrived(self, index: int, bucket: int, param: torch.nn.Parameter) -> None:
+        """Param ``index``'s listener, called only while the buffers own the param (a later optimizer over the
+        same model may have taken it)."""
         comm, folded, reduce = self._comm, self._folded, self._reduces[bucket]
-        if not comm.overlap_enabled or self._no_sync.active or not self._buffers.owns(index, param):
+        if not comm.overlap_enabled or self._no_sync.active:
             return
         # A grad set to None (model.zero_grad()) comes back as a fresh tensor: into the flat buffer.
         self._buffers.adopt_grad(index, param)
@@ -187,11 +191,14 @@ class Overlaps:
             part.remove()
 
 
-def install(ctx, config, model_chunks=None, *, may_capture: bool, no_sync: NoSync, experts=None) -> Overlap | Overlaps:
+def install(ctx, config, model_chunks=None, *, may_capture: bool, no_sync: NoSync, hooks,
+            experts=None) -> Overlap | Overlaps:
     """The engine's overlap hooks (an inert Overlap when neither overlap option is on). ``may_capture``:
     the step is or may be captured, so the hooks start switched off. ``experts``: the expert domain's
-    context, whose collectives (over the expert data-parallel group) get hooks of their own."""
-    dense = Overlap(ctx, config, model_chunks, may_capture=may_capture, no_sync=no_sync)
+    context, whose collectives (over the expert data-parallel group) get hooks of their own. ``hooks``: the
+    optimizer's ``GradHooks`` (graphstep/param_hooks.py), which the grad listeners join."""
+    dense = Overlap(ctx, config, model_chunks, may_capture=may_capture, no_sync=no_sync, hooks=hooks)
     if experts is None:
         return dense
-    return Overlaps([dense, Overlap(experts, config, model_chunks, may_capture=may_capture, no_sync=no_sync)])
+    return Overlaps([dense, Overlap(experts, config, model_chunks, may_capture=may_capture, no_sync=no_sync,
+                                    hooks=hooks)])

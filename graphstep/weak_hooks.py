@@ -4,25 +4,36 @@ the part of the optimizer they serve only through a weak reference.
 The model outlives optimizers: a hook that held its owner would keep a dropped optimizer's buffers (its
 grads, optimizer state and main params: gigabytes at scale) alive, and keep acting on them, for as long as
 the model lives. Here the owner's collection removes its hooks, and a hook that fires before that finds no
-owner and does nothing.
+owner and does nothing. A param's post-accumulate-grad hook is one per optimizer, a dispatcher of ordered
+listeners built on these (graphstep/param_hooks.py).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 
-def calling(owner: Any, method: str, *args) -> Callable:
-    """A hook that calls ``owner.<method>(*args, *hook_args)`` while ``owner`` lives, and does nothing after."""
-    ref = weakref.ref(owner)
+class WeakCall:
+    """Calls ``owner.<method>(*args, *call_args)`` while ``owner`` lives, and does nothing after. ``owner``
+    is the weak reference (graphstep/param_hooks.py drops listeners by it)."""
 
-    def hook(*hook_args):
-        live = ref()
+    __slots__ = ("owner", "method", "args")
+
+    def __init__(self, owner: Any, method: str, args: tuple):
+        self.owner = weakref.ref(owner)
+        self.method = method
+        self.args = args
+
+    def __call__(self, *call_args) -> None:
+        live = self.owner()
         if live is not None:
-            getattr(live, method)(*args, *hook_args)
+            getattr(live, self.method)(*self.args, *call_args)
 
-    return hook
+
+def calling(owner: Any, method: str, *args) -> WeakCall:
+    """A hook that calls ``owner.<method>(*args, *hook_args)`` while ``owner`` lives, and does nothing after."""
+    return WeakCall(owner, method, args)
 
 
 class Handles:
