@@ -3,23 +3,30 @@
 The shared helpers live in importable modules next to this file, one copy each:
 - ``toy.py``: the small transformer, the deterministic data stream, the per-rank loss and the drift
   metrics of docs/design.md §8 (used by the engine tests and by every spawned rank);
-- ``distributed/_harness.py``: spawning gloo ranks on 127.0.0.1 on a free port, bounded in time;
+- ``_engine.py``: ``make_engine(model, **config)``, the one engine builder (eager unless told otherwise);
+- ``_ports.py``: ``free_port()``, the one free-port lookup for a gloo rendezvous on 127.0.0.1;
+- ``distributed/_harness.py``: ``spawn``, the one way a test starts gloo ranks, bounded in time;
 - ``_source.py``: the line a marker stands on in a test's own source (capture's findings name it);
 - ``_kernel_pin.py``: ``kernel="auto"`` runs as "fused" in tests not marked ``default_kernel``;
 - ``_dispatched.py``: ``DispatchedOps``, the operators a block sends to the dispatcher.
 
 This conftest puts tests/ on ``sys.path`` (pytest does so for a conftest's folder), so ``import toy``
-works from tests/distributed too, and ranks spawned from a test inherit that path. It also gives the
-engine tests one builder, the ``make_engine`` fixture, and gives CI a deterministic hypothesis profile.
+works from tests/distributed too, and tests/distributed, so ``from _harness import spawn`` works from
+tests/ too; ranks spawned from a test inherit that path. Every test that spawns ranks is marked
+``distributed``: ``python -m pytest -q -m "not distributed"`` is the fast loop. This conftest also gives
+CI a deterministic hypothesis profile.
 """
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
-import graphstep as gs
 from _kernel_pin import pin_auto_to_fused
+
+sys.path.append(str(Path(__file__).parent / "distributed"))
 
 # CI (CI=true): the property tests draw the same examples every run and have no per-example deadline, so
 # a busy 2-core machine cannot turn them red by chance; locally they keep drawing fresh examples.
@@ -34,14 +41,3 @@ def _auto_kernel_is_fused_unless_marked(request, monkeypatch):
     if request.node.get_closest_marker("default_kernel") is None:
         pin_auto_to_fused(monkeypatch.setattr)
 
-
-@pytest.fixture
-def make_engine():
-    """``make_engine(model, **config)``: a graphstep optimizer, eager and unclipped unless told otherwise."""
-
-    def build(model, **config):
-        config.setdefault("capture", "eager")
-        config.setdefault("clip_grad", 0.0)
-        return gs.get_optimizer(gs.OptimizerConfig(**config), model)
-
-    return build

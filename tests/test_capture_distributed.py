@@ -1,26 +1,17 @@
 """Replay of c10d collectives: 2 gloo ranks, captured step bitwise equal to eager."""
-import socket
-import traceback
 import warnings
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
-import torch.multiprocessing as mp
 
 import capture
+from _harness import spawn, values
 
 WORLD = 2
 STEPS = 10
 N = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _make_state(rank):
@@ -71,58 +62,32 @@ def _history(call, st, rank):
     return rows
 
 
-def _worker(rank, port, queue):
+def _worker(rank, _world_size):  # spawn's signature; the step divides by WORLD
     warnings.simplefilter("ignore")
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-            timeout=timedelta(seconds=60),
-        )
-        st_e = _make_state(rank)
-        eager = _history(_make_step(st_e), st_e, rank)
-        st_c = _make_state(rank)
-        g = capture.graph(_make_step(st_c), warmup=1, backend="replay")
-        replayed = _history(g, st_c, rank)
-        mismatches = []
-        # What the recorder saw: the c10d ops themselves, not gloo's internals.
-        recorded = {str(ins.func) for ins in g._backend._program.instrs}
-        for op in ("c10d.allreduce_.default", "c10d._reduce_scatter_base_.default", "c10d._allgather_base_.default",
-                   "_c10d_functional.all_reduce.default", "c10d.allgather_.default"):
-            if op not in recorded:
-                mismatches.append(f"{op} not recorded (saw {sorted(recorded)})")
-        for i, ((out_e, s_e), (out_c, s_c)) in enumerate(zip(eager, replayed)):
-            if not torch.equal(out_e, out_c):
-                mismatches.append(f"output at step {i}")
-            mismatches += [f"{k} at step {i}" for k in s_e if not torch.equal(s_e[k], s_c[k])]
-        # Plain lists: tensors would travel as shared-memory handles that die with the rank.
-        queue.put((rank, "ok", mismatches, g.num_replays, st_c["param"].tolist(), st_c["stat"].tolist()))
-    except BaseException:
-        queue.put((rank, "error", traceback.format_exc(), None, None, None))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    st_e = _make_state(rank)
+    eager = _history(_make_step(st_e), st_e, rank)
+    st_c = _make_state(rank)
+    g = capture.graph(_make_step(st_c), warmup=1, backend="replay")
+    replayed = _history(g, st_c, rank)
+    mismatches = []
+    # What the recorder saw: the c10d ops themselves, not gloo's internals.
+    recorded = {str(ins.func) for ins in g._backend._program.instrs}
+    for op in ("c10d.allreduce_.default", "c10d._reduce_scatter_base_.default", "c10d._allgather_base_.default",
+               "_c10d_functional.all_reduce.default", "c10d.allgather_.default"):
+        if op not in recorded:
+            mismatches.append(f"{op} not recorded (saw {sorted(recorded)})")
+    for i, ((out_e, s_e), (out_c, s_c)) in enumerate(zip(eager, replayed)):
+        if not torch.equal(out_e, out_c):
+            mismatches.append(f"output at step {i}")
+        mismatches += [f"{k} at step {i}" for k in s_e if not torch.equal(s_e[k], s_c[k])]
+    # The parent compares the ranks' params and stats with each other.
+    return mismatches, g.num_replays, st_c["param"].tolist(), st_c["stat"].tolist()
 
 
 @pytest.mark.distributed
 def test_captured_collectives_replay_bitwise_equal_to_eager():
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, queue), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(WORLD):
-            rank, status, detail, replays, param, stat = queue.get(timeout=90)
-            assert status == "ok", f"rank {rank} failed:\n{detail}"
-            results[rank] = (detail, replays, param, stat)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+    # values() raises the traceback of a rank that failed; a rank that wrote nothing fails spawn itself.
+    results = dict(enumerate(values(spawn(_worker, WORLD, timeout=90))))
     for rank, (mismatches, replays, _, _) in results.items():
         assert mismatches == [], f"rank {rank}: captured differs from eager: {mismatches}"
         assert replays == STEPS - 2
@@ -133,4 +98,3 @@ def test_captured_collectives_replay_bitwise_equal_to_eager():
     assert torch.equal(d0, d1) or torch.allclose(d0, d1, rtol=0, atol=1e-6)
     assert d0.abs().sum() > 0
     assert results[0][3] == results[1][3]  # MAX all-reduce agrees across ranks
-    assert all(p.exitcode == 0 for p in procs)

@@ -5,18 +5,15 @@ use-after-free or a silently frozen value on a GPU.
 """
 import gc
 import os
-import socket
-import traceback
 import warnings
 import weakref
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import capture
+from _harness import spawn, values
 from _source import line_of
 
 HERE = os.path.basename(__file__)
@@ -203,48 +200,25 @@ def test_a_first_compile_during_the_recording_is_refused_and_warm_up_fixes_it():
     assert g.captured and torch.equal(q, torch.full((3,), 15.0))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _first_collective_worker(port, queue):
+def _first_collective_worker(_rank, _world_size):
     warnings.simplefilter("ignore")
+    group = dist.new_group([0])
+    t = torch.ones(2)
+    g = capture.graph(lambda: dist.all_reduce(t, group=group), warmup=0, backend="replay")
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                                timeout=timedelta(seconds=60))
-        group = dist.new_group([0])
-        t = torch.ones(2)
-        g = capture.graph(lambda: dist.all_reduce(t, group=group), warmup=0, backend="replay")
-        try:
-            g()
-            refused = None
-        except capture.CaptureError as err:
-            refused = str(err)
-        warmed = capture.graph(lambda: dist.all_reduce(t, group=group), warmup=1, backend="replay")
-        warmed(), warmed(), warmed()
-        queue.put(("ok", refused, warmed.captured))
-    except BaseException:
-        queue.put(("error", traceback.format_exc(), None))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        g()
+        refused = None
+    except capture.CaptureError as err:
+        refused = str(err)
+    warmed = capture.graph(lambda: dist.all_reduce(t, group=group), warmup=1, backend="replay")
+    warmed(), warmed(), warmed()
+    return refused, warmed.captured
 
 
 @pytest.mark.distributed
 def test_the_first_collective_on_a_group_during_the_recording_is_refused():
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_first_collective_worker, args=(_free_port(), queue), daemon=True)
-    proc.start()
-    try:
-        status, refused, warmed_captured = queue.get(timeout=90)
-    finally:
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
-    assert status == "ok", refused
+    # One gloo rank of its own: values() raises its traceback if it failed.
+    [(refused, warmed_captured)] = values(spawn(_first_collective_worker, 1, timeout=90))
     assert refused is not None and "lazy_init" in refused
     assert "first collective on process group" in refused and "c10d.allreduce_" in refused
     assert warmed_captured

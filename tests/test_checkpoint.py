@@ -25,6 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def engine(model, **config):
+    # Not _engine.make_engine (eager by default): these checkpoints come from the user's default config, capture="auto".
     return gs.get_optimizer(gs.OptimizerConfig(**config), model)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-import graphstep as gs
+from _engine import make_engine
 from graphstep.app import models
 
 
@@ -30,10 +30,6 @@ def gpt_closure(model, opt, step: int = 0):
         loss.backward()
         return loss
     return closure
-
-
-def eager_optimizer(model, **config):
-    return gs.get_optimizer(gs.OptimizerConfig(capture="eager", **config), model)
 
 
 class LogOfNegative(nn.Module):
@@ -86,7 +82,7 @@ class NaNWeightGrad(nn.Module):
 def test_a_forward_nan_in_a_middle_module_of_the_gpt_is_named():
     model = tiny_gpt()
     model.blocks[1].mlp.fc = nn.Sequential(model.blocks[1].mlp.fc, LogOfNegative())
-    opt = eager_optimizer(model)
+    opt = make_engine(model)
     report = opt.debug_step(gpt_closure(model, opt))
     origin = report.nan_origin
     assert not report.update_successful
@@ -107,7 +103,7 @@ def test_a_nan_made_by_a_modules_own_code_names_that_module_not_a_submodule():
     block = NaNBlock(model.config)
     block.load_state_dict(model.blocks[1].state_dict())
     model.blocks[1] = block
-    opt = eager_optimizer(model)
+    opt = make_engine(model)
     origin = opt.debug_step(gpt_closure(model, opt)).nan_origin
     assert (origin.module, origin.module_type, origin.phase) == ("blocks.1", "NaNBlock", "forward")
     assert "made by its own code" in str(origin)
@@ -116,7 +112,7 @@ def test_a_nan_made_by_a_modules_own_code_names_that_module_not_a_submodule():
 def test_a_backward_nan_is_named_with_phase_backward():
     model = tiny_gpt()
     model.blocks[1].mlp.proj = nn.Sequential(model.blocks[1].mlp.proj, NaNInBackward())
-    opt = eager_optimizer(model)
+    opt = make_engine(model)
     report = opt.debug_step(gpt_closure(model, opt))
     origin = report.nan_origin
     assert not report.update_successful
@@ -127,7 +123,7 @@ def test_a_backward_nan_is_named_with_phase_backward():
 def test_a_backward_nan_in_a_params_grad_only_names_its_module_and_param():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), NaNWeightGrad(8), nn.Linear(8, 4))
-    opt = eager_optimizer(model)
+    opt = make_engine(model)
     x = torch.randn(5, 8)
 
     def closure():
@@ -146,7 +142,7 @@ def test_an_inf_overflow_is_named_where_it_overflowed_not_where_it_became_nan():
     with torch.no_grad():
         big.weight.fill_(3e38)  # finite weights whose products overflow to inf; LayerNorm then makes NaN
     model = nn.Sequential(nn.Linear(8, 8), big, nn.LayerNorm(8), nn.Linear(8, 4))
-    opt = eager_optimizer(model, clip_grad=0.0)
+    opt = make_engine(model, clip_grad=0.0)
     x = torch.randn(5, 8)
 
     def closure():
@@ -159,7 +155,7 @@ def test_an_inf_overflow_is_named_where_it_overflowed_not_where_it_became_nan():
 def test_a_nan_in_the_batch_names_no_module_and_a_nan_param_names_its_module():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4))
-    opt = eager_optimizer(model)
+    opt = make_engine(model)
     x = torch.randn(5, 8)
     x[0, 0] = float("nan")  # the data, not the model
 
@@ -178,7 +174,7 @@ def test_a_nan_in_the_batch_names_no_module_and_a_nan_param_names_its_module():
 
 def test_a_clean_step_has_no_origin_and_equals_a_plain_step():
     traced, plain = tiny_gpt(), tiny_gpt()
-    traced_opt, plain_opt = eager_optimizer(traced), eager_optimizer(plain)
+    traced_opt, plain_opt = make_engine(traced), make_engine(plain)
     for step in range(3):
         report = traced_opt.debug_step(gpt_closure(traced, traced_opt, step))
         assert report.nan_origin is None and report.update_successful
@@ -189,7 +185,7 @@ def test_a_clean_step_has_no_origin_and_equals_a_plain_step():
 
 def test_hooks_are_gone_after_the_closure_even_when_it_raises():
     model = tiny_gpt()
-    opt = eager_optimizer(model)
+    opt = make_engine(model)
     hooks_before = [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
     opt.debug_step(gpt_closure(model, opt))
 
@@ -246,7 +242,7 @@ def structured_model(poison: bool) -> nn.Module:
 def test_modules_taking_and_returning_non_tensors_and_in_place_ops_keep_their_grads():
     x = torch.randn(5, 8)
     traced, plain = structured_model(poison=False), structured_model(poison=False)
-    opt = eager_optimizer(traced)
+    opt = make_engine(traced)
 
     def closure():
         opt.zero_grad()
@@ -262,7 +258,7 @@ def test_modules_taking_and_returning_non_tensors_and_in_place_ops_keep_their_gr
 
 def test_a_nan_inside_a_dataclass_output_is_found():
     model = structured_model(poison=True)
-    opt = eager_optimizer(model)
+    opt = make_engine(model)
     x = torch.randn(5, 8)
 
     def closure():
@@ -275,7 +271,7 @@ def test_a_nan_inside_a_dataclass_output_is_found():
 def test_several_chunks_name_modules_with_the_chunk_index():
     torch.manual_seed(0)
     first, second = nn.Sequential(nn.Linear(8, 8)), nn.Sequential(nn.Linear(8, 8), LogOfNegative(), nn.Linear(8, 2))
-    opt = gs.get_optimizer(gs.OptimizerConfig(capture="eager"), [first, second])
+    opt = make_engine([first, second])
     x = torch.randn(5, 8)
 
     def closure():
@@ -289,7 +285,7 @@ def test_several_chunks_name_modules_with_the_chunk_index():
 def test_a_nan_that_never_reaches_the_grads_is_reported_beside_a_clean_step():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), LogOfNegative())  # log's grad, 1/x, stays finite: the loss is NaN
-    opt = eager_optimizer(model)
+    opt = make_engine(model)
     x = torch.randn(5, 8)
 
     def closure():
@@ -307,7 +303,7 @@ def test_a_nan_made_outside_the_modules_names_no_module():
     torch.manual_seed(0)
     # nn.Identity returns its input as it got it: the grad reaching it is not one it made.
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Identity())
-    opt = eager_optimizer(model)
+    opt = make_engine(model)
     x = torch.randn(5, 8)
 
     def closure():  # sqrt(0)'s derivative is inf: the loss, outside every module, makes the NaN grads
@@ -322,7 +318,7 @@ def test_a_nan_made_outside_the_modules_names_no_module():
 def test_without_a_closure_the_report_says_how_to_find_the_module():
     model = tiny_gpt()
     model.blocks[1].mlp.fc = nn.Sequential(model.blocks[1].mlp.fc, LogOfNegative())
-    opt = eager_optimizer(model)
+    opt = make_engine(model)
     gpt_closure(model, opt)()
     origin = opt.debug_step().nan_origin
     assert origin.module is None and not origin.traced

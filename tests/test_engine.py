@@ -1,9 +1,12 @@
 """The engine against torch.optim: parity, schedulers, static buffers, checkpoints, bad input."""
 
+import functools
+
 import pytest
 import torch
 
 import graphstep as gs
+from _engine import make_engine
 from toy import decay_groups, loss_fn, relative_drift, relative_error, tiny_transformer
 
 STEPS = 50
@@ -18,10 +21,8 @@ def train(model, opt, steps, start=0, scheduler=None):
             scheduler.step()
 
 
-def engine(model, **config):
-    config.setdefault("clip_grad", 0.0)
-    config.setdefault("capture", "eager")
-    return gs.get_optimizer(gs.OptimizerConfig(**config), model)
+# The oracle, torch.optim, does not clip: here the engine is unclipped unless a test clips.
+engine = functools.partial(make_engine, clip_grad=0.0)
 
 
 ADAM = dict(lr=3e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95)

@@ -6,13 +6,8 @@ import warnings
 import pytest
 import torch
 
-import graphstep as gs
+from _engine import make_engine
 from toy import loss_fn, tiny_transformer
-
-
-def engine(model, **config):
-    config.setdefault("capture", "eager")
-    return gs.get_optimizer(gs.OptimizerConfig(**config), model)
 
 
 def _linear(seed=0, dtype=torch.float32):
@@ -28,7 +23,7 @@ def _backward(model, scale=1.0):
 def test_grads_set_to_none_after_backward_are_not_applied():
     # loss.backward(); model.zero_grad(set_to_none=True); opt.step() equals a step on zero grads.
     discarded, zero = _linear(), _linear()
-    opts = [engine(m, lr=0.1, weight_decay=0.1, clip_grad=0.0) for m in (discarded, zero)]
+    opts = [make_engine(m, lr=0.1, weight_decay=0.1, clip_grad=0.0) for m in (discarded, zero)]
     _backward(discarded)
     discarded.zero_grad(set_to_none=True)
     _backward(zero)
@@ -48,7 +43,7 @@ def test_grads_set_to_none_after_backward_are_not_applied():
 @pytest.mark.parametrize("capture", ["eager", "graph"])
 def test_a_finite_grad_whose_square_overflows_fp32_is_not_skipped(capture):
     model = _linear()
-    opt = engine(model, lr=0.1, clip_grad=1.0, capture=capture, capture_warmup_steps=1)
+    opt = make_engine(model, lr=0.1, clip_grad=1.0, capture=capture, capture_warmup_steps=1)
     for _ in range(3):
         opt.zero_grad()
         _backward(model)
@@ -63,8 +58,8 @@ def test_a_skip_by_norm_threshold_leaves_the_dynamic_loss_scale_as_a_clean_step_
     # Megatron-Core's scaler reacts to inf/NaN only; a finite norm over the threshold skips the update.
     skipped, clean = (tiny_transformer(dtype=torch.float16) for _ in range(2))
     config = dict(fp16=True, lr=1e-3, initial_loss_scale=2.0 ** 10, loss_scale_window=2, hysteresis=1)
-    opt_skipped = engine(skipped, grad_norm_skip_threshold=1e-9, **config)
-    opt_clean = engine(clean, **config)
+    opt_skipped = make_engine(skipped, grad_norm_skip_threshold=1e-9, **config)
+    opt_clean = make_engine(clean, **config)
     for step in range(5):
         for model, opt in ((skipped, opt_skipped), (clean, opt_clean)):
             opt.zero_grad()
@@ -77,7 +72,7 @@ def test_a_skip_by_norm_threshold_leaves_the_dynamic_loss_scale_as_a_clean_step_
 
 def test_step_before_any_backward_warns_once():
     model = _linear()
-    opt = engine(model, lr=0.1, weight_decay=0.1)
+    opt = make_engine(model, lr=0.1, weight_decay=0.1)
     with pytest.warns(RuntimeWarning, match="before any backward"):
         opt.step()
     with warnings.catch_warnings():
@@ -89,7 +84,7 @@ def test_step_before_any_backward_warns_once():
 
 def test_no_warning_when_backward_ran_first():
     model = _linear()
-    opt = engine(model, lr=0.1)
+    opt = make_engine(model, lr=0.1)
     _backward(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -104,28 +99,28 @@ def test_no_warning_when_backward_ran_first():
 def test_float64_params_are_refused_at_build_with_a_clear_message(make):
     model, config = make()
     with pytest.raises(ValueError, match="float64.*model.float()"):
-        engine(model, lr=0.1, **config)
+        make_engine(model, lr=0.1, **config)
 
 
 def test_complex_params_are_refused_naming_the_param():
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.zeros(4, dtype=torch.complex64))
     with pytest.raises(ValueError, match="param 'w' is complex"):
-        engine(model, lr=0.1, bf16=True)
+        make_engine(model, lr=0.1, bf16=True)
 
 
 def test_a_non_leaf_param_is_refused_naming_it():
     model = _linear()
     model._parameters["weight"] = model.weight * 2  # bypasses nn.Module's Parameter check
     with pytest.raises(ValueError, match="param 'weight' is not a leaf"):
-        engine(model, lr=0.1)
+        make_engine(model, lr=0.1)
 
 
 @pytest.mark.parametrize("field,value", [("lr", float("nan")), ("lr", float("inf")),
                                          ("weight_decay", float("nan")), ("lr", "0.1")])
 def test_non_finite_or_non_numeric_group_hyperparameters_are_refused_before_the_step(field, value):
     model = _linear()
-    opt = engine(model, lr=0.1)
+    opt = make_engine(model, lr=0.1)
     _backward(model)
     before = [p.detach().clone() for p in model.parameters()]
     opt.param_groups[0][field] = value
@@ -138,7 +133,7 @@ def test_non_finite_or_non_numeric_group_hyperparameters_are_refused_before_the_
                                          ("grad_norm_skip_threshold", float("nan"))])
 def test_non_finite_step_thresholds_are_refused(field, value):
     model = _linear()
-    opt = engine(model, lr=0.1, clip_grad=1.0)
+    opt = make_engine(model, lr=0.1, clip_grad=1.0)
     _backward(model)
     setattr(opt, field, value)
     with pytest.raises(ValueError, match="clip_grad|grad_norm_skip_threshold"):
@@ -163,7 +158,7 @@ def test_non_finite_sweep_with_all_zero_stretches_never_corrupts_and_keeps_the_s
     config = dict(fp16=True, lr=1e-2, weight_decay=0.1, clip_grad=1.0, initial_loss_scale=initial_scale,
                   min_loss_scale=1.0, loss_scale_window=2, hysteresis=1, capture_warmup_steps=2)
     models = [tiny_transformer(dtype=torch.float16) for _ in range(2)]
-    opts = [engine(models[0], capture="eager", **config), engine(models[1], capture="graph", **config)]
+    opts = [make_engine(models[0], capture="eager", **config), make_engine(models[1], capture="graph", **config)]
     applied_clean = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a first step on all-zero grads warns once
@@ -196,7 +191,7 @@ def test_non_finite_sweep_with_all_zero_stretches_never_corrupts_and_keeps_the_s
 
 def test_a_schedule_switching_on_sgd_momentum_without_buffers_is_refused_with_what_to_do():
     model = _linear()
-    opt = engine(model, optimizer="sgd", lr=0.1, sgd_momentum=0.0)
+    opt = make_engine(model, optimizer="sgd", lr=0.1, sgd_momentum=0.0)
     torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)  # cycles momentum by default
     _backward(model)
     before = [p.detach().clone() for p in model.parameters()]
@@ -207,7 +202,7 @@ def test_a_schedule_switching_on_sgd_momentum_without_buffers_is_refused_with_wh
 
 def test_a_per_group_nesterov_change_is_refused_not_ignored():
     model = _linear()
-    opt = engine(model, optimizer="sgd", lr=0.1, sgd_momentum=0.9)
+    opt = make_engine(model, optimizer="sgd", lr=0.1, sgd_momentum=0.9)
     opt.param_groups[0]["nesterov"] = True
     _backward(model)
     with pytest.raises(ValueError, match="nesterov=True: fixed at build"):

@@ -6,15 +6,14 @@ The multi-rank accounting (ZeRO's formula per rank) is tests/distributed/test_me
 import pytest
 import torch
 
-import graphstep as gs
 from graphstep import fp8
+from _engine import make_engine
 from toy import loss_fn, tiny_transformer
 
 
 def build(model=None, **config):
     model = tiny_transformer() if model is None else model
-    config.setdefault("capture", "eager")
-    return model, gs.get_optimizer(gs.OptimizerConfig(**config), model)
+    return model, make_engine(model, **config)
 
 
 def storage_bytes(tensors) -> int:

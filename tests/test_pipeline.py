@@ -6,15 +6,10 @@ import pytest
 import torch
 
 import capture
-import graphstep as gs
+from _engine import make_engine
 from toy import decay_groups, loss_fn, relative_drift, relative_error, tiny_transformer
 
 DTYPES = {"fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True}}
-
-
-def engine(model, **config):
-    config.setdefault("capture", "eager")
-    return gs.get_optimizer(gs.OptimizerConfig(**config), model)
 
 
 def snapshot(opt):
@@ -32,10 +27,10 @@ def test_clipping_matches_clip_grad_norm(rule):
     ours, theirs = tiny_transformer(), tiny_transformer()
     start = [p.detach().clone() for p in theirs.parameters()]
     if rule == "adam":
-        opt = engine(ours, lr=3e-3, weight_decay=0.1, adam_beta2=0.95, clip_grad=0.5)
+        opt = make_engine(ours, lr=3e-3, weight_decay=0.1, adam_beta2=0.95, clip_grad=0.5)
         ref = torch.optim.AdamW(decay_groups(theirs, 0.1), lr=3e-3, betas=(0.9, 0.95), fused=True)
     else:
-        opt = engine(ours, optimizer="sgd", lr=0.05, weight_decay=1e-3, clip_grad=0.5)
+        opt = make_engine(ours, optimizer="sgd", lr=0.05, weight_decay=1e-3, clip_grad=0.5)
         ref = torch.optim.SGD(decay_groups(theirs, 1e-3), lr=0.05, momentum=0.9)
     clipped = 0
     for step in range(20):
@@ -59,7 +54,7 @@ def test_clipping_with_fp16_loss_scaling_in_the_loop():
     # Both sides scale the loss by 1024 and unscale; the engine folds unscale and clip into the update.
     ours, theirs = tiny_transformer(), tiny_transformer()
     start = [p.detach().clone() for p in theirs.parameters()]
-    opt = engine(ours, optimizer="sgd", lr=0.05, weight_decay=0.0, clip_grad=0.5, loss_scale=1024.0)
+    opt = make_engine(ours, optimizer="sgd", lr=0.05, weight_decay=0.0, clip_grad=0.5, loss_scale=1024.0)
     ref = torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9)
     for step in range(20):
         opt.zero_grad()
@@ -78,7 +73,7 @@ def test_clipping_with_fp16_loss_scaling_in_the_loop():
 
 def test_fp16_dynamic_scaling_trains_and_reports_the_scale():
     model = tiny_transformer()
-    opt = engine(model, fp16=True, initial_loss_scale=2.0**8, loss_scale_window=5, lr=1e-3)
+    opt = make_engine(model, fp16=True, initial_loss_scale=2.0**8, loss_scale_window=5, lr=1e-3)
     scales = []
     for step in range(12):
         opt.zero_grad()
@@ -94,7 +89,7 @@ def test_fp16_dynamic_scaling_trains_and_reports_the_scale():
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
 def test_a_non_finite_grad_skips_the_step_bitwise(rule, precision, bad):
     model = tiny_transformer()
-    opt = engine(model, optimizer=rule, clip_grad=1.0, lr=1e-3, **DTYPES[precision])
+    opt = make_engine(model, optimizer=rule, clip_grad=1.0, lr=1e-3, **DTYPES[precision])
     for step in range(3):  # some real steps first, so the state is non-trivial
         opt.zero_grad()
         opt.scale_loss(loss_fn(model, step)).backward()
@@ -118,7 +113,7 @@ def test_a_non_finite_grad_skips_the_step_bitwise(rule, precision, bad):
 
 def test_grad_norm_skip_threshold_skips_on_device():
     model = tiny_transformer()
-    opt = engine(model, grad_norm_skip_threshold=1e-3)
+    opt = make_engine(model, grad_norm_skip_threshold=1e-3)
     before = snapshot(opt)
     opt.zero_grad()
     loss_fn(model, 0).backward()
@@ -133,7 +128,7 @@ def test_grad_norm_skip_threshold_skips_on_device():
 
 def test_clip_threshold_is_live():
     model = tiny_transformer()
-    opt = engine(model, clip_grad=0.0)
+    opt = make_engine(model, clip_grad=0.0)
     opt.zero_grad()
     loss_fn(model, 0).backward()
     opt.step()
@@ -147,7 +142,7 @@ def test_clip_threshold_is_live():
 
 def test_num_zeros_counts_zero_grads_and_ignores_padding():
     model = tiny_transformer()
-    opt = engine(model, log_num_zeros_in_grad=True)
+    opt = make_engine(model, log_num_zeros_in_grad=True)
     opt.zero_grad()
     loss_fn(model, 0).backward()
     expected = sum((p.grad == 0).sum().item() for p in model.parameters())
@@ -159,7 +154,7 @@ def test_num_zeros_counts_zero_grads_and_ignores_padding():
 
 def test_weight_decay_and_betas_schedules_reach_the_next_step():
     ours, theirs = tiny_transformer(), tiny_transformer()
-    opt = engine(ours, lr=3e-3, weight_decay=0.1, clip_grad=0.0)
+    opt = make_engine(ours, lr=3e-3, weight_decay=0.1, clip_grad=0.0)
     ref = torch.optim.AdamW(decay_groups(theirs, 0.1), lr=3e-3, fused=True)
     for step in range(10):
         for o in (opt, ref):
@@ -179,7 +174,7 @@ def test_the_whole_step_runs_without_a_host_sync(kernel, precision):
     # capture.check runs the step once under capture's own detector of host syncs, data-dependent shapes
     # and device-to-host reads (the one the replay backend refuses them with), and lists what it found.
     model = tiny_transformer()
-    opt = engine(model, kernel=kernel, clip_grad=0.5, grad_norm_skip_threshold=1e4, log_num_zeros_in_grad=True,
+    opt = make_engine(model, kernel=kernel, clip_grad=0.5, grad_norm_skip_threshold=1e4, log_num_zeros_in_grad=True,
                  initial_loss_scale=2.0**8, **DTYPES[precision])
     for step in range(3):
         opt.zero_grad()
@@ -212,7 +207,7 @@ def test_the_kernel_gets_the_grad_scale_only_when_it_can_differ_from_one(monkeyp
 
     monkeypatch.setattr(torch, "_fused_adamw_", spy)
     model = tiny_transformer()
-    opt = engine(model, **config)
+    opt = make_engine(model, **config)
     opt.zero_grad()
     opt.scale_loss(loss_fn(model, 0)).backward()
     opt.step()

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import graphstep as gs
+from _ports import free_port
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 SHRINK = {"hf": [("10_000", "2")], "lightning": [("max_steps=10_000", "max_steps=2")],
@@ -202,9 +203,10 @@ for where, code in {blocks!r}:
 '''
 
 
+@pytest.mark.distributed  # starts a gloo rank in a process of its own, as torchrun would
 def test_torchrun_blocks_run_as_one_rank(tmp_path):
     scripts = blocks("torchrun")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port)}
     runner = textwrap.dedent(_RUNNER).format(root=str(README.parent), tests=str(Path(__file__).parent), blocks=scripts)
@@ -212,10 +214,3 @@ def test_torchrun_blocks_run_as_one_rank(tmp_path):
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("ran block") == len(scripts), done.stdout
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -10,13 +10,7 @@ import torch
 import torch.distributed as dist
 
 import graphstep as gs
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _ports import free_port
 
 
 def tensors_of(tree) -> list:

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from _bitwise import assert_state_equal
+from _ports import free_port
 
 try:
     import transformer_engine.pytorch as te
@@ -68,7 +69,8 @@ def test_requantize_te_casts_the_new_main_values_through_te_with_graphsteps_scal
     weight = _fp8_linear(te_recipes.Float8CurrentScaling()).weight
     main = weight.dequantize().float().reshape(-1) * 1.5  # what an update might leave in the main params
     if not torch.distributed.is_initialized():  # TE's routine all-reduces the amax over the group
-        torch.distributed.init_process_group("nccl", init_method="tcp://127.0.0.1:29517", rank=0, world_size=1)
+        torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                             world_size=1)
     te_interop.requantize_te([weight], [main], [0], None)
     amax = main.abs().max()
     scale = gs.fp8.scale_from_amax(amax, torch.float8_e4m3fn)

@@ -1,9 +1,11 @@
 """Spawn gloo ranks on 127.0.0.1, bounded in time, and the small model/data helpers the tests share.
 
 ``spawn(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes
-(torch.multiprocessing, "spawn"), each in a gloo process group on a free port, and returns the ranks'
-return values (through files in a temporary directory). It never hangs: processes are joined against one
-deadline and stragglers are killed. A rank that raised has its traceback re-raised in the parent.
+(torch.multiprocessing, "spawn"), each in a gloo process group on a free port (tests/_ports.py), and
+returns the ranks' return values (through files in a temporary directory). It never hangs: processes are
+joined against one deadline and stragglers are killed. A rank that raised has its traceback re-raised in
+the parent. tests/conftest.py puts tests/distributed on ``sys.path``: ``from _harness import spawn`` works
+from every test file.
 
 The model, data and metric helpers are tests/toy.py's, re-exported for the workers.
 """
@@ -13,7 +15,6 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import socket
 import sys
 import tempfile
 import time
@@ -22,14 +23,11 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from _ports import free_port
+
+
 class RankFailed(AssertionError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world_size: int, port: int, outdir: str, fn, args) -> None:
