@@ -17,6 +17,7 @@ from capture.devices import backend_for, device_scope
 from capture.profile import Ranges
 
 from . import ddp
+from . import families as families_mod
 from . import experts as experts_mod
 from . import folded_norm, model_state_dict, offload, overlap, scalar_graph
 from . import state_dict as state_dict_mod
@@ -90,20 +91,6 @@ def _agreement(config: OptimizerConfig, device, comm: Collectives):
     return None if agreement is None else agreement.any
 
 
-def _defaults(config: OptimizerConfig) -> dict:
-    # torch's OneCycleLR cycles 'betas' or 'momentum' only when the optimizer's defaults have them.
-    if config.optimizer == "adam":
-        return {"lr": config.lr, "weight_decay": config.weight_decay, "eps": config.adam_eps,
-                "betas": (config.adam_beta1, config.adam_beta2)}
-    if config.optimizer == "lion":
-        return {"lr": config.lr, "weight_decay": config.weight_decay,
-                "betas": (config.lion_beta1, config.lion_beta2)}
-    if config.optimizer == "muon":  # 'momentum' (not 'betas'): OneCycleLR cycles the Muon groups' momentum
-        return {"lr": config.lr, "weight_decay": config.weight_decay, "momentum": config.muon_momentum}
-    return {"lr": config.lr, "weight_decay": config.weight_decay, "momentum": config.sgd_momentum,
-            "nesterov": config.sgd_nesterov}
-
-
 class GraphstepOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
     """torch's GradScaler hands its scale and inf flag to ``step`` instead of unscaling (graphstep/torch_amp.py)."""
@@ -119,7 +106,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         # Validates the overrides; routes each param to its optimizer family (the groups' "optimizer" key).
         groups = build_family_param_groups(named, config, config_overrides, model_chunks=model_chunks)
         self._building = True
-        super().__init__(groups, _defaults(config))
+        super().__init__(groups, families_mod.torch_defaults(config))  # what schedulers see
         self._building = False
 
         params = [p for _, p in named]

@@ -24,11 +24,6 @@ ALLOWED = {
     # OptimizerConfig.optimizer / muon_scalar_optimizer default to "adam": a dataclass default is the field's
     # documented value (test_config_defaults_name_registered_families checks both).
     "graphstep/config.py": 2,
-    # engine.py's _defaults predates the registry; engine.py is edited by another change in flight. It
-    # becomes `super().__init__(groups, families.torch_defaults(config))`: then delete this entry.
-    "graphstep/engine.py": 3,
-    # offload's SUPPORTED_FAMILIES check becomes `if not family.offload:` (Family.offload); then delete this.
-    "graphstep/offload/__init__.py": 2,
 }
 
 

@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from ..families import StepScalars
+from ..families import FAMILIES, StepScalars
 from ..layout import Layout
 from ..stages import Stage
 from ..stages.gather import bucket_gathers
@@ -49,7 +49,6 @@ from .plan import OffloadPlan, host_buckets, plan_offload
 
 __all__ = ["HostShards", "Offload", "OffloadPlan", "host_buckets", "install", "plan_offload", "prepare_host"]
 
-SUPPORTED_FAMILIES = ("adam", "sgd")
 
 
 def prepare_host(config, layout: Layout, rank: int, device, state_names, num_groups: int, *,
@@ -116,9 +115,10 @@ class Offload:
 
     def __init__(self, ctx, host: HostShards, model_chunks=None):
         for g, family in enumerate(ctx.families):
-            if family.name not in SUPPORTED_FAMILIES:
+            if not family.offload:
+                supported = [name for name, f in FAMILIES.items() if f.offload]
                 raise ValueError(f"optimizer_cpu_offload: param group {g} uses optimizer={family.name!r}; the "
-                                 "host update runs Adam and SGD only (route the group to 'adam' or 'sgd')")
+                                 f"host update runs {', '.join(supported)} only (route the group to one of them)")
         config = ctx.config
         self.host = host
         self.plan = host.plan
