@@ -110,8 +110,8 @@ class OptimizerConfig:
     """graphstep's own: compute each grad's sum of squares where the grad becomes final (one rank: a
     post-accumulate-grad hook per param of 4,096 elements or more; several: as each bucket's reduce-scatter
     lands), so the step reads the grads once, in the update (graphstep/folded_norm.py). On by default: the
-    step then costs about the bare update (1.05-1.12x it, against 1.27-1.36x unfolded), and backward + step no
-    more than with the norm in the step (0.98-1.00x; README, Performance, on the 2-core CPU). A grad changed
+    step then costs about the bare update, and backward + step no more than with the norm in the step (the
+    README's Performance section has the figures). A grad changed
     in place after backward is refolded before the step (its buffer's version counter moved on); a write that
     bypasses the counter (``p.grad.data``) is not seen (``debug_step()`` warns). Run earlier micro-batches
     under ``opt.no_sync()`` to fold only in the last. False: the step's norm stage reads the grads itself.
@@ -183,7 +183,7 @@ class OptimizerConfig:
     step, after a compile of a few seconds on first use (needs a C++ compiler on the CPU, Triton on a GPU).
     "reference": plain tensor ops with every hyperparameter a device tensor (the test oracle; slower)."""
 
-    # ---- Muon, Lion and QK-clip (Megatron-Core's names and defaults; issue 14) ------------------------------
+    # ---- Muon, Lion and QK-clip (Megatron-Core's names and defaults) ----------------------------------------
     muon_momentum: float = 0.95
     """Muon's EMA momentum μ in [0, 1): ``m = μ·m + (1 − μ)·g``; the initial ``momentum`` of Muon groups
     (live: a schedule may change it every step)."""

@@ -180,7 +180,7 @@ def _validate_fp8(config: OptimizerConfig) -> None:
 
 
 def _validate_offload(config: OptimizerConfig) -> None:
-    """The hybrid CPU offload fields (issue 16) and what offload does not combine with."""
+    """The hybrid CPU offload fields and what offload does not combine with."""
     _check_number(config, "optimizer_offload_fraction", low=0.0, low_open=False, high=1.0, high_open=False)
     if not config.optimizer_cpu_offload:
         if config.optimizer_offload_fraction > 0:
