@@ -1,5 +1,6 @@
 """Where a step runs, in one place: which capture backend a device gets, and the few device-type facts
-the rest of the code needs (graphstep/ itself holds no device-type literal, docs/design.md law 7).
+the rest of the code needs (graphstep/ itself names no accelerator type, docs/design.md law 7; "cpu"
+appears there only where host memory is meant, and for CPU-only choices such as the fp64 hyperparameters).
 
 ``backend_for(device, mode)`` is the single decision of "how the step runs":
 

@@ -39,3 +39,14 @@ def test_the_library_never_imports_the_app():
     offending = {str(p.relative_to(ROOT)): sorted(m for m in imported_modules(p) if m.startswith("graphstep.app"))
                  for p in sources}
     assert not {p: m for p, m in offending.items() if m}
+
+
+def test_the_library_names_no_accelerator_type():
+    # docs/design.md law 7: capture.devices decides what a device gets; "cpu" (host memory) is allowed.
+    sources = [p for p in sorted((ROOT / "graphstep").rglob("*.py")) if "app" not in p.relative_to(ROOT).parts]
+    found = {}
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("cuda"):
+                found.setdefault(str(path.relative_to(ROOT)), []).append(node.value)
+    assert not found
