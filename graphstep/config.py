@@ -27,8 +27,8 @@ class OptimizerConfig:
     # ---- general -------------------------------------------------------------------------------------
     optimizer: str = "adam"
     """Update rule: "adam" (Adam/AdamW, see ``decoupled_weight_decay``), "sgd" (with momentum), "lion",
-    or "muon" (2-D hidden matrices; the other params go to ``muon_scalar_optimizer``): a registered
-    family, graphstep/families/."""
+    "muon" (2-D hidden matrices; the other params go to ``muon_scalar_optimizer``) or "ademamix": a
+    registered family, graphstep/families/."""
 
     lr: float = 1e-3
     """Peak learning rate; the initial ``lr`` of every param group without an override."""
@@ -219,6 +219,13 @@ class OptimizerConfig:
 
     lion_beta2: float = 0.98
     """Lion's momentum decay β2 in [0, 1)."""
+
+    ademamix_beta3: float = 0.9999
+    """AdEMAMix's slow-EMA decay β3 in [0, 1); the initial ``beta3`` of AdEMAMix groups (live: the paper's
+    warm-up schedules it). Its β1, β2 and ε are ``adam_beta1``, ``adam_beta2``, ``adam_eps``."""
+
+    ademamix_alpha: float = 5.0
+    """AdEMAMix's slow-EMA weight α >= 0 (0: AdamW); the initial ``alpha`` of AdEMAMix groups (live)."""
 
     qk_clip: bool = False
     """After each step, shrink W_q / W_k of registered attention layers whose max logit exceeded

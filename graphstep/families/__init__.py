@@ -1,6 +1,6 @@
 """Optimizer families: one module per update rule, and the registry every other module asks.
 
-Each family module (``adam.py``, ``sgd.py``, ``lion.py``, ``muon.py``) fills in one ``Family``
+Each family module (``adam.py``, ``sgd.py``, ``lion.py``, ``muon.py``, ``ademamix.py``) fills in one ``Family``
 (graphstep/families/base.py) with everything graphstep knows about its rule:
 
 - its **name** (``OptimizerConfig.optimizer``, a param group's ``optimizer`` key) and MuP **aliases**;
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from . import adam, lion, muon, sgd
+from . import adam, ademamix, lion, muon, sgd
 from .base import (LR, WEIGHT_DECAY, Family, GroupViews, HyperField, MupRule, StateSpec, StepScalars, ViewSources,
                    flat_views)
 
@@ -40,7 +40,7 @@ __all__ = ["FAMILIES", "Family", "GroupViews", "HyperField", "MupRule", "StateSp
            "state_names", "state_spec", "torch_defaults"]
 
 # Registration order is the live table's column order (hyper_columns): keep new families at the end.
-_MODULES = (adam, sgd, lion, muon)
+_MODULES = (adam, sgd, lion, muon, ademamix)
 
 _RULES = ("states", "validate", "group_defaults", "torch_defaults", "mup", "call", "views")
 
