@@ -17,8 +17,8 @@ from capture.devices import backend_for, device_scope
 from capture.profile import Ranges
 
 from . import ddp
+from . import domains as domains_mod
 from . import families as families_mod
-from . import experts as experts_mod
 from . import folded_norm, model_state_dict, offload, overlap, scalar_graph
 from . import state_dict as state_dict_mod
 from .agreement import agreement_for
@@ -71,14 +71,13 @@ def get_optimizer(config: OptimizerConfig, model_chunks, config_overrides=None, 
                               expert_data_parallel_group)
 
 
-def _static_inputs(domains: list[StaticBuffers], hyper: HyperParams, tensors: StepTensors):
-    """What a capture guards before each replay: every static buffer (the expert domain's prefixed), the
+def _static_inputs(domains: tuple[domains_mod.Domain, ...], hyper: HyperParams, tensors: StepTensors):
+    """What a capture guards before each replay: every domain's static buffers (named by its role), the
     hyperparameters, the scalars."""
     fixed = {"hyperparameters": hyper.values, **tensors.named()}
 
     def named() -> dict:
-        return {**{("expert " if d else "") + k: v for d, b in enumerate(domains) for k, v in b.addresses().items()},
-                **fixed}
+        return {**{k: v for domain in domains for k, v in domain.addresses().items()}, **fixed}
 
     return named
 
@@ -123,19 +122,18 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                  for name, p in named]
 
         dp_group, rank, dp_size = data_parallel_group(config, process_group)
-        # MoE expert params: a domain of their own over the expert data-parallel group (experts.py), or none.
-        dense, expert, expert_group = experts_mod.plan(config, named, expert_data_parallel_group, dp_group, dp_size,
-                                                       model_parallel_group)
-        self.layout = plan_layout([specs[i] for i in dense], dp_size, config.bucket_size)
+        # MoE expert params: a further domain over the expert data-parallel group (experts.py), or none.
+        dense_indices, further = domains_mod.plan(config, named, expert_data_parallel_group, dp_group, dp_size,
+                                                  model_parallel_group)
+        layout = plan_layout([specs[i] for i in dense_indices], dp_size, config.bucket_size)
         self.rank = rank
         self.device = device
         # Hybrid CPU offload: the host part of this rank's shard (None without it), before the device buffers
         # so that those are allocated for the device part only.
-        host = offload.prepare_host(config, self.layout, rank, device, state_names(families, config),
-                                    len(self.param_groups), experts=expert_group is not None)
-        self.buffers = allocate(self.layout, [params[i] for i in dense], rank=rank, device=device,
-                                main_dtype=config.main_params_dtype, state_names=state_names(families, config),
-                                host=host)
+        host = offload.prepare_host(config, layout, rank, device, state_names(families, config),
+                                    len(self.param_groups), experts=bool(further))  # offload: dense only
+        buffers = allocate(layout, [params[i] for i in dense_indices], rank=rank, device=device,
+                           main_dtype=config.main_params_dtype, state_names=state_names(families, config), host=host)
         self.hyper = HyperParams(len(self.param_groups), device)
         self.scaler = scaler_from_config(config, device)
         scaled = self.scaler is not None
@@ -156,7 +154,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self.comm = Collectives(dp_group, dp_size, model_parallel_group, timeout_s=config.distributed_timeout_s)
         # The one build-time exchange with other ranks: all agree on the layout and config before any stage
         # pairs up buffers (and the model-parallel group gets its timeout). No stage factory talks to peers.
-        self.comm.setup(self.layout, config, device)
+        self.comm.setup(layout, config, device)
 
         kernels, self.kernel_choice = choose_kernels(config, device, families, self.comm)
         """Which update kernel runs (``kernel="auto"`` resolved), why, and the probe's compile seconds."""
@@ -166,24 +164,25 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             raise ValueError(f"graphstep: kernel='compiled' compiles on its first step, which must run before the "
                              f"step is captured (capture={config.capture!r} captures on {device}): use "
                              "capture_warmup_steps >= 1")
-        ctx = StepContext(config, self.layout, self.buffers, self.hyper, kernels, families,
+        ctx = StepContext(config, layout, buffers, self.hyper, kernels, families,
                           self.tensors, self.scaler, self.comm, rank, torch_amp=self._torch_amp,
                           compile_scalars=scalar_graph.wanted(self.kernel_choice.name, device),
-                          folded=folded_norm.plan(config, self.layout, self.buffers, hooked=True))
-        self.experts = None if expert_group is None else experts_mod.build_domain(  # layout, buffers, comm, ctx
-            ctx, expert_group, [specs[i] for i in expert], [params[i] for i in expert], device=device,
-            state_names=state_names(families, config))
-        expert_ctx = None if self.experts is None else self.experts.ctx
+                          folded=folded_norm.plan(config, layout, buffers, hooked=True))
+        dense = domains_mod.Domain(domains_mod.DENSE, layout, buffers, self.comm, ctx)
+        self.domains = (dense, *[domains_mod.build_further(dense, plan, specs, params, device=device,
+                                                           state_names=state_names(families, config))
+                                 for plan in further])
+        """The sharding domains (graphstep/domains.py): the dense params', then the expert params' if any."""
         # The one post-accumulate-grad hook per param: the main grads, grads-seen flag, fold and overlap listen
         # to it, in the order param_hooks.STAGES declares (not the order of the statements here).
         self._grad_hooks = GradHooks()
-        for buffers in self._domain_buffers():
-            buffers.listen_for_main_grads(self._grad_hooks)
+        for domain in self.domains:
+            domain.buffers.listen_for_main_grads(self._grad_hooks)
         self._offload = offload.install(ctx, host, model_chunks)  # inert without CPU offload
         self._model_chunks = tuple(weakref.ref(chunk) for chunk in chunks)
         """The model's modules, weakly (the optimizer never keeps a dropped model alive): for debug_step."""
         model_state_dict.install(chunks, self._domain_buffers())  # the model's hooks: they outlive the optimizer
-        self.stages = self._offload.adjust_chain(default_chain(ctx, expert_ctx))
+        self.stages = self._offload.adjust_chain(default_chain(self.domains))
         # host_stages: run after the device step, never captured; host_tensors: {kind: host buffers}.
         self.host_stages, self.host_tensors = self._offload.host_stages, self._offload.host_tensors
         self.ranges = Ranges()
@@ -192,16 +191,16 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self._runner = StepRunner(
             step_fn=chain(self.stages), eager_step_fn=chain(self.stages, ranges=self.ranges), device=device,
             mode=config.capture, warmup_steps=config.capture_warmup_steps, invalidation=config.capture_invalidation,
-            static_inputs=_static_inputs(self._domain_buffers(), self.hyper, self.tensors),
+            static_inputs=_static_inputs(self.domains, self.hyper, self.tensors),
             baked_values=baked_values(self.stages),
             agree=_agreement(config, device, self.comm))
         self._no_sync = NoSync()  # opt.no_sync(): read by the overlap and the folded norm's hooks
-        self._overlap = overlap.install(ctx, config, model_chunks, may_capture=self._runner.may_capture,
-                                        no_sync=self._no_sync, hooks=self._grad_hooks, experts=expert_ctx)
-        self._publish = chain(publish_chain(ctx, expert_ctx))
+        self._overlap = overlap.install(self.domains, config, model_chunks, may_capture=self._runner.may_capture,
+                                        no_sync=self._no_sync, hooks=self._grad_hooks)
+        self._publish = chain(publish_chain(self.domains))
         self._grads_seen = GradsSeen(self._grad_hooks, self._domain_buffers())
-        folds = [ctx.folded] + ([] if expert_ctx is None else [expert_ctx.folded])
-        self._fold = folded_norm.Fold(folds, self.buffers, self._no_sync, self._grad_hooks)  # inert without the fold
+        self._fold = folded_norm.Fold([d.ctx.folded for d in self.domains], buffers, self._no_sync,
+                                      self._grad_hooks)  # inert without the fold; its hooks: the dense buffers
         explicit_groups = any(g is not None for g in (process_group, model_parallel_group, expert_data_parallel_group))
         self._ddp = ddp.DdpWatch(chunks, distributed_optimizer=config.use_distributed_optimizer,
                                  explicit_groups=explicit_groups, on_ddp=self._fold.fold_before_step)
@@ -361,8 +360,14 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self._fold.invalidate()
 
     def _domain_buffers(self) -> list[StaticBuffers]:
-        """The dense buffers, then the expert domain's (graphstep/experts.py) when there is one."""
-        return [self.buffers] if self.experts is None else [self.buffers, self.experts.buffers]
+        """Every domain's buffers, the dense params' first."""
+        return [domain.buffers for domain in self.domains]
+
+    # Read-only conveniences over ``domains`` (tests, tools, the dense-only checkpoint code): the dense domain's
+    # Layout and StaticBuffers, and the MoE expert params' Domain or None (graphstep/experts.py).
+    layout = property(lambda self: self.domains[0].layout)
+    buffers = property(lambda self: self.domains[0].buffers)
+    experts = property(lambda self: domains_mod.with_role(self.domains, domains_mod.EXPERTS))
 
     # ---- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -3,10 +3,11 @@
 Megatron-Core's convention marks an expert param with ``allreduce=False`` (or ``is_expert_parallel=True``):
 different expert-parallel ranks hold *different* experts, so their grads must never be averaged over the
 full data-parallel group. Only the ranks that hold the same experts (the expert data-parallel group, of
-size dp·tp / (ep·etp)) share them. graphstep gives those params a *domain* of their own: a Layout planned
-with the expert data-parallel size, its own StaticBuffers and its own Collectives over that group. The
-step stays one chain of stages (one graph): reduce-scatter, update, copy-back and all-gather run once per
-domain; the norm, the non-finite check, the clip and the skip decision run once, over both.
+size dp·tp / (ep·etp)) share them. graphstep gives those params a *domain* of their own
+(graphstep/domains.py): a Layout planned with the expert data-parallel size, its own StaticBuffers and its
+own Collectives over that group. The step stays one chain of stages (one graph): reduce-scatter, update,
+copy-back and all-gather run once per domain; the norm, the non-finite check, the clip and the skip
+decision run once, over both.
 
 Three rules, each with its reason:
 
@@ -17,7 +18,7 @@ Three rules, each with its reason:
    data-parallel size, not by the expert data-parallel size. Megatron-Core does the same
    (``expert_gradient_scaling_factor = 1 / dp_size`` in its DistributedDataParallel, or edp/dp before an
    AVG over the expert group). Here: SUM reduce-scatter over the expert group, times 1/dp. With an expert
-   data-parallel size of 1 there is no collective, only the times 1/dp (``stages/experts.py``).
+   data-parallel size of 1 there is no collective, only the times 1/dp (``stages/reduce.local_average``).
 
 2. **The global grad norm and the non-finite check.** After the reduce-scatters each rank holds one shard
    of the dense grads (a partition of them over the data-parallel group) and one shard of its experts'
@@ -42,7 +43,7 @@ Three rules, each with its reason:
    expert-parallel size is 1).
 
 Checkpoints: ``opt.state_dict()`` (exact, per rank, same layout) holds the expert domain under
-``"experts"``; the reshardable format refuses it (``refuse_checkpoint``). ``overlap_grad_reduce`` and
+``"experts"``; the reshardable format refuses it (``domains.refuse_checkpoint``). ``overlap_grad_reduce`` and
 ``overlap_param_gather`` hook the expert collectives as well (graphstep.overlap.Overlaps). Not yet
 tested: Muon on experts (their layout is planned like the dense one, layer-wise for Muon's groups), fp8
 expert weights (the requantize stage runs per domain; the flat checkpoint's fp8 entry covers the dense
@@ -51,9 +52,8 @@ domain only). Not supported: QK-clip on expert weights (its registered weights m
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -76,19 +76,6 @@ class ExpertGroup:
     rank: int
     size: int
     average_over: int
-
-
-def plan(config, named: Sequence[tuple[str, torch.nn.Parameter]], expert_data_parallel_group,
-         dp_group: Optional[dist.ProcessGroup], dp_size: int,
-         model_parallel_group) -> tuple[list[int], list[int], Optional[ExpertGroup]]:
-    """(dense indices, expert indices into ``named``, the expert group); with no expert domain every param
-    is dense and the group is None. Validates as ``expert_group`` does."""
-    experts = [i for i, (_, p) in enumerate(named) if is_expert_param(p)]
-    group = expert_group(config, named, experts, expert_data_parallel_group, dp_group, dp_size, model_parallel_group)
-    if group is None:
-        return list(range(len(named))), [], None
-    expert_set = set(experts)
-    return [i for i in range(len(named)) if i not in expert_set], experts, group
 
 
 def expert_group(config, named, expert_indices: list[int], expert_data_parallel_group,
@@ -138,47 +125,3 @@ def expert_group(config, named, expert_indices: list[int], expert_data_parallel_
         return None  # one rank holds all of its experts and averages over nobody: the dense layout is exact
     group = derive_group(expert_data_parallel_group, config.distributed_timeout_s) if size > 1 else None
     return ExpertGroup(group, rank if size > 1 else 0, size, dp_size)
-
-
-def refuse_checkpoint(opt, what: str) -> None:
-    """The reshardable format does not cover the expert domain yet: refuse rather than save half an optimizer.
-
-    Its entries are keyed by param name, and an expert's name is local to its expert-parallel rank (rank 0's
-    ``experts.0`` is not rank 1's), so two different experts would meet under one key; its JSON entries
-    (groups, metadata) are saved once, for all ranks, while the expert params differ between them."""
-    if getattr(opt, "experts", None) is not None:
-        raise NotImplementedError(f"{what}: the reshardable checkpoint format (graphstep.checkpoint) does not "
-                                  "cover expert params (expert_data_parallel_group) yet: their names are local to "
-                                  "each expert-parallel rank. Use opt.state_dict() / opt.load_state_dict() (exact, "
-                                  "per rank, same layout), which include the expert params' state")
-
-
-@dataclass(frozen=True)
-class ExpertDomain:
-    """The expert params' own layout, buffers and collectives, and the step context their stages build from
-    (the dense context with these swapped in: same config, hyperparameters, step scalars and scaler)."""
-
-    layout: object  # graphstep.layout.Layout
-    buffers: object  # graphstep.buffers.StaticBuffers
-    comm: object  # graphstep.distributed.Collectives over the expert data-parallel group
-    ctx: object  # graphstep.stages.context.StepContext
-
-
-def build_domain(dense_ctx, group: ExpertGroup, specs, params, *, device, state_names) -> ExpertDomain:
-    """Plan, allocate and agree on the expert domain (the build-time layout check runs over its group)."""
-    from .buffers import allocate
-    from . import folded_norm
-    from .distributed import Collectives
-    from .layout import plan_layout
-
-    config = dense_ctx.config
-    layout = plan_layout(specs, group.size, config.bucket_size)
-    buffers = allocate(layout, params, rank=group.rank, device=device, main_dtype=config.main_params_dtype,
-                       state_names=state_names)
-    comm = Collectives(group.group, group.size, None, timeout_s=config.distributed_timeout_s)
-    comm.setup(layout, config, device)
-    # Expert grads become final in the step (its reduce-scatter or local average), which folds their norm.
-    folded = folded_norm.plan(config, layout, buffers, hooked=False)
-    ctx = dataclasses.replace(dense_ctx, layout=layout, buffers=buffers, comm=comm, rank=group.rank,
-                              average_over=group.average_over, folded=folded)
-    return ExpertDomain(layout, buffers, comm, ctx)

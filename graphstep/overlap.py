@@ -159,8 +159,8 @@ class Overlap:
 
 
 class Overlaps:
-    """Several domains' hooks driven as one (the dense params' and the MoE expert params', each over its own
-    group: graphstep/experts.py). Same interface as ``Overlap``; the counts are summed."""
+    """Every domain's hooks driven as one (the dense params' and the MoE expert params', each over its own
+    group: graphstep/domains.py). Same interface as ``Overlap``; the counts are summed."""
 
     def __init__(self, parts: list[Overlap]):
         self._parts = parts
@@ -191,14 +191,10 @@ class Overlaps:
             part.remove()
 
 
-def install(ctx, config, model_chunks=None, *, may_capture: bool, no_sync: NoSync, hooks,
-            experts=None) -> Overlap | Overlaps:
-    """The engine's overlap hooks (an inert Overlap when neither overlap option is on). ``may_capture``:
-    the step is or may be captured, so the hooks start switched off. ``experts``: the expert domain's
-    context, whose collectives (over the expert data-parallel group) get hooks of their own. ``hooks``: the
-    optimizer's ``GradHooks`` (graphstep/param_hooks.py), which the grad listeners join."""
-    dense = Overlap(ctx, config, model_chunks, may_capture=may_capture, no_sync=no_sync, hooks=hooks)
-    if experts is None:
-        return dense
-    return Overlaps([dense, Overlap(experts, config, model_chunks, may_capture=may_capture, no_sync=no_sync,
-                                    hooks=hooks)])
+def install(domains, config, model_chunks=None, *, may_capture: bool, no_sync: NoSync, hooks) -> Overlaps:
+    """The engine's overlap hooks, one ``Overlap`` per domain (graphstep/domains.py), each over its own
+    collectives (inert when neither overlap option is on). ``may_capture``: the step is or may be captured,
+    so the hooks start switched off. ``hooks``: the optimizer's ``GradHooks`` (graphstep/param_hooks.py),
+    which the grad listeners join."""
+    return Overlaps([Overlap(domain.ctx, config, model_chunks, may_capture=may_capture, no_sync=no_sync,
+                             hooks=hooks) for domain in domains])

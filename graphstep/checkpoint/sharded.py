@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .. import state_dict as flat
-from ..experts import refuse_checkpoint
+from ..domains import refuse_checkpoint
 from ..families import state_spec
 from ..fp8 import checkpoint as fp8_checkpoint
 

@@ -10,7 +10,7 @@ A stage that takes host values into the step (a Python float a fused kernel bake
 reports them through ``Stage.baked``, so a captured step is recaptured when one changes and never
 silently keeps a stale value (docs/design.md law 3).
 
-``default_chain(ctx)`` is the one step every caller runs: the engine (eager, captured, profiled),
+``default_chain(domains)`` is the one step every caller runs: the engine (eager, captured, profiled),
 ``debug_step`` and every optimizer family. Single process::
 
     norm (non-finite check + global grad norm, one read of the grads) → zeros (optional)
@@ -21,18 +21,21 @@ silently keeps a stale value (docs/design.md law 3).
 With several data-parallel ranks ``reduce`` (reduce-scatter) runs first and ``gather`` (all-gather)
 after the copy-back. With ``fold_grad_norm`` the norm stage reads no grad: it adds up sums of squares
 folded where the grads became final (backward hooks, or the reduce stage; graphstep/folded_norm.py).
-Expert params of MoE models (graphstep/experts.py) have a domain of their own, whose
+Expert params of MoE models (graphstep/experts.py) are a second domain (graphstep/domains.py), whose
 ``expert_*`` stages join the same chain.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
 from .context import StepContext
+
+if TYPE_CHECKING:
+    from ..domains import Domain
 
 
 def _no_baked_values() -> tuple:
@@ -122,50 +125,47 @@ def baked_values(stages: Sequence[Stage]) -> Callable[[], tuple]:
     return values
 
 
-def default_chain(ctx: StepContext, experts: Optional[StepContext] = None) -> list[Stage]:
-    """The step's stages, in order, for the context's layout and config.
+def default_chain(domains: Sequence["Domain"]) -> list[Stage]:
+    """The step's stages, in order, for the domains' layouts and the config.
 
-    ``experts``: the expert params' domain (graphstep/experts.py), or None. Its reduce, update, copy-back,
-    requantize and gather stages (named ``expert_*``) run right after the dense ones, in the same chain;
-    the norm, zero count, clip and loss-scale stages run once over both domains.
+    ``domains`` (graphstep/domains.py): the dense params' first, then any further one (the MoE expert params',
+    graphstep/experts.py). Each domain's reduce, update, copy-back, requantize and gather stages run in
+    turn, named by the domain (``expert_*``); the norm, zero count, clip and loss-scale stages run once over
+    all of them, on the first domain's step scalars (shared by every context), and only the first domain's
+    update advances the step count they share.
     """
     from . import clip, gather, loss_scale, norm, qk_clip, reduce, requantize, update, zeros
-    from . import experts as expert_stages
 
-    extra = () if experts is None else (experts,)
-    sharded = ctx.layout.dp_size > 1
-    stages = [reduce.build(ctx)] if sharded else []
-    stages += [expert_stages.reduce_or_average(e) for e in extra]
-    stages.append(norm.build(ctx, *extra))
-    if ctx.tensors.num_zeros is not None:
-        stages.append(zeros.build(ctx, *extra))
-    stages += [clip.build(ctx), update.build(ctx)]
-    stages += [expert_stages.named(update.build(e, advance_step=False)) for e in extra]
-    if ctx.config.qk_clip:
-        stages.append(qk_clip.build(ctx))  # on the main params: before the copy-back and the requantize
-    for domain in (ctx, *extra):
-        rename = expert_stages.named if domain is experts else (lambda stage: stage)
-        stages.append(rename(update.build_copy_back(domain)))
-        fp8_requantize = requantize.build(domain)  # None without fp8 weights
+    contexts = [domain.ctx for domain in domains]
+    first = contexts[0]
+    stages = [domain.named(stage) for domain in domains for stage in reduce.first_stages(domain.ctx)]
+    stages.append(norm.build(*contexts))
+    if first.tensors.num_zeros is not None:
+        stages.append(zeros.build(*contexts))
+    stages.append(clip.build(first))
+    stages += [domain.named(update.build(domain.ctx, advance_step=domain.ctx is first)) for domain in domains]
+    if first.config.qk_clip:
+        stages.append(qk_clip.build(first))  # dense weights, on the main params: before copy-back and requantize
+    for domain in domains:
+        stages.append(domain.named(update.build_copy_back(domain.ctx)))
+        fp8_requantize = requantize.build(domain.ctx)  # None without fp8 weights
         if fp8_requantize is not None:
-            stages.append(rename(fp8_requantize))
-    if sharded:
-        stages.append(gather.build(ctx))
-    stages += [expert_stages.named(gather.build(e)) for e in extra if e.layout.dp_size > 1]
-    stages.append(loss_scale.build(ctx))
+            stages.append(domain.named(fp8_requantize))
+    stages += [domain.named(gather.build(domain.ctx)) for domain in domains if domain.layout.dp_size > 1]
+    stages.append(loss_scale.build(first))
     return stages
 
 
-def publish_chain(ctx: StepContext, experts: Optional[StepContext] = None) -> list[Stage]:
-    """Main params → model params (and the all-gather across ranks): what a checkpoint load runs."""
+def publish_chain(domains: Sequence["Domain"]) -> list[Stage]:
+    """Main params → model params (and the all-gather across ranks), per domain: what a checkpoint load runs."""
     from . import gather, requantize, update
 
     stages = []
-    for domain in (ctx,) if experts is None else (ctx, experts):
-        stages.append(update.build_copy_back(domain))
-        fp8_requantize = requantize.build(domain, publish=True)
+    for domain in domains:
+        stages.append(update.build_copy_back(domain.ctx))
+        fp8_requantize = requantize.build(domain.ctx, publish=True)
         if fp8_requantize is not None:
             stages.append(fp8_requantize)
         if domain.layout.dp_size > 1:
-            stages.append(gather.build(domain, deferrable=False))
+            stages.append(gather.build(domain.ctx, deferrable=False))
     return stages

@@ -97,3 +97,28 @@ def build(ctx) -> Stage:
                 folded.fold(reduce.bucket)
 
     return Stage("reduce", apply)
+
+
+def local_average(ctx) -> Stage:
+    """Grads times 1/``average_over``, in place, for a domain that averages without a reduce-scatter: an
+    expert domain with an expert data-parallel size of 1 (graphstep/experts.py, rule 1). The grads the user
+    reads after the step are then the averaged ones, as with the reduce-scatter's pre-scaled fp16 buckets."""
+    grads = list(ctx.buffers.grad_shard)  # the grad buffers themselves when the domain is not sharded
+    inv_dp = 1.0 / ctx.average_over
+    folded = ctx.folded
+
+    def apply() -> None:
+        for unit, grad in enumerate(grads):
+            grad.mul_(inv_dp)
+            if folded is not None:  # fold_grad_norm: its sum of squares while it is hot
+                folded.fold(unit)
+
+    return Stage("average", apply)
+
+
+def first_stages(ctx) -> list[Stage]:
+    """A domain's first stage: its reduce-scatter when it is sharded; otherwise the local average when its
+    grads must still be averaged (``ctx.average_over``); otherwise none (one rank: nothing to average)."""
+    if ctx.layout.dp_size > 1:
+        return [build(ctx)]
+    return [local_average(ctx)] if ctx.average_over else []
