@@ -301,11 +301,8 @@ def trace_closure(opt, closure: Optional[Callable]) -> Optional[ClosureTrace]:
 
 # ---- the optimizer's side: which param and tensor, after which stage -------------------------------------
 def _first_non_finite(opt, stage: str, *, grads_only: bool) -> Optional[NanOrigin]:
-    domains = [(opt.buffers, opt.layout, opt.rank)]
-    if getattr(opt, "experts", None) is not None:  # MoE expert params (graphstep/experts.py): their own buffers
-        domains.append((opt.experts.buffers, opt.experts.layout, opt.experts.ctx.rank))
-    for buffers, layout, rank in domains:
-        origin = _first_in_domain(buffers, layout, rank, stage, grads_only)
+    for domain in opt.domains:  # dense, then MoE expert params (graphstep/domains.py): each its own buffers
+        origin = _first_in_domain(domain.buffers, domain.layout, domain.rank, stage, grads_only)
         if origin is not None:
             return origin
     return None

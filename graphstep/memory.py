@@ -74,8 +74,7 @@ def memory_stats(opt) -> dict[str, dict[str, int]]:
     for kind, tensors in opt.host_tensors.items():
         host.add(kind, tensors)
     device = _Ledger(seen=set(host.seen))  # a storage listed as host memory is not device memory
-    experts = getattr(opt, "experts", None)  # MoE expert params: buffers of their own (graphstep/experts.py)
-    domains = [opt.buffers] if experts is None else [opt.buffers, experts.buffers]
+    domains = [domain.buffers for domain in opt.domains]  # dense, then MoE expert params (graphstep/domains.py)
     for buffers in domains:
         device.add("params", buffers.param_flat)
         device.add("grads", buffers.grad_flat)

@@ -26,6 +26,9 @@ STATE_DICT_FORMAT = "graphstep/1"
 _TOP_KEYS = ("format", "layout", "rank", "step", "main_params", "state", "param_groups", "scaler", "clip_grad",
              "grad_norm_skip_threshold")
 _FP8_KEY = "fp8"  # only with fp8 weights (graphstep.fp8.checkpoint): their bytes and scaling state
+# A domain's entries (graphstep/domains.py): the dense one's at the top level, a further one's under its
+# role's ``checkpoint_path`` (the expert params': "experts").
+_DOMAIN_KEYS = ("layout", "rank", "main_params", "state")
 # Param-group keys that are bookkeeping, not hyperparameters: compared or skipped, never copied blindly.
 _IDENTITY_GROUP_KEYS = ("params", "param_names")
 # Group hyperparameters the step reads (hyperparams.group_values): numbers, never None.
@@ -37,8 +40,8 @@ class StateDictError(ValueError):
 
 
 def state_dict(opt) -> dict:
-    """This rank's flat buffers, exact, for ``torch.save`` flows at the same layout (with an expert domain,
-    graphstep/experts.py, its buffers under ``"experts"``)."""
+    """This rank's flat buffers, exact, for ``torch.save`` flows at the same layout: every domain's entries
+    (graphstep/domains.py; the expert params' under ``"experts"``), then the step-wide ones."""
     opt.finish_param_gather()
     groups = []
     index = {id(p): i for i, p in enumerate(_all_params(opt))}
@@ -46,27 +49,40 @@ def state_dict(opt) -> dict:
         saved = {k: v for k, v in group.items() if k != "params"}
         saved["params"] = [index[id(p)] for p in group["params"]]
         groups.append(saved)
-    experts = {} if opt.experts is None else {"experts": {
-        "layout": opt.experts.layout.fingerprint(), "rank": opt.experts.ctx.rank,
-        "main_params": [opt.experts.buffers.main_shard_values(b) for b in range(len(opt.experts.buffers.main_shard))],
-        "state": {name: [t.clone() for t in tensors] for name, tensors in opt.experts.buffers.state.items()}}}
-    fp8_state = fp8_checkpoint.flat_state(opt)
-    return {
+    saved = {
         "format": STATE_DICT_FORMAT,
-        "layout": opt.layout.fingerprint(),
-        "rank": opt.rank,
         "step": opt.tensors.step.clone(),
-        # Whole shards (copies), wherever their elements live (device, or host with CPU offload).
-        "main_params": [opt.buffers.full_shard("main", b) for b in range(len(opt.buffers.main_shard))],
-        "state": {name: [opt.buffers.full_shard(name, b) for b in range(len(tensors))]
-                  for name, tensors in opt.buffers.state.items()},
         "param_groups": groups,
         "scaler": None if opt.scaler is None else opt.scaler.state_dict(),
         "clip_grad": opt.clip_grad,
         "grad_norm_skip_threshold": opt.grad_norm_skip_threshold,
-        **experts,
-        **({} if fp8_state is None else {_FP8_KEY: fp8_state}),
     }
+    for domain in opt.domains:
+        _at(saved, domain.role.checkpoint_path).update(_domain_entries(domain))
+    fp8_state = fp8_checkpoint.flat_state(opt)
+    if fp8_state is not None:
+        saved[_FP8_KEY] = fp8_state
+    # The top-level keys in their documented order, then the further domains' and fp8's.
+    return {key: saved[key] for key in (*_TOP_KEYS, *(k for k in saved if k not in _TOP_KEYS))}
+
+
+def _domain_entries(domain) -> dict:
+    buffers = domain.buffers
+    return {
+        "layout": domain.layout.fingerprint(),
+        "rank": domain.rank,
+        # Whole shards (copies), wherever their elements live (device, or host with CPU offload).
+        "main_params": [buffers.full_shard("main", b) for b in range(len(buffers.main_shard))],
+        "state": {name: [buffers.full_shard(name, b) for b in range(len(tensors))]
+                  for name, tensors in buffers.state.items()},
+    }
+
+
+def _at(mapping: dict, path: tuple[str, ...]) -> dict:
+    """The nested dict at ``path`` in ``mapping`` (created empty where missing); ``mapping`` itself for ()."""
+    for key in path:
+        mapping = mapping.setdefault(key, {})
+    return mapping
 
 
 # ---- checks (shared with graphstep.checkpoint) ----------------------------------------------------------
@@ -294,8 +310,8 @@ def refuse_together(opt, validate: Callable[[], Any], what: str) -> Any:
 
 
 def _all_params(opt) -> list:
-    """The params the flat format indexes: the dense buffers', then the expert domain's."""
-    return opt.buffers.params + ([] if opt.experts is None else opt.experts.buffers.params)
+    """The params the flat format indexes: every domain's, the dense params' first."""
+    return [p for domain in opt.domains for p in domain.buffers.params]
 
 
 def _check_buffers(buffers, saved: Mapping, where: str) -> Mapping:
@@ -310,13 +326,6 @@ def _check_buffers(buffers, saved: Mapping, where: str) -> Mapping:
     return states
 
 
-def _domains(opt, state_dict: Mapping, states) -> list:
-    """(buffers, saved mapping, validated states) per domain, as ``_validate`` returned the states."""
-    if opt.experts is None:
-        return [(opt.buffers, state_dict, states)]
-    return [(opt.buffers, state_dict, states[0]), (opt.experts.buffers, state_dict["experts"], states[1])]
-
-
 # ---- load -----------------------------------------------------------------------------------------------
 @torch.no_grad()
 def load_state_dict(opt, state_dict: Any) -> None:
@@ -326,7 +335,7 @@ def load_state_dict(opt, state_dict: Any) -> None:
     states, updates, fp8_copies = refuse_together(opt, lambda: _validate(opt, state_dict), "load_state_dict")
 
     # Everything is valid: copy. Nothing below can fail on a checked value.
-    for buffers, saved, saved_states in _domains(opt, state_dict, states):
+    for buffers, saved, saved_states in states:
         for b, source in enumerate(saved["main_params"]):
             buffers.load_shard("main", b, source)
         for name in buffers.state:
@@ -338,32 +347,29 @@ def load_state_dict(opt, state_dict: Any) -> None:
     fp8_checkpoint.apply(fp8_copies)  # the saved fp8 bytes and scales replace the publish's recast
 
 
+def _check_domain(domain, state_dict: Mapping, where: str) -> tuple:
+    """A domain's saved entries match it: (its buffers, its saved mapping, its state tensors by name)."""
+    saved = state_dict
+    for key in domain.role.checkpoint_path:
+        where = f"{where}[{key!r}]"
+        saved = check_mapping(saved[key], where, _DOMAIN_KEYS, allowed=_DOMAIN_KEYS)
+    if not plain_equal(saved["layout"], domain.layout.fingerprint()):
+        raise _fail(f"{where}['layout']", domain.role.layout_mismatch)
+    if type(saved["rank"]) is not int or saved["rank"] != domain.rank:
+        raise _fail(f"{where}['rank']", domain.role.rank_mismatch.format(saved=saved["rank"], rank=domain.rank))
+    return domain.buffers, saved, _check_buffers(domain.buffers, saved, where)
+
+
 def _validate(opt, state_dict: Any) -> tuple:
-    """Every check of a flat load, nothing copied: (the state tensors by name, the group updates)."""
+    """Every check of a flat load, nothing copied: ((buffers, saved entries, state tensors by name) per
+    domain, the group updates, the fp8 copies)."""
     where = "state_dict"
-    keys = _TOP_KEYS if opt.experts is None else _TOP_KEYS + ("experts",)
+    keys = _TOP_KEYS + tuple(d.role.checkpoint_path[0] for d in opt.domains if d.role.checkpoint_path)
     check_mapping(state_dict, where, keys, allowed=keys + (_FP8_KEY,))
     if not plain_equal(state_dict["format"], STATE_DICT_FORMAT):
         raise _fail(f"{where}['format']", f"is {state_dict['format']!r:.60}, expected {STATE_DICT_FORMAT!r}")
-    if not plain_equal(state_dict["layout"], opt.layout.fingerprint()):
-        raise _fail(f"{where}['layout']", "was saved for a different layout (other params, groups, dtypes, "
-                                          "bucket size or data-parallel size): build the optimizer over the "
-                                          "same model and config, or use graphstep.checkpoint to reshard")
-    if type(state_dict["rank"]) is not int or state_dict["rank"] != opt.rank:
-        raise _fail(f"{where}['rank']", f"is {state_dict['rank']!r:.30}: checkpoint of another rank loaded "
-                                        f"on rank {opt.rank}")
     check_step(state_dict["step"], f"{where}['step']", opt.tensors.step)
-    states = _check_buffers(opt.buffers, state_dict, where)
-    if opt.experts is not None:
-        at = f"{where}['experts']"
-        experts = check_mapping(state_dict["experts"], at, ("layout", "rank", "main_params", "state"),
-                                allowed=("layout", "rank", "main_params", "state"))
-        if not plain_equal(experts["layout"], opt.experts.layout.fingerprint()):
-            raise _fail(f"{at}['layout']", "was saved for a different expert layout (other expert params, bucket "
-                                           "size or expert data-parallel size): build the optimizer alike")
-        if type(experts["rank"]) is not int or experts["rank"] != opt.experts.ctx.rank:
-            raise _fail(f"{at}['rank']", f"is {experts['rank']!r:.30}: another expert data-parallel rank's checkpoint")
-        states = (states, _check_buffers(opt.experts.buffers, experts, at))
+    states = [_check_domain(domain, state_dict, where) for domain in opt.domains]
     updates = check_param_groups(opt, state_dict["param_groups"], f"{where}['param_groups']", check_indices=True)
     check_scaler(opt, state_dict["scaler"], f"{where}['scaler']")
     check_thresholds(state_dict["clip_grad"], state_dict["grad_norm_skip_threshold"], where)
