@@ -1,5 +1,5 @@
 """The folded grad norm (``fold_grad_norm``, on by default): each grad's sum of squares is computed where
-the grad becomes final, so the step reads the grads once, in the update (issue 18).
+the grad becomes final, so the step reads the grads once, in the update.
 
 Where the fold happens, per domain (the dense params, and the MoE expert params when there are some):
 
@@ -107,10 +107,9 @@ class ParamSums(_Slots):
     post-accumulate-grad hook: one op on a grad still in cache, the fp32 norms of its rows, into one
     row-norm vector per grad buffer. What is left over (the tails of fewer than 4,096 elements, and the
     params smaller than a row: biases, norms' weights) is read by the norm stage itself: per buffer, a few
-    ``cat``s of them into a static scratch (``_gathers``) and one fp64 norm of it (at GPT-2 small 99
-    pieces, 98 of the 148 params whole and one tail, 0.1% of the grads: hooks and ops per small param would
-    cost backward more than the bytes; a foreach norm upcasting each piece to fp64 ran a cast and a norm per
-    piece: 0.66 against 0.41 ms a step, measured after a backward stand-in on the 2-core CPU). The stage
+    ``cat``s of them into a static scratch (``_gathers``) and one fp64 norm of it (a small fraction of the
+    grads: hooks and ops per small param would cost backward more than the bytes, and a foreach norm
+    upcasting each piece to fp64 runs a cast and a norm per piece; docs/perf-notes.md). The stage
     ``finish``es each buffer: rows whose fp32 norm overflowed are rescued (``norm.RowRescue``), then the
     squares are summed in fp64 into the buffer's slot."""
 
@@ -210,8 +209,7 @@ _SERIAL_CAT = 32_768
 
 def _gathers(tails: list, leftovers: torch.Tensor) -> list[tuple[list, torch.Tensor]]:
     """``tails`` gathered into ``leftovers`` as (pieces, their slice of ``leftovers``) cats: on the CPU each
-    under ``_SERIAL_CAT`` elements (after a backward stand-in, torch.profiler put one cat of GPT-2 small's
-    99 pieces at ~0.46 ms, most of it the per-piece ops; the serial cats at ~0.1 ms), elsewhere one."""
+    under ``_SERIAL_CAT`` elements (one large cat costs an op per piece; docs/perf-notes.md), elsewhere one."""
     limit = _SERIAL_CAT if leftovers.device.type == "cpu" else leftovers.numel() + 1
     gathers, pieces, start, size = [], [], 0, 0
     for tail in tails:
