@@ -22,7 +22,9 @@ change) is the implementation's declaration, ``LIVE_FIELDS`` of its kernels modu
 family's fields at build by ``Family.live_fields``.
 
 Adding a family: its kernel (in each implementation module of graphstep/kernels/, or a kernels module of
-its own, ``Family.kernels``), a module here filling in every rule, and its entry in ``_MODULES`` below.
+its own, ``Family.kernels``), a module here filling in every rule, and its entry in ``_MODULES`` below;
+fields of its own (AdEMAMix's ``ademamix_beta3`` / ``ademamix_alpha``) are declared in ``OptimizerConfig``
+too, since a frozen dataclass lists every field, while their validation stays in the family module.
 Nothing else changes: an unknown family name is an error everywhere (``get_family``), never another
 family's rules, and no other module names a family (tests/test_family_registry.py).
 """
