@@ -23,13 +23,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import graphstep as gs  # noqa: E402
+from bench_muon import time_round_robin  # noqa: E402  (perf/ is this script's own folder on sys.path)
 
 LR, BETAS, BETA3, ALPHA, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 0.9999, 5.0, 1e-8, 0.1
 
@@ -86,19 +86,6 @@ def adamw_fused_step(layers: int, width: int):
     set_fixed_grads(model)
     return torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                              fused=True).step
-
-
-def time_round_robin(steps: dict, warmup: int, rounds: int) -> dict[str, list[float]]:
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
-    times: dict[str, list[float]] = {key: [] for key in steps}
-    for _ in range(rounds):
-        for key, step in steps.items():
-            start = time.perf_counter()
-            step()
-            times[key].append((time.perf_counter() - start) * 1e3)
-    return times
 
 
 def main(argv=None) -> dict:
