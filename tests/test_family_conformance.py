@@ -1,8 +1,9 @@
 """The same guarantees for every registered optimizer family (graphstep/families/), asked of the registry,
 so a new family gets them by being registered (issue 28, item 7): a captured step replays bitwise equal to
 eager while every hyperparameter the family reads moves (no recapture where the kernel reads it live), a
-non-finite grad leaves params, state and step bitwise unchanged, and both checkpoint formats round-trip,
-with each state's invariant (a second moment is never negative) refused on load."""
+non-finite grad leaves params, state and step bitwise unchanged, both checkpoint formats round-trip, with
+each state's invariant (a second moment is never negative) refused on load, and CPU offload is bitwise
+equal to no offload where the family declares it supported, refused naming the family where not."""
 
 import math
 
@@ -140,3 +141,25 @@ def test_a_negative_state_is_refused_exactly_where_its_family_declares_it(runs, 
                 getattr(twin, "load_" + fmt)(saved)
         else:
             getattr(twin, "load_" + fmt)(saved)  # a momentum may be negative
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_cpu_offload_is_bitwise_where_the_family_supports_it_and_refused_where_not(name):
+    # The host update runs torch's fused CPU kernels: compared with no offload on the fused kernel too,
+    # half of the shard on the host must change nothing (both sides are the CPU here).
+    offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5)
+    if not get_family(name).offload:
+        with pytest.raises(ValueError, match=f"optimizer='{name}'"):
+            gs.get_optimizer(config(name, kernel="fused", capture="eager", **offload), model())
+        return
+    results = []
+    for extra in ({}, offload):
+        net = model()
+        opt = gs.get_optimizer(config(name, kernel="fused", capture="eager", **extra), net)
+        for step in range(4):
+            opt.zero_grad()
+            loss_fn(net, step).backward()
+            opt.step()
+        results.append([p.detach().clone() for p in net.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert not torch.equal(results[0][0], model()[0].weight.detach())  # the params did move
