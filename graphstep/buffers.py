@@ -12,7 +12,9 @@ Per buffer key (param dtype, grad dtype) of the layout:
   data-parallel size: the update writes this rank's shard of the params in place, no second copy, no
   copy-back); else a separate fp32 tensor of this rank's shard. Address a range of it with
   ``main_range`` (shard coordinates), which maps into ``param_flat`` for the former;
-- ``state[name]`` optimizer state shards (``exp_avg``, ``exp_avg_sq`` or ``momentum_buffer``);
+- ``state[name]`` optimizer state shards (``exp_avg``, ``exp_avg_sq`` or ``momentum_buffer``), each over only
+  the groups whose family keeps it (``state_ranges``, graphstep/state_ranges.py): address a range of it
+  with ``shard_part`` (shard coordinates) after asking ``keeps_state``;
 - ``grad_shard``  the grads of this rank's shard, reduced (what the norm and the update read): with one
   rank ``grad_flat`` itself, one entry per buffer; with several, one entry per *bucket*: the view
   ``grad_flat[bucket.shard_range(rank)]`` that the bucket's reduce-scatter writes in place (its output is
@@ -42,6 +44,7 @@ import torch
 from .fp8 import is_fp8
 from .fp8.engine_support import main_values
 from .layout import Layout
+from .state_ranges import plan_state_ranges
 
 _GRAD = operator.attrgetter("grad")
 
@@ -62,6 +65,7 @@ class StaticBuffers:
     _grad_views: list = field(default_factory=list)  # those views, one object each, kept for identity checks
     _originals: dict = field(default_factory=dict)
     host: Optional[Any] = None  # graphstep.offload.HostShards: the shard's host part, or None
+    state_ranges: dict = field(default_factory=dict)  # name -> StateRanges: where each state buffer keeps its elements
 
     def _device_part(self, kind: str, buffer: int) -> torch.Tensor:
         return self.main_shard[buffer] if kind == "main" else self.state[kind][buffer]
@@ -79,14 +83,24 @@ class StaticBuffers:
         if start + size <= split:
             if kind == "main":
                 return self.main_range(buffer, start, size)
-            return self.state[kind][buffer][start:start + size]
+            offset = self.state_ranges[kind].offset(buffer, start, size)
+            if offset is None:
+                raise ValueError(f"state {kind!r} is not kept for shard range [{start}, {start + size}) of buffer "
+                                 f"{buffer}: that group's family does not declare it (ask keeps_state first)")
+            return self.state[kind][buffer][offset:offset + size]
         if start < split:
             raise ValueError(f"shard range [{start}, {start + size}) of buffer {buffer} straddles the offload "
                              f"split at {split}")
         return self.host.part(kind, buffer)[start - split:start - split + size]
 
+    def keeps_state(self, name: str, buffer: int, start: int, size: int) -> bool:
+        """Whether state ``name`` has elements for shard range ``[start, start + size)`` of ``buffer``: only
+        where the group's family declares it (graphstep/state_ranges.py)."""
+        return self.state_ranges[name].offset(buffer, start, size) is not None
+
     def full_shard(self, kind: str, buffer: int) -> torch.Tensor:
-        """A copy of this rank's whole shard of ``kind`` in ``buffer`` (on the host when part of it is)."""
+        """A copy of this rank's whole shard of ``kind`` in ``buffer`` (on the host when part of it is); for
+        a state, only the elements it keeps (``shard_like``'s shape)."""
         split = self.device_numel(buffer)
         device = (self.main_shard_values(buffer) if kind == "main" else self.state[kind][buffer])[:split]
         if self.host is None or self.host.part(kind, buffer).numel() == 0:
@@ -96,11 +110,22 @@ class StaticBuffers:
     def shard_like(self, kind: str, buffer: int) -> torch.Tensor:
         """A storage-less tensor with the whole shard's dtype and shape (what a checkpoint must match)."""
         dtype = self._device_part(kind, buffer).dtype
-        return torch.empty(self.layout.buffers[buffer].shard_numel, dtype=dtype, device="meta")
+        numel = self.layout.buffers[buffer].shard_numel if kind == "main" else self.state_ranges[kind].numel[buffer]
+        return torch.empty(numel, dtype=dtype, device="meta")
+
+    def compact_state(self, name: str, buffer: int, source: torch.Tensor) -> torch.Tensor:
+        """``source`` in ``shard_like``'s shape: a whole shard of state ``name`` (as checkpoints written before
+        state was kept per family hold it) reduced to the elements kept; a compact one as it is."""
+        ranges = self.state_ranges[name]
+        if ranges.whole(buffer) or source.numel() == ranges.numel[buffer]:
+            return source
+        return ranges.compact(buffer, source)
 
     def load_shard(self, kind: str, buffer: int, source: torch.Tensor) -> None:
         """Copy a whole shard (``full_shard``'s shape) into the device and host parts, in place."""
         split = self.device_numel(buffer)
+        if kind != "main":
+            source = self.compact_state(kind, buffer, source)
         if kind == "main" and self.main_is_param[buffer]:
             # All of it: past the split these are the model params, equal to the host main params (fp32).
             self.load_main_shard(buffer, source)
@@ -300,11 +325,16 @@ class StaticBuffers:
 
 
 def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int, device: torch.device,
-             main_dtype: torch.dtype, state_names: Sequence[str], host: Optional[Any] = None) -> StaticBuffers:
+             main_dtype: torch.dtype, state_names: Sequence[str], host: Optional[Any] = None,
+             group_states: Optional[Sequence[Sequence[str]]] = None) -> StaticBuffers:
     """Allocate ``layout`` and make ``params`` (in layout order) views of it, values preserved.
 
     ``host`` (graphstep.offload.HostShards): the device keeps main params and state for the prefix
     ``[0, host.splits[b])`` of each shard only; the host part is seeded here like the device part.
+
+    ``group_states`` (per param group, the state names its family keeps): each state buffer then holds only
+    the elements of those groups (graphstep/state_ranges.py); without it, or with ``host``, every state
+    buffer spans the whole shard.
 
     The main params are seeded from the params' values *before* any cast to the model dtype, so a model
     built in fp32 and trained in bf16 keeps its fp32 initialisation in the main params. An fp8 weight
@@ -331,10 +361,13 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
         grad_shard = list(grad_flat)
     else:  # per bucket, this rank's slice of the grads: the reduce-scatter's in-place output
         grad_shard = [grad_flat[b.buffer][slice(*b.shard_range(rank))] for b in layout.buckets]
-    state = {name: [torch.zeros(n, dtype=main_dtype, device=device) for n in device_numel] for name in state_names}
+    kept_by = [state_names] * layout.num_groups if group_states is None else group_states
+    ranges = plan_state_ranges(layout, rank, kept_by, state_names, whole=host is not None)
+    state = {name: [torch.zeros(n if ranges[name].whole(b) else ranges[name].numel[b], dtype=main_dtype,
+                                device=device) for b, n in enumerate(device_numel)] for name in state_names}
 
     buffers = StaticBuffers(layout, rank, param_flat, grad_flat, main_shard, grad_shard, state, list(params),
-                            host=host)
+                            host=host, state_ranges=ranges)
     for i, p in enumerate(params):
         place = layout.params[i]
         if tuple(p.shape) != place.shape:

@@ -121,7 +121,8 @@ def build_further(dense: Domain, further: Further, specs, params, *, device, sta
     specs = [specs[i] for i in further.indices]
     layout = plan_layout(specs, group.size, config.bucket_size)
     buffers = allocate(layout, [params[i] for i in further.indices], rank=group.rank, device=device,
-                       main_dtype=config.main_params_dtype, state_names=state_names)
+                       main_dtype=config.main_params_dtype, state_names=state_names,
+                       group_states=[family.state_names(config) for family in dense.ctx.families])
     comm = Collectives(group.group, group.size, None, timeout_s=config.distributed_timeout_s)
     comm.setup(layout, config, device)
     # Its grads become final in the step (its reduce-scatter or local average), which folds their norm.

@@ -133,7 +133,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         host = offload.prepare_host(config, layout, rank, device, state_names(families, config),
                                     len(self.param_groups), experts=bool(further))  # offload: dense only
         buffers = allocate(layout, [params[i] for i in dense_indices], rank=rank, device=device,
-                           main_dtype=config.main_params_dtype, state_names=state_names(families, config), host=host)
+                           main_dtype=config.main_params_dtype, state_names=state_names(families, config), host=host,
+                           group_states=[family.state_names(config) for family in families])
         self.hyper = HyperParams(len(self.param_groups), device)
         self.scaler = scaler_from_config(config, device)
         scaled = self.scaler is not None

@@ -89,31 +89,37 @@ def matrix_views(ctx, group: int, segments: Sequence, sources) -> MatrixViews:
     owned = {r.param: r for r in layout.owned_ranges(ctx.rank)}  # whole matrices: check_whole_matrices ran
     places = sorted((p for p in layout.params if p.group == group and p.index in owned),
                     key=lambda p: (p.buffer, p.start))
-    # [buffer, shape, split, first shard offset, spacing, count, first flat offset]. Sources in flat
-    # coordinates (fp32 params that are their own main params; grads reduced in place: families.ViewSources)
-    # are cut at the flat offset, so a run also needs the same spacing there (true inside one bucket).
+    # [buffer, shape, split, first shard offset, spacing, count, first flat offset, first state offsets].
+    # Sources in flat coordinates (fp32 params that are their own main params; grads reduced in place:
+    # families.ViewSources) are cut at the flat offset, and state at its offset in the compact state
+    # buffer (graphstep/state_ranges.py), so a run also needs the same spacing there (true inside one
+    # bucket's segment).
+    names = tuple(sources.state)
     runs: list[list] = []
     for place in places:
         mine = owned[place.index]
         split = qkv_split_of(ctx.buffers.params[place.index], place.name, place.shape, config)
+        states = tuple(sources.state_at(n, place.buffer, mine.shard_start, place.numel) for n in names)
         run = runs[-1] if runs else None
         if (run is not None and run[:3] == [place.buffer, place.shape, split]
                 and mine.shard_start - run[3] == mine.flat_start - run[6]
+                and all(o - r == mine.shard_start - run[3] for o, r in zip(states, run[7]))
                 and (run[5] == 1 or mine.shard_start - run[3] == run[4] * run[5])):
             if run[5] == 1:
                 run[4] = mine.shard_start - run[3]
             run[5] += 1
         else:
-            runs.append([place.buffer, place.shape, split, mine.shard_start, 0, 1, mine.flat_start])
+            runs.append([place.buffer, place.shape, split, mine.shard_start, 0, 1, mine.flat_start, states])
 
-    def cut(tensors, in_flat=()):
+    def cut(tensors, in_flat=(), state=None):
         views = []
-        for buffer, (rows, cols), _, start, spacing, count, flat_start in runs:
+        for buffer, (rows, cols), _, start, spacing, count, flat_start, states in runs:
             base = tensors[buffer]
-            offset = flat_start if in_flat and in_flat[buffer] else start
+            offset = states[state] if state is not None else flat_start if in_flat and in_flat[buffer] else start
             views.append(base.as_strided((count, rows, cols), (spacing or rows * cols, cols, 1),
                                          base.storage_offset() + offset))
         return views
 
     return MatrixViews(cut(sources.main, sources.main_in_flat), cut(sources.grads, sources.grads_in_flat),
-                       {name: cut(t) for name, t in sources.state.items()}, [run[2] for run in runs])
+                       {name: cut(sources.state[name], state=i) for i, name in enumerate(names)},
+                       [run[2] for run in runs])

@@ -8,7 +8,9 @@ Device kinds, in this order:
   this rank's slice of them in place, so there is no separate reduced-grad buffer;
 - ``main_params``  fp32 main params kept apart from the params (half and fp8 params: this rank's shard);
   0 where the params are fp32, since those *are* the main params (counted once, under ``params``);
-- one kind per optimizer state (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, ...): this rank's shard;
+- one kind per optimizer state (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, ...): this rank's shard
+  of the groups whose family keeps it (graphstep/state_ranges.py: Muon + Adam pays momentum over Muon's
+  matrices and the two moments over the rest, not every state over every element);
 - ``grad_cast``    (where present) the fp32 copy of this rank's grad shard that the update reads when
   grads are kept in a half dtype while the main params are fp32 (with CPU offload, of the device part);
 - ``comm_scratch`` buffers only the collectives use: 0, as the reduce-scatter and the all-gather both
@@ -31,7 +33,7 @@ the user's model outside the optimizer's buffers, and the allocator's own slack.
 Per rank, with the distributed optimizer over N ranks and P params, this is ZeRO's accounting (the ZeRO
 paper, Rajbhandari et al. 2020, §3): fp32 Adam 4P (params) + 4P (grads) + 8P/N (moments); bf16/fp16
 Adam 2P + 4P (fp32 main grads; 2P with half grads) + 12P/N (main params and moments); SGD with
-momentum 4P/N of state instead of 8P/N; plus the buckets' padding (at most lcm(N, 128) elements per
+momentum 4P/N of state instead of 8P/N; families mixed, each state over its own families' elements; plus the buckets' padding (at most lcm(N, 128) elements per
 bucket and 64 per param) and the scalars. ``tests/distributed/test_memory_stats.py`` checks it.
 """
 

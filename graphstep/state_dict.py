@@ -319,11 +319,24 @@ def _check_buffers(buffers, saved: Mapping, where: str) -> Mapping:
     # Whole compact shards, as saved (wherever their elements live: device, or host with CPU offload).
     check_tensor_list(saved["main_params"], f"{where}['main_params']",
                       [buffers.shard_like("main", b) for b in range(len(buffers.main_shard))])
-    states = check_mapping(saved["state"], f"{where}['state']", tuple(buffers.state), allowed=tuple(buffers.state))
+    states = dict(check_mapping(saved["state"], f"{where}['state']", tuple(buffers.state),
+                                allowed=tuple(buffers.state)))
     for name, tensors in buffers.state.items():  # each state's invariants as its family declares them
+        states[name] = _kept_state(buffers, name, states[name])
         check_tensor_list(states[name], f"{where}['state'][{name!r}]", [buffers.shard_like(name, b)
                           for b in range(len(tensors))], nonnegative=state_spec(name).nonnegative)
     return states
+
+
+def _kept_state(buffers, name: str, saved: Any) -> Any:
+    """A state's saved shards reduced to the elements this optimizer keeps (``shard_like``'s shape): a
+    checkpoint written while every state buffer spanned the whole shard holds them for every group.
+    Anything else is returned as it is, for ``check_tensor_list`` to judge."""
+    if not isinstance(saved, (list, tuple)) or len(saved) != len(buffers.state[name]):
+        return saved
+    return [buffers.compact_state(name, b, t)
+            if torch.is_tensor(t) and t.dim() == 1 and t.numel() == buffers.layout.buffers[b].shard_numel else t
+            for b, t in enumerate(saved)]
 
 
 # ---- load -----------------------------------------------------------------------------------------------

@@ -65,6 +65,19 @@ def _kind_part(opt, kind: str, buffer: int, start: int, size: int) -> torch.Tens
     return opt.buffers.shard_part("main" if kind == MAIN_PARAM else kind, buffer, start, size)
 
 
+def _kept(opt, kind: str, buffer: int, start: int, size: int) -> bool:
+    """Whether ``kind`` has elements there: a state only for the params of the families that keep it
+    (graphstep/state_ranges.py). The format still holds every state for every param, as it always has:
+    a state another family keeps is saved as the zeros it has always been, and not loaded."""
+    return kind == MAIN_PARAM or opt.buffers.keeps_state(kind, buffer, start, size)
+
+
+def _saved_part(opt, kind: str, buffer: int, start: int, size: int) -> torch.Tensor:
+    if _kept(opt, kind, buffer, start, size):
+        return _kind_part(opt, kind, buffer, start, size)
+    return torch.zeros(size, dtype=opt.buffers.state[kind][buffer].dtype, device=opt.buffers.state[kind][buffer].device)
+
+
 def encode_json(value: Any) -> torch.Tensor:
     return torch.tensor(list(json.dumps(value).encode("utf-8")), dtype=torch.uint8)
 
@@ -122,7 +135,7 @@ def _build(opt, slice_fn: Callable[[torch.Tensor], torch.Tensor]) -> dict:
             local = None
             if mine:
                 o = mine[0]
-                local = slice_fn(_kind_part(opt, kind, place.buffer, o.shard_start, o.param_end - o.param_start))
+                local = slice_fn(_saved_part(opt, kind, place.buffer, o.shard_start, o.param_end - o.param_start))
             dtype = (opt.buffers.main_shard if kind == MAIN_PARAM else opt.buffers.state[kind])[place.buffer].dtype
             out[state_key(kind, place.name)] = (
                 _sharded(local, place, owners[place.index], global_ranks, rank, dtype) if sharded else local)
@@ -267,7 +280,7 @@ def validate(opt, sd: Any) -> dict:
             mine = owned.get(place.index)
             nonnegative = kind != MAIN_PARAM and state_spec(kind).nonnegative  # as its family declares
             source = _check_entry(opt, sd[key], key, place, mine, nonnegative=nonnegative)
-            if source is not None:
+            if source is not None and _kept(opt, kind, place.buffer, mine.shard_start, source.numel()):
                 copies.append((_kind_part(opt, kind, place.buffer, mine.shard_start, source.numel()), source))
     flat.check_step(sd[STEP_KEY], f"[{STEP_KEY!r}]", opt.tensors.step)
     scaler = None

@@ -39,6 +39,22 @@ class ViewSources:
     state: Mapping[str, list[torch.Tensor]]
     main_in_flat: Sequence[bool] = ()
     grads_in_flat: Sequence[bool] = ()
+    state_offset: Optional[Callable[[str, int, int, int], Optional[int]]] = None
+    """(name, buffer, shard_start, numel) -> where that shard range sits in ``state[name][buffer]``, which
+    holds only the groups whose family keeps the name (graphstep/state_ranges.py); None: the identity."""
+
+    def state_at(self, name: str, buffer: int, shard_start: int, numel: int) -> int:
+        offset = shard_start if self.state_offset is None else self.state_offset(name, buffer, shard_start, numel)
+        if offset is None:
+            raise ValueError(f"state {name!r} is not kept for shard range [{shard_start}, {shard_start + numel}) of "
+                             f"buffer {buffer}: the group's family does not declare it")
+        return offset
+
+    def only(self, names: Sequence[str]) -> "ViewSources":
+        """These sources with only the state buffers ``names`` (a family's own): the rest do not span its
+        groups."""
+        return ViewSources(self.main, self.grads, {n: self.state[n] for n in names}, self.main_in_flat,
+                           self.grads_in_flat, self.state_offset)
 
 
 def flat_views(ctx, group: int, segments: Sequence, sources: ViewSources) -> GroupViews:
@@ -47,8 +63,12 @@ def flat_views(ctx, group: int, segments: Sequence, sources: ViewSources) -> Gro
         return [tensors[s.buffer][s.flat_start:s.flat_end] if in_flat and in_flat[s.buffer]
                 else tensors[s.buffer][s.shard_start:s.shard_end] for s in segments]
 
+    def cut_state(name, tensors):
+        return [tensors[s.buffer][start:start + s.numel]
+                for s, start in ((s, sources.state_at(name, s.buffer, s.shard_start, s.numel)) for s in segments)]
+
     return GroupViews(cut(sources.main, sources.main_in_flat), cut(sources.grads, sources.grads_in_flat),
-                      {name: cut(t) for name, t in sources.state.items()})
+                      {name: cut_state(name, t) for name, t in sources.state.items()})
 
 
 @dataclass(frozen=True)

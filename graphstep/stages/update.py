@@ -35,7 +35,8 @@ def build(ctx, *, advance_step: bool = True) -> Stage:
 
     casts, kernel_grads, grads_in_flat = _kernel_grads(ctx)
     sources = ViewSources(buffers.main_shard, kernel_grads, buffers.state,
-                          main_in_flat=_main_in_flat(ctx), grads_in_flat=grads_in_flat)
+                          main_in_flat=_main_in_flat(ctx), grads_in_flat=grads_in_flat,
+                          state_offset=_state_offset(buffers))
 
     scalars = StepScalars(t.step, t.found_inf)
     # Per (family, its kernels module): (family, kernels, its groups' [(views, live kwargs, baked)]), baked
@@ -49,7 +50,7 @@ def build(ctx, *, advance_step: bool = True) -> Stage:
         mine = [s for s in segments if s.group == group]
         if not mine:
             continue  # this rank owns nothing of the group
-        views = family.views(ctx, group, mine, sources)
+        views = family.views(ctx, group, mine, sources.only(family.state_names(config)))
         live = family.live_fields(kernels)
         live_kwargs, baked = {}, []
         for keyword, field in family.hyperparameters:
@@ -181,3 +182,9 @@ def _device_pieces(ctx, b: int) -> list[tuple[int, int, int]]:
         if size > 0:
             pieces.append((bucket.shard_range(ctx.rank)[0], bucket.shard_offset, size))
     return pieces
+
+
+def _state_offset(buffers):
+    """Where a shard range sits in each (compact) state buffer: graphstep/state_ranges.py."""
+    ranges = buffers.state_ranges
+    return lambda name, buffer, start, numel: ranges[name].offset(buffer, start, numel)
