@@ -134,13 +134,14 @@ def run_graphstep(rank, world, args, data, overlap=False, optimizer="adam") -> R
         sent += (n - 1) / n * bucket.numel * (grad_bytes + param_bytes)  # reduce-scatter + all-gather
     sent += 2 * (n - 1) / n * 4  # the grad-norm all-reduce (one fp32)
     device = opt.memory_stats()["device"]
-    optimizer = device["total"] - sum(device.get(kind, 0) for kind in ("params", "grads", "scalars", "graph_pool"))
+    optimizer_bytes = device["total"] - sum(device.get(kind, 0) for kind in ("params", "grads", "scalars",
+                                                                            "graph_pool"))
     if optimizer == "muon":  # momentum of the matrices, Adam's two moments for the biases
         matrices = sum(p.numel() for p in model.parameters() if p.dim() == 2)
         formula = zero_formula_bytes(matrices, world, 4) + zero_formula_bytes(_numel(model) - matrices, world, 8)
     else:
         formula = zero_formula_bytes(_numel(model), world, 8)
-    return Row(iter_ms, step_ms, sent, optimizer, formula)
+    return Row(iter_ms, step_ms, sent, optimizer_bytes, formula)
 
 
 def _ddp(model):
