@@ -365,3 +365,23 @@ def test_bad_inputs_are_refused():
     with pytest.raises(TypeError, match="float32"):
         newton_schulz(torch.zeros(1, 2, 2, dtype=torch.float64), num_steps=5)
     assert muon_kernels.LIVE_FIELDS == {"lr", "weight_decay", "momentum"}
+
+
+def test_the_matmul_precision_block_leaves_every_precision_flag_as_it_found_it():
+    # torch's legacy setter also writes the per-backend fp32_precision flags ("none" -> "ieee" on the way back
+    # to "highest"); a later torch.compile reads them (an odd-length compiled Adam update then came out wrong:
+    # tests/test_kernels.py after this file), so the block must put them back as they were.
+    from graphstep.kernels import newton_schulz
+    backends = [m for m in (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul) if hasattr(m, "fp32_precision")]
+    assert backends
+    saved = [(b, b.fp32_precision) for b in backends]
+    try:
+        for backend in backends:
+            backend.fp32_precision = "none"
+        before = (torch.get_float32_matmul_precision(), [b.fp32_precision for b in backends])
+        with newton_schulz.matmul_precision("medium"):
+            pass
+        assert (torch.get_float32_matmul_precision(), [b.fp32_precision for b in backends]) == before
+    finally:
+        for backend, flag in saved:
+            backend.fp32_precision = flag

@@ -89,13 +89,30 @@ def matmul_precision(precision: str):
 
     A host-side setting: under capture it decides which kernels are recorded. On torch's CPU builds
     "medium" lets oneDNN run fp32 matmuls in reduced precision, so the fp32 path must not inherit it.
+
+    Restored exactly: the legacy setter also writes the per-backend ``fp32_precision`` flags (from "none"
+    to "ieee" on the way back to "highest"), and those are global state that torch.compile's later
+    compiles read; so the flags are saved and put back as they were, not re-derived from the name.
     """
     previous = torch.get_float32_matmul_precision()
+    flags = [(backend, backend.fp32_precision) for backend in _precision_backends()]
     torch.set_float32_matmul_precision(precision)
     try:
         yield
     finally:
         torch.set_float32_matmul_precision(previous)
+        for backend, flag in flags:
+            backend.fp32_precision = flag
+
+
+def _precision_backends() -> list:
+    """The per-backend matmul precision flags this torch has (``torch.backends.<x>.matmul.fp32_precision``)."""
+    found = []
+    for name in ("cuda", "mkldnn"):
+        matmul = getattr(getattr(torch.backends, name, None), "matmul", None)
+        if matmul is not None and hasattr(matmul, "fp32_precision"):
+            found.append(matmul)
+    return found
 
 
 def newton_schulz(x: torch.Tensor, *, num_steps: int, coefficient_type: str = "quintic",
