@@ -148,8 +148,9 @@ def _as_rows(views: list) -> list:
 class _Rows:
     """A call site's views cut by ``_as_rows``, kept for its next calls once it has passed the same views
     twice: an engine passes the same views every step, and cutting them again (slices, reshapes,
-    ``mark_dynamic``) costs more than the compiled call's own dispatch (docs/perf-notes.md). A caller passing fresh tensors every call (grads a ``zero_grad`` reallocated) is
-    only remembered by weak references, so no memory of it outlives its call. The cut is valid while every
+    ``mark_dynamic``) costs more than the compiled call's own dispatch (docs/perf-notes.md). A caller
+    passing fresh tensors every call (grads a ``zero_grad`` reallocated) is only remembered by weak
+    references, so no memory of it outlives its call. The cut is valid while every
     view is the same live tensor object, in the same lists, at the same address, shape and strides: a
     freed view, whose id a new tensor may take, is a miss, never a stale hit."""
 
