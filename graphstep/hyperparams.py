@@ -7,9 +7,10 @@ instead; ``refresh`` copies the current floats in with one small host-to-device 
 Layout: one ``values`` tensor of shape (num_groups + 1, len(FIELDS)); row g holds group g, the last row
 holds the step-wide scalars (clip threshold, skip threshold). The per-group columns are the registered
 families' hyperparameter fields (``graphstep.families.hyper_columns``: lr, weight_decay, then each family's
-own in registration order); every group fills every column, 0 where its group has no such key. Each hyperparameter is a 0-d view of it, so
-its address never changes. ``host_rows`` holds the same values as floats, updated in place by each
-refresh: what kernels that take floats are given (the update stage reads it by precomputed position).
+own in registration order); every group fills every column, 0 where its group has no such key. Each
+hyperparameter is a 0-d view of it, so its address never changes. ``host_rows`` holds the same values as
+floats, updated in place by each refresh: what kernels that take floats are given (the update stage reads it
+by precomputed position).
 
 dtype: ``scalar_dtype(device)``, float64 on the CPU, where torch's optimizers do their scalar math in
 double: an fp64 lr tensor makes the fused kernel bitwise equal to ``torch.optim.AdamW(fused=True)`` with

@@ -31,10 +31,11 @@ per 4,096 grads; the folded norm's copy of the grads too short for a row: 0.1% o
 the user's model outside the optimizer's buffers, and the allocator's own slack.
 
 Per rank, with the distributed optimizer over N ranks and P params, this is ZeRO's accounting (the ZeRO
-paper, Rajbhandari et al. 2020, §3): fp32 Adam 4P (params) + 4P (grads) + 8P/N (moments); bf16/fp16
-Adam 2P + 4P (fp32 main grads; 2P with half grads) + 12P/N (main params and moments); SGD with
-momentum 4P/N of state instead of 8P/N; families mixed, each state over its own families' elements; plus the buckets' padding (at most lcm(N, 128) elements per
-bucket and 64 per param) and the scalars. ``tests/distributed/test_memory_stats.py`` checks it.
+paper, Rajbhandari et al. 2020, §3): fp32 Adam 4P (params) + 4P (grads) + 8P/N (moments); bf16/fp16 Adam 2P
++ 4P (fp32 main grads; 2P with half grads) + 12P/N (main params and moments); SGD with momentum 4P/N of
+state instead of 8P/N; families mixed, each state over its own families' elements; plus the buckets' padding
+(at most lcm(N, 128) elements per bucket and 64 per param) and the scalars.
+``tests/distributed/test_memory_stats.py`` checks it.
 """
 
 from __future__ import annotations

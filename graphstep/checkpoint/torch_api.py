@@ -2,10 +2,11 @@
 ``set_optimizer_state_dict``: functions of the same names and call shapes that work on a graphstep
 optimizer, in the reshardable format (``sharded.py``).
 
-torch's own functions expect per-param state tensors keyed by param (``optim.state[p]``) and, when that
-state is empty, run a step with zero grads to create it (graphstep's ``.state`` is never empty, so that
-step does not run). graphstep keeps its state in flat buffers, so torch's versions cannot read it: use these (``gs.checkpoint.get_optimizer_state_dict(model, opt)``), whose
-result DCP saves and reshards like any state dict (or ``gs.checkpoint.save`` / ``load``).
+torch's own functions expect per-param state tensors keyed by param (``optim.state[p]``); graphstep keeps
+its state in flat buffers, so torch's versions cannot read or write it and are refused with the way that
+works (``ParamState`` below): these, ``gs.checkpoint.get_optimizer_state_dict(model, opt)`` and
+``set_optimizer_state_dict``, whose result DCP saves and reshards like any state dict (or
+``gs.checkpoint.save`` / ``load``).
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ class ParamState(collections.defaultdict):
     def __bool__(self) -> bool:
         if sys._getframe(1).f_globals.get("__name__") == _TORCH_API:
             raise TypeError(
-                "graphstep keeps its optimizer state in flat buffers, which torch.distributed.checkpoint.state_dict's "
-                "get_state_dict / set_state_dict (and get/set_optimizer_state_dict) cannot read or write. Use "
-                "gs.checkpoint.get_optimizer_state_dict(model, opt) and gs.checkpoint.set_optimizer_state_dict(model, "
-                "opt, state_dict) instead (the same call shapes; DCP saves and reshards what they return), and "
-                "torch's get_model_state_dict / set_model_state_dict for the model")
+                "graphstep keeps its optimizer state in flat buffers, which torch.distributed.checkpoint."
+                "state_dict's get_state_dict / set_state_dict (and get/set_optimizer_state_dict) cannot read or "
+                "write. Use gs.checkpoint.get_optimizer_state_dict(model, opt) and "
+                "gs.checkpoint.set_optimizer_state_dict(model, opt, state_dict) instead (the same call shapes; DCP "
+                "saves and reshards what they return), and torch's get_model_state_dict / set_model_state_dict "
+                "for the model")
         return len(self) > 0

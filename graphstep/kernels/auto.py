@@ -1,9 +1,10 @@
 """``kernel="auto"`` (the default): the compiled update where ``torch.compile`` works on the device, else fused.
 
-Why compiled first: torch's fused kernels write the divided grads back whenever they are given a grad
-scale, i.e. on every clipped or loss-scaled step (4 more bytes per param; docs/perf-notes.md), and they bake betas, eps and weight decay into a capture. The compiled kernel reads
-the grads without writing them and keeps every hyperparameter live. Its price is a compile: a few seconds
-on the first step of a process (a C++ compiler on the CPU, Triton on a GPU).
+Why compiled first: torch's fused kernels write the divided grads back whenever they are given a grad scale,
+i.e. on every clipped or loss-scaled step (4 more bytes per param; docs/perf-notes.md), and they bake betas,
+eps and weight decay into a capture. The compiled kernel reads the grads without writing them and keeps
+every hyperparameter live. Its price is a compile: a few seconds on the first step of a process (a C++
+compiler on the CPU, Triton on a GPU).
 
 Whether ``torch.compile`` works is found out once per device and process, at build, by compiling and
 running the compiled Adam on a few elements and comparing it with the reference kernel: an environment

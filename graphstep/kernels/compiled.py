@@ -101,8 +101,9 @@ def _sgd_nesterov_views(params, grads, momentum_buffers, c):
 # each call pays dynamo's and AOT's bookkeeping whatever its size, so fewer calls are faster
 # (docs/perf-notes.md, "The update kernels"). Views run as (rows, _ROW) matrices with the row count dynamic
 # and the row length static: one compile serves views of every length, and the inner loop stays a
-# fixed-length vector loop (faster than fully dynamic 1-D shapes); the < _ROW leftover elements of a view run as (n, 1). Separate
-# functions per variant (SGD with and without momentum, nesterov) keep their compiles apart.
+# fixed-length vector loop (faster than fully dynamic 1-D shapes); the < _ROW leftover elements of a view
+# run as (n, 1). Separate functions per variant (SGD with and without momentum, nesterov) keep their
+# compiles apart.
 _ROW = 64
 _RECOMPILE_LIMIT = 32
 

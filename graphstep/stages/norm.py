@@ -32,7 +32,8 @@ from . import Stage, StepTensors
 ROW = 4096
 # Rows whose fp32 norm overflowed, recomputed scaled, per buffer. Few on purpose: 4 x 4,096 elements stay
 # under torch's CPU grain size (32,768), so the rescue's copy, scale and norm run on the calling thread
-# instead of waiting for a second one on a busy machine (docs/perf-notes.md). More overflowing rows than this make the step non-finite: skipped, and a dynamic loss scale backs off.
+# instead of waiting for a second one on a busy machine (docs/perf-notes.md). More overflowing rows than
+# this make the step non-finite: skipped, and a dynamic loss scale backs off.
 RESCUE_ROWS = 4
 _DOWN = 2.0 ** -64
 _UP = 2.0 ** 64

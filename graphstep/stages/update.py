@@ -11,10 +11,10 @@ Hyperparameters: each group's kernel arguments are resolved here once, at build:
 group's 0-d device tensor, a baked one is read from the last refresh's host values by precomputed
 position. The baked floats, and the one host choice below, are what this stage reports as baked.
 
-The kernel is given the grad scale only when it can differ from 1 (a loss scaler, torch's GradScaler
-handing over scaled grads, or a clip threshold above 0): torch's fused kernels write the divided grads back whenever they get one, 4 more bytes per
-param that an unclipped, unscaled step need not pay. Whether it is given is a host choice a capture bakes
-in; a flip recaptures.
+The kernel is given the grad scale only when it can differ from 1 (a loss scaler, torch's GradScaler handing
+over scaled grads, or a clip threshold above 0): torch's fused kernels write the divided grads back whenever
+they get one, 4 more bytes per param that an unclipped, unscaled step need not pay. Whether it is given is a
+host choice a capture bakes in; a flip recaptures.
 """
 
 from __future__ import annotations
