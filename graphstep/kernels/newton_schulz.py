@@ -106,10 +106,11 @@ def matmul_precision(precision: str):
 
 
 def _precision_backends() -> list:
-    """The per-backend matmul precision flags this torch has (``torch.backends.<x>.matmul.fp32_precision``)."""
+    """The per-backend matmul precision flags this torch has (``torch.backends.<x>.matmul.fp32_precision``),
+    whichever backends those are."""
     found = []
-    for name in ("cuda", "mkldnn"):
-        matmul = getattr(getattr(torch.backends, name, None), "matmul", None)
+    for name in sorted(vars(torch.backends)):
+        matmul = getattr(vars(torch.backends)[name], "matmul", None)
         if matmul is not None and hasattr(matmul, "fp32_precision"):
             found.append(matmul)
     return found
