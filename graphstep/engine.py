@@ -35,7 +35,7 @@ from .kernels import choose_kernels
 from .layout import plan_layout
 from .memory import memory_stats
 from .micro_batches import NoSync
-from .model_params import named_trainable_params, param_spec, warn_dtype_conversion
+from .model_params import as_chunks, named_trainable_params, param_spec, warn_dtype_conversion
 from .param_hooks import GradHooks
 from .routing import build_family_param_groups
 from .runner import StepRunner
@@ -100,7 +100,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             raise TypeError(f"get_optimizer: config must be an OptimizerConfig, got {type(config).__name__}")
         self.config = config
         named = named_trainable_params(model_chunks)
-        chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+        chunks = as_chunks(model_chunks)
         ddp.check_at_build(chunks, config.use_distributed_optimizer)
         # Validates the overrides; routes each param to its optimizer family (the groups' "optimizer" key).
         groups = build_family_param_groups(named, config, config_overrides, model_chunks=model_chunks)

@@ -13,12 +13,18 @@ from .layout import ParamSpec
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def named_trainable_params(model_chunks) -> list[tuple[str, torch.nn.Parameter]]:
-    """``(name, param)`` of every trainable leaf param, each once (tied params are one); several chunks'
-    names are prefixed with the chunk's index."""
+def as_chunks(model_chunks) -> list[torch.nn.Module]:
+    """``get_optimizer``'s ``model_chunks`` (an nn.Module or a list of them) as a list of modules."""
     chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
     if not chunks or not all(isinstance(c, torch.nn.Module) for c in chunks):
         raise TypeError("get_optimizer: model_chunks must be an nn.Module or a non-empty list of them")
+    return chunks
+
+
+def named_trainable_params(model_chunks) -> list[tuple[str, torch.nn.Parameter]]:
+    """``(name, param)`` of every trainable leaf param, each once (tied params are one); several chunks'
+    names are prefixed with the chunk's index."""
+    chunks = as_chunks(model_chunks)
     named, seen = [], set()
     for c, chunk in enumerate(chunks):
         for name, p in chunk.named_parameters():

@@ -39,6 +39,7 @@ import torch
 
 from . import weak_hooks
 from .micro_batches import NoSync
+from .model_params import as_chunks
 from .stages.reduce import bucket_reduces
 
 
@@ -135,7 +136,7 @@ class Overlap:
     def _install_forward_hooks(self, ctx, model_chunks) -> None:
         if model_chunks is None:
             raise ValueError("overlap_param_gather needs the model's modules to hook: pass model_chunks")
-        chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+        chunks = as_chunks(model_chunks)
         bucket_of = {id(p): ctx.layout.params[i].bucket for i, p in enumerate(self._buffers.params)}
         # A module that owns params waits on the buckets of all its params, its children's included: some
         # modules use a child's params without calling the child (torch's MultiheadAttention reads

@@ -35,6 +35,7 @@ import torch
 
 from .families import FAMILIES, get_family, group_keys
 from .kernels.muon import QKVSplit
+from .model_params import as_chunks
 from .overrides import build_param_groups, get_standard_config_overrides
 
 logger = logging.getLogger("graphstep")
@@ -146,7 +147,7 @@ def _model_facts(named_params, model_chunks) -> _ModelFacts:
     marked = any(getattr(param, mark, False) for _, param in named_params for mark in MEGATRON_MARKS)
     if model_chunks is None:
         return _ModelFacts(marked, {id(param): (name,) for name, param in named_params}, frozenset())
-    chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+    chunks = as_chunks(model_chunks)
     aliases: dict[int, tuple[str, ...]] = {}
     embedding_ids = set()
     for c, chunk in enumerate(chunks):

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from .. import weak_hooks
+from ..model_params import as_chunks
 
 
 class ChunkWorker:
@@ -99,7 +100,7 @@ class ChunkWorker:
     def _install_forward_hooks(self, ctx, model_chunks) -> None:
         if model_chunks is None:
             return
-        modules = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+        modules = as_chunks(model_chunks)
         chunk_of = {}
         for c, chunk in enumerate(self._chunks):
             for index in chunk.params:
