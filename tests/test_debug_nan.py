@@ -32,6 +32,12 @@ def gpt_closure(model, opt, step: int = 0):
     return closure
 
 
+def gpt_debug_report(model):
+    """One ``debug_step`` of a fresh engine over the GPT ``model``, its closure traced."""
+    opt = make_engine(model)
+    return opt.debug_step(gpt_closure(model, opt))
+
+
 class LogOfNegative(nn.Module):
     """Makes NaN from finite inputs in forward: log of a negative number."""
 
@@ -82,8 +88,7 @@ class NaNWeightGrad(nn.Module):
 def test_a_forward_nan_in_a_middle_module_of_the_gpt_is_named():
     model = tiny_gpt()
     model.blocks[1].mlp.fc = nn.Sequential(model.blocks[1].mlp.fc, LogOfNegative())
-    opt = make_engine(model)
-    report = opt.debug_step(gpt_closure(model, opt))
+    report = gpt_debug_report(model)
     origin = report.nan_origin
     assert not report.update_successful
     assert (origin.stage, origin.tensor) == ("backward", "grad")
@@ -103,8 +108,7 @@ def test_a_nan_made_by_a_modules_own_code_names_that_module_not_a_submodule():
     block = NaNBlock(model.config)
     block.load_state_dict(model.blocks[1].state_dict())
     model.blocks[1] = block
-    opt = make_engine(model)
-    origin = opt.debug_step(gpt_closure(model, opt)).nan_origin
+    origin = gpt_debug_report(model).nan_origin
     assert (origin.module, origin.module_type, origin.phase) == ("blocks.1", "NaNBlock", "forward")
     assert "made by its own code" in str(origin)
 
@@ -112,8 +116,7 @@ def test_a_nan_made_by_a_modules_own_code_names_that_module_not_a_submodule():
 def test_a_backward_nan_is_named_with_phase_backward():
     model = tiny_gpt()
     model.blocks[1].mlp.proj = nn.Sequential(model.blocks[1].mlp.proj, NaNInBackward())
-    opt = make_engine(model)
-    report = opt.debug_step(gpt_closure(model, opt))
+    report = gpt_debug_report(model)
     origin = report.nan_origin
     assert not report.update_successful
     assert (origin.module, origin.module_type, origin.phase) == ("blocks.1.mlp.proj.1", "NaNInBackward", "backward")
