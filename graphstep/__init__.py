@@ -4,18 +4,18 @@ See README.md for the training loop and docs/design.md for the data flow and the
 """
 
 from . import checkpoint, fp8, qk_clip
+from .build.layout import Layout, ParamSpec, plan_layout
+from .build.overrides import (NamedPredicate, ParamGroupOverride, ParamKey, check_config_overrides_consistency,
+                              get_mup_config_overrides, get_standard_config_overrides)
 from .checkpoint import CheckpointError
 from .config import OptimizerConfig
-from .debug import NanOrigin, StepReport
-from .distributed import CollectiveError
 from .engine import GraphstepOptimizer, StepResult, get_optimizer
 from .kernels.muon import QKVSplit
-from .layout import Layout, ParamSpec, plan_layout
-from .overrides import (NamedPredicate, ParamGroupOverride, ParamKey, check_config_overrides_consistency,
-                        get_mup_config_overrides, get_standard_config_overrides)
+from .parallel.collectives import CollectiveError
 from .qk_clip import HeadLayout
-from .scaler import ConstantLossScaler, DynamicLossScaler, scaler_from_config
+from .run.debug import NanOrigin, StepReport
 from .scheduler import ParamScheduler
+from .step.scaler import ConstantLossScaler, DynamicLossScaler, scaler_from_config
 from .wrap import CapturedOptimizer, wrap
 
 __all__ = [

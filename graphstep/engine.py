@@ -16,33 +16,37 @@ import torch
 from capture.devices import backend_for, device_scope
 from capture.profile import Ranges
 
-from . import ddp
-from . import domains as domains_mod
 from . import families as families_mod
-from . import folded_norm, model_state_dict, offload, overlap, scalar_graph
-from . import state_dict as state_dict_mod
-from .agreement import agreement_for
-from .buffers import StaticBuffers, allocate
+from . import offload
+from .build.layout import plan_layout
+from .build.model_params import as_chunks, named_trainable_params, param_spec, warn_dtype_conversion
+from .build.routing import build_family_param_groups
+from .checkpoint import state_dict as state_dict_mod
 from .checkpoint.torch_api import ParamState
 from .config import OptimizerConfig
-from .debug import StepReport, run_debug_step, trace_closure
-from .distributed import Collectives, data_parallel_group
 from .families import families_of, state_names
 from .fp8 import engine_support as fp8_support
-from .grads_seen import GradsSeen
-from .hyperparams import HyperParams
+from .hooks import ddp, grad_overlap, model_state_dict
+from .hooks.fold import Fold
+from .hooks.grads_seen import GradsSeen
+from .hooks.micro_batches import NoSync
+from .hooks.param_hooks import GradHooks
 from .kernels import choose_kernels
-from .layout import plan_layout
-from .memory import memory_stats
-from .micro_batches import NoSync
-from .model_params import as_chunks, named_trainable_params, param_spec, warn_dtype_conversion
-from .param_hooks import GradHooks
-from .routing import build_family_param_groups
-from .runner import StepRunner
-from .scaler import scaler_from_config
-from .stages import StepTensors, baked_values, chain, default_chain, publish_chain
-from .stages.context import StepContext
-from .torch_amp import TorchGradScaler
+from .parallel.agreement import agreement_for
+from .parallel.collectives import Collectives, data_parallel_group
+from .run.debug import StepReport, run_debug_step, trace_closure
+from .run.memory import memory_stats
+from .run.runner import StepRunner
+from .state.buffers import StaticBuffers, allocate
+from .state.hyperparams import HyperParams
+from .step import domains as domains_mod
+from .step import folded_sums, scalar_graph
+from .step.scaler import scaler_from_config
+from .step.chain import default_chain, publish_chain
+from .step.stages import StepTensors, baked_values, chain
+from .step.stages.context import StepContext
+from .step.torch_amp import TorchGradScaler
+
 
 @dataclass(frozen=True)
 class StepResult:
@@ -65,7 +69,7 @@ def get_optimizer(config: OptimizerConfig, model_chunks, config_overrides=None, 
     is on). ``model_parallel_group``: summed over as well for the grad norm and the non-finite check.
     ``expert_data_parallel_group``: the group MoE expert params (marked ``allreduce=False`` or
     ``is_expert_parallel=True``) are sharded and reduced over instead of ``process_group``; see
-    graphstep/experts.py for the rules.
+    graphstep/build/experts.py for the rules.
     """
     return GraphstepOptimizer(config, model_chunks, config_overrides, process_group, model_parallel_group,
                               expert_data_parallel_group)
@@ -92,7 +96,8 @@ def _agreement(config: OptimizerConfig, device, comm: Collectives):
 
 class GraphstepOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
-    """torch's GradScaler hands its scale and inf flag to ``step`` instead of unscaling (graphstep/torch_amp.py)."""
+    """torch's GradScaler hands its scale and inf flag to ``step`` instead of unscaling
+    (graphstep/step/torch_amp.py)."""
 
     def __init__(self, config: OptimizerConfig, model_chunks, config_overrides=None, process_group=None,
                  model_parallel_group=None, expert_data_parallel_group=None):
@@ -168,12 +173,12 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         ctx = StepContext(config, layout, buffers, self.hyper, kernels, families,
                           self.tensors, self.scaler, self.comm, rank, torch_amp=self._torch_amp,
                           compile_scalars=scalar_graph.wanted(self.kernel_choice.name, device),
-                          folded=folded_norm.plan(config, layout, buffers, hooked=True))
+                          folded=folded_sums.plan(config, layout, buffers, hooked=True))
         dense = domains_mod.Domain(domains_mod.DENSE, layout, buffers, self.comm, ctx)
         self.domains = (dense, *[domains_mod.build_further(dense, plan, specs, params, device=device,
                                                            state_names=state_names(families, config))
                                  for plan in further])
-        """The sharding domains (graphstep/domains.py): the dense params', then the expert params' if any."""
+        """The sharding domains (graphstep/step/domains.py): the dense params', then the expert params' if any."""
         # The one post-accumulate-grad hook per param: the main grads, grads-seen flag, fold and overlap listen
         # to it, in the order param_hooks.STAGES declares (not the order of the statements here).
         self._grad_hooks = GradHooks()
@@ -196,11 +201,11 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             baked_values=baked_values(self.stages),
             agree=_agreement(config, device, self.comm))
         self._no_sync = NoSync()  # opt.no_sync(): read by the overlap and the folded norm's hooks
-        self._overlap = overlap.install(self.domains, config, model_chunks, may_capture=self._runner.may_capture,
+        self._overlap = grad_overlap.install(self.domains, config, model_chunks, may_capture=self._runner.may_capture,
                                         no_sync=self._no_sync, hooks=self._grad_hooks)
         self._publish = chain(publish_chain(self.domains))
         self._grads_seen = GradsSeen(self._grad_hooks, self._domain_buffers())
-        self._fold = folded_norm.Fold([d.ctx.folded for d in self.domains], buffers, self._no_sync,
+        self._fold = Fold([d.ctx.folded for d in self.domains], buffers, self._no_sync,
                                       self._grad_hooks)  # inert without the fold; its hooks: the dense buffers
         explicit_groups = any(g is not None for g in (process_group, model_parallel_group, expert_data_parallel_group))
         self._ddp = ddp.DdpWatch(chunks, distributed_optimizer=config.use_distributed_optimizer,
@@ -311,7 +316,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         real step (the same stage functions a capture records), so it can stand in for ``step()``.
         """
         # The closure (if any) runs with hooks on every module of the model: they find the module that first
-        # made a non-finite value, in forward or backward (graphstep/debug.py), and are removed after it.
+        # made a non-finite value, in forward or backward (graphstep/run/debug.py), and are removed after it.
         trace = trace_closure(self, closure)
         with torch.no_grad():
             self._prepare()
@@ -321,8 +326,11 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             return report
 
     def memory_stats(self) -> dict[str, dict[str, int]]:
-        """Bytes this rank's optimizer holds, by kind, on device and host, with totals (graphstep.memory)."""
-        return memory_stats(self)
+        """Bytes this rank's optimizer holds, by kind, on device and host, with totals (graphstep.run.memory)."""
+        scalars = list(self.tensors.named().values()) + [self.hyper.values]
+        if self.scaler is not None:
+            scalars += [t for t in vars(self.scaler).values() if isinstance(t, torch.Tensor)]
+        return memory_stats(self.domains, self.host_tensors, scalars, self._runner.pool_bytes())
 
     def finish_param_gather(self) -> None:
         """Wait for all-gathers deferred by ``overlap_param_gather``: call before reading params outside a
@@ -339,7 +347,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
     @property
     def fold_counts(self) -> dict[str, int]:
         """``fold_grad_norm``: sums of squares folded in backward, and right before a step because backward had
-        not (graphstep.folded_norm). A loop that gets the fold's benefit keeps the second at 0."""
+        not (graphstep.step.folded_sums). A loop that gets the fold's benefit keeps the second at 0."""
         return self._fold.counts()
 
     def no_sync(self):
@@ -365,14 +373,15 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         return [domain.buffers for domain in self.domains]
 
     # Read-only conveniences over ``domains`` (tests, tools, the dense-only checkpoint code): the dense domain's
-    # Layout and StaticBuffers, and the MoE expert params' Domain or None (graphstep/experts.py).
+    # Layout and StaticBuffers, and the MoE expert params' Domain or None (graphstep/build/experts.py).
     layout = property(lambda self: self.domains[0].layout)
     buffers = property(lambda self: self.domains[0].buffers)
     experts = property(lambda self: domains_mod.with_role(self.domains, domains_mod.EXPERTS))
 
     # ---- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's flat buffers, exact, for ``torch.save`` flows at the same layout (graphstep.state_dict)."""
+        """This rank's flat buffers, exact, for ``torch.save`` flows at the same layout
+        (graphstep.checkpoint.state_dict)."""
         return state_dict_mod.state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -22,12 +22,12 @@ from typing import Optional
 
 import torch
 
-from .distributed import Collectives
-from .hyperparams import scalar_dtype
-from .runner import StepRunner
-from .stages import StepTensors
-from .stages import loss_scale as loss_scale_stage
-from .stages import norm as norm_stage
+from .parallel.collectives import Collectives
+from .run.runner import StepRunner
+from .state.hyperparams import scalar_dtype
+from .step.stages import StepTensors
+from .step.stages import loss_scale as loss_scale_stage
+from .step.stages import norm as norm_stage
 
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 # Settings each kernel takes as Python values: captured once, guarded before every replay.
@@ -202,7 +202,7 @@ def wrap(optimizer: torch.optim.Optimizer, *, warmup: int = 1, scaler=None, capt
     """Capture ``optimizer.step()`` (Adam, AdamW or SGD with ``fused=True``) after ``warmup`` eager steps.
 
     Settings that would freeze under capture are refused with a message naming them. ``scaler``: a
-    graphstep loss scaler (``graphstep.scaler``), for fp16 loops; ``scale_loss`` multiplies by it.
+    graphstep loss scaler (``graphstep.step.scaler``), for fp16 loops; ``scale_loss`` multiplies by it.
     ``capture``: "graph" (CUDA graph on CUDA, the CPU replay backend elsewhere) or "eager".
     """
     reasons = _refusals(optimizer)

@@ -37,8 +37,8 @@ the model's own params and grads) over the param count.
 
 Shapes: GPT-2 small (124M params, 148 tensors), many small tensors (10,000 x 4,096), one flat tensor
 (64M); sweeps for the plots: flat tensors of 1M-64M params, and 150 / 1,000 / 10,000 tensors at ~16M
-params in all. ``--quick`` divides the sizes by 8 (GPT-2 becomes graphstep/app/bench_shapes.py's gpt2-quick; the many-small
-shape keeps its 10,000 tensors at 512 elements), times fewer steps, one round, drops a flat sweep point
+params in all. ``--quick`` divides the sizes by 8 (GPT-2 becomes graphstep/app/bench_shapes.py's gpt2-quick; the
+many-small shape keeps its 10,000 tensors at 512 elements), times fewer steps, one round, drops a flat sweep point
 and the eager row of the tensor sweep, and caps compiles at 30 s.
 
 The machine may be shared: a neighbour process preempting one of torch's two threads stalls every
@@ -107,7 +107,7 @@ def optimizer_bytes(pipeline: "core.Pipeline", model_bytes: int) -> int:
     opt = pipeline.optimizer
     if isinstance(opt, torch.optim.AdamW):
         return tensor_bytes(t for state in opt.state.values() for t in state.values())
-    device = opt.memory_stats()["device"]  # graphstep.memory: each storage once, aliases not twice
+    device = opt.memory_stats()["device"]  # graphstep.run.memory: each storage once, aliases not twice
     owned = device["total"] - sum(device.get(kind, 0) for kind in ("params", "grads", "scalars", "graph_pool"))
     return owned + device["params"] - model_bytes + device["grads"] - model_bytes
 

@@ -4,12 +4,12 @@ import logging
 
 import pytest
 import torch
+from _dispatched import DispatchedOps
+from toy import loss_fn, tiny_transformer
 
 import capture
 import graphstep as gs
-from graphstep import scalar_graph
-from _dispatched import DispatchedOps
-from toy import loss_fn, tiny_transformer
+from graphstep.step import scalar_graph
 
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True, "initial_loss_scale": 2.0**12,
                                                            "loss_scale_window": 7}}
@@ -79,7 +79,7 @@ def test_compiled_kernel_replays_bitwise_and_never_recaptures(precision):
 
 
 def test_compiled_scalar_math_replays_bitwise_and_equals_the_eager_ops(monkeypatch):
-    # On a GPU the compiled kernel's step also compiles its scalar math (graphstep/scalar_graph.py); forced
+    # On a GPU the compiled kernel's step also compiles its scalar math (graphstep/step/scalar_graph.py); forced
     # here on the CPU: fp16's dynamic loss scale, clipping and the inf steps run through the compiled graphs,
     # captured and eager, and land bitwise where the step with the same math run op by op lands.
     plain_model, _, plain_flags = run("eager", "adam", "fp16", steps=30, kernel="compiled")

@@ -14,12 +14,12 @@ import shutil
 
 import pytest
 import torch
+from test_checkpoint import ADAM, assert_same, engine, everything, train
+from toy import tiny_transformer
 
 import graphstep as gs
 from graphstep.checkpoint import CheckpointError
-from graphstep.state_dict import StateDictError
-from test_checkpoint import ADAM, assert_same, engine, everything, train
-from toy import tiny_transformer
+from graphstep.checkpoint.state_dict import StateDictError
 
 # A dynamic loss scale too (a refused load must leave it unchanged), starting low enough that steps apply.
 # kernel="fused" spelled out: the module-scoped fixture runs before conftest's per-test pin of "auto".

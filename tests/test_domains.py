@@ -1,4 +1,4 @@
-"""Dense and expert params are two instances of one ``Domain`` (graphstep/domains.py): the code that runs over
+"""Dense and expert params are two instances of one ``Domain`` (graphstep/step/domains.py): the code that runs over
 them iterates ``opt.domains`` instead of asking whether there are experts. Read from the sources (like
 tests/test_layering.py), so a new ``experts is None`` branch anywhere in the library fails here. The expert
 domain's behaviour itself (results, checkpoints, memory stats, stage names against one process):
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import graphstep as gs
-from graphstep import domains
+from graphstep.step import domains
 
 ROOT = Path(__file__).resolve().parents[1]
 # The domain module decides which domains exist; everything else iterates them.
-EXEMPT = {Path("graphstep/domains.py")}
+EXEMPT = {Path("graphstep/step/domains.py")}
 # Names under which the library held the expert domain (or its context, or its group) before domains.
 EXPERT_NAMES = {"experts", "expert", "expert_ctx", "expert_domain", "expert_group"}
 
@@ -52,7 +52,7 @@ def test_no_expert_branch_outside_the_domain_module():
     sources = [p for p in sorted((ROOT / "graphstep").rglob("*.py")) if p.relative_to(ROOT) not in EXEMPT]
     assert len(sources) > 30  # the scan sees the library
     found = [hit for path in sources for hit in expert_branches(path)]
-    assert not found, "iterate opt.domains (graphstep/domains.py) instead of special-casing experts:\n" + \
+    assert not found, "iterate opt.domains (graphstep/step/domains.py) instead of special-casing experts:\n" + \
         "\n".join(found)
 
 

@@ -14,10 +14,10 @@ import warnings
 
 import pytest
 import torch
+from toy import VOCAB, loss_fn, relative_drift
 
 import graphstep as gs
-from graphstep.stages.norm import RESCUE_ROWS, ROW, SumOfSquares
-from toy import VOCAB, loss_fn, relative_drift
+from graphstep.step.stages.norm import RESCUE_ROWS, ROW, SumOfSquares
 
 WIDTH = 96  # wide enough that most weights hold whole 4,096-element rows (folded in backward) and tails
 
@@ -327,7 +327,7 @@ class _ManySmall(torch.nn.Module):
 
 
 def test_leftovers_gathered_in_several_cats_add_up_to_the_exact_norm():
-    from graphstep import folded_norm
+    from graphstep.step import folded_sums as folded_norm
 
     model = _ManySmall()
     leftover_numel = 12 * 1000 + sum(3000 + i for i in range(30))

@@ -7,13 +7,13 @@ import copy
 
 import pytest
 import torch
+from test_fp8_engine import fp8_config, fp8_model, fp8_weights, snapshot
+from toy import loss_fn, tiny_transformer
 
 import graphstep as gs
 from graphstep import fp8
 from graphstep.checkpoint import sharded
-from graphstep.state_dict import StateDictError
-from test_fp8_engine import fp8_config, fp8_model, fp8_weights, snapshot
-from toy import loss_fn, tiny_transformer
+from graphstep.checkpoint.state_dict import StateDictError
 
 
 def train(model, opt, steps):

@@ -1,6 +1,10 @@
-"""capture/ imports nothing from graphstep (docs/design.md §2, law 6): it captures any callable over static
-tensors, and graphstep depends on it, never the reverse. Read from the sources, so a lazy import inside a
-function counts too."""
+"""The package's layers, read from the sources (a lazy import inside a function counts too; an import under
+``if TYPE_CHECKING:`` does not, as it never runs).
+
+capture/ imports nothing from graphstep (docs/design.md §2, law 6): it captures any callable over static
+tensors, and graphstep depends on it, never the reverse. Inside graphstep each folder imports only the
+folders below it (``ALLOWED``), no module takes part in an import circle, and no library module reads an
+optimizer's private attributes: the engine passes the parts a module needs."""
 
 import ast
 from pathlib import Path
@@ -8,19 +12,35 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` except those under ``if TYPE_CHECKING:``."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from (n for child in node.orelse for n in [child, *_runtime_nodes(child)])
+            continue
+        yield node
+        yield from _runtime_nodes(node)
+
+
+def _is_source_module(module: str) -> bool:
+    path = ROOT.joinpath(*module.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
 def imported_modules(path: Path) -> set:
-    """Every module ``path`` imports, relative imports resolved (``from . import x`` names ``package.x``)."""
-    package = list(path.relative_to(ROOT).with_suffix("").parts)
-    package = package[:-1] if package[-1] != "__init__" else package[:-1]
+    """Every module ``path`` imports at run time, relative imports resolved: ``from p import x`` names the
+    module ``p.x`` where there is one in this repository, else ``p``."""
+    package = list(path.relative_to(ROOT).with_suffix("").parts)[:-1]
     names = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in _runtime_nodes(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             base = package[:len(package) - node.level + 1] if node.level else []
             module = ".".join(base + ([node.module] if node.module else []))
-            names.add(module)
-            names |= {f"{module}.{alias.name}" for alias in node.names}
+            for alias in node.names:
+                submodule = f"{module}.{alias.name}"
+                names.add(submodule if _is_source_module(submodule) else module)
     return names
 
 
@@ -49,4 +69,116 @@ def test_the_library_names_no_accelerator_type():
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("cuda"):
                 found.setdefault(str(path.relative_to(ROOT)), []).append(node.value)
+    assert not found
+
+
+# Each folder of graphstep/ and the folders it may import, bottom to top: what the step needs at build time
+# (config, families, kernels, fp8, parallel) under the plan (build), the storage (state), the step's math
+# (step), the model hooks (hooks), running it (run) and the optional layers that span them (offload,
+# checkpoint). The top-level modules (engine, wrap, scheduler, the public qk_clip) and the app may import
+# any of them.
+_BUILD_INPUTS = {"config", "families", "kernels", "fp8", "parallel"}
+ALLOWED = {
+    "kernels": set(),
+    "fp8": set(),
+    "parallel": set(),
+    "families": {"kernels"},
+    "config": {"families", "kernels"},
+    "build": _BUILD_INPUTS,
+    "state": _BUILD_INPUTS | {"build"},
+    "step": _BUILD_INPUTS | {"build", "state"},
+    "hooks": _BUILD_INPUTS | {"build", "state", "step"},
+    "run": _BUILD_INPUTS | {"build", "state", "step", "hooks"},
+    "offload": _BUILD_INPUTS | {"build", "state", "step", "hooks", "run"},
+    "checkpoint": _BUILD_INPUTS | {"build", "state", "step", "hooks", "run"},
+}
+
+
+def _library_modules() -> dict:
+    """Every module of graphstep/ by dotted name (a package by its own name)."""
+    modules = {}
+    for path in sorted((ROOT / "graphstep").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _folder(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_every_folder_of_the_library_has_a_layer():
+    folders = {p.name for p in (ROOT / "graphstep").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders - {"app"} == set(ALLOWED)
+
+
+def test_each_folder_imports_only_the_layers_below_it():
+    modules = _library_modules()
+    offending = {}
+    for name, path in modules.items():
+        folder = _folder(name)
+        if folder not in ALLOWED:
+            continue
+        reached = {_folder(m) for m in imported_modules(path) if m.split(".")[0] == "graphstep"} - {folder}
+        if reached - ALLOWED[folder]:
+            offending[name] = sorted(reached - ALLOWED[folder])
+    assert not offending
+
+
+def test_no_import_circle():
+    modules = _library_modules()
+    graph = {name: {m for m in imported_modules(path) if m in modules and m != name} for name, path in modules.items()}
+    circles = [sorted(component) for component in _strongly_connected(graph) if len(component) > 1]
+    assert not circles
+
+
+def _strongly_connected(graph: dict) -> list:
+    """Tarjan's algorithm, iterative: the strongly connected components of ``graph``."""
+    index, low, on_stack, stack, components = {}, {}, set(), [], []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, successors = work[-1]
+            for successor in successors:
+                if successor not in index:
+                    index[successor] = low[successor] = len(index)
+                    stack.append(successor)
+                    on_stack.add(successor)
+                    work.append((successor, iter(sorted(graph[successor]))))
+                    break
+                if successor in on_stack:
+                    low[node] = min(low[node], index[successor])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = set()
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.add(member)
+                        if member == node:
+                            break
+                    components.append(component)
+    return components
+
+
+def test_no_library_module_reads_an_optimizers_private_attributes():
+    # The engine is the façade: it passes its parts to the modules that need them (memory stats, debug step,
+    # checkpoints), so its private attributes stay its own.
+    found = {}
+    for name, path in _library_modules().items():
+        if name == "graphstep.engine":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name) and node.value.id in {"opt", "optimizer", "engine"}):
+                found.setdefault(name, []).append(node.attr)
     assert not found

@@ -1,6 +1,6 @@
 """graphstep under Lightning's ``Trainer``, against the same LightningModule trained with torch's
 ``AdamW(fused=True)`` under the same precision plugin: "32-true", "bf16-mixed" and "16-mixed" (torch's
-GradScaler stepping the engine through ``_step_supports_amp_scaling``, graphstep/torch_amp.py), checkpoint
+GradScaler stepping the engine through ``_step_supports_amp_scaling``, graphstep/step/torch_amp.py), checkpoint
 resume, gradient accumulation and both clipping owners.
 
 16-mixed on the CPU: ``Trainer(accelerator="cpu", precision="16-mixed")`` does not run fp16 — Lightning

@@ -11,10 +11,10 @@ import logging
 
 import pytest
 import torch
+from toy import tiny_transformer
 
 import graphstep as gs
-from graphstep.routing import build_family_param_groups
-from toy import tiny_transformer
+from graphstep.build.routing import build_family_param_groups
 
 FUSED_C_ATTN = gs.ParamKey(name="*c_attn.weight")
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from graphstep.stages.norm import RESCUE_ROWS, ROW, SumOfSquares
+from graphstep.step.stages.norm import RESCUE_ROWS, ROW, SumOfSquares
 
 
 @pytest.mark.parametrize("numel", [0, 7, 128, ROW, 3 * ROW + 5, (1 << 24) + 123, (1 << 24) + 128])

@@ -5,11 +5,11 @@ import math
 
 import pytest
 import torch
+from toy import loss_fn, tiny_transformer
 
 import graphstep as gs
-from graphstep.layout import ParamSpec, plan_layout
+from graphstep.build.layout import ParamSpec, plan_layout
 from graphstep.offload import host_buckets, plan_offload
-from toy import loss_fn, tiny_transformer
 
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": True},
               "bf16-grads": {"bf16": True, "main_grads_dtype": torch.bfloat16},  # bf16 grads, fp32 main params
@@ -28,7 +28,8 @@ def train(fraction, rule="adam", precision="fp16", mode="eager", steps=50, model
     model = tiny_transformer() if model is None else model
     # kernel="fused" named: the module-scoped references are built outside conftest's per-test kernel pin.
     opt = gs.get_optimizer(gs.OptimizerConfig(optimizer=rule, lr=2e-3, weight_decay=0.05, clip_grad=0.5,
-                                              kernel="fused", capture=mode, capture_warmup_steps=2, **PRECISIONS[precision],
+                                              kernel="fused", capture=mode, capture_warmup_steps=2,
+                                              **PRECISIONS[precision],
                                               **offload(fraction, **more)), model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.05 * s))
     names = [n for n, _ in model.named_parameters()]
@@ -255,7 +256,7 @@ def test_device_optimizer_bytes_drop_by_the_offloaded_fraction(precision, fracti
 
 
 def test_memory_stats_reports_device_and_host_bytes_apart():
-    memory = pytest.importorskip("graphstep.memory", reason="memory_stats (issue 15) is not merged yet")
+    from graphstep.run import memory
     del memory
     base = gs.get_optimizer(gs.OptimizerConfig(capture="eager", bf16=True), tiny_transformer())
     opt = gs.get_optimizer(gs.OptimizerConfig(capture="eager", bf16=True, **offload(0.5)), tiny_transformer())

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import graphstep as gs
-from graphstep.overrides import (NamedPredicate, ParamKey, build_param_groups, check_config_overrides_consistency,
-                                 get_mup_config_overrides, get_standard_config_overrides)
+from graphstep.build.overrides import (NamedPredicate, ParamKey, build_param_groups, check_config_overrides_consistency,
+                                       get_mup_config_overrides, get_standard_config_overrides)
 
 
 class Net(torch.nn.Module):
@@ -345,7 +345,8 @@ BAD = [
     (lambda: _groups_with(0.5), TypeError, r"ParamKey\(name=\['proj.\*'\]\): expected a dict"),
     (lambda: groups_of(gs.OptimizerConfig(), {"*.bias": {"wd_mult": 0.0}}), TypeError,
      "key '\\*.bias' is a str, expected a ParamKey"),
-    (lambda: groups_of(gs.OptimizerConfig(), [(ParamKey(name="*"), {})]), TypeError, "config_overrides: expected a dict"),
+    (lambda: groups_of(gs.OptimizerConfig(), [(ParamKey(name="*"), {})]), TypeError,
+     "config_overrides: expected a dict"),
     (lambda: get_mup_config_overrides(gs.OptimizerConfig(), 0.0), ValueError, "mup_width_mult=0.0"),
     (lambda: get_mup_config_overrides(gs.OptimizerConfig(), -2), ValueError, "mup_width_mult=-2"),
     (lambda: get_mup_config_overrides(gs.OptimizerConfig(), 2.0, optimizer_type=3), TypeError, "optimizer_type=3"),

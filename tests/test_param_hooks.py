@@ -1,4 +1,4 @@
-"""The one post-accumulate-grad hook per param per optimizer (graphstep/param_hooks.py): its listeners run in
+"""The one post-accumulate-grad hook per param per optimizer (graphstep/hooks/param_hooks.py): its listeners run in
 the declared order, are held weakly, go with their owner (close(), collection), and leave a param a later
 optimizer took alone. (Several ranks, where the overlap listens: tests/distributed/test_capture_overlap.py
 and test_folded_norm_sharded.py.)"""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import graphstep as gs
-from graphstep.stages.norm import ROW
+from graphstep.step.stages.norm import ROW
 
 CONFIGS = {
     "fp32": dict(fold_grad_norm=False),
@@ -63,7 +63,7 @@ def test_every_param_has_one_hook_from_the_optimizer(name):
 
 
 def test_the_listeners_run_in_the_declared_order_whatever_order_they_were_added_in():
-    from graphstep.param_hooks import STAGES, GradHooks
+    from graphstep.hooks.param_hooks import STAGES, GradHooks
 
     class Owner:
         def __init__(self, calls):
@@ -104,7 +104,7 @@ def test_an_engine_listens_in_the_declared_order():
 
 
 def test_a_listener_whose_owner_died_does_nothing():
-    from graphstep.param_hooks import GradHooks
+    from graphstep.hooks.param_hooks import GradHooks
 
     class Owner:
         calls = 0

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import capture
-from graphstep.qk_clip import (HeadLayout, clip_factors, clip_qk_, record_max_logits, reset, row_factors,
-                               scale_flat_rows_, shard_row_index)
+from graphstep.step.qk_clip import (HeadLayout, clip_factors, clip_qk_, record_max_logits, reset, row_factors,
+                                    scale_flat_rows_, shard_row_index)
 
 HIDDEN = 32
 

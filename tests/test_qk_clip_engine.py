@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import graphstep as gs
-from graphstep.qk_clip import HeadLayout
+from graphstep.step.qk_clip import HeadLayout
 
 HIDDEN, SEQ = 32, 6
 

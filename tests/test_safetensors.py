@@ -1,6 +1,6 @@
 """Saving a graphstep-managed model through safetensors loses nothing (issue 27, finding 2).
 
-graphstep makes every param a view of one flat buffer; graphstep/model_state_dict.py gives each param's
+graphstep makes every param a view of one flat buffer; graphstep/hooks/model_state_dict.py gives each param's
 ``model.state_dict()`` value a storage object of its own (zero-copy). Each saver below round-trips every
 weight bitwise after a few training steps, into a fresh graphstep-managed model built the same way (other
 seed); tied weights stay tied and are stored once. The oracle is the trained model itself.

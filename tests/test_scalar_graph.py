@@ -1,4 +1,4 @@
-"""The step's scalar math compiled (graphstep/scalar_graph.py) against the same math run op by op: bitwise,
+"""The step's scalar math compiled (graphstep/step/scalar_graph.py) against the same math run op by op: bitwise,
 over the values that decide a step (no clip, clipped, over the skip threshold, non-finite), one operator
 to the dispatcher, every value read live."""
 
@@ -6,11 +6,11 @@ import itertools
 
 import pytest
 import torch
-
-from graphstep import scalar_graph
-from graphstep.scaler import MAX_LOSS_SCALE, DynamicLossScaler
-from graphstep.stages import clip, norm
 from _dispatched import DispatchedOps
+
+from graphstep.step import scalar_graph
+from graphstep.step.scaler import MAX_LOSS_SCALE, DynamicLossScaler
+from graphstep.step.stages import clip, norm
 
 F32, F64 = torch.float32, torch.float64
 NORMS = [0.0, 1e-30, 0.3, 1.0, 7.5, 3e38, float("inf"), float("nan")]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import capture
 from graphstep.config import OptimizerConfig
-from graphstep.scaler import MAX_LOSS_SCALE, ConstantLossScaler, DynamicLossScaler, scaler_from_config
+from graphstep.step.scaler import MAX_LOSS_SCALE, ConstantLossScaler, DynamicLossScaler, scaler_from_config
 
 
 class ReferenceScaler:

@@ -1,4 +1,4 @@
-"""Each optimizer-state buffer spans only the groups whose family keeps it (graphstep/state_ranges.py).
+"""Each optimizer-state buffer spans only the groups whose family keeps it (graphstep/state/state_ranges.py).
 
 A Muon + Adam model pays Muon's momentum over Muon's matrices and Adam's two moments over the other params,
 not every state over every element; one family keeps its whole-shard layout; checkpoints written when
@@ -7,12 +7,12 @@ every state spanned the whole shard still load, and the reshardable format is as
 
 import pytest
 import torch
-
-from graphstep.checkpoint.sharded import state_key
-from graphstep.debug import _first_in_domain
-from graphstep.state_dict import StateDictError
 from _engine import make_engine
 from toy import loss_fn, tiny_transformer
+
+from graphstep.checkpoint.sharded import state_key
+from graphstep.checkpoint.state_dict import StateDictError
+from graphstep.run.debug import _first_in_domain
 
 MIXES = {"muon+adam": dict(optimizer="muon"), "muon+lion": dict(optimizer="muon", muon_scalar_optimizer="lion")}
 STATE_BYTES = 4  # fp32 state, per element and state name

@@ -1,4 +1,4 @@
-"""torch's GradScaler stepping the engine (graphstep/torch_amp.py), against torch's fused AdamW under the same
+"""torch's GradScaler stepping the engine (graphstep/step/torch_amp.py), against torch's fused AdamW under the same
 scaler: the recipe with and without ``scaler.unscale_(opt)``, clipping by graphstep or by the user, skipped
 steps, capture, and the refusals where graphstep scales the loss itself."""
 

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from toy import decay_groups, loss_fn, tiny_transformer
 
 import capture
 import graphstep as gs
-from graphstep.scaler import DynamicLossScaler
-from toy import decay_groups, loss_fn, tiny_transformer
+from graphstep.step.scaler import DynamicLossScaler
 
 
 def lambda_lr(opt):

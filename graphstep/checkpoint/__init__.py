@@ -7,7 +7,7 @@
 - ``OptimizerState(opt)``: the optimizer as a DCP ``Stateful``; ``get_optimizer_state_dict`` /
   ``set_optimizer_state_dict``: graphstep's counterparts of torch's (``torch_api.py``).
 
-``opt.state_dict()`` (graphstep.state_dict) stays the exact flat format for ``torch.save`` flows.
+``opt.state_dict()`` (graphstep.checkpoint.state_dict) stays the exact flat format for ``torch.save`` flows.
 """
 
 from .dcp import (CheckpointError, OptimizerState, SafeFileSystemReader, SafeLoadPlanner, async_save, load,

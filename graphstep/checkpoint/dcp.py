@@ -33,12 +33,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from .. import state_dict as flat
 from . import integrity, sharded
+from . import state_dict as flat
 from .integrity import CheckpointError
 
 _SAVING, _OLD = ".saving", ".old"

@@ -37,10 +37,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .. import state_dict as flat
-from ..domains import refuse_checkpoint
 from ..families import state_spec
 from ..fp8 import checkpoint as fp8_checkpoint
+from ..step.domains import refuse_checkpoint
+from . import state_dict as flat
 
 FORMAT = "graphstep-sharded"
 FORMAT_VERSION = 1
@@ -67,7 +67,7 @@ def _kind_part(opt, kind: str, buffer: int, start: int, size: int) -> torch.Tens
 
 def _kept(opt, kind: str, buffer: int, start: int, size: int) -> bool:
     """Whether ``kind`` has elements there: a state only for the params of the families that keep it
-    (graphstep/state_ranges.py). The format still holds every state for every param, as it always has:
+    (graphstep/state/state_ranges.py). The format still holds every state for every param, as it always has:
     a state another family keeps is saved as the zeros it has always been, and not loaded."""
     return kind == MAIN_PARAM or opt.buffers.keeps_state(kind, buffer, start, size)
 

@@ -19,10 +19,10 @@ from . import sharded
 
 
 def _single(optimizers):
-    from ..engine import GraphstepOptimizer
-
+    # A graphstep optimizer is known by its sharded state dict: this module sits below the engine and does
+    # not import it.
     opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-    if len(opts) != 1 or not isinstance(opts[0], GraphstepOptimizer):
+    if len(opts) != 1 or not callable(getattr(opts[0], "load_sharded_state_dict", None)):
         raise TypeError("graphstep.checkpoint.get/set_optimizer_state_dict take one graphstep optimizer (from "
                         "gs.get_optimizer); for torch.optim optimizers use torch.distributed.checkpoint's own")
     return opts[0]

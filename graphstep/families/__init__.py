@@ -4,13 +4,13 @@ Each family module (``adam.py``, ``sgd.py``, ``lion.py``, ``muon.py``, ``ademami
 (graphstep/families/base.py) with everything graphstep knows about its rule:
 
 - its **name** (``OptimizerConfig.optimizer``, a param group's ``optimizer`` key) and MuP **aliases**;
-- the **config fields** it reads and their **validation** (run by graphstep/config_validation.py), and
+- the **config fields** it reads and their **validation** (run by graphstep/config/validation.py), and
   what it refuses as the config's family (fp16 params, fp64 main params, CPU offload);
-- its **param-group keys** (``betas``, ``momentum``, ...: graphstep/overrides.py and routing.py put them
+- its **param-group keys** (``betas``, ``momentum``, ...: graphstep/build/overrides.py and routing.py put them
   into its groups) and the torch **defaults** schedulers see (``torch_defaults``: OneCycleLR cycles
   ``betas`` or ``momentum`` only where they are);
 - its **MuP rule** (``MupRule``), and, for a family that takes only some params (Muon), which ones;
-- its **hyperparameter fields**: the live table's columns (graphstep/hyperparams.py) are derived here,
+- its **hyperparameter fields**: the live table's columns (graphstep/state/hyperparams.py) are derived here,
   from the registered families, by ``hyper_columns``;
 - its **state** (``StateSpec``: names, invariants the checkpoint formats check on load);
 - its **kernel call** (and its own kernels module, where it has one: Lion, Muon), its **view builder**

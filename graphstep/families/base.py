@@ -41,7 +41,7 @@ class ViewSources:
     grads_in_flat: Sequence[bool] = ()
     state_offset: Optional[Callable[[str, int, int, int], Optional[int]]] = None
     """(name, buffer, shard_start, numel) -> where that shard range sits in ``state[name][buffer]``, which
-    holds only the groups whose family keeps the name (graphstep/state_ranges.py); None: the identity."""
+    holds only the groups whose family keeps the name (graphstep/state/state_ranges.py); None: the identity."""
 
     def state_at(self, name: str, buffer: int, shard_start: int, numel: int) -> int:
         offset = shard_start if self.state_offset is None else self.state_offset(name, buffer, shard_start, numel)
@@ -81,7 +81,7 @@ class StepScalars:
 
 @dataclass(frozen=True)
 class HyperField:
-    """A hyperparameter a family's kernel reads: its column in the live table (graphstep/hyperparams.py),
+    """A hyperparameter a family's kernel reads: its column in the live table (graphstep/state/hyperparams.py),
     which is also the kernel's keyword, and where a param group holds it (``group[key]``, or
     ``group[key][index]`` for a tuple such as ``betas``). A group without the key reads 0 (the value is
     not its family's), except a ``required`` field."""
@@ -151,11 +151,11 @@ class Family:
     states: tuple[StateSpec, ...]  # every per-element state buffer it may keep
     validate: Callable[[object, object], None]
     """validate(config, checks): raise (through ``checks.number``/``choice``/``fail``, those of
-    graphstep/config_validation.py) when one of the config fields it reads is out of range. Runs for
+    graphstep/config/validation.py) when one of the config fields it reads is out of range. Runs for
     every config, whichever family it names, as a field is a field."""
     group_defaults: Callable[[object], dict]
     """config -> the keys a param group of this family carries for it (``betas``, ``momentum``, ...),
-    after the keys every group has (graphstep/overrides.py)."""
+    after the keys every group has (graphstep/build/overrides.py)."""
     torch_defaults: Callable[[object], dict]
     """config -> the keys of ``torch.optim.Optimizer.defaults`` beside lr and weight_decay when this is
     the config's family: torch's OneCycleLR cycles ``betas`` or ``momentum`` only where defaults have it."""
@@ -166,7 +166,7 @@ class Family:
     plain_groups: bool
     """As the config's ``optimizer`` with no override routing params elsewhere: True, its groups are
     ``build_param_groups``'s own, without an ``optimizer`` key (torch.optim's shape; Adam, SGD); False,
-    every group names its family (graphstep/routing.py)."""
+    every group names its family (graphstep/build/routing.py)."""
     call_groups: Optional[Callable[..., None]] = None
     """call_groups(kernels, groups, scalars, config, grad_scale), ``groups`` a list of (views,
     hyperparameters): all of a step's groups of the family in one kernel call (Adam: the compiled kernel
@@ -188,7 +188,7 @@ class Family:
     main_params_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
     takes: Optional[Callable[[torch.Tensor], bool]] = None
     """As the config's family: which params it updates itself; None: all. The rest go to
-    ``scalar_family(config)`` (Muon: 2-D hidden matrices; graphstep/routing.py)."""
+    ``scalar_family(config)`` (Muon: 2-D hidden matrices; graphstep/build/routing.py)."""
     scalar_family: Optional[Callable[[object], str]] = None
     splits_fused_qkv: Callable[[object], bool] = lambda config: False
     """config -> whether its fused QKV weights are updated as separate Q, K and V matrices (Muon)."""

@@ -3,8 +3,8 @@
 Config fields: the ``muon_*`` fields (momentum, Nesterov, Newton–Schulz steps and coefficients, scale
 mode, matmul precision, QKV splitting, the scalar optimizer). As the config's family it takes 2-D hidden
 matrices only (``takes``, Megatron-Core's rule); the other params go to ``muon_scalar_optimizer``
-(graphstep/routing.py). Groups carry ``momentum`` (live, so OneCycleLR may cycle it); the kernel is its
-own module, graphstep/kernels/muon.py, over whole-matrix views (graphstep/matrix_views.py). State:
+(graphstep/build/routing.py). Groups carry ``momentum`` (live, so OneCycleLR may cycle it); the kernel is its
+own module, graphstep/kernels/muon.py, over whole-matrix views (graphstep/families/matrix_views.py). State:
 ``momentum_buffer``. MuP leaves the matrices Muon takes alone; the rest get lr / m. Trains fp32 main
 params only, and no fp16 params (Megatron-Core's rule).
 """
@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import matrix_views
 from ..kernels import muon as muon_kernels
 from ..kernels.newton_schulz import COEFFICIENT_SETS, MATMUL_PRECISIONS, coefficient_schedule
-from . import adam, lion
+from . import adam, lion, matrix_views
 from .base import LR, MOMENTUM, WEIGHT_DECAY, Family, GroupViews, MupRule, StateSpec, StepScalars
 
 NAME = "muon"

@@ -1,5 +1,5 @@
 """fp8 primary weights: per-tensor scaling math (``scaling``) and convertible fp8 Linear weights
-(``params``); the optimizer requantizes them inside the step (graphstep/stages/requantize.py)."""
+(``params``); the optimizer requantizes them inside the step (graphstep/step/stages/requantize.py)."""
 
 from .params import Fp8Linear, Fp8Meta, convert, dequantized, is_fp8
 from .scaling import (AMAX_COMPUTE_ALGOS, FP8_DTYPES, FP8_MAX, RECIPES, amax, dequantize, fp8_max, quantize,

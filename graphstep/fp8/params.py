@@ -13,7 +13,7 @@ Why not a tensor subclass that reports a high-precision dtype (Transformer Engin
 graphstep keeps every param a view of a flat static buffer and checks bindings by data pointer every
 step; a wrapper subclass has no storage of its own, and every capture backend would have to see
 through it. A plain fp8 tensor plus plain fp32 scale tensors are ordinary static tensors: the step
-that requantizes them (graphstep/stages/requantize.py) is a handful of elementwise ops a CUDA graph
+that requantizes them (graphstep/step/stages/requantize.py) is a handful of elementwise ops a CUDA graph
 or the CPU replay backend records like any other.
 
 Forward dequantizes, then multiplies: ``x @ (data * scale_inv).to(x.dtype).T``. (``torch._scaled_mm``
@@ -23,8 +23,8 @@ Convert the model on the device and in the dtype it will train in: the scale ten
 device, ``Module.to`` does not move attributes of a param, and a later ``model.bfloat16()`` would cast the
 fp8 weights and their scales too. The scaling tensors are also the layer's buffers
 (``weight_scale``, ``weight_scale_inv``, ``weight_amax_history``), so ``model.state_dict()`` saves a
-complete fp8 weight and ``load_state_dict`` into a converted model restores it in place. Without graphstep's optimizer nothing zeroes
-``main_grad`` between steps (``opt.zero_grad()`` does). Code that reads a Linear's weight instead of
+complete fp8 weight and ``load_state_dict`` into a converted model restores it in place. Without
+graphstep's optimizer nothing zeroes ``main_grad`` between steps (``opt.zero_grad()`` does). Code that reads a Linear's weight instead of
 calling the module sees fp8 bytes: torch's fused inference path of ``nn.TransformerEncoderLayer`` (taken
 in eval mode under ``no_grad``) does; turn it off with ``torch.backends.mha.set_fastpath_enabled(False)``.
 """

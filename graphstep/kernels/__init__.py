@@ -42,7 +42,7 @@ def get_kernels(name: str) -> ModuleType:
 
 def choose_kernels(config, device, families, comm=None) -> tuple[ModuleType, "auto.KernelChoice"]:
     """The implementation module ``config.kernel`` means on ``device`` ("auto" resolved), and why. ``comm``
-    (graphstep.distributed.Collectives): with several data-parallel ranks, "auto" is agreed across them
+    (graphstep.parallel.collectives.Collectives): with several data-parallel ranks, "auto" is agreed across them
     (``auto.agree``: a build-time collective)."""
     choice = auto.choose(config.kernel, device, capture=config.capture, warmup_steps=config.capture_warmup_steps,
                          needs_kernel=any(family.kernels is None for family in families))

@@ -26,8 +26,8 @@ import torch
 
 from capture.devices import accelerator_available
 
-from ..hyperparams import FIELDS, scalar_dtype
-from ..layout import Layout
+from ..build.layout import Layout
+from ..state.hyperparams import FIELDS, scalar_dtype
 from .plan import OffloadPlan
 
 HOST = torch.device("cpu")

@@ -6,7 +6,7 @@ then for each chunk in forward order: the host update, the cast into staging, th
 stream on an accelerator, so one chunk's copy overlaps the next chunk's update), and marks it ready.
 
 The next forward: a pre-hook on every module that owns params waits until the chunks holding its params
-(its children's included, like graphstep/overlap.py) are ready and, on an accelerator, makes the current
+(its children's included, like graphstep/hooks/grad_overlap.py) are ready and, on an accelerator, makes the current
 stream wait for their copies (a device-side wait, not a host one). ``finish`` waits for everything:
 the engine calls it before the next step and before anything reads the buffers (checkpoints).
 
@@ -22,8 +22,8 @@ from typing import Optional
 
 import torch
 
-from .. import weak_hooks
-from ..model_params import as_chunks
+from ..build.model_params import as_chunks
+from ..hooks import weak_hooks
 
 
 class ChunkWorker:

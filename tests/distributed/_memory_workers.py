@@ -27,7 +27,7 @@ def mlp() -> torch.nn.Module:
 
 def walked_bytes(opt) -> int:
     """The bytes of every distinct storage the optimizer's buffers hold, found by walking them (no
-    graphstep.memory code): what memory_stats must agree with, scalars aside."""
+    graphstep.run.memory code): what memory_stats must agree with, scalars aside."""
     b = opt.buffers
     tensors = [*b.param_flat, *b.grad_flat, *b.main_shard, *b.grad_shard]
     tensors += [t for ts in b.state.values() for t in ts] + [t for ts in b.scratch.values() for t in ts]
@@ -55,7 +55,7 @@ def measure(rank: int, world_size: int) -> dict:
             "params": sum(p.numel() for p in model.parameters()),
             "num_buckets": len(opt.layout.buckets),
             "captured": opt.captured,
-            # Independent of graphstep.memory: the aliases ZeRO's accounting relies on.
+            # Independent of graphstep.run.memory: the aliases ZeRO's accounting relies on.
             "main_is_param_storage": [m.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
                                       for m, p in zip(b.main_shard, b.param_flat)],
             "grad_shard_in_grad_flat": all(any(g.untyped_storage().data_ptr() == f.untyped_storage().data_ptr()
@@ -67,7 +67,7 @@ def measure(rank: int, world_size: int) -> dict:
 
 
 def in_place_reduce_scatter_mismatches(rank: int, world_size: int) -> list:
-    """The backend's reduce-scatter with its output aliasing its input's own slice (what stages/reduce.py
+    """The backend's reduce-scatter with its output aliasing its input's own slice (what graphstep/step/stages/reduce.py
     runs) against a separate output, several in flight at once: the cases that differ (none expected)."""
     import torch.distributed as dist
 

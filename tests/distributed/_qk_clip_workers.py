@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import graphstep as gs
-from graphstep.qk_clip import HeadLayout
+from graphstep.step.qk_clip import HeadLayout
 
 # Hidden 24: in the one bucket [out, v, k, q] (backward order) the 2-rank shard boundary falls inside a row of
 # W_k, so the flat-shard path (element -> row index) is exercised, not just whole weights.
@@ -48,7 +48,8 @@ def train(rank: int, world_size: int, micro_batches: int = 1, optimizer: str = "
     each step; a single process runs ``micro_batches`` of them. With ``optimizer="muon"`` every weight is
     a Muon matrix, sharded layer-wise over the ranks (each owns whole matrices)."""
     model = Attention()
-    config = gs.OptimizerConfig(optimizer=optimizer, lr=0.0, weight_decay=0.0, qk_clip=True, qk_clip_threshold=THRESHOLD,
+    config = gs.OptimizerConfig(optimizer=optimizer, lr=0.0, weight_decay=0.0, qk_clip=True,
+                                qk_clip_threshold=THRESHOLD,
                                 capture="graph" if world_size > 1 else "eager", capture_warmup_steps=1,
                                 use_distributed_optimizer=world_size > 1, distributed_timeout_s=20.0)
     opt = gs.get_optimizer(config, model)

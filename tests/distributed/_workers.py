@@ -8,11 +8,11 @@ import signal
 import time
 
 import torch
+from _harness import local_loss, tiny_transformer
 
 from graphstep.config import OptimizerConfig
 from graphstep.engine import get_optimizer
-from graphstep.distributed import CollectiveError
-from _harness import local_loss, tiny_transformer
+from graphstep.parallel.collectives import CollectiveError
 
 # The settings the parity runs share: clipping on and active (the toy's grad norm is ~1-3), several buckets
 # per buffer (so ranks own pieces of some groups and nothing of others), one injected non-finite step.
@@ -25,7 +25,7 @@ CONFIGS = {
     "sgd_fp32": dict(optimizer="sgd", lr=0.05, weight_decay=1e-3, sgd_momentum=0.9),
     "adam_fp32": dict(optimizer="adam", lr=3e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95),
     "adam_bf16": dict(optimizer="adam", lr=3e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, bf16=True),
-    # fp16 grads are reduced with a 1/dp pre-scale and a SUM (the other path of stages/reduce.py).
+    # fp16 grads are reduced with a 1/dp pre-scale and a SUM (the other path of graphstep/step/stages/reduce.py).
     "sgd_fp16_grads": dict(optimizer="sgd", lr=0.05, weight_decay=1e-3, sgd_momentum=0.9, fp16=True,
                            main_grads_dtype=torch.float16, loss_scale=128.0),
 }
@@ -211,6 +211,7 @@ def auto_kernel_agreement(rank: int, world_size: int) -> dict:
     import warnings
 
     import _kernel_pin
+
     from graphstep.kernels import auto
 
     auto.choose = _kernel_pin._real_choose  # the real "auto": the harness pins it to "fused"

@@ -56,7 +56,7 @@ def test_a_dropped_optimizer_frees_its_buffers_and_leaves_no_hook_on_the_model()
 
 def test_a_rank_local_recapture_makes_every_rank_recapture_at_the_same_step():
     # A captured collective must be replayed by every rank from the same capture: rank 1 alone replaces a
-    # param, and both ranks recapture at that step (graphstep/agreement.py), staying equal to eager.
+    # param, and both ranks recapture at that step (graphstep/parallel/agreement.py), staying equal to eager.
     results = values(spawn(_workers.one_rank_replaces_a_param, 2, timeout=55))
     for rank, result in enumerate(results):
         assert result["graph"]["captured"]

@@ -1,4 +1,4 @@
-"""graphstep beside DistributedDataParallel on 2 gloo ranks (graphstep/ddp.py): DDP with the plain optimizer
+"""graphstep beside DistributedDataParallel on 2 gloo ranks (graphstep/hooks/ddp.py): DDP with the plain optimizer
 tracks a single-process run on the global batch, with the norm folded once per step (not in backward and
 again after DDP rewrote the grads); ranks with neither DDP nor the distributed optimizer are warned; DDP with
 the distributed optimizer (grads averaged twice) is refused. One spawn runs every scenario."""

@@ -1,6 +1,6 @@
 """``opt.memory_stats()`` per rank against ZeRO's accounting, on 2 and 4 gloo ranks.
 
-Per rank, over N ranks and P params (graphstep/memory.py): fp32 Adam 4P params + 4P grads + 8P/N moments,
+Per rank, over N ranks and P params (graphstep/run/memory.py): fp32 Adam 4P params + 4P grads + 8P/N moments,
 no separate main params (the fp32 params are them); bf16 Adam 2P + 4P (fp32 main grads) + 12P/N; SGD with
 momentum 4P/N of state instead of 8P/N. Each kind must lie between its formula and the formula plus 0.5%
 (the buckets' padding); the scalars come on top. And the stats must agree with the bytes of the storages

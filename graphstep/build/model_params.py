@@ -1,0 +1,89 @@
+"""The params the engine takes from a model, and the layout's description of each."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ..config import OptimizerConfig
+from ..fp8 import is_fp8
+from .layout import ParamSpec
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def as_chunks(model_chunks) -> list[torch.nn.Module]:
+    """``get_optimizer``'s ``model_chunks`` (an nn.Module or a list of them) as a list of modules."""
+    chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+    if not chunks or not all(isinstance(c, torch.nn.Module) for c in chunks):
+        raise TypeError("get_optimizer: model_chunks must be an nn.Module or a non-empty list of them")
+    return chunks
+
+
+def named_trainable_params(model_chunks) -> list[tuple[str, torch.nn.Parameter]]:
+    """``(name, param)`` of every trainable leaf param, each once (tied params are one); several chunks'
+    names are prefixed with the chunk's index."""
+    chunks = as_chunks(model_chunks)
+    named, seen = [], set()
+    for c, chunk in enumerate(chunks):
+        for name, p in chunk.named_parameters():
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            name = name if len(chunks) == 1 else f"{c}.{name}"
+            if _is_dtensor(p):
+                raise TypeError(
+                    f"param '{name}' is a DTensor (FSDP2's fully_shard, or another torch.distributed.tensor "
+                    "parallelism): get_optimizer lays params out in its own flat buffers and does not take DTensor "
+                    "params yet. What works today: gs.wrap(torch.optim.AdamW(model.parameters(), fused=True)) "
+                    "captures torch's fused step over the sharded params")
+            if not p.is_leaf:
+                raise ValueError(f"param '{name}' is not a leaf tensor (it was computed from other tensors): "
+                                 "register an nn.Parameter, or freeze it with requires_grad_(False)")
+            named.append((name, p))
+    if not named:
+        raise ValueError("get_optimizer: the model has no trainable parameters")
+    return named
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+    return isinstance(p, DTensor)
+
+
+def warn_dtype_conversion(config: OptimizerConfig, named) -> None:
+    """Say once, at build, which of the model's params the config casts (``bf16`` / ``fp16`` /
+    ``params_dtype``): the model's forward then runs in that dtype, and its inputs must match."""
+    target = config.model_dtype
+    cast: dict = {}
+    for name, p in named:
+        if target is not None and p.dtype != target and not is_fp8(p):
+            cast.setdefault(p.dtype, []).append(name)
+    if not cast:
+        return
+    source = "params_dtype" if config.params_dtype is not None else ("bf16=True" if config.bf16 else "fp16=True")
+    what = "; ".join(f"{len(names)} from {dtype} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+                     for dtype, names in cast.items())
+    warnings.warn(f"graphstep: {source} casts the model's params to {target}: {what}. The model now computes in "
+                  f"{target} (fp32 main params stay inside the optimizer): feed it {target} inputs, or build the model "
+                  f"in {target} yourself (model.to({target})) to make the choice visible", UserWarning, stacklevel=4)
+
+
+def param_spec(config: OptimizerConfig, name: str, p: torch.nn.Parameter, group: int,
+                batch_by_shape: bool = False) -> ParamSpec:
+    """The layout's view of one param, refusing dtypes graphstep does not train."""
+    if p.is_complex():
+        raise ValueError(f"param '{name}' is complex ({p.dtype}): graphstep trains real floating-point params "
+                         "only (store a complex weight as torch.view_as_real of a real parameter)")
+    dtype = p.dtype if is_fp8(p) else (config.model_dtype or p.dtype)  # fp8 weights stay fp8
+    if not dtype.is_floating_point:
+        raise ValueError(f"param '{name}' has dtype {dtype}: only floating-point params can be trained")
+    if dtype == torch.float64:
+        source = "params_dtype=torch.float64" if config.model_dtype is not None else f"param '{name}' is float64"
+        raise ValueError(f"{source}: graphstep trains float32, bfloat16 and float16 params (its norm and update "
+                         "kernels run in fp32 over fp32 main params); cast the model with model.float()")
+    grad_dtype = config.main_grads_dtype if dtype in _HALF or is_fp8(p) else dtype
+    return ParamSpec(name, tuple(p.shape), dtype, grad_dtype, group, batch_by_shape)

@@ -1,0 +1,271 @@
+"""OptimizerConfig: every knob of the optimizer step (validated in one place, config/validation.py).
+
+Field names follow Megatron-Core's ``OptimizerConfig`` where one exists, so a Megatron user can carry a
+config over; graphstep's own fields (``capture``, ``kernel``, ...) are marked as such. The dataclass is
+frozen: a config is a value, and anything that changes while training (lr, weight decay, betas) changes in
+the optimizer's ``param_groups``, not here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .validation import KERNELS, MAX_LOSS_SCALE, MIN_LOSS_SCALE, validate
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    # ---- general -------------------------------------------------------------------------------------
+    optimizer: str = "adam"
+    """Update rule: "adam" (Adam/AdamW, see ``decoupled_weight_decay``), "sgd" (with momentum), "lion",
+    "muon" (2-D hidden matrices; the other params go to ``muon_scalar_optimizer``) or "ademamix": a
+    registered family, graphstep/families/."""
+
+    lr: float = 1e-3
+    """Peak learning rate; the initial ``lr`` of every param group without an override."""
+
+    min_lr: Optional[float] = None
+    """Floor of graphstep's LR schedules (``graphstep.scheduler``); None means 0."""
+
+    decoupled_lr: Optional[float] = None
+    """Learning rate for params marked ``is_embedding_or_output_parameter`` (standard overrides)."""
+
+    decoupled_min_lr: Optional[float] = None
+    """Schedule floor for the ``decoupled_lr`` params; None means ``min_lr``."""
+
+    weight_decay: float = 0.01
+    """Weight-decay coefficient; per group it is multiplied by the group's ``wd_mult``."""
+
+    decoupled_weight_decay: bool = True
+    """Adam only: True applies decay to the params directly (AdamW), False adds it to the gradient (L2)."""
+
+    # ---- Adam / SGD ----------------------------------------------------------------------------------
+    adam_beta1: float = 0.9
+    """Adam's first-moment decay, in [0, 1)."""
+
+    adam_beta2: float = 0.999
+    """Adam's second-moment decay, in [0, 1)."""
+
+    adam_eps: float = 1e-8
+    """Adam's denominator term, > 0."""
+
+    sgd_momentum: float = 0.9
+    """SGD momentum in [0, 1); 0 turns the momentum buffer off (no state is allocated)."""
+
+    sgd_nesterov: bool = False
+    """SGD: use Nesterov momentum (needs ``sgd_momentum`` > 0)."""
+
+    # ---- precision -----------------------------------------------------------------------------------
+    fp16: bool = False
+    """Model params in float16 with fp32 main params; turns on dynamic loss scaling unless ``loss_scale``."""
+
+    bf16: bool = False
+    """Model params in bfloat16 with fp32 main params; no loss scaling unless ``loss_scale`` is set."""
+
+    params_dtype: Optional[torch.dtype] = None
+    """dtype of the model params in ``param_flat``. None: bfloat16 with ``bf16``, float16 with ``fp16``,
+    else the model's own dtype. A model built in fp32 is cast once at build; its fp32 values seed the
+    main params, so nothing is lost to the cast."""
+
+    main_params_dtype: torch.dtype = torch.float32
+    """dtype of the main params the update runs on (float32 or float64)."""
+
+    main_grads_dtype: torch.dtype = torch.float32
+    """dtype grads accumulate in. float32 with half params accumulates every backward into an fp32
+    main-grad buffer; the params' dtype accumulates into ``grad_flat`` directly."""
+
+    # ---- loss scaling --------------------------------------------------------------------------------
+    loss_scale: Optional[float] = None
+    """A constant loss scale. None: dynamic scaling when ``fp16``, no scaling otherwise."""
+
+    initial_loss_scale: float = 2.0**32
+    """Dynamic scaling: the scale it starts from."""
+
+    min_loss_scale: float = 1.0
+    """Dynamic scaling: the scale never backs off below this."""
+
+    loss_scale_window: int = 1000
+    """Dynamic scaling: clean steps in a row before the scale doubles (the growth interval)."""
+
+    hysteresis: int = 2
+    """Dynamic scaling: non-finite steps tolerated before the scale backs off."""
+
+    # ---- gradient pipeline ---------------------------------------------------------------------------
+    clip_grad: float = 1.0
+    """Global L2 grad-norm clip threshold; 0 turns clipping off (the norm is still reported)."""
+
+    grad_norm_skip_threshold: float = math.inf
+    """Skip the step (decided on device) when the grad norm exceeds this."""
+
+    fold_grad_norm: bool = True
+    """graphstep's own: compute each grad's sum of squares where the grad becomes final (one rank: a
+    post-accumulate-grad hook per param of 4,096 elements or more; several: as each bucket's reduce-scatter
+    lands), so the step reads the grads once, in the update (graphstep/step/folded_sums.py). On by default: the
+    step then costs about the bare update, and backward + step no more than with the norm in the step (the
+    README's Performance section has the figures). A grad changed
+    in place after backward is refolded before the step (its buffer's version counter moved on); a write that
+    bypasses the counter (``p.grad.data``) is not seen (``debug_step()`` warns). Run earlier micro-batches
+    under ``opt.no_sync()`` to fold only in the last. False: the step's norm stage reads the grads itself.
+    Several ranks: the two give bitwise the same step; one rank: sums as accurate, in another order (not
+    bitwise)."""
+
+    log_num_zeros_in_grad: bool = False
+    """Count zero grad elements on device into ``StepResult.num_zeros``."""
+
+    # ---- distributed ---------------------------------------------------------------------------------
+    use_distributed_optimizer: bool = False
+    """Shard fp32 main params and optimizer state across the data-parallel ranks (ZeRO-1/2 style)."""
+
+    bucket_size: Optional[int] = None
+    """Elements per communication bucket; None means max(40M, 1M x data-parallel size)."""
+
+    overlap_grad_reduce: bool = False
+    """Start each bucket's reduce-scatter from backward hooks as soon as its grads are complete."""
+
+    overlap_param_gather: bool = False
+    """Defer each bucket's param all-gather to a forward pre-hook of the next iteration."""
+
+    distributed_timeout_s: float = 300.0
+    """graphstep's own: a collective that has not finished after this many seconds raises, naming it."""
+
+    # ---- hybrid CPU offload (Megatron-Core's names; graphstep.offload) --------------------------------
+    optimizer_cpu_offload: bool = False
+    """Keep the fp32 main params, optimizer state and update of a fraction of the params on the host CPU
+    (``optimizer_offload_fraction``); the rest, and the grad norm, clip and loss scale of all, stay in
+    the captured device step."""
+
+    optimizer_offload_fraction: float = 0.0
+    """With ``optimizer_cpu_offload``: the fraction in [0, 1] of this rank's optimizer elements whose
+    update runs on the host. Whole params are taken from the end of the rank's shard backwards (the last
+    buffer first, in it the last bucket, which holds the model's first layers) while the count is below
+    the fraction, so it may overshoot by one param (Megatron-Core's rule)."""
+
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    """With ``optimizer_cpu_offload``: update the host params chunk by chunk on a worker thread, copying
+    each chunk back while the next is updated; the next forward waits only for the chunks its modules use."""
+
+    pin_cpu_grads: bool = True
+    """Page-lock the host grad buffers (asynchronous D2H copies); ignored where torch has no accelerator."""
+
+    pin_cpu_params: bool = True
+    """Page-lock the host main-param and staging buffers (asynchronous H2D copies); ignored where torch
+    has no accelerator."""
+
+    # ---- capture (graphstep's own) -------------------------------------------------------------------
+    capture: str = "auto"
+    """"graph": capture the step after the warm-up (CUDA graph on CUDA, the replay backend on CPU) and
+    raise if it cannot be captured. "auto": capture on CUDA when the step passes the capture check, else
+    run eagerly and say why once. "eager": the debugging mode, stage by stage."""
+
+    capture_warmup_steps: int = 3
+    """Eager steps before capture (lets lazily built state and allocator pools settle)."""
+
+    capture_invalidation: str = "recapture"
+    """What a replay does when the captured step went stale (params replaced, group added, state loaded by
+    replacing tensors, a baked hyperparameter changed): "recapture" it, or "raise"."""
+
+    kernel: str = "auto"
+    """graphstep's own: update math. "auto" (default): "compiled" where ``torch.compile`` works on the device
+    (found out once per process at build, compile time logged), else "fused" with a one-line warning; see
+    graphstep/kernels/auto.py. "fused": torch's fused multi-tensor kernels (lr is a device tensor; betas,
+    eps and weight decay are floats baked into a capture and guarded; a clipped or loss-scaled step also
+    writes the grads back; bitwise equal to torch.optim's fused step). "compiled": ``torch.compile``d
+    loops, one call per group, every hyperparameter a device tensor, the grads only read: the fastest full
+    step, after a compile of a few seconds on first use (needs a C++ compiler on the CPU, Triton on a GPU).
+    "reference": plain tensor ops with every hyperparameter a device tensor (the test oracle; slower)."""
+
+    # ---- Muon, Lion and QK-clip (Megatron-Core's names and defaults) ----------------------------------------
+    muon_momentum: float = 0.95
+    """Muon's EMA momentum μ in [0, 1): ``m = μ·m + (1 − μ)·g``; the initial ``momentum`` of Muon groups
+    (live: a schedule may change it every step)."""
+
+    muon_nesterov: bool = False
+    """Muon: update with ``(1 − μ)·g + μ·m`` instead of ``m``."""
+
+    muon_num_ns_steps: int = 5
+    """Newton–Schulz iterations per step (a multiple of 5 for "quintic", at least 8 for "polar_express")."""
+
+    muon_coefficient_type: str = "quintic"
+    """Newton–Schulz coefficients: "quintic" (five tuples, cycled), "simple" or "polar_express"."""
+
+    muon_scale_mode: str = "spectral"
+    """Update scale of an (r, c) matrix: "spectral" √max(r, c), "shape_scaling" √max(1, r/c) or
+    "unit_rms_norm" √(r/c)."""
+
+    muon_extra_scale_factor: float = 1.0
+    """Extra factor on Muon's update (0.2 ≈ AdamW's update RMS)."""
+
+    muon_fp32_matmul_prec: str = "medium"
+    """Newton–Schulz matmuls: "medium" in bf16 after normalising; "high" / "highest" in fp32."""
+
+    muon_split_qkv: bool = True
+    """Orthogonalise fused QKV weights (params with ``qkv_split``) as separate Q, K and V matrices."""
+
+    muon_scalar_optimizer: str = "adam"
+    """With ``optimizer="muon"``: the family of the params Muon does not take (not 2-D, embedding/output,
+    ``use_muon=False``): "adam" or "lion"."""
+
+    lion_beta1: float = 0.95
+    """Lion's interpolation β1 in [0, 1) (the sign of ``β1·m + (1 − β1)·g`` is the update)."""
+
+    lion_beta2: float = 0.98
+    """Lion's momentum decay β2 in [0, 1)."""
+
+    ademamix_beta3: float = 0.9999
+    """AdEMAMix's slow-EMA decay β3 in [0, 1); the initial ``beta3`` of AdEMAMix groups (live: the paper's
+    warm-up schedules it). Its β1, β2 and ε are ``adam_beta1``, ``adam_beta2``, ``adam_eps``."""
+
+    ademamix_alpha: float = 5.0
+    """AdEMAMix's slow-EMA weight α >= 0 (0: AdamW); the initial ``alpha`` of AdEMAMix groups (live)."""
+
+    qk_clip: bool = False
+    """After each step, shrink W_q / W_k of registered attention layers whose max logit exceeded
+    ``qk_clip_threshold`` (graphstep.qk_clip.register; MuonClip)."""
+
+    qk_clip_threshold: float = 100.0
+    """QK-clip's τ > 0: the largest attention logit a clipped layer may produce on the same inputs."""
+
+    qk_clip_alpha: float = 0.5
+    """QK-clip's α in (0, 1): W_q rows scale by η^α, W_k rows by η^(1−α)."""
+
+    # ---- fp8 primary weights (graphstep.fp8) ---------------------------------------------------------
+    fp8_recipe: Optional[str] = None
+    """How the step requantizes fp8 weights (made by ``graphstep.fp8.convert``) after the update: None (the
+    model has no fp8 weights), "tensorwise" (current scaling: the scale from the new values' amax) or
+    "delayed" (cast with the previous scale, the next from the amax history). Megatron-Core's name."""
+
+    fp8_margin: int = 0
+    """fp8 scale = fp8_max / amax / 2**fp8_margin (Megatron-Core's ``fp8_margin``)."""
+
+    fp8_amax_history_len: int = 1
+    """Delayed recipe: how many past amaxes the next scale is computed from."""
+
+    fp8_amax_compute_algo: str = "most_recent"
+    """Delayed recipe: the next scale from the history's "max" or its "most_recent" amax."""
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def replace(self, **changes) -> "OptimizerConfig":
+        """A copy with ``changes`` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def model_dtype(self) -> Optional[torch.dtype]:
+        """The dtype params are cast to at build, or None to keep the model's own."""
+        if self.params_dtype is not None:
+            return self.params_dtype
+        if self.bf16:
+            return torch.bfloat16
+        if self.fp16:
+            return torch.float16
+        return None
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self.loss_scale is None and self.fp16

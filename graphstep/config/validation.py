@@ -1,0 +1,210 @@
+"""Validation of ``OptimizerConfig``: every field's type, range and consistency with the others, in one
+place; ``validate`` raises ValueError naming the first field that is wrong and what it must be. The fields
+of one optimizer family are checked by its own rule (``Family.validate``, graphstep/families/), given the
+checks every other field gets."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
+
+import torch
+
+from capture.devices import MODES as CAPTURE_MODES
+
+from ..families import FAMILIES, get_family
+
+KERNELS = ("auto", "fused", "compiled", "reference")
+INVALIDATION_POLICIES = ("recapture", "raise")
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+MAX_LOSS_SCALE = 2.0**127
+"""The largest power of two a float32 holds: the dynamic scale never grows past it (and so stays finite)."""
+MIN_LOSS_SCALE = 2.0**-126
+"""The smallest normal float32: below it ``inv_scale = 1 / scale`` would overflow to inf."""
+
+if TYPE_CHECKING:
+    from . import OptimizerConfig
+
+
+def _fail(field: str, value, allowed: str) -> None:
+    raise ValueError(f"OptimizerConfig.{field}={value!r}: {allowed}")
+
+
+def _check_choice(config: OptimizerConfig, field: str, choices: tuple) -> None:
+    value = getattr(config, field)
+    if value not in choices:
+        _fail(field, value, "must be one of " + ", ".join(repr(c) for c in choices))
+
+
+def _check_number(config: OptimizerConfig, field: str, *, low: float, low_open: bool, high: float = math.inf,
+                  high_open: bool = True, optional: bool = False) -> None:
+    value = getattr(config, field)
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        _fail(field, value, "must be a number")
+    too_low = value <= low if low_open else value < low
+    too_high = value >= high if high_open else value > high
+    if too_low or too_high:
+        left = "(" if low_open else "["
+        right = ")" if high_open else "]"
+        _fail(field, value, f"must lie in {left}{low}, {high}{right}")
+
+
+# What a family's own rule (Family.validate) checks its fields with: the checks every field gets.
+_FAMILY_CHECKS = SimpleNamespace(number=_check_number, choice=_check_choice, fail=_fail)
+
+# What a value of each annotated type must be. bool is a subclass of int, so it is refused explicitly where
+# a number is meant: OptimizerConfig(bucket_size=True) is a mistake, not a bucket of one element.
+_TYPE_RULES = {
+    bool: (lambda v: isinstance(v, bool), "a bool (True or False)"),
+    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
+    float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number (int or float)"),
+    str: (lambda v: isinstance(v, str), "a str"),
+    torch.dtype: (lambda v: isinstance(v, torch.dtype), "a torch.dtype"),
+}
+
+
+def _check_types(config: OptimizerConfig) -> None:
+    """Every field against its annotation (Optional[X]: None or X), before any range check.
+
+    Without this, truthiness decides: ``fp16="False"`` is a non-empty string and would turn fp16 on.
+    """
+    hints = typing.get_type_hints(type(config))
+    for field in dataclasses.fields(config):
+        hint = hints[field.name]
+        value = getattr(config, field.name)
+        args = typing.get_args(hint)
+        optional = typing.get_origin(hint) is typing.Union and type(None) in args
+        base = next(a for a in args if a is not type(None)) if optional else hint
+        if value is None and optional:
+            continue
+        accepts, what = _TYPE_RULES[base]
+        if not accepts(value):
+            _fail(field.name, value, f"must be {what}{' or None' if optional else ''}, got {type(value).__name__}")
+
+
+def validate(config: OptimizerConfig) -> None:
+    """Raise ValueError naming the first field of the wrong type, out of range or inconsistent with another."""
+    _check_types(config)
+    _check_choice(config, "optimizer", tuple(FAMILIES))
+    _check_choice(config, "capture", CAPTURE_MODES)
+    _check_choice(config, "kernel", KERNELS)
+    _check_choice(config, "capture_invalidation", INVALIDATION_POLICIES)
+
+    _check_number(config, "lr", low=0.0, low_open=False)
+    for field in ("min_lr", "decoupled_lr", "decoupled_min_lr"):
+        _check_number(config, field, low=0.0, low_open=False, optional=True)
+    if config.min_lr is not None and config.min_lr > config.lr:
+        _fail("min_lr", config.min_lr, f"must not exceed lr={config.lr}")
+    _check_number(config, "weight_decay", low=0.0, low_open=False)
+    for family in FAMILIES.values():  # every family's fields, whichever family the config names
+        family.validate(config, _FAMILY_CHECKS)
+
+    if config.fp16 and config.bf16:
+        _fail("bf16", True, "fp16 and bf16 are exclusive; set one")
+    for field in ("params_dtype", "main_params_dtype", "main_grads_dtype"):
+        value = getattr(config, field)
+        if value is None and field == "params_dtype":
+            continue
+        if value not in _FLOAT_DTYPES:
+            _fail(field, value, "must be a torch floating dtype (float32, bfloat16, float16, float64)")
+    if config.main_params_dtype not in (torch.float32, torch.float64):
+        _fail("main_params_dtype", config.main_params_dtype, "must be torch.float32 or torch.float64")
+    half = (torch.float16, torch.bfloat16)
+    if config.fp16 and config.params_dtype not in (None, torch.float16):
+        _fail("params_dtype", config.params_dtype, "must be torch.float16 (or None) with fp16=True")
+    if config.bf16 and config.params_dtype not in (None, torch.bfloat16):
+        _fail("params_dtype", config.params_dtype, "must be torch.bfloat16 (or None) with bf16=True")
+    if config.params_dtype in half and not (config.fp16 or config.bf16):
+        _fail("params_dtype", config.params_dtype, "half params need fp16=True or bf16=True")
+
+    # Scales live in fp32 tensors: scale and 1 / scale must both be finite there (graphstep.step.scaler).
+    for field in ("loss_scale", "initial_loss_scale", "min_loss_scale"):
+        value = getattr(config, field)
+        if value is not None and not MIN_LOSS_SCALE <= value <= MAX_LOSS_SCALE:  # NaN fails this too
+            _fail(field, value, "must lie in [2**-126, 2**127] (the scale and 1 / scale are fp32 tensors)")
+    if config.min_loss_scale > config.initial_loss_scale:
+        _fail("min_loss_scale", config.min_loss_scale,
+              f"must not exceed initial_loss_scale={config.initial_loss_scale}")
+    for field in ("loss_scale_window", "hysteresis", "capture_warmup_steps"):
+        value = getattr(config, field)
+        minimum = 0 if field == "capture_warmup_steps" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            _fail(field, value, f"must be an integer >= {minimum}")
+
+    if config.kernel == "compiled" and config.capture == "graph" and config.capture_warmup_steps < 1:
+        _fail("capture_warmup_steps", config.capture_warmup_steps,
+              "kernel='compiled' compiles on its first step, which must run before a CUDA graph is captured: "
+              "use capture_warmup_steps >= 1")
+
+    _check_number(config, "clip_grad", low=0.0, low_open=False)
+    _check_number(config, "grad_norm_skip_threshold", low=0.0, low_open=True, high=math.inf, high_open=False)
+    if config.bucket_size is not None and config.bucket_size < 1:
+        _fail("bucket_size", config.bucket_size, "must be a positive integer number of elements, or None")
+    if (config.overlap_grad_reduce or config.overlap_param_gather) and not config.use_distributed_optimizer:
+        field = "overlap_grad_reduce" if config.overlap_grad_reduce else "overlap_param_gather"
+        _fail(field, True, "needs use_distributed_optimizer=True")
+    _check_number(config, "distributed_timeout_s", low=0.0, low_open=True)
+    _validate_qk_clip(config)
+    _validate_for_family(config)
+    _validate_fp8(config)
+    _validate_offload(config)
+
+
+def _validate_qk_clip(config: OptimizerConfig) -> None:
+    _check_number(config, "qk_clip_threshold", low=0.0, low_open=True)
+    _check_number(config, "qk_clip_alpha", low=0.0, low_open=True, high=1.0)
+
+
+def _validate_for_family(config: OptimizerConfig) -> None:
+    """What the config's family refuses of the rest of the config (Lion and Muon: fp16 params, fp64 main
+    params, as Megatron-Core does)."""
+    family = get_family(config.optimizer)
+    if config.fp16 and not family.trains_fp16:
+        _fail("fp16", True, f"optimizer={config.optimizer!r} does not train fp16 params (Megatron-Core rejects "
+              "it too): use bf16=True")
+    if config.main_params_dtype not in family.main_params_dtypes:
+        _fail("main_params_dtype", config.main_params_dtype,
+              f"optimizer={config.optimizer!r} runs on fp32 main params: use torch.float32")
+
+
+def _validate_fp8(config: OptimizerConfig) -> None:
+    if config.fp8_recipe is not None:
+        _check_choice(config, "fp8_recipe", ("tensorwise", "delayed"))
+    _check_choice(config, "fp8_amax_compute_algo", ("max", "most_recent"))
+    for field, minimum in (("fp8_margin", 0), ("fp8_amax_history_len", 1)):
+        value = getattr(config, field)
+        if value < minimum:
+            _fail(field, value, f"must be an integer >= {minimum}")
+    if config.fp8_recipe == "tensorwise" and config.fp8_amax_history_len != 1:
+        _fail("fp8_amax_history_len", config.fp8_amax_history_len,
+              "applies to fp8_recipe='delayed' only; leave it 1 with 'tensorwise'")
+    if config.fp8_recipe is not None and config.main_params_dtype != torch.float32:
+        _fail("main_params_dtype", config.main_params_dtype, "must be torch.float32 with fp8 weights")
+
+
+def _validate_offload(config: OptimizerConfig) -> None:
+    """The hybrid CPU offload fields and what offload does not combine with."""
+    _check_number(config, "optimizer_offload_fraction", low=0.0, low_open=False, high=1.0, high_open=False)
+    if not config.optimizer_cpu_offload:
+        if config.optimizer_offload_fraction > 0:
+            _fail("optimizer_offload_fraction", config.optimizer_offload_fraction,
+                  "needs optimizer_cpu_offload=True (or leave the fraction 0)")
+        if config.overlap_cpu_optimizer_d2h_h2d:
+            _fail("overlap_cpu_optimizer_d2h_h2d", True, "needs optimizer_cpu_offload=True")
+        return
+    if not get_family(config.optimizer).offload:
+        hosted = [family for family in FAMILIES.values() if family.offload]
+        _fail("optimizer_cpu_offload", True, f"runs {' and '.join(f.title for f in hosted)} updates on the host, "
+              f"not optimizer={config.optimizer!r}: use optimizer={' or '.join(repr(f.name) for f in hosted)}")
+    if config.fp8_recipe is not None:
+        _fail("optimizer_cpu_offload", True, "does not requantize fp8 weights on the host: leave fp8_recipe None")
+    if config.qk_clip:
+        _fail("optimizer_cpu_offload", True, "QK-clip rescales main params on the device: turn qk_clip off")
+    if config.main_params_dtype != torch.float32:
+        _fail("main_params_dtype", config.main_params_dtype, "must be torch.float32 with optimizer_cpu_offload "
+              "(the host update runs torch's fused CPU kernels on fp32 main params)")

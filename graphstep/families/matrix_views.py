@@ -1,0 +1,125 @@
+"""Whole-matrix views for Muon: a group's params as (n, rows, cols) batches, one per run of equal shapes.
+
+Newton–Schulz orthogonalises whole matrices, so Muon cannot run over the flat segments the elementwise
+families use. The layout places a Muon group's params in each bucket sorted by shape (layout.py), each
+starting on a multiple of ``PARAM_ALIGNMENT``, so n same-shape matrices sit at evenly spaced offsets. One
+``as_strided`` view (n, r, c) with batch stride = that spacing covers all of them in every buffer kind
+(main params, grads, momentum) without a copy: the kernel then runs one batched Newton–Schulz per run,
+and the step's op count depends on the number of distinct shapes, not of matrices.
+
+A run breaks where the shape, the buffer or the QKV split changes, or the spacing is uneven; each run is
+one entry of the kernel's lists. Nothing here assumes the layout's order for correctness, only for speed.
+
+With several data-parallel ranks the layout shards Muon's params layer-wise (graphstep.build.layerwise): each
+rank's shard holds whole matrices, and the views here cover only this rank's own.
+
+Fused QKV weights: with ``OptimizerConfig.muon_split_qkv`` a param carrying ``qkv_split`` (a
+``graphstep.QKVSplit``; ``graphstep.qk_clip.register(..., qkv=...)`` sets it from the head layout) is
+orthogonalised as separate Q, K and V matrices. A param named like Megatron's ``linear_qkv.weight``
+without one is refused: its head layout cannot be read off the tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+import torch
+
+from ..kernels.muon import QKVSplit
+
+MEGATRON_QKV_SUFFIX = "linear_qkv.weight"
+
+
+@dataclass(frozen=True)
+class MatrixViews:
+    """One Muon group: parallel lists of (n, r, c) views, one entry per run of same-shape matrices."""
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    state: Mapping[str, list[torch.Tensor]]
+    qkv_splits: list[Optional[QKVSplit]] = field(default_factory=list)
+
+
+def check_whole_matrices(ctx, group: int) -> None:
+    """Refuse a group Muon cannot run, on every rank alike: a param that is not 2-D, a fused QKV weight
+    without its split, or a matrix this rank owns only part of (Muon needs whole matrices on one rank).
+
+    The layout guarantees it (with several ranks Muon's params are sharded layer-wise, graphstep.build.layerwise);
+    this guards a layout built otherwise, whose element shards would cut matrices.
+    """
+    layout = ctx.layout
+    for place in layout.params:  # every matrix, this rank's or not, so that all ranks refuse alike
+        if place.group != group:
+            continue
+        if len(place.shape) != 2:
+            raise ValueError(f"param '{place.name}' of shape {place.shape} is in a Muon group: Muon orthogonalises "
+                             "2-D matrices only; route it to the scalar optimizer (muon_scalar_optimizer)")
+        qkv_split_of(ctx.buffers.params[place.index], place.name, place.shape, ctx.config)
+    for owned in layout.owned_ranges(ctx.rank):
+        place = layout.params[owned.param]
+        if place.group == group and (owned.param_start, owned.param_end) != (0, place.numel):
+            raise ValueError(f"optimizer family 'muon' (param group {group}): rank {ctx.rank} owns elements "
+                             f"[{owned.param_start}, {owned.param_end}) of '{place.name}' ({place.numel} "
+                             "elements), but Newton–Schulz needs whole matrices: plan the layout with "
+                             "batch_by_shape=True for Muon params, so they are sharded layer-wise")
+
+
+def qkv_split_of(param: torch.Tensor, name: str, shape: tuple, config) -> Optional[QKVSplit]:
+    """The split a fused QKV weight is orthogonalised with, or None (see the module docstring)."""
+    if not config.muon_split_qkv:
+        return None
+    split = getattr(param, "qkv_split", None)
+    if split is None:
+        if name.endswith(MEGATRON_QKV_SUFFIX):
+            raise ValueError(f"param '{name}' looks like Megatron's fused QKV weight and muon_split_qkv=True, but "
+                             "its head layout is unknown: set param.qkv_split = graphstep.QKVSplit(num_groups, "
+                             "q_rows, k_rows, v_rows) (or register its attention with graphstep.qk_clip."
+                             "register(..., qkv=...)), or set muon_split_qkv=False")
+        return None
+    if not isinstance(split, QKVSplit):
+        raise TypeError(f"param '{name}'.qkv_split is a {type(split).__name__}, expected a graphstep.QKVSplit")
+    split.check(shape[0])
+    return split
+
+
+def matrix_views(ctx, group: int, segments: Sequence, sources) -> MatrixViews:
+    """The (n, r, c) views of group ``group``'s params in ``sources`` (a families.ViewSources)."""
+    layout, config = ctx.layout, ctx.config
+    owned = {r.param: r for r in layout.owned_ranges(ctx.rank)}  # whole matrices: check_whole_matrices ran
+    places = sorted((p for p in layout.params if p.group == group and p.index in owned),
+                    key=lambda p: (p.buffer, p.start))
+    # [buffer, shape, split, first shard offset, spacing, count, first flat offset, first state offsets].
+    # Sources in flat coordinates (fp32 params that are their own main params; grads reduced in place:
+    # families.ViewSources) are cut at the flat offset, and state at its offset in the compact state
+    # buffer (graphstep/state/state_ranges.py), so a run also needs the same spacing there (true inside one
+    # bucket's segment).
+    names = tuple(sources.state)
+    runs: list[list] = []
+    for place in places:
+        mine = owned[place.index]
+        split = qkv_split_of(ctx.buffers.params[place.index], place.name, place.shape, config)
+        states = tuple(sources.state_at(n, place.buffer, mine.shard_start, place.numel) for n in names)
+        run = runs[-1] if runs else None
+        if (run is not None and run[:3] == [place.buffer, place.shape, split]
+                and mine.shard_start - run[3] == mine.flat_start - run[6]
+                and all(o - r == mine.shard_start - run[3] for o, r in zip(states, run[7]))
+                and (run[5] == 1 or mine.shard_start - run[3] == run[4] * run[5])):
+            if run[5] == 1:
+                run[4] = mine.shard_start - run[3]
+            run[5] += 1
+        else:
+            runs.append([place.buffer, place.shape, split, mine.shard_start, 0, 1, mine.flat_start, states])
+
+    def cut(tensors, in_flat=(), state=None):
+        views = []
+        for buffer, (rows, cols), _, start, spacing, count, flat_start, states in runs:
+            base = tensors[buffer]
+            offset = states[state] if state is not None else flat_start if in_flat and in_flat[buffer] else start
+            views.append(base.as_strided((count, rows, cols), (spacing or rows * cols, cols, 1),
+                                         base.storage_offset() + offset))
+        return views
+
+    return MatrixViews(cut(sources.main, sources.main_in_flat), cut(sources.grads, sources.grads_in_flat),
+                       {name: cut(sources.state[name], state=i) for i, name in enumerate(names)},
+                       [run[2] for run in runs])

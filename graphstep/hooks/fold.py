@@ -1,0 +1,148 @@
+"""The fold's listeners and host bookkeeping (the sums themselves: graphstep/step/folded_sums.py).
+
+Which sums are current (one rank). A param's folded norms are current when they were folded after its
+grad last changed. The host keeps a flag per param: a fold sets it; a backward under ``no_sync()`` (an
+earlier micro-batch: no fold), ``zero_grad``, a step and a broken grad binding clear it. It also keeps,
+per grad buffer, the buffer's version counter as backward left it: every param's hook (folded or not)
+records it after the param's grad was accumulated. Every in-place write to a grad bumps the counter of
+its whole buffer (grads are views of it), so a count that moved on by the step means a grad changed after
+backward (``p.grad.mul_(...)``, ``clip_grad_norm_``, a hand unscale): the buffer's params are then no
+longer current. Before each step every param that is not current is folded then, as eager device work
+ahead of the (captured) step: such changed grads, params without a grad in the last backward, grads
+written by hand, a step with no backward. ``fold_counts`` says how many folds ran in backward and how many
+before the step (none there in a loop that gets the fold's benefit). torch's ``GradScaler.unscale_``
+rewrites the grads without bumping their counters (``_amp_foreach_non_finite_check_and_unscale_``), but
+``scaler.step(opt)`` then tells the engine so (graphstep/step/torch_amp.py): every sum is folded again before
+that step. Not detectable: any other write that bypasses the version counter (through ``.data``, or into
+the buffer's memory by an extension or collective); ``debug_step()`` warns, naming the params, when a
+folded norm no longer matches its grad.
+
+Grad accumulation without ``no_sync()``. Every backward then folds, and only the last fold counts: one read
+of the grads per micro-batch where the unfolded norm reads them once. A step that saw a param's grad
+arrive twice outside ``no_sync()`` warns once and sends the next steps' fold to the step itself (before
+it, as for stale params), until a step sees a single backward again.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional, Sequence
+
+import torch
+
+from ..step.folded_sums import FoldedSums
+from .micro_batches import NoSync
+
+
+class Fold:
+    """The engine's side of the fold: the one-rank listeners (stage "fold" of every dense param's grad hook,
+    graphstep/hooks/param_hooks.py: it folds a param of a full row, and records its buffer's version counter for
+    every param) and the host bookkeeping around a step, over every domain's folded sums. Inert without
+    ``fold_grad_norm``."""
+
+    def __init__(self, domains: Sequence[Optional[FoldedSums]], buffers, no_sync: NoSync, hooks):
+        self.domains = [d for d in domains if d is not None]
+        hooked = [d for d in self.domains if d.in_backward]
+        self.hooked = hooked[0] if hooked else None  # the dense domain on one rank
+        self._buffers = buffers
+        self._hooks = hooks
+        self._no_sync = no_sync
+        self.fold_in_backward = True
+        """False after a step whose grads were accumulated over several backwards outside ``no_sync()``: each
+        of those would fold again, so the hooks leave the fold to the step until a step sees one backward."""
+        self._arrived: set[int] = set()  # hooked params a backward delivered since the grads were zeroed/stepped
+        self._repeated = False  # one of them was delivered again: unmarked accumulation
+        self._rewritten_after_backward = False  # DDP writes the averaged grads after the hooks: fold at the step
+        self._warned = False
+        if self.hooked is None:
+            return
+        for index in range(len(buffers.params)):
+            # Stage "fold" runs after stage "main_grad" (param_hooks.STAGES): main_grad holds the grad by then.
+            hooks.listen("fold", buffers, index, self, "grad_arrived", index)
+
+    def grad_arrived(self, index: int, param: torch.nn.Parameter) -> None:
+        """Param ``index``'s listener: backward has accumulated its grad (called only while the buffers own the
+        param: a later optimizer over the same model may have taken it)."""
+        folded = self.hooked
+        if self._no_sync.active:  # an earlier micro-batch: the grad changed, the last one folds it
+            if index in folded.current:
+                folded.current[index] = False
+            return
+        self._buffers.adopt_grad(index, param)  # before recording: adopting a fresh grad writes the buffer
+        if index in folded.current:
+            self._repeated |= index in self._arrived
+            self._arrived.add(index)
+            if self.fold_in_backward:
+                folded.fold(index)
+                folded.in_backward_folds += 1
+            else:
+                folded.current[index] = False
+        folded.saw_backward_write(index)
+
+    def forget_unbound_grads(self) -> None:
+        """Before the engine re-binds grads: a folded param whose ``.grad`` is no longer its flat view (set to
+        None, or assigned, after its hook ran) gets its view rewritten by the re-binding: fold it again."""
+        if self.hooked is None:
+            return
+        for index in self.hooked.hooked:
+            if not self._buffers.grad_bound(index):
+                self.hooked.current[index] = False
+
+    def fold_stale(self) -> None:
+        """Right before the step: fold every param backward did not (or whose grad changed since)."""
+        if self.hooked is not None:
+            self.hooked.fold_stale()
+
+    def grads_rewritten(self) -> None:
+        """Before the step, ahead of ``fold_stale``: every grad was rewritten in place unseen by the version
+        counters (torch's ``GradScaler.unscale_``): every folded sum is computed again."""
+        for domain in self.domains:
+            domain.rewritten()
+
+    def fold_before_step(self) -> None:
+        """From now on fold right before each step, never in backward: something rewrites every grad after
+        backward's hooks ran (DDP's averaged grads, graphstep/hooks/ddp.py), so a fold in backward would be wasted."""
+        self._rewritten_after_backward = True
+        self.fold_in_backward = False
+
+    def invalidate(self) -> None:
+        """After ``zero_grad`` (and a step): the next backward must fold again."""
+        if self.hooked is not None:
+            self.hooked.invalidate()
+        self._arrived.clear()
+        self._repeated = False
+
+    def after_step(self, stacklevel: int) -> None:
+        """Invalidate, and decide where the next step's fold runs: in backward, unless this step's grads were
+        accumulated over several backwards outside ``no_sync()`` (folding in each costs a read of the grads
+        per backward; folding before the step, one). ``stacklevel``: the warning's, from here to the user's
+        call."""
+        if self._repeated and self.fold_in_backward and not self._warned:
+            self._warned = True
+            warnings.warn("graphstep: fold_grad_norm: backward ran more than once outside opt.no_sync() between "
+                          "steps (grad accumulation), and each folded the norm again. While steps see that, the "
+                          "norm is folded right before the step instead (one read of the grads, as with "
+                          "fold_grad_norm=False). Run the earlier micro-batches under opt.no_sync() to fold in "
+                          "the last backward only", RuntimeWarning, stacklevel=stacklevel)
+        self.fold_in_backward = not (self._repeated or self._rewritten_after_backward)
+        self.invalidate()
+
+    def counts(self) -> dict[str, int]:
+        """Folds run in backward (hooks, or buckets landed there) and right before the step (stale slots)."""
+        return {"in_backward": sum(d.in_backward_folds for d in self.domains),
+                "before_step": sum(d.before_step_folds for d in self.domains)}
+
+    def warn_out_of_date(self) -> None:
+        """debug_step's check: warn naming every param whose folded row norms no longer match its grad. (Only
+        hook-folded norms can be out of date here: the others are folded by the step itself.)"""
+        stale = self.hooked.out_of_date() if self.hooked is not None else []
+        if stale:
+            shown = ", ".join(stale[:5]) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
+            warnings.warn(f"graphstep: fold_grad_norm: the folded norm of {shown} no longer matches the grad: "
+                          "it changed after backward folded it, by a write that bypassed its version counter "
+                          "(through .data, or by an extension). The step's norm uses the stale one; change "
+                          "grads in place through the grad itself, or turn fold_grad_norm off",
+                          RuntimeWarning, stacklevel=3)
+
+    def remove(self) -> None:
+        self._hooks.remove(self)

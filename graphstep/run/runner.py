@@ -1,0 +1,184 @@
+"""How the step chain runs: eagerly, or captured once and replayed, with staleness handled.
+
+The backend is decided once, at build, by ``capture.devices.backend_for`` (``OptimizerConfig.capture``):
+- "graph": capture after ``capture_warmup_steps`` eager steps (a CUDA graph on CUDA, capture's CPU
+  replay backend elsewhere); a step that cannot be captured raises ``capture.CaptureError``.
+- "auto": on CUDA, the first step after the warm-up runs under ``capture.check`` (it *is* that step);
+  with no findings the next step is captured, otherwise the step stays eager and says why once.
+  Elsewhere it runs eagerly and says why once.
+- "eager": the chain runs eagerly every step; ``opt.debug_step()`` runs it stage by stage with stats.
+
+A captured step goes stale when what it baked in changes. Before each replay the runner checks:
+- the host values the stages baked in (``Stage.baked``: Python floats a kernel takes, host choices),
+  through ``capture.baked.BakedValues``: a change means a recapture (and a warning when that happens
+  step after step), never a silently frozen value;
+- params and buffers replaced by the user: the engine adopts them back before every step and tells the
+  runner (``on_replaced``), and a captured step recaptures; capture's own guard checks the static
+  inputs' addresses before each replay as a last line of defence.
+With ``capture_invalidation="raise"`` both raise instead.
+
+With several ranks (``agree``, graphstep/parallel/agreement.py) every such decision is collective: before each
+run the ranks exchange whether their step went stale, and all recapture (or all raise) at the same step.
+
+The runner knows nothing of optimizers: it is given the step function(s), the static inputs and the
+baked values as plain callables over buffers and stages, and calls nothing back in the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Callable, Optional
+
+import capture
+from capture.baked import BakedValues
+from capture.devices import backend_for
+
+logger = logging.getLogger("graphstep")
+
+# Recapturing this many steps in a row means a baked hyperparameter changes every step.
+RECAPTURE_WARNING_STREAK = 3
+
+
+class StepRunner:
+    def __init__(self, *, step_fn: Callable[[], None], device, mode: str, warmup_steps: int, invalidation: str,
+                 static_inputs: Callable[[], dict], baked_values: Callable[[], tuple],
+                 eager_step_fn: Optional[Callable[[], None]] = None, agree: Optional[Callable[[bool], bool]] = None,
+                 name: str = "graphstep.step",
+                 stale_hint: str = "call opt.recapture() after replacing parameters or state tensors"):
+        self._step_fn = step_fn
+        self._eager_step_fn = eager_step_fn or step_fn  # what uncaptured steps run (e.g. with profiler ranges)
+        self._static_inputs = static_inputs
+        self._baked = BakedValues(baked_values)
+        self._invalidation = invalidation
+        self._agree = agree  # any_rank(flag) -> bool, or None on one process
+        self._stale: Optional[str] = None  # why this rank's captured step must be recaptured, if it must
+        self._warmup_steps = warmup_steps
+        self._name, self._stale_hint = name, stale_hint
+        self._steps = 0
+        self._graph: Optional[capture.Graph] = None
+        self._recapture_streak = 0
+        self._warned_streak = False
+        self.recaptures = 0
+        """How many times the step was captured again after going stale."""
+        self._backend, reason = backend_for(device, mode)
+        self._check_first = mode == "auto" and self._backend != "eager"
+        if reason is not None:
+            logger.info("graphstep: %s", reason)
+        if self._backend != "eager" and not self._check_first:
+            self._graph = self._new_graph(warmup_steps)
+
+    @property
+    def captured(self) -> bool:
+        return self._graph is not None and self._graph.captured
+
+    @property
+    def backend(self) -> str:
+        """The backend's name (``capture.devices.backend_for``): what runs, or will run after the warm-up,
+        the step."""
+        return self._backend
+
+    @property
+    def may_capture(self) -> bool:
+        """Whether the step is, or may yet be, captured (overlap hooks must stay off then)."""
+        return self._backend != "eager"
+
+    def _new_graph(self, warmup: int) -> "capture.Graph":
+        return capture.graph(self._step_fn, warmup=warmup, backend=self._backend, static_inputs=self._static_inputs,
+                             name=self._name, stale_hint=self._stale_hint)
+
+    def pool_bytes(self) -> Optional[int]:
+        """Bytes reserved in the captured step's memory pool, or None (not captured, or no pool)."""
+        return None if self._graph is None else self._graph.pool_bytes()
+
+    def invalidate(self) -> None:
+        """Drop the captured step; the next step captures it again (no new warm-up)."""
+        if self._graph is not None:
+            self._graph.invalidate()
+        self._baked.clear()
+
+    def on_replaced(self, names: list) -> None:
+        """Params or buffers were replaced and have been adopted back (values copied into the static
+        tensors): a captured step recaptures at this step, or raises with ``capture_invalidation="raise"``
+        (on every rank, when several share the step)."""
+        if self.captured:
+            self._stale = f"replaced after capture: {', '.join(names)}"
+
+    def close(self) -> None:
+        """Free the captured graph and its memory pool; later steps run eagerly."""
+        if self._graph is not None:
+            self._graph.close()
+            self._graph = None
+        self._backend = "eager"
+        self._check_first = False
+
+    def run(self) -> None:
+        self._steps += 1
+        if self._graph is None:
+            if self._check_first and self._steps > self._warmup_steps:
+                self._check_then_capture()
+            else:
+                self._eager_step_fn()
+            return
+        self._settle_staleness()
+        was_captured = self._graph.captured
+        try:
+            self._graph()
+        except capture.StaleInputError:
+            # The engine adopts replaced tensors before each step, so this guard firing means a tensor it
+            # does not own moved; recapturing over the current tensors is the only safe continuation. (With
+            # several ranks, _settle_staleness has already checked the inputs and agreed on it.)
+            if self._invalidation == "raise":
+                raise
+            logger.warning("graphstep: a static input of the captured step moved; recapturing")
+            self._recapture()
+            was_captured = False
+            self._graph()
+        if not was_captured and self._graph.captured:
+            self._baked.record()
+            if self._agree is not None:
+                self._agree(False)  # the closing bracket of the capture: no rank replays before all recorded
+
+    def _settle_staleness(self) -> None:
+        """Decide, together with the other ranks, whether the captured step must be recaptured now."""
+        reason, self._stale = self._stale, None
+        if reason is None and self._agree is not None:
+            # Several ranks: a moved input is one more rank-local reason, decided here, before the replay.
+            reason = self._graph.stale_inputs()
+        if reason is None and self._graph.captured:
+            changed = self._baked.change()
+            if changed is not None:
+                reason = f"a value baked into the captured step changed ({changed})"
+        if self._agree is not None and self._agree(reason is not None) and reason is None:
+            reason = "another rank's captured step went stale"
+        if reason is None:
+            self._recapture_streak = 0
+            return
+        if self._invalidation == "raise":
+            raise capture.StaleInputError(
+                f"{reason}; call opt.recapture() to continue (kernel='compiled' or 'reference' keeps every "
+                "hyperparameter live)")
+        logger.warning("graphstep: %s; recapturing", reason)
+        self._recapture()
+
+    def _check_then_capture(self) -> None:
+        self._check_first = False
+        findings = capture.check(self._step_fn)  # runs the step once: it is this step
+        if findings:
+            logger.warning("graphstep: capture='auto' keeps the step eager; it is not capturable:\n%s",
+                           "\n".join(f"  {f}" for f in findings))
+            self._backend = "eager"
+            return
+        self._graph = self._new_graph(warmup=0)
+
+    def _recapture(self) -> None:
+        self.recaptures += 1
+        self._recapture_streak += 1
+        self.invalidate()
+        if self._recapture_streak >= RECAPTURE_WARNING_STREAK and not self._warned_streak:
+            self._warned_streak = True
+            warnings.warn("graphstep: the captured step was recaptured on each of the last "
+                          f"{self._recapture_streak} steps because a value it bakes in (a hyperparameter the "
+                          "fused kernel takes as a Python float: betas, eps, weight decay or momentum) changes "
+                          "every step; kernel='compiled' or 'reference' keeps every hyperparameter live",
+                          RuntimeWarning, stacklevel=4)

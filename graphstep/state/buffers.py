@@ -1,0 +1,404 @@
+"""Allocate a Layout once, as StaticBuffers, and rebind the model's params and grads to views of it.
+
+After ``allocate`` nothing here is ever replaced (docs/design.md law 2): ``zero_grad`` zeroes in place and
+checkpoint loading copies in place, so a captured step can keep reading the same addresses forever.
+
+Per buffer key (param dtype, grad dtype) of the layout:
+- ``param_flat``  model dtype, every model param is a view of it;
+- ``grad_flat``   grad dtype; a param's ``.grad`` is a view of it when grads accumulate in the param's
+  dtype, else backward accumulates into an fp32 view ``param.main_grad`` through the param's
+  post-accumulate-grad hook (``listen_for_main_grads``: the first stage of graphstep/hooks/param_hooks.py);
+- ``main_shard``  fp32 main params: where the params are fp32 already, ``param_flat`` itself (at any
+  data-parallel size: the update writes this rank's shard of the params in place, no second copy, no
+  copy-back); else a separate fp32 tensor of this rank's shard. Address a range of it with
+  ``main_range`` (shard coordinates), which maps into ``param_flat`` for the former;
+- ``state[name]`` optimizer state shards (``exp_avg``, ``exp_avg_sq`` or ``momentum_buffer``), each over only
+  the groups whose family keeps it (``state_ranges``, graphstep/state/state_ranges.py): address a range of it
+  with ``shard_part`` (shard coordinates) after asking ``keeps_state``;
+- ``grad_shard``  the grads of this rank's shard, reduced (what the norm and the update read): with one
+  rank ``grad_flat`` itself, one entry per buffer; with several, one entry per *bucket*: the view
+  ``grad_flat[bucket.shard_range(rank)]`` that the bucket's reduce-scatter writes in place (its output is
+  its input's own slice, which gloo and NCCL accept; no separate output buffer). So after a step with
+  several ranks a grad holds the averaged grads in this rank's shard ranges and the local ones elsewhere;
+  ``zero_grad`` before the next backward (as with Megatron-Core's grad buffers).
+
+A rank's shard of a buffer is the concatenation of its shards of the buffer's buckets, which are not
+contiguous in ``param_flat``/``grad_flat``: layout.py's ``shard_start`` coordinates address the compact
+shard, ``flat_start`` the flat buffer. Per rank the buffers thus hold ZeRO's memory exactly: params +
+grads + the state shards (+ fp32 main shards for half or fp8 params); ``graphstep.run.memory`` counts it.
+
+With hybrid CPU offload (graphstep.offload) the device holds main params (where they are not the params)
+and state only for a prefix ``[0, device_numel)`` of the rank's shard; the rest lives in ``host``
+(``HostShards``). ``shard_part``, ``full_shard`` and ``load_shard`` address the whole shard wherever its
+elements live.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..build.layout import Layout
+from ..fp8 import is_fp8
+from ..fp8.engine_support import main_values
+from .state_ranges import plan_state_ranges
+
+_GRAD = operator.attrgetter("grad")
+
+
+@dataclass
+class StaticBuffers:
+    layout: Layout
+    rank: int
+    param_flat: list[torch.Tensor]
+    grad_flat: list[torch.Tensor]
+    main_shard: list[torch.Tensor]
+    grad_shard: list[torch.Tensor]
+    state: dict[str, list[torch.Tensor]]
+    params: list[torch.nn.Parameter]  # in layout (input) order
+    _main_grads: list = field(default_factory=list)  # each param's main_grad view, kept for identity checks
+    _param_ptrs: list = field(default_factory=list)
+    _grad_params: list = field(default_factory=list)  # params whose .grad is a view of grad_flat
+    _grad_views: list = field(default_factory=list)  # those views, one object each, kept for identity checks
+    _originals: dict = field(default_factory=dict)
+    host: Optional[Any] = None  # graphstep.offload.HostShards: the shard's host part, or None
+    state_ranges: dict = field(default_factory=dict)  # name -> StateRanges: where each state buffer keeps its elements
+
+    def _device_part(self, kind: str, buffer: int) -> torch.Tensor:
+        return self.main_shard[buffer] if kind == "main" else self.state[kind][buffer]
+
+    def device_numel(self, buffer: int) -> int:
+        """How much of this rank's shard of ``buffer`` the device holds main params and state for: the
+        prefix ``[0, device_numel)``; all of it without CPU offload."""
+        return self.host.splits[buffer] if self.host is not None else self.layout.buffers[buffer].shard_numel
+
+    def shard_part(self, kind: str, buffer: int, start: int, size: int) -> torch.Tensor:
+        """A view of elements ``[start, start + size)`` of this rank's shard of ``kind`` ("main" or a state
+        name), on the device or, past the offload split, on the host. Never straddles the split: the
+        split falls between params, and callers ask for one param's piece."""
+        split = self.device_numel(buffer)
+        if start + size <= split:
+            if kind == "main":
+                return self.main_range(buffer, start, size)
+            offset = self.state_ranges[kind].offset(buffer, start, size)
+            if offset is None:
+                raise ValueError(f"state {kind!r} is not kept for shard range [{start}, {start + size}) of buffer "
+                                 f"{buffer}: that group's family does not declare it (ask keeps_state first)")
+            return self.state[kind][buffer][offset:offset + size]
+        if start < split:
+            raise ValueError(f"shard range [{start}, {start + size}) of buffer {buffer} straddles the offload "
+                             f"split at {split}")
+        return self.host.part(kind, buffer)[start - split:start - split + size]
+
+    def keeps_state(self, name: str, buffer: int, start: int, size: int) -> bool:
+        """Whether state ``name`` has elements for shard range ``[start, start + size)`` of ``buffer``: only
+        where the group's family declares it (graphstep/state/state_ranges.py)."""
+        return self.state_ranges[name].offset(buffer, start, size) is not None
+
+    def full_shard(self, kind: str, buffer: int) -> torch.Tensor:
+        """A copy of this rank's whole shard of ``kind`` in ``buffer`` (on the host when part of it is); for
+        a state, only the elements it keeps (``shard_like``'s shape)."""
+        split = self.device_numel(buffer)
+        device = (self.main_shard_values(buffer) if kind == "main" else self.state[kind][buffer])[:split]
+        if self.host is None or self.host.part(kind, buffer).numel() == 0:
+            return device.clone()
+        return torch.cat([device.cpu(), self.host.part(kind, buffer)])
+
+    def shard_like(self, kind: str, buffer: int) -> torch.Tensor:
+        """A storage-less tensor with the whole shard's dtype and shape (what a checkpoint must match)."""
+        dtype = self._device_part(kind, buffer).dtype
+        numel = self.layout.buffers[buffer].shard_numel if kind == "main" else self.state_ranges[kind].numel[buffer]
+        return torch.empty(numel, dtype=dtype, device="meta")
+
+    def compact_state(self, name: str, buffer: int, source: torch.Tensor) -> torch.Tensor:
+        """``source`` in ``shard_like``'s shape: a whole shard of state ``name`` (as checkpoints written before
+        state was kept per family hold it) reduced to the elements kept; a compact one as it is."""
+        ranges = self.state_ranges[name]
+        if ranges.whole(buffer) or source.numel() == ranges.numel[buffer]:
+            return source
+        return ranges.compact(buffer, source)
+
+    def load_shard(self, kind: str, buffer: int, source: torch.Tensor) -> None:
+        """Copy a whole shard (``full_shard``'s shape) into the device and host parts, in place."""
+        split = self.device_numel(buffer)
+        if kind != "main":
+            source = self.compact_state(kind, buffer, source)
+        if kind == "main" and self.main_is_param[buffer]:
+            # All of it: past the split these are the model params, equal to the host main params (fp32).
+            self.load_main_shard(buffer, source)
+        else:
+            self._device_part(kind, buffer)[:split].copy_(source[:split])
+        if self.host is not None:
+            self.host.part(kind, buffer).copy_(source[split:])
+    scratch: dict = field(default_factory=dict)
+    """Static tensors stages allocate at build, by kind (e.g. "grad_cast"), listed for ``graphstep.run.memory``."""
+
+    def record_bindings(self) -> None:
+        """Remember what every param, grad and buffer slot points at now (right after allocation)."""
+        self._param_ptrs = [self.param_view(i).data_ptr() for i in range(len(self.params))]
+        same_dtype = [i for i in range(len(self.params)) if self.grads_in_param_dtype(i)]
+        self._grad_params = [self.params[i] for i in same_dtype]
+        self._grad_views = [self.grad_view(i) for i in same_dtype]
+        self._grad_view_of = dict(zip(same_dtype, self._grad_views))
+        self._originals = {(kind, b): t for kind, tensors in self._slots() for b, t in enumerate(tensors)}
+
+    def _slots(self):
+        yield from (("param_flat", self.param_flat), ("grad_flat", self.grad_flat),
+                    ("main_shard", self.main_shard), ("grad_shard", self.grad_shard))
+        yield from self.state.items()
+
+    def bindings_intact(self) -> bool:
+        """One cheap pass per step: every param still a view of ``param_flat``, every grad of ``grad_flat``.
+
+        C-level map()s over the params (data pointers, and the grad objects by identity: a grad assigned
+        by ``bind_grads`` stays the very same Python object while backward accumulates into it) keep this
+        a few times cheaper than a Python loop over the params (docs/perf-notes.md).
+        """
+        if list(map(torch.Tensor.data_ptr, self.params)) != self._param_ptrs:
+            return False
+        return all(map(operator.is_, map(_GRAD, self._grad_params), self._grad_views))
+
+    def restore_replaced_buffers(self) -> list[str]:
+        """Copy the values of any buffer or state tensor that was replaced in its list (e.g. a checkpoint
+        loaded by assignment) into the original static tensor and put that back. Returns their names."""
+        restored = []
+        for kind, tensors in self._slots():
+            for b, tensor in enumerate(tensors):
+                original = self._originals[(kind, b)]
+                if tensor is not original:
+                    if tensor.shape != original.shape:
+                        raise ValueError(f"{kind}[{b}] was replaced by a tensor of shape {tuple(tensor.shape)}, "
+                                         f"not {tuple(original.shape)}")
+                    original.copy_(tensor)
+                    tensors[b] = original
+                    restored.append(f"{kind}[{b}]")
+        return restored
+
+    @property
+    def main_is_param(self) -> list[bool]:
+        """Per buffer: the main params are the model params themselves (updated in place)."""
+        return [m.data_ptr() == p.data_ptr() and m.dtype == p.dtype
+                for m, p in zip(self.main_shard, self.param_flat)]
+
+    def main_range(self, buffer: int, shard_start: int, numel: int) -> torch.Tensor:
+        """Main params ``[shard_start, shard_start + numel)`` of this rank's shard of ``buffer`` (a range inside
+        one bucket's shard, as every Segment and OwnedRange is): a view of ``main_shard``, or of
+        ``param_flat`` where the main params are the params."""
+        if not self.main_is_param[buffer]:
+            return self.main_shard[buffer][shard_start:shard_start + numel]
+        flat = self._flat_offset(buffer, shard_start, numel)
+        return self.param_flat[buffer][flat:flat + numel]
+
+    def _flat_offset(self, buffer: int, shard_start: int, numel: int) -> int:
+        for index in self.layout.buffers[buffer].buckets:
+            bucket = self.layout.buckets[index]
+            if bucket.shard_offset <= shard_start < bucket.shard_offset + bucket.shard_numel or numel == 0:
+                if shard_start + numel > bucket.shard_offset + bucket.shard_numel:
+                    raise ValueError(f"shard range [{shard_start}, {shard_start + numel}) of buffer {buffer} crosses "
+                                     f"the end of bucket {index}'s shard: address one bucket at a time")
+                return bucket.shard_range(self.rank)[0] + shard_start - bucket.shard_offset
+        raise ValueError(f"shard offset {shard_start} is outside buffer {buffer}'s shard")
+
+    def main_shard_values(self, buffer: int) -> torch.Tensor:
+        """A compact copy of this rank's main params of ``buffer`` (what a checkpoint saves)."""
+        if not self.main_is_param[buffer] or self.layout.dp_size == 1:
+            return self.main_shard[buffer].clone()
+        return torch.cat([self.main_range(buffer, b.shard_offset, b.shard_numel) for b in self._buckets(buffer)])
+
+    def load_main_shard(self, buffer: int, values: torch.Tensor) -> None:
+        """Copy a compact shard (``main_shard_values``' form) into this rank's main params of ``buffer``."""
+        if not self.main_is_param[buffer] or self.layout.dp_size == 1:
+            self.main_shard[buffer].copy_(values)
+            return
+        for b in self._buckets(buffer):
+            self.main_range(buffer, b.shard_offset, b.shard_numel).copy_(values[b.shard_offset:b.shard_offset
+                                                                                + b.shard_numel])
+
+    def _buckets(self, buffer: int):
+        return [self.layout.buckets[i] for i in self.layout.buffers[buffer].buckets]
+
+    def param_view(self, index: int) -> torch.Tensor:
+        place = self.layout.params[index]
+        return self.param_flat[place.buffer][place.start:place.end].view(place.shape)
+
+    def grad_view(self, index: int) -> torch.Tensor:
+        place = self.layout.params[index]
+        return self.grad_flat[place.buffer][place.start:place.end].view(place.shape)
+
+    def grads_in_param_dtype(self, index: int) -> bool:
+        return self.grad_flat[self.layout.params[index].buffer].dtype == self.params[index].dtype
+
+    def owns(self, index: int, param: torch.nn.Parameter) -> bool:
+        """Whether ``param`` (param ``index``) is still laid out in these buffers: an optimizer built later over
+        the same model gives it a main_grad of its own, and this one's grad listeners must then leave it alone
+        (graphstep/hooks/param_hooks.py checks it before them)."""
+        return getattr(param, "main_grad", None) is self._main_grads[index]
+
+    def listen_for_main_grads(self, hooks) -> None:
+        """Have ``hooks`` (graphstep.hooks.param_hooks.GradHooks) accumulate into the fp32 main grad of every param
+        whose grads are not in its own dtype (fp8 params' backward writes ``main_grad`` itself)."""
+        for i, p in enumerate(self.params):
+            if not self.grads_in_param_dtype(i) and not is_fp8(p):
+                hooks.listen("main_grad", self, i, self, "accumulate_into_main_grad", i)
+
+    def accumulate_into_main_grad(self, index: int, param: torch.nn.Parameter) -> None:
+        """Param ``index``'s listener (stage "main_grad"), called only while these buffers own the param."""
+        # Backward has just written this micro-batch's grad in the param's (half) dtype; fold it into the fp32
+        # main grad and drop it, so the next micro-batch starts a fresh half grad and accumulation is in fp32.
+        param.main_grad.add_(param.grad)
+        param.grad = None
+
+    def grad_bound(self, index: int) -> bool:
+        """Whether param ``index``'s ``.grad`` is its ``grad_flat`` view (always, for grads that accumulate into
+        an fp32 main grad: their ``.grad`` is None between backwards by design)."""
+        view = self._grad_view_of.get(index)
+        return view is None or self.params[index].grad is view
+
+    def adopt_grad(self, index: int, param: torch.nn.Parameter) -> None:
+        """From a backward hook: a grad autograd made afresh (the user had set it to None) moves into its
+        ``grad_flat`` view, as ``bind_grads`` would before the step, so that what reads the view now (a
+        reduce-scatter, a folded norm) reads this backward's grad."""
+        view = self._grad_view_of.get(index)  # the very object bindings_intact checks for
+        if view is not None and param.grad is not None:  # None view: grads accumulate into an fp32 main grad
+            _rebind_grad(param, view)
+
+    def bind_grads(self) -> None:
+        """Point every param's grad back at its ``grad_flat`` view, keeping any values written elsewhere.
+
+        Cheap host-side work, run before each step: a user's ``model.zero_grad()`` (set_to_none) or a
+        ``p.grad = ...`` assignment must not make the step read stale memory. A grad set to None means
+        "no grad": its view is zeroed, so the step applies exactly what a zero grad would. (Params whose
+        grads accumulate into an fp32 ``main_grad`` are not listed: their ``.grad`` is None between
+        backwards by design, and only ``opt.zero_grad()`` clears ``main_grad``.)
+        """
+        for p, view in zip(self._grad_params, self._grad_views):
+            if p.grad is None:
+                view.zero_()
+                p.grad = view
+            else:
+                _rebind_grad(p, view)
+
+    def readopt_params(self) -> list[str]:
+        """Take back params whose tensor was replaced (``p.data = new``): copy the new values into the flat
+        buffer and this rank's main params, then make the param a view again. Returns their names."""
+        adopted = []
+        for i, p in enumerate(self.params):
+            view = self.param_view(i)
+            if p.data_ptr() == view.data_ptr() and p.dtype == view.dtype and p.shape == view.shape:
+                continue
+            place = self.layout.params[i]
+            if tuple(p.shape) != place.shape:
+                raise ValueError(f"param '{place.name}' was replaced by a tensor of shape {tuple(p.shape)}, "
+                                 f"not {place.shape}: build a new optimizer for a new model")
+            values = p.detach()
+            view.copy_(values)
+            if not self.main_is_param[place.buffer] or self.host is not None:
+                for owned in self.layout.owned_ranges(self.rank):
+                    if owned.param == i:
+                        size = owned.param_end - owned.param_start
+                        self.shard_part("main", place.buffer, owned.shard_start, size).copy_(
+                            main_values(p, values).reshape(-1)[owned.param_start:owned.param_end])
+            p.data = view
+            adopted.append(f"param '{place.name}'")
+        self.bind_grads()
+        return adopted
+
+    def zero_grad(self) -> None:
+        for grad in self.grad_flat:  # every grad_shard entry is a view of these
+            grad.zero_()
+        self.bind_grads()
+
+    def addresses(self) -> dict[str, torch.Tensor]:
+        """Every static buffer by name: what a capture guards before each replay. (Params are checked by
+        ``bindings_intact`` instead, in one pass with the grads.)"""
+        named = {}
+        for kind in ("param_flat", "grad_flat", "main_shard", "grad_shard"):
+            for b, tensor in enumerate(getattr(self, kind)):
+                named[f"{kind}[{b}]"] = tensor
+        for name, tensors in self.state.items():
+            for b, tensor in enumerate(tensors):
+                named[f"{name}[{b}]"] = tensor
+        return named
+
+
+def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int, device: torch.device,
+             main_dtype: torch.dtype, state_names: Sequence[str], host: Optional[Any] = None,
+             group_states: Optional[Sequence[Sequence[str]]] = None) -> StaticBuffers:
+    """Allocate ``layout`` and make ``params`` (in layout order) views of it, values preserved.
+
+    ``host`` (graphstep.offload.HostShards): the device keeps main params and state for the prefix
+    ``[0, host.splits[b])`` of each shard only; the host part is seeded here like the device part.
+
+    ``group_states`` (per param group, the state names its family keeps): each state buffer then holds only
+    the elements of those groups (graphstep/state/state_ranges.py); without it, or with ``host``, every state
+    buffer spans the whole shard.
+
+    The main params are seeded from the params' values *before* any cast to the model dtype, so a model
+    built in fp32 and trained in bf16 keeps its fp32 initialisation in the main params. An fp8 weight
+    (graphstep.fp8) seeds them with its dequantized values.
+
+    No hook is registered here: the fp32 main grads accumulate once the optimizer's one hook per param
+    listens for them (``listen_for_main_grads``).
+    """
+    if len(params) != len(layout.params):
+        raise ValueError(f"allocate: {len(params)} params for a layout of {len(layout.params)}")
+    originals = [p.detach().clone() for p in params]
+    dp_size = layout.dp_size
+
+    param_flat, grad_flat, main_shard = [], [], []
+    device_numel = [buf.shard_numel if host is None else host.splits[b] for b, buf in enumerate(layout.buffers)]
+    for b, buf in enumerate(layout.buffers):
+        param_flat.append(torch.zeros(buf.numel, dtype=buf.param_dtype, device=device))
+        grad_flat.append(torch.zeros(buf.numel, dtype=buf.grad_dtype, device=device))
+        if buf.param_dtype == main_dtype:
+            main_shard.append(param_flat[-1])  # the params are the main params: updated in place
+        else:
+            main_shard.append(torch.zeros(device_numel[b], dtype=main_dtype, device=device))
+    if dp_size == 1:
+        grad_shard = list(grad_flat)
+    else:  # per bucket, this rank's slice of the grads: the reduce-scatter's in-place output
+        grad_shard = [grad_flat[b.buffer][slice(*b.shard_range(rank))] for b in layout.buckets]
+    kept_by = [state_names] * layout.num_groups if group_states is None else group_states
+    ranges = plan_state_ranges(layout, rank, kept_by, state_names, whole=host is not None)
+    state = {name: [torch.zeros(n if ranges[name].whole(b) else ranges[name].numel[b], dtype=main_dtype,
+                                device=device) for b, n in enumerate(device_numel)] for name in state_names}
+
+    buffers = StaticBuffers(layout, rank, param_flat, grad_flat, main_shard, grad_shard, state, list(params),
+                            host=host, state_ranges=ranges)
+    for i, p in enumerate(params):
+        place = layout.params[i]
+        if tuple(p.shape) != place.shape:
+            raise ValueError(f"param '{place.name}': shape {tuple(p.shape)} does not match the layout's "
+                             f"{place.shape}")
+        view = buffers.param_view(i)
+        view.copy_(originals[i])
+        p.data = view
+        p.grad = None
+    for owned in layout.owned_ranges(rank):
+        buf = layout.params[owned.param].buffer
+        size = owned.param_end - owned.param_start
+        on_device = owned.shard_start + size <= device_numel[buf]
+        if on_device and main_shard[buf].data_ptr() == param_flat[buf].data_ptr():
+            continue  # fp32 params: the main params are the params
+        source = main_values(params[owned.param], originals[owned.param]).reshape(-1)
+        source = source[owned.param_start:owned.param_end]
+        buffers.shard_part("main", buf, owned.shard_start, size).copy_(source)
+
+    for i, p in enumerate(params):
+        p.main_grad = buffers.grad_view(i)  # also what marks the param as owned by these buffers (owns)
+        buffers._main_grads.append(p.main_grad)
+    buffers.record_bindings()
+    buffers.bind_grads()
+    return buffers
+
+
+def _rebind_grad(param: torch.nn.Parameter, view: torch.Tensor) -> None:
+    """Make ``view`` the param's (non-None) grad again, moving the grad's values into it unless they are
+    already there."""
+    if param.grad is not view:
+        if param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+        param.grad = view

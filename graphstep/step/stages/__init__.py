@@ -1,0 +1,120 @@
+"""The step as a chain of stages over static buffers, all on device: the stage contract.
+
+A stage is built once by a factory ``build(ctx) -> Stage`` (its *init*: it allocates whatever static
+tensors it needs and precomputes views, from the typed ``StepContext``) and then applied every step (its
+*apply*: device work only, no host reads, conditionals as arithmetic). Stages talk only through the
+step's scalars (``StepTensors``) and the static buffers. A factory never talks to other ranks: setup
+that does (the layout agreement) happens once, visibly, in the engine's build.
+
+A stage that takes host values into the step (a Python float a fused kernel bakes in, a host choice)
+reports them through ``Stage.baked``, so a captured step is recaptured when one changes and never
+silently keeps a stale value (docs/design.md law 3).
+
+``graphstep/step/chain.py`` orders the stages into the one step every caller runs: the engine (eager,
+captured, profiled), ``debug_step`` and every optimizer family. Single process::
+
+    norm (non-finite check + global grad norm, one read of the grads) → zeros (optional)
+      → clip (coefficient, skip threshold, folded grad scale) → update (per-family kernels)
+      → qk_clip (with ``qk_clip=True``) → copy_back → requantize (fp8 weights only)
+      → loss_scale (scaler update, result flags)
+
+With several data-parallel ranks ``reduce`` (reduce-scatter) runs first and ``gather`` (all-gather)
+after the copy-back. With ``fold_grad_norm`` the norm stage reads no grad: it adds up sums of squares
+folded where the grads became final (backward hooks, or the reduce stage; graphstep/step/folded_sums.py).
+Expert params of MoE models (graphstep/build/experts.py) are a second domain (graphstep/step/domains.py), whose
+``expert_*`` stages join the same chain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+
+def _no_baked_values() -> tuple:
+    return ()
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    apply: Callable[[], None]
+    baked: Callable[[], tuple] = _no_baked_values
+    """The host values this stage bakes into a capture, as ``(where, name, value)`` tuples."""
+
+
+@dataclass
+class StepTensors:
+    """Every scalar the step reads or writes, allocated once at build (their addresses never change)."""
+
+    step: torch.Tensor  # fp32 step count, advanced only by successful steps
+    nonfinite: torch.Tensor  # fp32, 1.0 when a grad is inf/NaN (what the loss scaler reacts to)
+    found_inf: torch.Tensor  # fp32, 1.0 when this step is skipped (non-finite, or over the skip threshold)
+    grad_norm: torch.Tensor  # fp32, the unscaled global L2 norm
+    clip_coef: torch.Tensor  # fp32, in (0, 1]
+    grad_scale: torch.Tensor  # fp32, what the kernel divides grads by: loss scale / clip coefficient
+    update_successful: torch.Tensor  # bool
+    loss_scale: torch.Tensor  # fp32, the scale of the next backward (ones without a scaler)
+    inv_loss_scale: torch.Tensor  # fp32, 1 / the scale of this step's backward
+    reported_nonfinite: torch.Tensor  # fp64, 0, or NaN when the caller's check found non-finite grads (torch_amp.py)
+    num_zeros: Optional[torch.Tensor]  # int64, or None when not counted
+
+    @staticmethod
+    def allocate(device, loss_scale: Optional[torch.Tensor] = None, inv_loss_scale: Optional[torch.Tensor] = None,
+                 count_zeros: bool = False) -> "StepTensors":
+        def scalar(value=0.0, dtype=torch.float32):
+            return torch.full((), value, dtype=dtype, device=device)
+
+        return StepTensors(
+            step=scalar(), nonfinite=scalar(), found_inf=scalar(), grad_norm=scalar(), clip_coef=scalar(1.0),
+            grad_scale=scalar(1.0), update_successful=scalar(True, torch.bool),
+            loss_scale=loss_scale if loss_scale is not None else scalar(1.0),
+            inv_loss_scale=inv_loss_scale if inv_loss_scale is not None else scalar(1.0),
+            reported_nonfinite=scalar(0.0, torch.float64),
+            num_zeros=scalar(0, torch.int64) if count_zeros else None)
+
+    def named(self) -> dict[str, torch.Tensor]:
+        """Every scalar by name (what a capture guards), ``num_zeros`` when counted."""
+        names = ("step", "nonfinite", "found_inf", "grad_norm", "clip_coef", "grad_scale", "update_successful",
+                 "loss_scale", "inv_loss_scale", "reported_nonfinite", "num_zeros")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+
+def chain(stages: Sequence[Stage], ranges=None) -> Callable[[], None]:
+    """One callable applying ``stages`` in order: the function a capture records.
+
+    ``ranges`` (``capture.profile.Ranges``): while ``ranges.enabled``, each stage runs inside a named
+    profiler range; while it is off the plain loop runs, so an unprofiled step carries no profiling cost.
+    The capture always records the chain built without ranges.
+    """
+    applies = tuple(stage.apply for stage in stages)
+
+    def step() -> None:
+        for apply in applies:
+            apply()
+
+    if ranges is None:
+        return step
+    named = tuple((f"graphstep.{stage.name}", stage.apply) for stage in stages)
+
+    def ranged_step() -> None:
+        if not ranges.enabled:
+            step()
+            return
+        for name, apply in named:
+            with ranges(name):
+                apply()
+
+    return ranged_step
+
+
+def baked_values(stages: Sequence[Stage]) -> Callable[[], tuple]:
+    """One callable returning every stage's baked host values, in stage order."""
+    reporters = tuple(stage.baked for stage in stages if stage.baked is not _no_baked_values)
+
+    def values() -> tuple:
+        return tuple(value for report in reporters for value in report())
+
+    return values

@@ -1,0 +1,47 @@
+"""Clip coefficient, norm-based skip, and the grad scale the update divides the grads by.
+
+A norm above ``grad_norm_skip_threshold`` skips the step (``found_inf``) without counting as non-finite:
+the loss scaler sees only ``nonfinite`` (stages/loss_scale.py).
+
+``coef = min(1, clip_grad / (norm + 1e-6))`` (Megatron-Core's and torch's clip_grad_norm_ rule) when
+``clip_grad > 0``, else 1; both thresholds are device tensors, so a schedule may change them. The kernel
+divides grads by ``loss_scale / coef``: unscaling and clipping happen inside the update's single pass.
+The math is one scalar graph (graphstep/step/scalar_graph.py): compiled where the step compiles its scalars.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import scalar_graph
+from ..scalar_graph import scalar
+from . import Stage
+
+
+# Results go straight into the step's tensors (``out=``): eagerly each 0-d op costs a few µs of dispatch on
+# the CPU, several times that right after a backward, and a copy per result would double them.
+def _clip_math(outs, ins) -> None:
+    clip_coef, found_inf, grad_scale = outs
+    grad_norm, clip_grad, skip_threshold, inv_loss_scale, one = ins
+    clip = scalar(clip_grad).to(torch.float32)
+    coef = (clip / (grad_norm + 1e-6)).clamp(max=1.0)
+    torch.where(clip > 0, coef, one, out=clip_coef)
+    too_large = grad_norm > scalar(skip_threshold).to(torch.float32)
+    torch.maximum(found_inf, too_large, out=found_inf)
+    torch.reciprocal(inv_loss_scale * clip_coef, out=grad_scale)
+
+
+_CLIP = scalar_graph.register("clip", _clip_math)
+
+
+def build(ctx) -> Stage:
+    t = ctx.tensors
+    outs = [t.clip_coef, t.found_inf, t.grad_scale]
+    ins = [t.grad_norm, ctx.hyper.tensor("clip_grad"), ctx.hyper.tensor("grad_norm_skip_threshold"),
+           t.inv_loss_scale, torch.ones_like(t.clip_coef)]  # the last: the coefficient without clipping
+    compiled = ctx.compile_scalars
+
+    def apply() -> None:
+        _CLIP(outs, ins, compiled=compiled)
+
+    return Stage("clip", apply)

@@ -1,0 +1,167 @@
+"""Non-finite check and global grad norm in one read of the (still loss-scaled) grads.
+
+No pass unscales the grads: the norm of the scaled grads times 1/scale is the norm of the unscaled ones,
+and the unscale itself is folded into the update's grad scale (stages/clip.py). A non-finite grad makes
+the sum of squares non-finite, which is the non-finite check; summing the squares across ranks (SUM
+all-reduce) carries a non-finite value to every rank, so all ranks decide the skip alike from the same
+number.
+
+Precision. One fp32 reduction over a whole buffer is inaccurate at scale (at 124M grads, GPT-2 small,
+``torch.dot`` and ``vector_norm`` were 0.3% and 2% off an fp64 sum), so the norm is two-level: fp32 norms
+of 4,096-element rows, then the sum of their squares in fp64 (a few thousand values: free). fp64 also
+keeps a large finite norm finite: squaring row norms above ~1.8e19 overflows fp32, which used to skip
+a step whose grads were all finite. A row whose own fp32 norm overflows (elements of ~3e17 and more) is
+recomputed scaled by 2**-64: up to ``RESCUE_ROWS`` such rows per buffer, picked by a fixed-size top-k so
+the step has the same ops (and no data-dependent shapes) whatever the grads hold. Beyond that many
+overflowing rows the step is treated as non-finite. Rows holding an inf or NaN stay non-finite.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from .. import scalar_graph
+from ..scalar_graph import scalar
+from . import Stage, StepTensors
+
+# Row length of the two-level sum of squares: as accurate as an fp64 sum and as fast as one dot. Every
+# buffer is cut into rows of exactly ROW and a tail of fewer than ROW elements (summed in fp64): shorter
+# rows that divide the buffer exactly cost time, not accuracy (docs/perf-notes.md, "The norm").
+ROW = 4096
+# Rows whose fp32 norm overflowed, recomputed scaled, per buffer. Few on purpose: 4 x 4,096 elements stay
+# under torch's CPU grain size (32,768), so the rescue's copy, scale and norm run on the calling thread
+# instead of waiting for a second one on a busy machine (docs/perf-notes.md). More overflowing rows than
+# this make the step non-finite: skipped, and a dynamic loss scale backs off.
+RESCUE_ROWS = 4
+_DOWN = 2.0 ** -64
+_UP = 2.0 ** 64
+
+
+class RowRescue:
+    """fp64 copies of a vector of fp32 row norms, rows whose fp32 norm overflowed recomputed scaled by 2**-64:
+    up to ``RESCUE_ROWS`` of them, picked by a fixed-size top-k (the same ops whatever the grads hold).
+    ``fetch(picked, out)`` gathers the picked rows (``ROW`` elements each) into ``out`` and returns it."""
+
+    def __init__(self, row_norms: torch.Tensor, fetch: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 dtype: torch.dtype):
+        # Every intermediate the size of the row count or of the rescued rows lives in a buffer allocated
+        # here, once: a fresh ~1 MB temporary per step is an mmap and its page faults, which on a busy
+        # machine cost more than the read itself (docs/perf-notes.md).
+        count, device = row_norms.numel(), row_norms.device
+        self.row_norms = row_norms
+        self.fetch = fetch
+        self.rescue = min(RESCUE_ROWS, count)
+        self.norms = torch.empty(count, dtype=torch.float64, device=device)
+        self.picked_rows = torch.empty(self.rescue, ROW, dtype=dtype, device=device)
+
+    def __call__(self) -> torch.Tensor:
+        norms = self.norms
+        norms.copy_(self.row_norms)
+        # The largest row norms: every overflowed one (inf) when there are at most ``rescue`` of them. A row
+        # holding a NaN sorts above them in top-k and stays NaN. Picking from the norms themselves, not from
+        # an isinf mask, spares two passes over the row count.
+        picked = torch.topk(self.row_norms, self.rescue, sorted=False).indices
+        picked_norms = norms.index_select(0, picked)
+        rows = self.fetch(picked, self.picked_rows).mul_(_DOWN)
+        scaled = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32)
+        rescued = torch.where(torch.isinf(picked_norms), scaled.to(torch.float64) * _UP, picked_norms)
+        return norms.index_copy_(0, picked, rescued)
+
+
+class SumOfSquares:
+    """fp64 0-d sum of squares of one flat grad buffer: one read, no copy, accurate at any length."""
+
+    def __init__(self, grad: torch.Tensor):
+        n = grad.numel()
+        body = n - n % ROW
+        self.rows = grad[:body].view(-1, ROW)
+        self.tail = grad[body:]
+        self.row_norms = torch.empty(self.rows.shape[0], dtype=torch.float32, device=grad.device)
+        self._rescue = RowRescue(self.row_norms, lambda picked, out: torch.index_select(self.rows, 0, picked, out=out),
+                                 grad.dtype)
+
+    def __call__(self) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64, device=self.row_norms.device)
+        if self.rows.shape[0]:
+            torch.linalg.vector_norm(self.rows, dim=1, dtype=torch.float32, out=self.row_norms)
+            total = self._rescue().square_().sum()
+        if self.tail.numel():
+            total = total + torch.linalg.vector_norm(self.tail, dtype=torch.float64).square()
+        return total
+
+
+class ForeachSumOfSquares:
+    """fp64 0-d sum of squares of a list of separate grad tensors (``graphstep.wrap``'s grads)."""
+
+    def __init__(self, grads: Sequence[torch.Tensor]):
+        self.grads = list(grads)
+
+    def __call__(self) -> torch.Tensor:
+        norms = torch.stack(torch._foreach_norm(self.grads, 2)).to(torch.float64)
+        return norms.square().sum()
+
+
+def build_over(sums: Sequence[Callable[[], torch.Tensor]], t: StepTensors, comm, compiled: bool = False) -> Stage:
+    """The norm stage over ``sums`` (each returns an fp64 0-d sum of squares of its grads); ``compiled``: as in
+    ``_stage``."""
+
+    def total() -> torch.Tensor:
+        parts = [sum_of_squares() for sum_of_squares in sums]
+        return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+
+    return _stage(total, t, comm, compiled)
+
+
+def build_folded(folds: Sequence, t: StepTensors, comm, compiled: bool = False) -> Stage:
+    """The norm stage over sums of squares already folded where the grads became final (graphstep.step.folded_sums):
+    it reads no grad. Each domain ``finish``es its fp64 vector (one rank: rescue and sum the folded row
+    norms), then the vectors are summed as one: with several ranks the same values in the same order as
+    ``build_over``'s parts, summed the same way."""
+    vectors = [folded.sums for folded in folds]
+    joined = torch.empty(sum(v.numel() for v in vectors), dtype=torch.float64, device=vectors[0].device)
+
+    def total() -> torch.Tensor:
+        for folded in folds:
+            folded.finish()
+        return vectors[0].sum() if len(vectors) == 1 else torch.cat(vectors, out=joined).sum()
+
+    return _stage(total, t, comm, compiled)
+
+
+def _result_math(outs, ins) -> None:
+    nonfinite, found_inf, grad_norm = outs
+    sumsq, inv_loss_scale = ins
+    norm = scalar(sumsq).sqrt()
+    torch.logical_not(torch.isfinite(norm), out=nonfinite)
+    found_inf.copy_(nonfinite)
+    torch.mul(norm, inv_loss_scale, out=grad_norm)
+
+
+_RESULT = scalar_graph.register("norm_result", _result_math)
+
+
+def _stage(total: Callable[[], torch.Tensor], t: StepTensors, comm, compiled: bool) -> Stage:
+    """``compiled``: the result's scalar math (norm, flags) as one compiled graph (graphstep/step/scalar_graph.py)."""
+    outs = [t.nonfinite, t.found_inf, t.grad_norm]
+
+    def apply() -> None:
+        # Plus 0, or NaN where torch's GradScaler reported a non-finite grad (graphstep/step/torch_amp.py): before
+        # the all-reduce, so that every rank decides that skip alike, from the one number.
+        sumsq = total() + t.reported_nonfinite
+        comm.all_reduce_sum(sumsq, "grad-norm all_reduce")
+        _RESULT(outs, [sumsq, t.inv_loss_scale], compiled=compiled)
+
+    return Stage("norm", apply)
+
+
+def build(ctx, *others) -> Stage:
+    """``others``: further domains' contexts (expert params, graphstep/build/experts.py), whose sums of squares join
+    this one's before its single all-reduce. With ``fold_grad_norm`` the sums were folded where the grads
+    became final (graphstep.step.folded_sums) and the stage only adds them up."""
+    domains = (ctx, *others)
+    if ctx.folded is not None:
+        return build_folded([c.folded for c in domains], ctx.tensors, ctx.comm, ctx.compile_scalars)
+    return build_over([SumOfSquares(g) for c in domains for g in c.buffers.grad_shard], ctx.tensors, ctx.comm,
+                      ctx.compile_scalars)
