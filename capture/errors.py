@@ -21,7 +21,9 @@ HOST_TO_DEVICE = "host_to_device"  # a copy from host memory into the step's dev
 HOST_TENSOR = "host_tensor"  # a tensor made from Python data inside the step (torch.tensor(x, ...))
 HOST_WORK = "host_work"  # a CPU op inside a step that runs on a device (not part of a device graph)
 LAZY_INIT = "lazy_init"  # first-time setup (a compile, a communicator) during the capture
-KINDS = (HOST_SYNC, DEVICE_TO_HOST, ESCAPING_TENSOR, RNG, HOST_TO_DEVICE, HOST_TENSOR, HOST_WORK, LAZY_INIT)
+NOT_CAPTURABLE = "not_capturable"  # a torch.optim step whose param groups say capturable=False
+KINDS = (HOST_SYNC, DEVICE_TO_HOST, ESCAPING_TENSOR, RNG, HOST_TO_DEVICE, HOST_TENSOR, HOST_WORK, LAZY_INIT,
+         NOT_CAPTURABLE)
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,7 @@ class Finding:
     """One thing that makes a step unsafe to capture.
 
     kind:     "host_sync" | "device_to_host" | "escaping_tensor" | "rng" | "host_to_device" |
-              "host_tensor" | "host_work" | "lazy_init" (see the constants above)
+              "host_tensor" | "host_work" | "lazy_init" | "not_capturable" (see the constants above)
     op:       the operator, e.g. "aten._local_scalar_dense.default" or "Tensor.tolist"
     filename, lineno, line: the innermost user frame (outside torch/ and capture/)
     """

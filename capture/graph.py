@@ -53,7 +53,7 @@ class Graph:
         if not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"warmup must be a non-negative int, got {warmup!r}")
         self._fn = fn
-        self._warmup = warmup
+        self._warmup_left = warmup  # eager calls still due before the next capture
         self.name = name
         self._guard = (
             StaticInputGuard(static_inputs, stale_hint=stale_hint) if static_inputs is not None else None
@@ -108,8 +108,9 @@ class Graph:
                 self._guard.verify()  # before touching any memory
             out = self._backend.replay()
             self.num_replays += 1
-        elif self.num_calls < self._warmup:
+        elif self._warmup_left > 0:
             out = self._backend.warmup(self._fn)
+            self._warmup_left -= 1
         else:
             out = self._capture()
         self.num_calls += 1
@@ -146,8 +147,14 @@ class Graph:
         """Bytes reserved in the captured step's memory pool (CUDA graphs); None where there is no pool."""
         return self._backend.pool_bytes() if self._captured else None
 
-    def invalidate(self) -> None:
-        """Drop the capture; the next call captures anew (without a new warm-up)."""
+    def invalidate(self, warmup: int = 0) -> None:
+        """Drop the capture; the next ``warmup`` calls run eagerly, the one after captures anew.
+
+        A warm-up before a recapture lets the step's lazy work (a torch.compile variant it now needs, a
+        workspace) happen outside the capture."""
+        if not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"warmup must be a non-negative int, got {warmup!r}")
+        self._warmup_left = warmup
         self._backend.reset()
         if self._guard is not None:
             self._guard.clear()

@@ -10,6 +10,10 @@ What a capture would freeze in a torch optimizer, and what ``wrap`` does about i
 - grads: a user's ``zero_grad()`` (set_to_none) makes backward allocate new grad tensors; before each
   step their values are copied into the captured grad tensors and the params pointed back at them.
 - state: created by torch on the first step, so at least one warm-up step runs eagerly.
+- torch's capture health check: Adam's and AdamW's ``step`` raise under a CUDA capture when a group has
+  ``capturable=False``, ``fused=True`` included. The fused kernel ignores the flag (its step count is on
+  device either way), so ``wrap`` sets ``capturable=True`` on fused groups, and again after a
+  ``load_state_dict`` that brings back a saved ``False``.
 
 With a graphstep loss scaler (``scaler=``), the step checks the grads for inf/NaN on device, hands
 ``grad_scale``/``found_inf`` to the fused kernel (torch's own AMP protocol, so a skipped step changes
@@ -32,6 +36,18 @@ from .step.stages import norm as norm_stage
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 # Settings each kernel takes as Python values: captured once, guarded before every replay.
 _BAKED_KEYS = ("betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "maximize", "amsgrad")
+
+
+def _make_capturable(optimizer: torch.optim.Optimizer) -> None:
+    """Mark fused Adam/AdamW groups capturable, which torch requires under a CUDA capture and the fused
+    kernel ignores (so nothing in the update changes)."""
+    if not isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam; SGD runs no such check
+        return
+    for group in optimizer.param_groups:
+        if group.get("fused"):
+            group["capturable"] = True
+    # torch warns once when a capturable step runs uncaptured; the warm-up steps do so by design.
+    optimizer._warned_capturable_if_run_uncaptured = True
 
 
 def _refusals(optimizer: torch.optim.Optimizer) -> list[str]:
@@ -76,6 +92,7 @@ class CapturedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"graphstep.wrap: params on several devices {sorted(map(str, devices))}")
         self.device = devices.pop()
         self._params = params
+        _make_capturable(optimizer)
         for group in optimizer.param_groups:
             if not isinstance(group["lr"], torch.Tensor):
                 group["lr"] = torch.tensor(float(group["lr"]), dtype=scalar_dtype(self.device), device=self.device)
@@ -124,6 +141,7 @@ class CapturedOptimizer(torch.optim.Optimizer):
             group["lr"] = lr
         self.optimizer.param_groups = groups
         self.state = self.optimizer.state
+        _make_capturable(self.optimizer)
         self._runner.invalidate()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from toy import loss_fn, tiny_transformer
 
 import capture
 import graphstep as gs
+import graphstep.run.runner as runner_mod
 from graphstep.step import scalar_graph
 
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True, "initial_loss_scale": 2.0**12,
@@ -168,6 +169,21 @@ def test_state_replaced_by_assignment_is_copied_back():
     assert opt.recaptures == 1
 
 
+def test_auto_warms_the_capture_up_once_after_the_check_before_capturing(monkeypatch):
+    # capture="auto" where graphs exist (here: the replay backend standing in for CUDA): the checked step,
+    # then one eager step where the capture will run (a CUDA side stream's lazy setup), then the capture.
+    monkeypatch.setattr(runner_mod, "backend_for", lambda device, mode: ("replay", None))
+    calls = []
+    runner = runner_mod.StepRunner(step_fn=lambda: calls.append(1), device="cpu", mode="auto", warmup_steps=1,
+                                   invalidation="recapture", static_inputs=dict, baked_values=tuple)
+    captured_after = []
+    for _ in range(5):
+        runner.run()
+        captured_after.append(runner.captured)
+    assert captured_after == [False, False, False, True, True]  # warm-up, check, side-stream warm-up, capture
+    assert len(calls) == 4  # the replay runs no Python
+
+
 def test_auto_runs_eagerly_on_cpu_and_says_why_once(caplog):
     model = tiny_transformer()
     with caplog.at_level(logging.INFO, logger="graphstep"):
@@ -240,14 +256,16 @@ def clip_toggle_run(mode, schedule):
     return model, opt
 
 
+@pytest.mark.default_kernel  # kernel="auto": compiled here, so each recapture's new variant must be warmed up
 def test_turning_clipping_on_and_off_after_capture_recaptures_and_clips():
     # Unclipped and unscaled, the kernel is not given the grad scale (it would rewrite the grads): a
     # capture bakes that choice in, so turning the live clip threshold on must recapture, not freeze it.
     def schedule(step):
         return 1e-3 if 5 <= step < 10 else 0.0
 
-    eager_model, _ = clip_toggle_run("eager", schedule)
+    torch._dynamo.reset()  # nothing compiled yet: the captured run meets each variant first
     graph_model, graph_opt = clip_toggle_run("graph", schedule)
+    eager_model, _ = clip_toggle_run("eager", schedule)
     never_model, _ = clip_toggle_run("eager", lambda step: 0.0)
     assert graph_opt.captured and graph_opt.recaptures == 2
     for a, b in zip(eager_model.parameters(), graph_model.parameters()):

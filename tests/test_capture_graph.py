@@ -103,6 +103,22 @@ def test_invalidate_recaptures_without_new_warmup():
     assert acc[0] == 6
 
 
+def test_invalidate_with_a_warmup_runs_that_many_eager_calls_before_capturing_again():
+    step, acc, calls = _counter_step()
+    g = capture.graph(step, warmup=1, backend="replay")
+    g(), g(), g()
+    assert g.captured and len(calls) == 2
+    g.invalidate(warmup=2)
+    g(), g()
+    assert not g.captured and len(calls) == 4  # two eager calls
+    g()
+    assert g.captured and len(calls) == 5
+    g()
+    assert len(calls) == 5 and acc[0] == 7  # seven calls, each applied once
+    with pytest.raises(ValueError, match="warmup"):
+        g.invalidate(warmup=-1)
+
+
 def test_invalidate_picks_up_new_python_values():
     p = torch.zeros(2)
     holder = {"lr": 1.0}

@@ -35,7 +35,8 @@ def test_wrapped_fused_adamw_is_bitwise_equal_to_unwrapped_under_lambdalr():
 def test_the_same_step_captured_with_a_float_lr_would_freeze():
     plain_model, frozen_model = tiny_transformer(), tiny_transformer()
     plain = torch.optim.AdamW(plain_model.parameters(), lr=3e-3, fused=True)
-    frozen = torch.optim.AdamW(frozen_model.parameters(), lr=3e-3, fused=True)
+    # capturable=True: what torch requires to capture the step at all (see the next test)
+    frozen = torch.optim.AdamW(frozen_model.parameters(), lr=3e-3, fused=True, capturable=True)
     plain_sched, frozen_sched = lambda_lr(plain), lambda_lr(frozen)
     graph = capture.graph(frozen.step, warmup=2, backend="replay")  # no lr conversion: a float lr
     for step in range(20):
@@ -48,6 +49,40 @@ def test_the_same_step_captured_with_a_float_lr_would_freeze():
             run()
             sched.step()
     assert not all(torch.equal(a, b) for a, b in zip(plain_model.parameters(), frozen_model.parameters()))
+
+
+def test_a_fused_adamw_without_capturable_is_refused_as_a_cuda_capture_would_refuse_it():
+    # torch's Adam.step raises under a CUDA capture when a group has capturable=False, fused or not; the
+    # replay backend applies that rule on the CPU too, and wrap marks its fused groups capturable.
+    model = tiny_transformer()
+    raw = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    graph = capture.graph(raw.step, warmup=1, backend="replay")
+    loss_fn(model, 0).backward()
+    graph()  # warm-up: eager, no capture yet
+    with pytest.raises(capture.CaptureError, match="capturable=False") as refused:
+        graph()
+    assert [f.kind for f in refused.value.findings] == ["not_capturable"]
+
+    wrapped = gs.wrap(torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True))
+    assert all(group["capturable"] for group in wrapped.param_groups)
+    for step in range(3):
+        loss_fn(model, step).backward()
+        wrapped.step()
+    assert wrapped.captured
+
+
+def test_a_state_dict_saved_without_capturable_still_captures_after_loading():
+    source_model, model = tiny_transformer(), tiny_transformer()
+    source = torch.optim.AdamW(source_model.parameters(), lr=3e-3, fused=True)  # capturable=False
+    loss_fn(source_model, 0).backward()
+    source.step()
+    wrapped = gs.wrap(torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True))
+    wrapped.load_state_dict(source.state_dict())
+    assert all(group["capturable"] for group in wrapped.param_groups)
+    for step in range(3):
+        loss_fn(model, step).backward()
+        wrapped.step()
+    assert wrapped.captured
 
 
 def test_wrapped_sgd_and_the_users_set_to_none_zero_grad():

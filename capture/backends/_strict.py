@@ -23,6 +23,11 @@ classified in `capture.unsafe`; this module holds the rules that need more conte
   Triton kernels compiled outside dynamo, a torch.compile'd function called *directly* inside the
   step (dynamo does not run under a TorchDispatchMode, so it runs eagerly during the recording: wrap
   compiled kernels in a `torch.library` custom op, as graphstep does, to record them as one op).
+* **torch.optim's capture health check** (`OptimizerCaptureCheck`). Adam, AdamW and the other
+  optimizers whose step calls `Optimizer._accelerator_graph_capture_health_check` raise when the
+  current CUDA (or XPU) stream is capturing and a param group has `capturable=False`; `fused=True`
+  gets no exemption. On a CPU build the check returns at once (no accelerator), so while recording
+  it is swapped for one that applies the accelerator's rule to any device.
 """
 from __future__ import annotations
 
@@ -32,9 +37,9 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .. import _location
-from ..errors import HOST_WORK, LAZY_INIT, Finding
+from ..errors import HOST_WORK, LAZY_INIT, NOT_CAPTURABLE, Finding
 
-__all__ = ["LazyInitWatch", "first_use_groups", "DeviceStepRule"]
+__all__ = ["LazyInitWatch", "OptimizerCaptureCheck", "first_use_groups", "DeviceStepRule"]
 
 _PG_TYPE = "__torch__.torch.classes.c10d.ProcessGroup"
 
@@ -63,6 +68,34 @@ class LazyInitWatch:
     def __exit__(self, *exc: Any) -> None:
         if self._handler is not None:
             self._handler.remove_start_callback(self._on_compile_start)
+
+
+class OptimizerCaptureCheck:
+    """While active, torch.optim's capture health check behaves as under a CUDA capture on every device:
+    a step over a param group with ``capturable=False`` is refused (``refuse(findings)`` builds the error)."""
+
+    def __init__(self, refuse) -> None:
+        self._refuse = refuse
+        self._saved = None
+
+    def _check(self, optimizer: torch.optim.Optimizer) -> None:
+        if torch.compiler.is_compiling():  # torch skips the check while tracing, and so does a capture
+            return
+        groups = [g for g, group in enumerate(optimizer.param_groups) if not group.get("capturable", False)]
+        if groups:
+            op = f"{type(optimizer).__name__}.step with capturable=False in param group(s) {groups}"
+            raise self._refuse([_finding(NOT_CAPTURABLE, op)])
+
+    def __enter__(self) -> "OptimizerCaptureCheck":
+        check = self._check
+        self._saved = torch.optim.Optimizer.__dict__.get("_accelerator_graph_capture_health_check")
+        if self._saved is not None:
+            torch.optim.Optimizer._accelerator_graph_capture_health_check = lambda optimizer: check(optimizer)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._saved is not None:
+            torch.optim.Optimizer._accelerator_graph_capture_health_check = self._saved
 
 
 def _dynamo_callbacks() -> Optional[Any]:

@@ -23,8 +23,9 @@ graph would do to a step:
   non_blocking one from pinned memory, host (CPU) work inside a step that runs on a
   device, RNG ops unless the graph was built with `allow_rng=True`, and lazy
   initialisation during the recording (a torch.compile compiling, a process group's
-  first collective). The exact rules, and what is not detected: `capture.unsafe` and
-  `_strict.py`. Recording runs the ops, so a refused capture call has already applied
+  first collective), and a torch.optim step over a param group with `capturable=False`
+  (torch's own capture health check, which a CPU build skips). The exact rules, and what
+  is not detected: `capture.unsafe` and `_strict.py`. Recording runs the ops, so a refused capture call has already applied
   the ops before the refused one (for host work and lazy initialisation, decided once
   fn has returned, the whole step): fix the step rather than retrying it.
 * Custom ops (`torch.library`, any namespace but torch's own) are recorded as one op
@@ -71,8 +72,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .. import _location
-from ..errors import (DEVICE_TO_HOST, HOST_SYNC, HOST_TENSOR, HOST_TO_DEVICE, HOST_WORK, LAZY_INIT, RNG,
-                      CaptureError, Finding)
+from ..errors import (DEVICE_TO_HOST, HOST_SYNC, HOST_TENSOR, HOST_TO_DEVICE, HOST_WORK, LAZY_INIT,
+                      NOT_CAPTURABLE, RNG, CaptureError, Finding)
 from ..unsafe import HostReadMode, classify, op_name
 from . import _c10d, _strict
 from ._inputs import WeakInputs, describe_first_use
@@ -99,6 +100,9 @@ _ADVICE = {
                "Keep the step's tensors on its device",
     LAZY_INIT: "first-time setup ran during the capture, which a CUDA capture cannot contain; run the step "
                "eagerly before capturing (warmup >= 1) so that it happens in warm-up",
+    NOT_CAPTURABLE: "torch.optim's step raises under a CUDA capture when a param group has capturable=False "
+                    "(fused=True included); build the optimizer with capturable=True (graphstep.wrap sets it "
+                    "on fused Adam/AdamW groups, where it changes nothing in the math)",
 }
 
 
@@ -298,7 +302,8 @@ class ReplayBackend:
             raise rec.refuse(HOST_SYNC, func)
 
         host_reads = HostReadMode(refuse_host_read)
-        with _strict.LazyInitWatch() as lazy, _c10d.hide_ops_inside_wait(), host_reads, rec:
+        optimizer_check = _strict.OptimizerCaptureCheck(lambda found: rec.refuse_findings(NOT_CAPTURABLE, found))
+        with _strict.LazyInitWatch() as lazy, optimizer_check, _c10d.hide_ops_inside_wait(), host_reads, rec:
             outputs = fn()
         if rec.refusal is not None:
             raise rec.refusal

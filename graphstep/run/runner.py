@@ -4,7 +4,9 @@ The backend is decided once, at build, by ``capture.devices.backend_for`` (``Opt
 - "graph": capture after ``capture_warmup_steps`` eager steps (a CUDA graph on CUDA, capture's CPU
   replay backend elsewhere); a step that cannot be captured raises ``capture.CaptureError``.
 - "auto": on CUDA, the first step after the warm-up runs under ``capture.check`` (it *is* that step);
-  with no findings the next step is captured, otherwise the step stays eager and says why once.
+  with no findings the next step runs eagerly on the capture's side stream (its lazy setup, such as
+  cuBLAS workspaces, must not land in the capture) and the one after is captured; otherwise the step
+  stays eager and says why once.
   Elsewhere it runs eagerly and says why once.
 - "eager": the chain runs eagerly every step; ``opt.debug_step()`` runs it stage by stage with stats.
 
@@ -15,7 +17,8 @@ A captured step goes stale when what it baked in changes. Before each replay the
 - params and buffers replaced by the user: the engine adopts them back before every step and tells the
   runner (``on_replaced``), and a captured step recaptures; capture's own guard checks the static
   inputs' addresses before each replay as a last line of defence.
-With ``capture_invalidation="raise"`` both raise instead.
+With ``capture_invalidation="raise"`` both raise instead. A recapture is preceded by one eager step, so
+that whatever the new capture needs first (a compiled variant, new state) is set up outside it.
 
 With several ranks (``agree``, graphstep/parallel/agreement.py) every such decision is collective: before each
 run the ranks exchange whether their step went stale, and all recapture (or all raise) at the same step.
@@ -36,8 +39,13 @@ from capture.devices import backend_for
 
 logger = logging.getLogger("graphstep")
 
-# Recapturing this many steps in a row means a baked hyperparameter changes every step.
+# Recapturing at this many replays in a row (no replay going through between) means a baked hyperparameter
+# changes every step.
 RECAPTURE_WARNING_STREAK = 3
+# Eager steps before each recapture: what made the step stale (a baked choice that changed, new state
+# tensors) may need a compiled variant or lazy setup the old capture never ran, and none of that may run
+# inside a capture. One step suffices: it runs the very step the capture will record.
+RECAPTURE_WARMUP_STEPS = 1
 
 
 class StepRunner:
@@ -92,9 +100,10 @@ class StepRunner:
         return None if self._graph is None else self._graph.pool_bytes()
 
     def invalidate(self) -> None:
-        """Drop the captured step; the next step captures it again (no new warm-up)."""
+        """Drop the captured step; the next step runs eagerly (``RECAPTURE_WARMUP_STEPS``), then the step is
+        captured again."""
         if self._graph is not None:
-            self._graph.invalidate()
+            self._graph.invalidate(warmup=RECAPTURE_WARMUP_STEPS)
         self._baked.clear()
 
     def on_replaced(self, names: list) -> None:
@@ -152,7 +161,8 @@ class StepRunner:
         if self._agree is not None and self._agree(reason is not None) and reason is None:
             reason = "another rank's captured step went stale"
         if reason is None:
-            self._recapture_streak = 0
+            if self._graph.captured:  # a replay went through (not a warm-up before a recapture)
+                self._recapture_streak = 0
             return
         if self._invalidation == "raise":
             raise capture.StaleInputError(
@@ -169,7 +179,7 @@ class StepRunner:
                            "\n".join(f"  {f}" for f in findings))
             self._backend = "eager"
             return
-        self._graph = self._new_graph(warmup=0)
+        self._graph = self._new_graph(warmup=RECAPTURE_WARMUP_STEPS)
 
     def _recapture(self) -> None:
         self.recaptures += 1
@@ -178,7 +188,7 @@ class StepRunner:
         if self._recapture_streak >= RECAPTURE_WARNING_STREAK and not self._warned_streak:
             self._warned_streak = True
             warnings.warn("graphstep: the captured step was recaptured on each of the last "
-                          f"{self._recapture_streak} steps because a value it bakes in (a hyperparameter the "
+                          f"{self._recapture_streak} replays because a value it bakes in (a hyperparameter the "
                           "fused kernel takes as a Python float: betas, eps, weight decay or momentum) changes "
                           "every step; kernel='compiled' or 'reference' keeps every hyperparameter live",
                           RuntimeWarning, stacklevel=4)
