@@ -116,10 +116,20 @@ def test_host_buckets_are_the_same_on_every_rank_and_cover_every_rank_s_host_par
     (dict(optimizer_cpu_offload=True, qk_clip=True), "turn qk_clip off"),
     (dict(optimizer_cpu_offload=True, main_params_dtype=torch.float64), "must be torch.float32"),
     (dict(optimizer_cpu_offload=1), "must be a bool"),
+    # the grads' D2H copy is inside the device step: pageable memory would put a blocking copy in a capture
+    (dict(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5, pin_cpu_grads=False), "pageable"),
+    (dict(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5, pin_cpu_grads=False, capture="graph"),
+     "pageable"),
 ])
 def test_config_refuses_what_offload_cannot_do(fields, match):
     with pytest.raises(ValueError, match=match):
         gs.OptimizerConfig(**fields)
+
+
+def test_unpinned_host_grads_are_allowed_for_an_eager_step():
+    config = gs.OptimizerConfig(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5, pin_cpu_grads=False,
+                                capture="eager")
+    assert not config.pin_cpu_grads
 
 
 def test_a_param_group_routed_to_another_family_is_refused_at_build():

@@ -150,7 +150,9 @@ class OptimizerConfig:
     each chunk back while the next is updated; the next forward waits only for the chunks its modules use."""
 
     pin_cpu_grads: bool = True
-    """Page-lock the host grad buffers (asynchronous D2H copies); ignored where torch has no accelerator."""
+    """Page-lock the host grad buffers (asynchronous D2H copies); ignored where torch has no accelerator.
+    False needs ``capture="eager"``: the grads' D2H copy is inside the device step, and a capture cannot
+    contain a blocking copy into pageable memory."""
 
     pin_cpu_params: bool = True
     """Page-lock the host main-param and staging buffers (asynchronous H2D copies); ignored where torch

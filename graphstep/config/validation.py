@@ -201,6 +201,11 @@ def _validate_offload(config: OptimizerConfig) -> None:
         hosted = [family for family in FAMILIES.values() if family.offload]
         _fail("optimizer_cpu_offload", True, f"runs {' and '.join(f.title for f in hosted)} updates on the host, "
               f"not optimizer={config.optimizer!r}: use optimizer={' or '.join(repr(f.name) for f in hosted)}")
+    if not config.pin_cpu_grads and config.capture != "eager":
+        # The grads' device-to-host copy is part of the device step: into pageable memory it blocks the host,
+        # which a CUDA capture refuses (and a CPU-only replay could not notice: there both sides are host).
+        _fail("pin_cpu_grads", False, f"puts a blocking copy into pageable host memory inside the captured step "
+              f"(capture={config.capture!r}); keep pin_cpu_grads=True, or use capture='eager'")
     if config.fp8_recipe is not None:
         _fail("optimizer_cpu_offload", True, "does not requantize fp8 weights on the host: leave fp8_recipe None")
     if config.qk_clip:
