@@ -67,6 +67,13 @@ class _FakeCuda:
             def replay(self):
                 fake.events.append(("replay",))
 
+            def reset(self):
+                fake.events.append(("reset",))
+
+        class CurrentStream:
+            def synchronize(self):
+                fake.events.append(("synchronize",))
+
         @contextlib.contextmanager
         def graph(g, pool=None, stream=None, capture_error_mode="global"):
             fake.events.append(("graph", capture_error_mode))
@@ -81,6 +88,7 @@ class _FakeCuda:
         monkeypatch.setattr(torch.cuda, "Stream", Stream)
         monkeypatch.setattr(torch.cuda, "CUDAGraph", CUDAGraph)
         monkeypatch.setattr(torch.cuda, "graph", graph)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda: CurrentStream())
         monkeypatch.setattr(cuda_backend, "device_scope", device_scope)
 
 
@@ -92,6 +100,17 @@ def test_capture_is_thread_local_under_the_steps_device(monkeypatch):
     assert out == "result"
     assert fake.events == [("enter", dev), ("stream", dev), ("graph", "thread_local"), ("fn",), ("replay",),
                            ("exit", dev)]
+
+
+def test_close_releases_the_graph_the_side_stream_and_the_pool(monkeypatch):
+    fake = _FakeCuda(monkeypatch)
+    pool = object()
+    backend = CudaBackend(pool=pool, options=CaptureOptions(device="cuda:0"))
+    backend.capture(lambda: None)
+    fake.events.clear()
+    backend.close()
+    assert ("synchronize",) in fake.events and ("reset",) in fake.events  # queued replays end first
+    assert (backend._graph, backend._stream, backend._pool) == (None, None, None)  # nothing held any more
 
 
 def test_capture_checks_the_nccl_environment_when_nccl_is_initialised(monkeypatch):

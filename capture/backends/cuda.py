@@ -185,7 +185,12 @@ class CudaBackend:
         self._outputs = None
 
     def close(self) -> None:
+        """Drop the graph, then the side stream and the pool handle, so nothing of the step's device
+        resources stays referenced (the caching allocator frees a private pool once no graph uses it)."""
         self.reset()
+        self._stream = None
+        self._stream_device = None
+        self._pool = None
 
     def pool_bytes(self) -> Optional[int]:
         """Bytes of the allocator segments that belong to the captured graph's pool (reserved, not just
@@ -195,5 +200,3 @@ class CudaBackend:
         pool = tuple(self._graph.pool())
         segments = torch.cuda.memory._snapshot(self.device())["segments"]
         return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == pool)
-        self._stream = None
-        self._pool = None
