@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from graphstep.kernels import auto, compiled, fused, get_kernels, reference
+from graphstep.step import scalar_graph
 from _dispatched import DispatchedOps
 
 SIZES = [129, 1000, 64]
@@ -276,7 +277,7 @@ def test_auto_runs_the_compiled_kernel_where_torch_compile_works():
 
 @pytest.mark.default_kernel
 def test_auto_falls_back_to_fused_with_one_warning_where_torch_compile_fails(monkeypatch):
-    def no_compiler(device):
+    def no_compiler(device, hyper_dtype):
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
 
     monkeypatch.setattr(auto, "_probed", {})
@@ -294,6 +295,31 @@ def test_auto_falls_back_to_fused_when_the_compiled_result_differs_from_the_refe
     monkeypatch.setattr(compiled, "adam", lambda *args, **kwargs: None)  # a "miscompile": nothing updated
     with pytest.warns(UserWarning, match="differs from the reference"):
         assert auto.choose("auto", CPU, capture="eager", warmup_steps=3).name == "fused"
+
+
+@pytest.mark.default_kernel
+def test_auto_probes_with_the_hyperparameter_dtype_the_step_will_use(monkeypatch):
+    # A GPU step keeps fp32 hyperparameter tensors (fp64 only on the CPU): the probe must compile that variant.
+    seen = []
+
+    def recording_adam(*args, **hyper):
+        seen.append(hyper["lr"].dtype)
+        reference.adam(*args, **hyper)
+
+    monkeypatch.setattr(auto, "_probed", {})
+    monkeypatch.setattr(compiled, "adam", recording_adam)
+    assert auto.choose("auto", CPU, capture="eager", warmup_steps=3, hyper_dtype=torch.float32).name == "compiled"
+    assert seen == [torch.float32]
+
+
+def test_scalar_graphs_stay_eager_with_a_warning_where_inductor_lacks_their_options(monkeypatch):
+    # Compiled on the first step, after the stages are built: an option this torch lacks must be found at build.
+    device = torch.device("meta")  # any device but the CPU, where scalar graphs are never compiled
+    assert scalar_graph.wanted("compiled", device)
+    monkeypatch.setattr(scalar_graph, "COMPILE_OPTIONS", {**scalar_graph.COMPILE_OPTIONS, "no_such.option": True})
+    with pytest.warns(UserWarning, match="no option no_such.option"):
+        assert not scalar_graph.wanted("compiled", device)
+    assert compiled.missing_compile_options(compiled.COMPILE_OPTIONS) == []
 
 
 @pytest.mark.default_kernel

@@ -7,7 +7,8 @@ every hyperparameter live. Its price is a compile: a few seconds on the first st
 compiler on the CPU, Triton on a GPU).
 
 Whether ``torch.compile`` works is found out once per device and process, at build, by compiling and
-running the compiled Adam on a few elements and comparing it with the reference kernel: an environment
+running the compiled Adam on a few elements, with the compile options and the hyperparameter dtype the
+step will use, and comparing it with the reference kernel: an environment
 without a compiler, or a miscompile, falls back to "fused" with one warning, before any stage is built
 (the update stage resolves live and baked hyperparameters from the chosen module, so the choice cannot
 change after build). The probe's compile time is reported (``KernelChoice.compile_s``, and an info line
@@ -48,17 +49,23 @@ class KernelChoice:
     compile_s: float = 0.0  # seconds the probe compile took (0 when none ran in this build)
 
 
-_probed: dict[tuple[str, int], tuple[bool, str, float]] = {}  # per device: (works, why not, seconds)
+# per device and hyperparameter dtype: (works, why not, seconds)
+_probed: dict[tuple[str, int, torch.dtype], tuple[bool, str, float]] = {}
 
 
-def probe_compiled(device: torch.device) -> tuple[bool, str, float]:
-    """Whether the compiled Adam compiles, runs and agrees with the reference on ``device``: (works, why
-    not, seconds). Runs once per device and process; later calls return the first answer."""
-    key = (device.type, -1 if device.index is None else device.index)
+def _key(device: torch.device, hyper_dtype: torch.dtype) -> tuple[str, int, torch.dtype]:
+    return device.type, -1 if device.index is None else device.index, hyper_dtype
+
+
+def probe_compiled(device: torch.device, hyper_dtype: torch.dtype = torch.float64) -> tuple[bool, str, float]:
+    """Whether the compiled Adam, given ``hyper_dtype`` hyperparameter tensors, compiles, runs and agrees
+    with the reference on ``device``: (works, why not, seconds). Runs once per device, dtype and process;
+    later calls return the first answer."""
+    key = _key(device, hyper_dtype)
     if key not in _probed:
         start = time.perf_counter()
         try:
-            problem = _compare_with_reference(device)
+            problem = _compare_with_reference(device, hyper_dtype)
         except Exception as error:  # no compiler, no Triton, an inductor bug: all mean "use fused"
             first_line = (str(error).strip().splitlines() or [""])[0][:200]
             problem = f"{type(error).__name__}: {first_line}"
@@ -66,7 +73,7 @@ def probe_compiled(device: torch.device) -> tuple[bool, str, float]:
     return _probed[key]
 
 
-def _compare_with_reference(device: torch.device):
+def _compare_with_reference(device: torch.device, hyper_dtype: torch.dtype):
     """None when the compiled Adam matches the reference over two views of a few elements, else why not."""
     sizes = (3 * compiled._ROW + 5, 7)  # a view with rows and a tail, and one with a tail only
     runs = []
@@ -75,7 +82,7 @@ def _compare_with_reference(device: torch.device):
         tensors = [[torch.randn(n, generator=generator).to(device) for n in sizes] for _ in range(4)]
         params, grads, exp_avgs, exp_avg_sqs = tensors
         exp_avg_sqs = [v.abs() for v in exp_avg_sqs]
-        hyper = {name: torch.tensor(value, dtype=torch.float64, device=device)
+        hyper = {name: torch.tensor(value, dtype=hyper_dtype, device=device)
                  for name, value in dict(lr=1e-2, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8).items()}
         kernels.adam(params, grads, exp_avgs, exp_avg_sqs, step=torch.ones((), device=device), decoupled=True,
                      grad_scale=torch.full((), 2.0, device=device), found_inf=torch.zeros((), device=device),
@@ -87,8 +94,9 @@ def _compare_with_reference(device: torch.device):
 
 
 def choose(configured: str, device: torch.device, *, capture: str, warmup_steps: int,
-           needs_kernel: bool = True) -> KernelChoice:
-    """The implementation to run for ``OptimizerConfig.kernel=configured`` on ``device``."""
+           needs_kernel: bool = True, hyper_dtype: torch.dtype = torch.float64) -> KernelChoice:
+    """The implementation to run for ``OptimizerConfig.kernel=configured`` on ``device``, whose step keeps its
+    hyperparameters in ``hyper_dtype`` tensors (graphstep/state/hyperparams.py)."""
     if configured != "auto":
         return KernelChoice(configured, "configured")
     if not needs_kernel:
@@ -96,8 +104,8 @@ def choose(configured: str, device: torch.device, *, capture: str, warmup_steps:
     if capture != "eager" and warmup_steps < 1:
         return KernelChoice("fused", "capture_warmup_steps=0: the compiled kernel must compile in an eager step "
                                      "before a capture")
-    fresh = (device.type, -1 if device.index is None else device.index) not in _probed
-    works, why_not, seconds = probe_compiled(device)
+    fresh = _key(device, hyper_dtype) not in _probed
+    works, why_not, seconds = probe_compiled(device, hyper_dtype)
     if works:
         if fresh:
             logger.info("graphstep: kernel='auto' runs 'compiled' (torch.compile works on %s; probe compile "

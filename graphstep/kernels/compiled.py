@@ -124,7 +124,22 @@ def _compiled(views_fn, count: int, flags: tuple = ()):
     # core did the work); with the thread count left to OpenMP at run time the loops run in a parallel
     # region again, the scalar math before it.
     return torch.compile(types.FunctionType(code, views_fn.__globals__), fullgraph=True, dynamic=False,
-                         options={"size_asserts": False, "cpp.dynamic_threads": True})
+                         options=COMPILE_OPTIONS)
+
+
+COMPILE_OPTIONS = {"size_asserts": False, "cpp.dynamic_threads": True}
+"""The inductor options of every compiled update (why: ``_compile_views``)."""
+
+
+def missing_compile_options(options: dict) -> list[str]:
+    """The keys of ``options`` this torch's inductor does not know (it would raise at the first compiled
+    call, i.e. in the first step); empty where it knows them all."""
+    try:
+        from torch._inductor import config as inductor_config
+        known = inductor_config.get_config_copy()
+    except Exception as error:  # no inductor in this build
+        return [f"{key} (inductor unavailable: {type(error).__name__})" for key in options]
+    return [key for key in options if key not in known]
 
 
 def _cuts(n: int) -> list[tuple[int, int, int]]:

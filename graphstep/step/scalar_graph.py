@@ -30,6 +30,7 @@ of squares) as one-element views, and the math takes every input it needs as 0-d
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -39,9 +40,23 @@ from ..kernels import compiled as compiled_kernels
 _MATH: dict[str, Callable] = {}
 
 
+COMPILE_OPTIONS = {"size_asserts": False, "eager_numerics.division_rounding": True}
+"""Inductor options of every scalar graph (the division rounding: module docstring)."""
+
+
 def wanted(kernel: str, device: torch.device) -> bool:
-    """Whether a step on ``device`` whose update runs ``kernel`` compiles its scalar math (module docstring)."""
-    return kernel == "compiled" and torch.device(device).type != "cpu"
+    """Whether a step on ``device`` whose update runs ``kernel`` compiles its scalar math (module docstring).
+
+    Not where this torch's inductor lacks one of ``COMPILE_OPTIONS``: the first compiled call would raise in
+    the first step, after the stages are built; the math runs as eager ops instead, said once."""
+    if kernel != "compiled" or torch.device(device).type == "cpu":
+        return False
+    missing = compiled_kernels.missing_compile_options(COMPILE_OPTIONS)
+    if missing:
+        warnings.warn(f"graphstep: the step's scalar math runs as eager ops on {device}: this torch's inductor "
+                      f"has no option {', '.join(missing)}", stacklevel=3)
+        return False
+    return True
 
 
 def register(name: str, math: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None]) -> "ScalarGraph":
@@ -80,8 +95,7 @@ def _as_vector(t: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _compiled(name: str):
-    return torch.compile(_MATH[name], fullgraph=True, dynamic=False,
-                         options={"size_asserts": False, "eager_numerics.division_rounding": True})
+    return torch.compile(_MATH[name], fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
 
 
 @torch.library.custom_op("graphstep::scalar_graph_", mutates_args=("outs",))
