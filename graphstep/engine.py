@@ -32,6 +32,7 @@ from .hooks.grads_seen import GradsSeen
 from .hooks.micro_batches import NoSync
 from .hooks.param_hooks import GradHooks
 from .kernels import choose_kernels
+from .parallel import teardown
 from .parallel.agreement import agreement_for
 from .parallel.collectives import Collectives, data_parallel_group
 from .run.debug import StepReport, run_debug_step, trace_closure
@@ -90,7 +91,7 @@ def _agreement(config: OptimizerConfig, device, comm: Collectives):
     """How the ranks agree on recapturing (``RankAgreement.any``), or None: one process, or no capture."""
     if backend_for(device, config.capture)[0] == "eager":
         return None
-    agreement = agreement_for(comm.dp_group, comm.mp_group, config.distributed_timeout_s)
+    agreement = agreement_for(comm.dp_group, comm.mp_group, config.distributed_timeout_s, comm.host_group)
     return None if agreement is None else agreement.any
 
 
@@ -162,7 +163,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         # pairs up buffers (and the model-parallel group gets its timeout). No stage factory talks to peers.
         self.comm.setup(layout, config, device)
 
-        kernels, self.kernel_choice = choose_kernels(config, device, families, self.comm)
+        kernels, self.kernel_choice = choose_kernels(config, device, families, self.comm, self.hyper.values.dtype)
         """Which update kernel runs (``kernel="auto"`` resolved), why, and the probe's compile seconds."""
         if self.kernel_choice.name == "compiled" and config.capture_warmup_steps < 1 \
                 and backend_for(device, config.capture)[0] != "eager":
@@ -200,6 +201,11 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             static_inputs=_static_inputs(self.domains, self.hyper, self.tensors),
             baked_values=baked_values(self.stages),
             agree=_agreement(config, device, self.comm))
+        step_groups = [g for d in self.domains for g in (d.comm.dp_group, d.comm.mp_group) if g is not None]
+        if step_groups and self._runner.may_capture:
+            # NCCL cannot destroy a communicator while a CUDA graph holds its collectives: the captured step
+            # goes first, whichever way the job is torn down (graphstep/parallel/teardown.py).
+            teardown.release_before_teardown(self._runner, step_groups)
         self._no_sync = NoSync()  # opt.no_sync(): read by the overlap and the folded norm's hooks
         self._overlap = grad_overlap.install(self.domains, config, model_chunks, may_capture=self._runner.may_capture,
                                         no_sync=self._no_sync, hooks=self._grad_hooks)

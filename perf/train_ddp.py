@@ -90,6 +90,9 @@ def main(argv=None) -> None:
         print(f"{world} ranks x {per_rank} sequences, {args.steps} steps in {elapsed:.1f} s "
               f"({elapsed / args.steps * 1e3:.0f} ms/step); params identical on all ranks: {same}")
     dist.barrier()
+    # The captured step goes before the communicators it captured: NCCL waits, in destroy, for every graph
+    # holding them (graphstep also does this inside destroy_process_group; closing says it in the code).
+    opt.close()
     dist.destroy_process_group()
     if not same:
         raise SystemExit("params differ between ranks")

@@ -25,14 +25,17 @@ import torch.distributed as dist
 
 class RankAgreement:
     def __init__(self, dp_group: Optional[dist.ProcessGroup], mp_group: Optional[dist.ProcessGroup],
-                 timeout_s: float):
+                 timeout_s: float, dp_host_group: Optional[dist.ProcessGroup] = None):
         if mp_group is not None:
             ranks = list(range(dist.get_world_size()))
         else:
             ranks = dist.get_process_group_ranks(dp_group)
         self.ranks = ranks
-        self._group = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s),
-                                     use_local_synchronization=True)
+        if mp_group is None and dp_host_group is not None:  # the collectives' gloo group has these very ranks
+            self._group = dp_host_group
+        else:
+            self._group = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s),
+                                         use_local_synchronization=True)
         self._flag = torch.zeros(1, dtype=torch.int32)
 
     def any(self, flag: bool) -> bool:
@@ -42,8 +45,9 @@ class RankAgreement:
         return bool(self._flag[0])  # a host tensor: no device sync
 
 
-def agreement_for(dp_group, mp_group, timeout_s: float) -> Optional[RankAgreement]:
-    """The agreement for a step over these groups, or None when the step runs on one process."""
+def agreement_for(dp_group, mp_group, timeout_s: float, dp_host_group=None) -> Optional[RankAgreement]:
+    """The agreement for a step over these groups, or None when the step runs on one process.
+    ``dp_host_group``: a gloo group over the data-parallel ranks to reuse (``Collectives.host_group``)."""
     if dp_group is None and mp_group is None:
         return None
-    return RankAgreement(dp_group, mp_group, timeout_s)
+    return RankAgreement(dp_group, mp_group, timeout_s, dp_host_group)

@@ -19,9 +19,10 @@ reduce-scatter costs about one all-reduce of the bucket (gloo implements it so),
 
 Failure. graphstep runs its collectives on its own copy of the data-parallel group, created at build
 with ``timeout=distributed_timeout_s`` (``dist.new_group(..., use_local_synchronization=True)``: only the
-group's members take part, so every data-parallel group of a larger job can build its own). The timeout
-therefore holds for every collective of the step, eager or replayed from a capture, without touching the
-user's group. Measured with gloo: a peer that exits or is killed makes the survivors' next collective
+group's members take part, so every data-parallel group of a larger job can build its own), without
+touching the user's group. With gloo the timeout holds for every collective of the step, eager or replayed
+from a capture; with NCCL torch's watchdog enforces it on eager work only (it aborts the process), and a
+replayed NCCL collective has no timeout of its own (README, "Capture on GPUs"). Measured with gloo: a peer that exits or is killed makes the survivors' next collective
 fail at once ("Connection reset/closed by peer"); a peer that stops answering makes it fail after the
 timeout ("Timed out waiting ..."). Both surface here as :class:`CollectiveError` naming the collective and
 the group. In a replayed capture, Python is not re-run: the replay raises torch's RuntimeError, and
@@ -57,6 +58,15 @@ def derive_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGrou
     ``timeout_s``. Collective over ``group``'s members only; call it at build, on all of them."""
     return dist.new_group(dist.get_process_group_ranks(group), timeout=datetime.timedelta(seconds=timeout_s),
                           backend=dist.get_backend(group), use_local_synchronization=True)
+
+
+def host_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group over ``group``'s ranks, for host-side exchanges (build-time objects, the ranks' recapture
+    flags). On GPUs the step's groups are NCCL, whose object collectives stage through the *current* CUDA
+    device: a job that never called ``torch.cuda.set_device`` would put every rank on GPU 0. gloo keeps them
+    on the host. Collective over ``group``'s members only."""
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                          timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=True)
 
 
 def data_parallel_group(config, process_group) -> tuple[Optional[dist.ProcessGroup], int, int]:
@@ -123,6 +133,7 @@ class Collectives:
         self.overlap_enabled = False
         self.defer_param_gather = False
         self.pending: dict[tuple, tuple[torch.Tensor, str]] = {}
+        self.host_group: Optional[dist.ProcessGroup] = None  # gloo, over dp_group's ranks: built in setup()
         self.names: list[str] = []  # every collective the step runs, in order of first use
         self._mp_derived = False
 
@@ -132,7 +143,8 @@ class Collectives:
 
         All ranks must plan the same layout (same params, shapes, groups, dtypes, buckets) and use the
         same config: otherwise the step's collectives would pair up buffers of different meaning (or
-        hang). One ``all_gather_object`` here; the step itself never runs an object collective.
+        hang). One ``all_gather_object`` here, over ``host_group`` (gloo, created here); the step itself
+        never runs an object collective.
 
         Then every group the step uses runs one small all-reduce on ``device``: NCCL creates a
         communicator lazily, on a group's first collective, and that must not happen inside a CUDA
@@ -144,14 +156,16 @@ class Collectives:
             self.mp_group = derive_group(self.mp_group, self.timeout_s)
             self._mp_derived = True
         if self.dp_size > 1:
+            if self.host_group is None:
+                self.host_group = host_group(self.dp_group, self.timeout_s)
             self._check_same_layout(layout, config)
         self._warm_up(device)
 
     def _check_same_layout(self, layout, config) -> None:
         mine = (layout.fingerprint(), _config_items(config))
         everyone: list = [None] * self.dp_size
-        self._guard("layout check all_gather_object", self.dp_group,
-                    lambda: dist.all_gather_object(everyone, mine, group=self.dp_group))
+        self._guard("layout check all_gather_object", self.host_group,
+                    lambda: dist.all_gather_object(everyone, mine, group=self.host_group))
         rank = dist.get_rank(self.dp_group)
         for other, theirs in enumerate(everyone):
             if theirs != mine:

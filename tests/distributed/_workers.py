@@ -175,7 +175,28 @@ def mismatch(rank: int, world_size: int) -> dict:
         errors["config"] = None
     except ValueError as exc:
         errors["config"] = str(exc)
+    errors["object_exchanges"] = object_exchange_groups(world_size)
     return errors
+
+
+def object_exchange_groups(world_size: int) -> list[dict]:
+    """For every object collective a successful build runs: its group's backend, and whether it is the
+    group the step's collectives run on (NCCL on GPUs, whose object collectives use the current device)."""
+    import torch.distributed as dist
+
+    seen = []
+    real = dist.all_gather_object
+
+    def recording(output, obj, group=None):
+        seen.append(group)
+        return real(output, obj, group=group)
+
+    dist.all_gather_object = recording
+    try:
+        opt = get_optimizer(make_config("adam_fp32", world_size, capture="graph"), tiny_transformer())
+    finally:
+        dist.all_gather_object = real
+    return [{"backend": str(dist.get_backend(group)), "step_group": group is opt.comm.dp_group} for group in seen]
 
 
 def failing_peer(rank: int, world_size: int, how: str, timeout_s: float, capture: str = "eager") -> dict:
@@ -225,3 +246,19 @@ def auto_kernel_agreement(rank: int, world_size: int) -> dict:
         out[case] = {"name": opt.kernel_choice.name, "reason": opt.kernel_choice.reason,
                      "warnings": [str(w.message) for w in caught if "kernel='auto'" in str(w.message)]}
     return out
+
+
+def teardown_after_capture(rank: int, world_size: int) -> dict:
+    """Capture a 2-rank step, then tear the job down the way perf/train_ddp.py's users might: without
+    closing the optimizer first."""
+    import torch.distributed as dist
+
+    model = tiny_transformer()
+    opt = get_optimizer(make_config("adam_fp32", world_size, capture="graph", capture_warmup_steps=1), model)
+    for step in range(3):
+        opt.zero_grad()
+        local_loss(model, step, rank, world_size).backward()
+        opt.step()
+    captured_before = opt.captured
+    dist.destroy_process_group()
+    return {"captured_before": captured_before, "captured_after": opt.captured}

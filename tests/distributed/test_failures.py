@@ -49,3 +49,13 @@ def test_layout_or_config_that_differs_between_ranks_is_refused_at_build():
         assert f"rank {other}" in found["model"] and "shape" in found["model"]
         assert found["config"] is not None and "OptimizerConfig.lr" in found["config"], found
         assert "0.05" in found["config"] and "0.1" in found["config"]
+        # the layout check's object exchange runs on a gloo group of its own, never on the step's group
+        assert found["object_exchanges"], found
+        assert all(x["backend"] == "gloo" and not x["step_group"] for x in found["object_exchanges"]), found
+
+
+def test_destroying_the_process_group_releases_the_captured_step_first():
+    # NCCL >= 2.26 waits, in destroy, for every CUDA graph holding the communicator's collectives: a
+    # captured step must be gone before the groups are, even when the user never closed the optimizer.
+    for report in values(spawn(_workers.teardown_after_capture, 2, timeout=45)):
+        assert report == {"captured_before": True, "captured_after": False}, report

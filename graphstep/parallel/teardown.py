@@ -1,0 +1,57 @@
+"""Captured steps are released before the process groups whose collectives they captured.
+
+From NCCL 2.26 on, destroying a communicator waits until every CUDA graph that captured one of its
+collectives is destroyed (NVIDIA's CUDA-graph troubleshooting guide, "Process Hangs During Teardown"), so
+``destroy_process_group()`` while an optimizer still holds its captured step never returns. Megatron-Core
+resets its graphs before tearing down. Here a step that captures collectives registers with this module,
+and is closed (graph and memory pool freed; any later step runs eagerly):
+
+- by ``opt.close()`` or leaving ``with opt:``, the explicit way, which the README's recipes use;
+- at the start of ``torch.distributed.destroy_process_group``, which graphstep wraps the first time such a
+  step registers: with no group (the whole job) every registered step is closed, with a group only the
+  steps whose collectives run on it. A reference taken before (``from torch.distributed import
+  destroy_process_group`` ahead of building the optimizer) bypasses the wrapper: close first then;
+- at interpreter exit (``atexit`` runs before the process groups' destructors).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import weakref
+from typing import Iterable, Optional
+
+import torch.distributed as dist
+
+_registered: "weakref.WeakKeyDictionary[object, tuple]" = weakref.WeakKeyDictionary()  # owner -> its groups
+_wrapped = False
+
+
+def release_before_teardown(owner, groups: Iterable[dist.ProcessGroup]) -> None:
+    """Close ``owner`` (anything with ``close()``, held weakly) before any of ``groups`` is destroyed."""
+    _registered[owner] = tuple(groups)
+    _wrap_destroy_once()
+
+
+def release(group: Optional[dist.ProcessGroup] = None) -> None:
+    """Close every registered owner whose collectives run on ``group`` (all of them for None)."""
+    for owner, groups in list(_registered.items()):
+        if group is None or any(g is group for g in groups):
+            _registered.pop(owner, None)
+            owner.close()
+
+
+def _wrap_destroy_once() -> None:
+    global _wrapped
+    if _wrapped:
+        return
+    _wrapped = True
+    original = dist.destroy_process_group
+
+    @functools.wraps(original)
+    def destroy_process_group(group: Optional[dist.ProcessGroup] = None, *args, **kwargs):
+        release(group)
+        return original(group, *args, **kwargs)
+
+    dist.destroy_process_group = destroy_process_group
+    atexit.register(release)
