@@ -30,6 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves
 
+from ._custom_ops import called_by_the_user, caller_dispatch_state, is_custom
 from ._location import user_location
 from .errors import ESCAPING_TENSOR, HOST_SYNC, Finding
 from .unsafe import HostReadMode, classify, op_name
@@ -61,6 +62,7 @@ class _CheckMode(TorchDispatchMode):
         # Storages allocated by ops inside fn. Views of memory that existed before
         # the step (params, buffers) are not escaping allocations.
         self.fresh_storages: set[int] = set()
+        self.dispatch_state = caller_dispatch_state()  # taken before the mode is entered (_custom_ops.py)
 
     def note(self, kind: str, func: Any) -> None:
         self.findings.append(_finding(kind, func))
@@ -70,7 +72,11 @@ class _CheckMode(TorchDispatchMode):
         kind = classify(func, args, kwargs)
         if kind is not None and not self.host_reads.inside:  # already reported as Tensor.*
             self.note(kind, func)
-        out = func(*args, **kwargs)
+        if is_custom(func):  # its body runs as the step's code would run it: a warmed compile serves it
+            with called_by_the_user(self.dispatch_state):
+                out = func(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
         inputs = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         input_ids = {id(x) for x in inputs}
         input_storages = {_storage_key(x) for x in inputs}

@@ -200,6 +200,20 @@ def test_a_first_compile_during_the_recording_is_refused_and_warm_up_fixes_it():
     assert g.captured and torch.equal(q, torch.full((3,), 15.0))
 
 
+def test_capture_check_runs_a_warmed_compiled_custom_op_without_compiling_it_again():
+    # capture="auto" checks the step after its warm-up: the kernels compiled then must serve the check too
+    # (the check's modes must not change what dynamo guards on), or every compiled kernel compiles twice.
+    from capture.backends._strict import LazyInitWatch
+
+    op = _compiled_custom_op("checked_compile_")
+    p = torch.ones(3)
+    op(p)  # the warm-up compiles
+    with LazyInitWatch() as compiles:
+        findings = capture.check(lambda: op(p))
+    assert findings == [] and compiles.findings == []
+    assert torch.equal(p, torch.full((3,), 7.0))
+
+
 def _first_collective_worker(_rank, _world_size):
     warnings.simplefilter("ignore")
     group = dist.new_group([0])

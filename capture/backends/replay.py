@@ -64,14 +64,14 @@ What differs from a CUDA graph:
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, ClassVar, Iterator, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .. import _location
+from .._custom_ops import called_by_the_user, caller_dispatch_state, is_custom
 from ..errors import (DEVICE_TO_HOST, HOST_SYNC, HOST_TENSOR, HOST_TO_DEVICE, HOST_WORK, LAZY_INIT,
                       NOT_CAPTURABLE, RNG, CaptureError, Finding)
 from ..unsafe import HostReadMode, classify, op_name
@@ -127,8 +127,8 @@ class _Recorder(TorchDispatchMode):
         # Storage of each allocation a recorded op made -> slot of its first tensor.
         self.storage_slot: dict[int, int] = {}
         self.device_rule = _strict.DeviceStepRule()
-        # The dispatch-key state of the code that starts the recording (see _as_called_by_the_user).
-        self.dispatch_tls = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+        # The dispatch-key state of the code that starts the recording (capture/_custom_ops.py).
+        self.dispatch_tls = caller_dispatch_state()
         self.refusal: Optional[CaptureError] = None
 
     def _new_slot(self, t: torch.Tensor) -> int:
@@ -217,11 +217,11 @@ class _Recorder(TorchDispatchMode):
                     slot = self._input_slot(x, func)
                 subs.append((pos, slot))
                 leaves[pos] = None  # filled from the environment at replay
-        if getattr(func, "namespace", "aten") in _BUILTIN_NAMESPACES:
-            out = func(*args, **kwargs)
-        else:
-            with _as_called_by_the_user(self.dispatch_tls):
+        if is_custom(func):  # one op to the recorder; its body runs as the step's code would run it
+            with called_by_the_user(self.dispatch_tls):
                 out = func(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
 
         binds, works = [], []
         for pos, y in enumerate(tree_flatten(out)[0]):
@@ -241,32 +241,6 @@ class _Recorder(TorchDispatchMode):
         self.instrs.append(Instr(func, spec, leaves, tuple(subs), tuple(binds), tuple(works), out_spec,
                                  matmul_precision=torch.get_float32_matmul_precision()))
         return out
-
-
-# Operator namespaces of torch itself; any other op is a custom op (torch.library), recorded as one op.
-_BUILTIN_NAMESPACES = frozenset({"aten", "prims", "c10d", "_c10d_functional", "c10d_functional", "profiler"})
-
-
-@contextlib.contextmanager
-def _as_called_by_the_user(dispatch_tls: tuple) -> Iterator[None]:
-    """Run a custom op as the step's own code would run it: with the dispatch-key state of the
-    caller (not the one below ADInplaceOrView that a dispatch mode sees) and without the
-    recorder's HostReadMode on the function-mode stack.
-
-    The op is recorded and replayed as one op, so what its body does is not the recorder's
-    business; and a torch.compile'd kernel inside it (graphstep's compiled kernel) must see the
-    state it saw in the warm-up: dynamo guards on tensors' dispatch keys and on the mode stack, and
-    would otherwise compile again during every capture, which the lazy-initialisation rule
-    (rightly, on a GPU) refuses.
-    """
-    include, exclude = dispatch_tls
-    with torch._C._ForceDispatchKeyGuard(include, exclude):
-        stack = torch.overrides._get_current_function_mode_stack()
-        if stack and isinstance(stack[-1], HostReadMode):
-            with torch.overrides._pop_mode_temporarily():
-                yield
-        else:
-            yield
 
 
 def _storage_key(t: torch.Tensor) -> int:
