@@ -184,6 +184,24 @@ def test_auto_warms_the_capture_up_once_after_the_check_before_capturing(monkeyp
     assert len(calls) == 4  # the replay runs no Python
 
 
+def test_auto_stays_eager_on_every_rank_when_another_ranks_check_found_something(monkeypatch, caplog):
+    monkeypatch.setattr(runner_mod, "backend_for", lambda device, mode: ("replay", None))
+    flags = []
+
+    def agree(flag):  # the other rank's capture.check found something: the OR over the ranks is True
+        flags.append(flag)
+        return True
+
+    runner = runner_mod.StepRunner(step_fn=lambda: None, device="cpu", mode="auto", warmup_steps=1,
+                                   invalidation="recapture", static_inputs=dict, baked_values=tuple, agree=agree)
+    with caplog.at_level(logging.WARNING, logger="graphstep"):
+        for _ in range(4):
+            runner.run()
+    assert not runner.captured and runner.backend == "eager"
+    assert flags == [False]  # this rank's check found nothing; asked once, at the check
+    assert any("another rank's step is not capturable" in r.getMessage() for r in caplog.records)
+
+
 def test_auto_runs_eagerly_on_cpu_and_says_why_once(caplog):
     model = tiny_transformer()
     with caplog.at_level(logging.INFO, logger="graphstep"):

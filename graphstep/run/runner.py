@@ -3,7 +3,8 @@
 The backend is decided once, at build, by ``capture.devices.backend_for`` (``OptimizerConfig.capture``):
 - "graph": capture after ``capture_warmup_steps`` eager steps (a CUDA graph on CUDA, capture's CPU
   replay backend elsewhere); a step that cannot be captured raises ``capture.CaptureError``.
-- "auto": on CUDA, the first step after the warm-up runs under ``capture.check`` (it *is* that step);
+- "auto": on CUDA, the first step after the warm-up runs under ``capture.check`` (it *is* that step; with
+  several ranks, all stay eager if the check finds anything on any of them);
   with no findings the next step runs eagerly on the capture's side stream (its lazy setup, such as
   cuBLAS workspaces, must not land in the capture) and the one after is captured; otherwise the step
   stays eager and says why once.
@@ -174,9 +175,16 @@ class StepRunner:
     def _check_then_capture(self) -> None:
         self._check_first = False
         findings = capture.check(self._step_fn)  # runs the step once: it is this step
-        if findings:
-            logger.warning("graphstep: capture='auto' keeps the step eager; it is not capturable:\n%s",
-                           "\n".join(f"  {f}" for f in findings))
+        # With several ranks the choice is theirs together: one rank capturing its collectives while a peer
+        # runs them eagerly would pair a replay with eager calls.
+        elsewhere = self._agree is not None and self._agree(bool(findings)) and not findings
+        if findings or elsewhere:
+            if findings:
+                logger.warning("graphstep: capture='auto' keeps the step eager; it is not capturable:\n%s",
+                               "\n".join(f"  {f}" for f in findings))
+            else:
+                logger.warning("graphstep: capture='auto' keeps the step eager: another rank's step is not "
+                               "capturable (see its log)")
             self._backend = "eager"
             return
         self._graph = self._new_graph(warmup=RECAPTURE_WARMUP_STEPS)
