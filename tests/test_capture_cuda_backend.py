@@ -45,6 +45,19 @@ def test_graph_registration_with_expandable_segments_is_refused(register, conf_n
     assert ("unset (on)" in msg) == (register is None)
 
 
+def test_expandable_segments_turned_on_at_run_time_are_refused_too():
+    # A framework may switch expandable segments on after start-up; the environment variables then say nothing.
+    with pytest.raises(capture.CaptureError, match="expandable_segments in the allocator's settings at run time"):
+        check_nccl_capture_environment({}, allocator="expandable_segments:True")
+    check_nccl_capture_environment({"NCCL_GRAPH_REGISTER": "0"}, allocator="expandable_segments:True")  # allowed
+    check_nccl_capture_environment({}, allocator="max_split_size_mb:64")
+
+
+def test_the_allocator_settings_are_read_from_torch():
+    torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
+    assert "expandable_segments" in cuda_backend.allocator_settings()
+
+
 def test_every_problem_is_listed_at_once():
     env = {"TORCH_NCCL_BLOCKING_WAIT": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     with pytest.raises(capture.CaptureError) as info:
@@ -77,7 +90,11 @@ class _FakeCuda:
         @contextlib.contextmanager
         def graph(g, pool=None, stream=None, capture_error_mode="global"):
             fake.events.append(("graph", capture_error_mode))
-            yield
+            try:
+                yield
+            except BaseException:
+                # what torch.cuda.graph's exit does after a failed capture: capture_end raises its own error
+                raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
 
         @contextlib.contextmanager
         def device_scope(device):
@@ -102,6 +119,18 @@ def test_capture_is_thread_local_under_the_steps_device(monkeypatch):
                            ("exit", dev)]
 
 
+def test_the_error_raised_inside_the_capture_is_reported_not_capture_ends(monkeypatch):
+    _FakeCuda(monkeypatch)
+    backend = CudaBackend(options=CaptureOptions(device="cuda:0"))
+
+    def step():
+        raise ValueError("the step's own error")
+
+    with pytest.raises(ValueError, match="the step's own error") as raised:
+        backend.capture(step)
+    assert "previous error during capture" in str(raised.value.__cause__)  # kept, as the consequence
+
+
 def test_close_releases_the_graph_the_side_stream_and_the_pool(monkeypatch):
     fake = _FakeCuda(monkeypatch)
     pool = object()
@@ -123,6 +152,10 @@ def test_capture_checks_the_nccl_environment_when_nccl_is_initialised(monkeypatc
     with pytest.raises(capture.CaptureError, match="TORCH_NCCL_BLOCKING_WAIT=1"):
         backend.capture(lambda: None)
     assert fake.events == []  # refused before touching the device
+    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT")
+    monkeypatch.setattr(cuda_backend, "allocator_settings", lambda: "expandable_segments:True")
+    with pytest.raises(capture.CaptureError, match="at run time"):
+        backend.capture(lambda: None)
 
 
 def test_the_steps_device_comes_from_the_options_then_the_static_inputs():

@@ -30,6 +30,9 @@ Choices, and why:
   `torch.cuda.graph_pool_handle()` to share one pool between several graphs (less
   memory); they must then be replayed in the order they were captured, since each one
   may reuse memory the previous one freed.
+* A step that raises while being captured is reported by its own error. Leaving `torch.cuda.graph`
+  then ends the capture, and `capture_end` raises "operation failed due to a previous error during
+  capture"; that error is kept as the cause, not raised in place of the step's.
 * Capturing does not execute the kernels. We replay once right after capturing, so the
   capture call applies fn's effects exactly once, like the replay backend's recording
   and like every other call. (Warm-up calls are real steps too.)
@@ -61,8 +64,20 @@ def _expandable_segments(conf: str) -> bool:
     return False
 
 
-def check_nccl_capture_environment(env: Mapping[str, str] = os.environ) -> None:
-    """Raise CaptureError if ``env`` holds a setting known to break a CUDA capture of NCCL collectives.
+def allocator_settings() -> str:
+    """The caching allocator's settings as this process runs with them: the environment's, or what was set
+    at run time (``torch._C._accelerator_setAllocatorSettings``, e.g. expandable segments turned on by a
+    framework after start-up). Empty where this torch cannot tell."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    try:
+        return getter() if getter is not None else ""
+    except RuntimeError:
+        return ""
+
+
+def check_nccl_capture_environment(env: Mapping[str, str] = os.environ, allocator: str = "") -> None:
+    """Raise CaptureError if ``env`` (or ``allocator``, the allocator's settings at run time) holds a setting
+    known to break a CUDA capture of NCCL collectives.
 
     * ``TORCH_NCCL_BLOCKING_WAIT=1`` (or the older ``NCCL_BLOCKING_WAIT``): ``Work.wait()`` then
       blocks the host until the collective has finished (torch.distributed's environment-variable
@@ -70,7 +85,8 @@ def check_nccl_capture_environment(env: Mapping[str, str] = os.environ) -> None:
       queried while capturing (why ProcessGroupNCCL stopped handing captured work to its watchdog:
       pytorch/pytorch PR #102542).
     * ``NCCL_GRAPH_REGISTER`` enabled (NCCL's default where it is unset; "0" disables it) together
-      with ``expandable_segments`` in ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``: under
+      with ``expandable_segments`` in ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF`` or turned on
+      at run time (``allocator``, ``torch._C._accelerator_setAllocatorSettings``): under
       graph capture NCCL registers the collectives' user buffers, assuming each lies in one
       contiguous allocation (NCCL user guide, "User Buffer Registration"); expandable segments
       break that assumption, and captured collectives hang (pytorch/pytorch#158029; also
@@ -82,8 +98,11 @@ def check_nccl_capture_environment(env: Mapping[str, str] = os.environ) -> None:
             problems.append(f"{name}={env[name]} makes Work.wait() block the host on events recorded inside the "
                             f"capture; unset it (or set {name}=0) for a captured step")
     graph_register = env.get("NCCL_GRAPH_REGISTER", "").strip()
-    for conf_name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        if graph_register != "0" and _expandable_segments(env.get(conf_name, "")):
+    confs = {name: env.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    if allocator and not any(_expandable_segments(conf) for conf in confs.values()):
+        confs["the allocator's settings at run time"] = allocator
+    for conf_name, conf in confs.items():
+        if graph_register != "0" and _expandable_segments(conf):
             state = f"NCCL_GRAPH_REGISTER={graph_register}" if graph_register else "NCCL_GRAPH_REGISTER unset (on)"
             problems.append(f"{state} with expandable_segments in {conf_name}: NCCL registers captured "
                             "collectives' buffers assuming one contiguous allocation, and replays can hang; set "
@@ -155,14 +174,26 @@ class CudaBackend:
 
     def capture(self, fn: Callable[[], Any]) -> Any:
         if _nccl_initialised():
-            check_nccl_capture_environment()
+            check_nccl_capture_environment(allocator=allocator_settings())
         with device_scope(self.device()):
             stream = self._side_stream()
             graph = torch.cuda.CUDAGraph()
             # torch.cuda.graph synchronizes the device before capturing, so work queued
             # on the caller's stream is complete and no explicit wait is needed here.
-            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
-                outputs = fn()
+            failure: list = []  # what fn raised, if it did: the reason, not capture_end's consequence
+            try:
+                with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+                    try:
+                        outputs = fn()
+                    except BaseException as error:
+                        failure.append(error)
+                        raise
+            except BaseException as ended:
+                # Leaving the capture after fn raised ends it, and capture_end then reports "operation failed
+                # due to a previous error during capture", hiding fn's own error: raise that one instead.
+                if failure and ended is not failure[0]:
+                    raise failure[0] from ended
+                raise
             self._graph = graph
             self._outputs = outputs
             # The capture recorded the kernels without running them: run them once now.
