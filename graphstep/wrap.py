@@ -22,6 +22,7 @@ nothing) and updates the scale; without one, a plain bf16 or fp32 loop is captur
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -46,8 +47,6 @@ def _make_capturable(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         if group.get("fused"):
             group["capturable"] = True
-    # torch warns once when a capturable step runs uncaptured; the warm-up steps do so by design.
-    optimizer._warned_capturable_if_run_uncaptured = True
 
 
 def _refusals(optimizer: torch.optim.Optimizer) -> list[str]:
@@ -184,9 +183,15 @@ class CapturedOptimizer(torch.optim.Optimizer):
         return tuple((g, key, group.get(key)) for g, group in enumerate(self.optimizer.param_groups)
                      for key in _BAKED_KEYS)
 
+    def _torch_step(self) -> None:
+        with warnings.catch_warnings():
+            # torch warns once when a capturable step runs uncaptured; the warm-up steps do so by design.
+            warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
+            self.optimizer.step()
+
     def _device_step(self) -> None:
         if self.scaler is None:
-            self.optimizer.step()
+            self._torch_step()
             return
         if self._scale_stages is None:
             # The engine's own stages over the wrapped optimizer's grads: the non-finite check (one norm
@@ -200,7 +205,7 @@ class CapturedOptimizer(torch.optim.Optimizer):
         self.optimizer.grad_scale = self.scaler.scale
         self.optimizer.found_inf = self.tensors.found_inf
         try:
-            self.optimizer.step()
+            self._torch_step()
         finally:
             del self.optimizer.grad_scale, self.optimizer.found_inf
         finish.apply()

@@ -239,7 +239,7 @@ def auto_kernel_agreement(rank: int, world_size: int) -> dict:
     out = {}
     for case, failing_rank in (("all_work", None), ("rank1_fails", 1)):
         works = rank != failing_rank
-        auto._probed[("cpu", -1)] = (works, "" if works else "forced failure", 0.0)
+        auto._probed[("cpu", -1, torch.float64)] = (works, "" if works else "forced failure", 0.0)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             opt = get_optimizer(make_config("adam_fp32", world_size, kernel="auto"), tiny_transformer())
