@@ -12,6 +12,11 @@ import graphstep as gs
 import graphstep.run.runner as runner_mod
 from graphstep.step import scalar_graph
 
+# The capture tests run the default kernel (kernel="auto": "compiled" here), as users do: a capture that would
+# compile, or a variant first needed at a recapture, fails here as it would on a GPU. Tests of the fused
+# kernel's own behaviour pass kernel="fused".
+pytestmark = pytest.mark.default_kernel
+
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True, "initial_loss_scale": 2.0**12,
                                                            "loss_scale_window": 7}}
 INF_STEPS = {13, 14, 40, 77}
@@ -217,7 +222,8 @@ def test_auto_runs_eagerly_on_cpu_and_says_why_once(caplog):
 
 def test_a_betas_schedule_every_step_recaptures_with_a_warning():
     model = tiny_transformer()
-    opt = gs.get_optimizer(gs.OptimizerConfig(capture="graph", capture_warmup_steps=1), model)
+    # the fused kernel takes beta1 as a Python float (the compiled one reads it live and never recaptures)
+    opt = gs.get_optimizer(gs.OptimizerConfig(capture="graph", capture_warmup_steps=1, kernel="fused"), model)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=20)  # cycles beta1 every step
     with pytest.warns(RuntimeWarning, match="recaptured on each of the last"):
         for step in range(8):
@@ -274,7 +280,7 @@ def clip_toggle_run(mode, schedule):
     return model, opt
 
 
-@pytest.mark.default_kernel  # kernel="auto": compiled here, so each recapture's new variant must be warmed up
+# kernel="auto" (the module runs the default kernel): compiled here, so each recapture's new variant must be warmed up
 def test_turning_clipping_on_and_off_after_capture_recaptures_and_clips():
     # Unclipped and unscaled, the kernel is not given the grad scale (it would rewrite the grads): a
     # capture bakes that choice in, so turning the live clip threshold on must recapture, not freeze it.
