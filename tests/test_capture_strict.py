@@ -214,6 +214,32 @@ def test_capture_check_runs_a_warmed_compiled_custom_op_without_compiling_it_aga
     assert torch.equal(p, torch.full((3,), 7.0))
 
 
+def test_a_compiled_kernel_that_would_recompile_at_a_replay_is_refused():
+    # dynamo guards on the Python values a compiled kernel reads; a CUDA graph replays the captured kernel
+    # whatever they become, so a guard miss during a replay must not pass as a silent recompile.
+    holder = {"double": True}
+
+    @torch.compile(backend="eager", dynamic=False)
+    def kernel(x):
+        return x * 2 if holder["double"] else x + 1
+
+    @torch.library.custom_op("capture_strict_test::guarded_", mutates_args=("x",))
+    def op(x: torch.Tensor) -> None:
+        x.copy_(kernel(x))
+
+    q = torch.ones(3)
+    g = capture.graph(lambda: op(q), warmup=1, backend="replay")
+    g(), g(), g()
+    assert g.captured and torch.equal(q, torch.full((3,), 8.0))
+    holder["double"] = False
+    with pytest.raises(capture.CaptureError, match="compiled again during the replay") as refused:
+        g()
+    assert refused.value.findings[0].kind == "lazy_init"
+    g.invalidate(warmup=1)
+    g(), g(), g()  # the new variant compiles in the warm-up; captured again, replayed
+    assert g.captured
+
+
 def _first_collective_worker(_rank, _world_size):
     warnings.simplefilter("ignore")
     group = dist.new_group([0])
@@ -226,16 +252,28 @@ def _first_collective_worker(_rank, _world_size):
         refused = str(err)
     warmed = capture.graph(lambda: dist.all_reduce(t, group=group), warmup=1, backend="replay")
     warmed(), warmed(), warmed()
-    return refused, warmed.captured
+    # graphstep's own collectives are functional ones, which name their group by a string
+    functional = torch.ops._c10d_functional
+    fresh = dist.new_group([0])
+    g = capture.graph(lambda: functional.wait_tensor(functional.all_reduce_(t, "sum", fresh.group_name)),
+                      warmup=0, backend="replay")
+    try:
+        g()
+        functional_refused = None
+    except capture.CaptureError as err:
+        functional_refused = str(err)
+    return refused, warmed.captured, functional_refused
 
 
 @pytest.mark.distributed
 def test_the_first_collective_on_a_group_during_the_recording_is_refused():
     # One gloo rank of its own: values() raises its traceback if it failed.
-    [(refused, warmed_captured)] = values(spawn(_first_collective_worker, 1, timeout=90))
+    [(refused, warmed_captured, functional_refused)] = values(spawn(_first_collective_worker, 1, timeout=90))
     assert refused is not None and "lazy_init" in refused
     assert "first collective on process group" in refused and "c10d.allreduce_" in refused
     assert warmed_captured
+    assert functional_refused is not None and "first collective on process group" in functional_refused
+    assert "_c10d_functional.all_reduce_" in functional_refused
 
 
 def test_a_live_input_given_a_new_shape_at_the_same_address_is_refused_before_any_op():

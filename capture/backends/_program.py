@@ -48,6 +48,9 @@ class Instr:
     # (Muon's Newton-Schulz runs "highest" inside a "medium" job); replay restores it per op, as the
     # kernels a CUDA graph captured keep the precision they were launched with.
     matmul_precision: str = "highest"
+    # A custom op's body runs again at each replay (replay.py): with the grad mode it was recorded under,
+    # since a torch.compile'd kernel inside is guarded on it. False for aten ops (below autograd).
+    grad_enabled: bool = False
     # Filled by Program._compile: the call without pytree work at replay.
     baked: Optional[tuple] = None  # (args, kwargs) when no tensor is involved
     template: Optional[list] = None  # [args list, kwargs dict] with holes for tensors
@@ -233,7 +236,11 @@ class Program:
                         precision = ins.matmul_precision
                         torch.set_float32_matmul_precision(precision)
                     args, kwargs = self._call_args(ins, env)
-                    out = ins.func(*args, **kwargs)
+                    if ins.grad_enabled:
+                        with torch.enable_grad():
+                            out = ins.func(*args, **kwargs)
+                    else:
+                        out = ins.func(*args, **kwargs)
                     for path, slot in ins.out_paths:
                         env[slot] = _at(out, path)
                     for path in ins.work_paths:

@@ -15,10 +15,11 @@ classified in `capture.unsafe`; this module holds the rules that need more conte
   contain because it synchronises or allocates outside the graph.
   - A torch.compile (dynamo) compilation that starts while recording: Inductor compiles, benchmarks
     and autotunes with host syncs. Detected with dynamo's compile-start callback.
-  - The first collective on a c10d process group: NCCL creates its communicator lazily, on a
-    group's first collective (unless the group was bound to a device at init), and that setup
-    cannot be captured. Detected from the group's collective sequence number, which is 0 until the
-    group has run a collective (ProcessGroup._get_sequence_number_for_group, gloo and NCCL).
+  - The first collective on a process group, c10d or functional (``_c10d_functional``, which names
+    its group by a string): NCCL creates its communicator lazily, on a group's first collective
+    (unless the group was bound to a device at init), and that setup cannot be captured. Detected
+    from the group's collective sequence number, which is 0 until the group has run a collective
+    (ProcessGroup._get_sequence_number_for_group, gloo and NCCL).
   Not detected (documented instead): cuBLAS/cuDNN handle and workspace creation, allocator growth,
   Triton kernels compiled outside dynamo, a torch.compile'd function called *directly* inside the
   step (dynamo does not run under a TorchDispatchMode, so it runs eagerly during the recording: wrap
@@ -107,18 +108,33 @@ def _dynamo_callbacks() -> Optional[Any]:
     return callback_handler
 
 
+_FUNCTIONAL_NAMESPACES = ("_c10d_functional", "c10d_functional")
+
+
+def _groups_in(func: Any, args: tuple, kwargs: dict) -> list:
+    """The process groups a collective op names: ProcessGroup script objects for c10d ops, group names
+    (strings) for functional collectives (``_c10d_functional.all_reduce_(t, "sum", group_name)``)."""
+    namespace = getattr(func, "namespace", None)
+    groups = []
+    for x in tree_leaves((args, kwargs)):
+        try:
+            if namespace == "c10d" and isinstance(x, torch.ScriptObject) and x._type().qualified_name() == _PG_TYPE:
+                groups.append(torch._C._distributed_c10d.ProcessGroup.unbox(x))
+            elif namespace in _FUNCTIONAL_NAMESPACES and isinstance(x, str):
+                groups.append(torch.distributed.distributed_c10d._resolve_process_group(x))
+        except (RuntimeError, ValueError, KeyError, AttributeError):  # a reduce op's name, not a group
+            continue
+    return groups
+
+
 def first_use_groups(func: Any, args: tuple, kwargs: dict) -> list[str]:
-    """Names of the c10d process groups in a c10d op's arguments that have never run a collective."""
-    if getattr(func, "namespace", None) != "c10d" or not torch.distributed.is_available():
+    """Names of the process groups a collective op (c10d or functional) runs on that have never run one."""
+    if getattr(func, "namespace", None) not in ("c10d", *_FUNCTIONAL_NAMESPACES) \
+            or not torch.distributed.is_available():
         return []
     unused = []
-    for x in tree_leaves((args, kwargs)):
-        if not isinstance(x, torch.ScriptObject):
-            continue
+    for group in _groups_in(func, args, kwargs):
         try:
-            if x._type().qualified_name() != _PG_TYPE:
-                continue
-            group = torch._C._distributed_c10d.ProcessGroup.unbox(x)
             seq = group._get_sequence_number_for_group()
         except (RuntimeError, AttributeError):  # a backend without sequence numbers: cannot tell
             continue

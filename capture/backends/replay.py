@@ -30,7 +30,9 @@ graph would do to a step:
   fn has returned, the whole step): fix the step rather than retrying it.
 * Custom ops (`torch.library`, any namespace but torch's own) are recorded as one op
   and called again at each replay; their body runs with the dispatch state of the
-  caller, so a torch.compile'd kernel inside sees what it saw in warm-up.
+  caller, so a torch.compile'd kernel inside sees what it saw in warm-up. A compile
+  starting during a replay (the kernel's guards failed) raises CaptureError: a CUDA
+  graph would have replayed the captured kernel.
 * Each op replays under the fp32 matmul precision (`torch.set_float32_matmul_precision`)
   it was recorded under, as a CUDA graph's kernels keep the precision they were launched
   with; the caller's setting is restored after the replay.
@@ -239,7 +241,8 @@ class _Recorder(TorchDispatchMode):
         self.device_rule.observe(func, tensors)
         out_spec = tree_flatten(out)[1] if (binds or works) else None
         self.instrs.append(Instr(func, spec, leaves, tuple(subs), tuple(binds), tuple(works), out_spec,
-                                 matmul_precision=torch.get_float32_matmul_precision()))
+                                 matmul_precision=torch.get_float32_matmul_precision(),
+                                 grad_enabled=is_custom(func) and torch.is_grad_enabled()))
         return out
 
 
@@ -261,6 +264,7 @@ class ReplayBackend:
         self._options = options or CaptureOptions()
         self._program: Optional[Program] = None
         self._outputs: Any = None
+        self._custom_ops = False  # whether the program calls custom ops (whose bodies run at each replay)
 
     @staticmethod
     def usable(tensors) -> bool:
@@ -287,13 +291,26 @@ class ReplayBackend:
         if host_work:
             raise rec.refuse_findings(HOST_WORK, host_work)
         self._program = Program(rec.instrs, rec.inputs, rec.input_slots, rec.fresh, outputs)
+        self._custom_ops = any(is_custom(instr.func) for instr in rec.instrs)
         rec.input_keepalive.clear()  # from here on the inputs are held weakly only
         self._outputs = outputs
         return outputs
 
     def replay(self) -> Any:
         assert self._program is not None, "replay() before capture()"
-        self._program.run()
+        if not self._custom_ops:
+            self._program.run()
+            return self._outputs
+        # A custom op's body runs again at each replay. A compile starting there means the guards of a
+        # torch.compile'd kernel inside it failed: a CUDA graph would replay the kernel it captured, with
+        # what that kernel baked in, so the twin refuses rather than quietly running the new one.
+        with _strict.LazyInitWatch() as compiles:
+            self._program.run()
+        if compiles.findings:
+            raise CaptureError(f"cannot replay {self._label!r}: a torch.compile'd kernel inside a custom op "
+                               "compiled again during the replay (its guards failed: a Python value it reads "
+                               "changed), which a CUDA graph would not see: it replays the kernel it captured. "
+                               "Invalidate the graph (recapture) when such a value changes", compiles.findings)
         return self._outputs
 
     def reset(self) -> None:
