@@ -93,3 +93,10 @@ def test_each_compiled_scalar_graph_is_one_operator_and_reads_its_inputs_live():
 def test_a_scalar_graph_name_is_registered_once():
     with pytest.raises(ValueError, match="registered already"):
         scalar_graph.register("clip", lambda outs, ins: None)
+
+
+def test_the_compile_preflight_compiles_a_division_and_reports_missing_options(monkeypatch):
+    # perf/gpu_check.py's preflight: what the step would compile at its first call, found before it.
+    assert scalar_graph.compile_problem(torch.device("cpu")) is None
+    monkeypatch.setattr(scalar_graph, "COMPILE_OPTIONS", {**scalar_graph.COMPILE_OPTIONS, "no_such.option": True})
+    assert scalar_graph.compile_problem(torch.device("cpu")) == "inductor has no option no_such.option"

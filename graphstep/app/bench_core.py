@@ -40,6 +40,14 @@ GRAPHSTEP_BYTES = ADAM_BYTES + NORM_BYTES
 # write): 16. Folding the norm in it adds one read of the just-written grad (20) and takes it off the step.
 BACKWARD_BYTES = 16
 TORCH_AMP_BYTES = 8 + 4 + 8 + ADAM_BYTES
+# torch's fused kernels, given a grad scale (every clipped or loss-scaled step), write the divided grads back:
+# 4 more bytes per param than the compiled kernel, which only reads them (graphstep/kernels/__init__.py).
+GRAD_WRITEBACK_BYTES = 4
+
+
+def step_bytes(kernel: str, scaled: bool) -> int:
+    """Bytes per fp32 param graphstep's full step moves with ``kernel``, clipped or loss-scaled or not."""
+    return GRAPHSTEP_BYTES + (GRAD_WRITEBACK_BYTES if scaled and kernel != "compiled" else 0)
 
 
 # ---- devices -------------------------------------------------------------------------------------------

@@ -59,6 +59,31 @@ def wanted(kernel: str, device: torch.device) -> bool:
     return True
 
 
+def _division_math(outs, ins) -> None:
+    quotient, = outs
+    numerator, denominator = ins
+    torch.div(scalar(numerator), scalar(denominator) + 1e-6, out=quotient)
+
+
+def compile_problem(device: torch.device):
+    """None when a scalar graph compiles with ``COMPILE_OPTIONS`` on ``device`` and equals its eager ops
+    bitwise (a division, the op the rounding option is about), else why not: a preflight of what the step
+    compiles on its first call."""
+    missing = compiled_kernels.missing_compile_options(COMPILE_OPTIONS)
+    if missing:
+        return f"inductor has no option {', '.join(missing)}"
+    ins = [torch.tensor(7.0, device=device), torch.tensor(3.0, device=device)]
+    results = []
+    try:
+        for compiled in (True, False):
+            out = torch.zeros((), device=device)
+            _DIVISION([out], ins, compiled=compiled)
+            results.append(out)
+    except Exception as error:  # no compiler, no Triton, an inductor bug
+        return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+    return None if torch.equal(*results) else "the compiled division differs from the eager one"
+
+
 def register(name: str, math: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None]) -> "ScalarGraph":
     """``math(outs, ins)`` (writes ``outs`` in place, reads ``ins``) under ``name``, unique in the process."""
     if name in _MATH:
@@ -96,6 +121,9 @@ def _as_vector(t: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _compiled(name: str):
     return torch.compile(_MATH[name], fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
+
+
+_DIVISION = register("division_probe", _division_math)
 
 
 @torch.library.custom_op("graphstep::scalar_graph_", mutates_args=("outs",))
