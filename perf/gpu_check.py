@@ -1,6 +1,6 @@
-"""The one GPU check: every claim graphstep makes about CUDA, settled in one run of <= 8 minutes on one GPU.
+"""The one GPU check: every claim graphstep makes about CUDA, settled in one run within BUDGET_S on one GPU.
 
-    python perf/gpu_check.py OUT_DIR [--no-install] [--cpu] [--only part,part]
+    python perf/gpu_check.py OUT_DIR [--no-install] [--cpu] [--only part,part] [--multi]
     perf/gpu_check.sh OUT_DIR          # the same, from any directory
 
 It installs the project from its own files (``pip install -e ".[test]"``; ``--no-install`` skips that),
@@ -9,28 +9,35 @@ costs only itself: its exit code and its checks' results are recorded and the ru
 ``OUT_DIR/gpu_check.json`` (every check with its status, detail and numbers; every part with its exit
 code and wall time) and ``OUT_DIR/gpu_check.md``, and exits 0 only if no check failed or errored.
 
-The parts (check names in the JSON):
+The parts (check names in the JSON), in the order they run: what settles correctness first, so that a
+budget cut (a part that would start with too little time left is recorded as not run) falls on speed:
 
-- preflight: torch / CUDA / NCCL versions, the GPU, MIG mode, allocator and NCCL settings;
+- preflight: torch / CUDA / NCCL / Triton / driver versions, the GPU, MIG mode, allocator and NCCL
+  settings; then every compile the step's first call would do with the options it uses (the compiled
+  Adam with the step's hyperparameter dtype, a scalar graph), failing here rather than in step 1;
+- cuda-tests: ``pytest -m cuda tests/cuda``;
 - bitwise: eager vs captured over 30 steps with an LR schedule and one inf step, fp32/bf16/fp16 x
   kernel fused/compiled: params, every state tensor, step, loss scale, grad norm and found_inf equal,
   ``recaptures == 0``; then replays under ``torch.cuda.set_sync_debug_mode("error")``;
 - recapture: a param's ``.data`` replaced after capture: one recapture, still equal to eager;
 - speed: kernels per replay at 150 / 1,000 / 10,000 tensors of one total size (torch.profiler; equal
-  counts expected), captured vs eager at 10,000 small tensors (goal >= 3x), CPU time per replay, the flat
-  64M-param step against the measured HBM bandwidth floor (goal <= 1.15x);
+  counts expected); the captured step over 10,000 small tensors against the captured step over one flat
+  tensor of the same size (same bytes moved; goal <= 1.15x), with eager and host time per call reported;
+  the flat 64M-param step against the bytes its kernel moves at the measured HBM bandwidth (32 B/param
+  for the compiled kernel, 36 B with the fused one, which writes the grads back; goal <= 1.15x);
 - fold: ``fold_grad_norm`` (the default) at GPT-2 small, captured: the folded step against one flat
   ``_fused_adamw_`` (goal <= 1.05x), backward (a stand-in) + step against the unfolded pair (goal: faster),
   and torch's AMP step and clip_grad_norm_ + AdamW(fused) against it (goals >= 2x, >= 1.5x; issue 18);
 - memory: CUDA memory flat across 10 recaptures;
 - pinned-thread: capture while another thread pins host memory and copies from it;
-- nccl: a world-size-1 NCCL group capturing reduce-scatter / all-gather / all-reduce, and the
-  distributed optimizer over it;
+- nccl: a world-size-1 NCCL group capturing reduce-scatter / all-gather / all-reduce (the distributed
+  optimizer needs two ranks to run a collective at all: ``--multi``);
 - profile-cli: ``graphstep profile --capture graph`` on CUDA: kernel events in the trace, NVML telemetry;
 - families: Muon, fp8 params and CPU offload, only where ``OptimizerConfig`` accepts them;
 - offload: hybrid CPU offload (perf/gpu_check_offload.py): eager vs captured, against no offload, the
   overlapped host update, pinned buffers and the device bytes saved;
-- cuda-tests: ``pytest -m cuda tests/cuda`` (last: what runs short of the budget is recorded as not run).
+- multi (``--multi``, on a machine with >= 2 GPUs; skipped with the reason on one): perf/gpu_check_multi.py,
+  the distributed optimizer captured vs eager over NCCL, teardown with a captured step held, a dead peer.
 
 ``--cpu`` is the dry run for a machine without a GPU (and for CI): the same script end to end, every
 GPU-only check recorded as ``skipped: no CUDA``, the rest on small sizes over the CPU replay backend.
@@ -50,32 +57,33 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 NO_CUDA = "skipped: no CUDA"
-BUDGET_S = 470  # the whole run, install included, within 8 minutes on one H200 (limits below are caps)
+BUDGET_S = 470  # the whole run, install included: what one 10-minute device command leaves after start-up
+MULTI = "multi"
 
 # part: (module, function, runs without CUDA, time limit in s, the check names it reports)
 PARTS = {
     "preflight": ("gpu_check_env", "part_preflight", True, 60, ["preflight"]),
+    "cuda-tests": ("gpu_check_env", "part_cuda_tests", False, 240, ["pytest-tests-cuda"]),
     "bitwise": ("gpu_check_numerics", "part_bitwise", True, 240,
                 [f"bitwise-{p}-{k}" for p in ("fp32", "bf16", "fp16") for k in ("fused", "compiled")]
                 + ["bitwise-negative-control", "replay-without-host-sync"]),
     "recapture": ("gpu_check_numerics", "part_recapture", True, 90, ["forced-recapture"]),
     "speed": ("gpu_check_speed", "part_speed", True, 120,
-              ["captured-vs-eager-10k-tensors", "cpu-time-per-replay", "flat-64M-vs-hbm-floor"]),
+              ["captured-10k-tensors-vs-flat", "cpu-time-per-replay", "flat-64M-vs-hbm-floor"]),
     "kernels": ("gpu_check_speed", "part_kernels", True, 120, ["kernels-per-replay-independent-of-tensor-count"]),
     "fold": ("gpu_check_speed", "part_fold", True, 180,
              ["fold-step-vs-fused-floor", "fold-backward-plus-step", "default-step-vs-torch-amp",
               "default-step-vs-adamw-fused-clip"]),
     "memory": ("gpu_check_numerics", "part_memory", False, 60, ["memory-flat-over-10-recaptures"]),
     "pinned-thread": ("gpu_check_numerics", "part_pinned_thread", False, 60, ["capture-with-pinned-memory-thread"]),
-    "nccl": ("gpu_check_numerics", "part_nccl", False, 90,
-             ["nccl-world1-collectives-captured", "nccl-world1-distributed-optimizer"]),
+    "nccl": ("gpu_check_numerics", "part_nccl", False, 90, ["nccl-world1-collectives-captured"]),
     "profile-cli": ("gpu_check_env", "part_profile_cli", False, 120, ["graphstep-profile-capture-graph"]),
     "families": ("gpu_check_numerics", "part_families", True, 120, ["family-muon", "family-fp8", "family-offload"]),
     "offload": ("gpu_check_offload", "part_offload", True, 120,
                 ["offload-eager-vs-captured", "offload-vs-device-only", "offload-overlap",
                  "offload-pinned-and-memory"]),
-    # Last: the test suite repeats much of "bitwise"; if the budget runs short, it is what goes unrun.
-    "cuda-tests": ("gpu_check_env", "part_cuda_tests", False, 240, ["pytest-tests-cuda"]),
+    MULTI: ("gpu_check_multi", "part_multi", True, 240,
+            ["multi-captured-step-matches-eager", "multi-teardown-after-capture", "multi-dead-peer-bounded"]),
 }
 
 
@@ -172,6 +180,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu", action="store_true", help="dry run without a GPU: GPU checks skipped, small sizes")
     parser.add_argument("--no-install", action="store_true", help="skip pip install -e '.[test]'")
     parser.add_argument("--only", default=None, help="comma-separated parts, of: " + ", ".join(PARTS))
+    parser.add_argument("--multi", action="store_true",
+                        help="the multi-rank part (>= 2 GPUs; two gloo ranks with --cpu), after the preflight")
     parser.add_argument("--run-part", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--part-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -179,7 +189,12 @@ def main(argv=None) -> int:
         return part_main(args.run_part, Path(args.part_out), args.cpu)
     if not args.out:
         parser.error("give the output directory: python perf/gpu_check.py OUT_DIR")
-    parts = list(PARTS) if args.only is None else [p.strip() for p in args.only.split(",")]
+    if args.multi:
+        parts = ["preflight", MULTI]
+    elif args.only is None:
+        parts = [p for p in PARTS if p != MULTI]
+    else:
+        parts = [p.strip() for p in args.only.split(",")]
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         parser.error(f"--only: unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}")
@@ -194,12 +209,16 @@ def main(argv=None) -> int:
         summary["checks"] += checks
         for c in checks:
             print(f"  {c['status']:<8} {c['check']}: {str(c['detail'])[:160]}", file=sys.stderr, flush=True)
+    if MULTI not in parts:
+        summary["checks"] += [{"check": c, "status": "skipped: multi-rank, run with --multi on >= 2 GPUs",
+                               "detail": "", "numbers": {}, "part": MULTI} for c in PARTS[MULTI][4]]
     preflight = next((c for c in summary["checks"] if c["check"] == "preflight"), {"numbers": {}})
     summary["device"] = preflight["numbers"].get("device", "device unknown (preflight did not run)")
     statuses = [c["status"] for c in summary["checks"]]
     summary["counts"] = ", ".join(f"{statuses.count(s)} {s}" for s in ("pass", "fail", "error"))
     summary["counts"] += f", {sum(s.startswith('skipped') for s in statuses)} skipped"
     summary["wall_s"] = time.perf_counter() - started
+    summary["budget_s"] = BUDGET_S
     (out / "gpu_check.json").write_text(json.dumps(summary, indent=1, default=str))
     (out / "gpu_check.md").write_text(markdown(summary))
     print(f"gpu_check: {summary['counts']} in {summary['wall_s']:.0f} s; wrote {out / 'gpu_check.json'} and "

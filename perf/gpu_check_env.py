@@ -43,9 +43,38 @@ def _mig_mode() -> str:
         return f"unknown ({type(error).__name__}: {str(error)[:80]})"
 
 
+def _compile_problems(device) -> dict:
+    """Every compile the step's first call would do, done now with the options the engine uses: the compiled
+    Adam with the step's hyperparameter dtype (kernel="auto"'s probe) and a scalar graph. {what: problem}."""
+    from graphstep.kernels import auto, compiled
+    from graphstep.state.hyperparams import scalar_dtype
+    from graphstep.step import scalar_graph
+
+    problems = {}
+    missing = compiled.missing_compile_options(compiled.COMPILE_OPTIONS)
+    works, why_not, _ = auto.probe_compiled(device, scalar_dtype(device))
+    if missing or not works:
+        problems["compiled update"] = f"inductor has no option {', '.join(missing)}" if missing else why_not
+    problem = scalar_graph.compile_problem(device)
+    if problem is not None:
+        problems["scalar graph"] = problem
+    return problems
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+
+        return triton.__version__
+    except Exception as error:  # no Triton (the CPU build) or a broken install
+        return f"unavailable ({type(error).__name__})"
+
+
 def part_preflight(device, small: bool) -> list[dict]:
-    """What this run ran on: versions, the device, MIG, the allocator and NCCL settings in force."""
+    """What this run ran on (versions, the device, MIG, the allocator and NCCL settings in force), and
+    whether everything the step compiles compiles here."""
     facts = {"python": platform.python_version(), "torch": torch.__version__, "cuda_build": torch.version.cuda,
+             "triton": _triton_version(),
              "git_commit": _git_commit(), "cuda_available": torch.cuda.is_available(),
              "settings": {k: os.environ[k] for k in SETTINGS if k in os.environ}}
     if is_cuda(device):
@@ -64,8 +93,12 @@ def part_preflight(device, small: bool) -> list[dict]:
                                                  timeout=20).stdout.strip()
     else:
         facts["device"] = f"cpu ({platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)"
-    detail = f"torch {facts['torch']}, CUDA {facts['cuda_build']}, NCCL {facts.get('nccl', '—')}, {facts['device']}"
-    return [record("preflight", "pass", detail, **facts)]
+    problems = _compile_problems(device)
+    facts["compile_problems"] = problems
+    detail = (f"torch {facts['torch']}, CUDA {facts['cuda_build']}, NCCL {facts.get('nccl', '—')}, Triton "
+              f"{facts['triton']}, {facts['device']}; compiles: "
+              + ("; ".join(f"{what}: {why}" for what, why in problems.items()) or "the update and a scalar graph"))
+    return [record("preflight", "fail" if problems else "pass", detail, **facts)]
 
 
 def part_cuda_tests(device, small: bool) -> list[dict]:

@@ -263,8 +263,9 @@ def part_pinned_thread(device, small: bool) -> list[dict]:
 
 def part_nccl(device, small: bool) -> list[dict]:
     """A world-size-1 NCCL group: reduce-scatter, all-gather and all-reduce captured in one graph and
-    replayed against their eager results; then the distributed optimizer over that group, captured vs eager."""
-    names = ("nccl-world1-collectives-captured", "nccl-world1-distributed-optimizer")
+    replayed against their eager results. (The distributed optimizer over one rank runs no collective at
+    all; it is checked with two ranks, perf/gpu_check_multi.py.)"""
+    names = ("nccl-world1-collectives-captured",)
     if not is_cuda(device):
         return [record(n, NO_CUDA) for n in names]
     import torch.distributed as dist
@@ -295,10 +296,6 @@ def part_nccl(device, small: bool) -> list[dict]:
         graph.close()
         out.append(record(names[0], "pass" if mismatches == 0 else "fail",
                           f"{mismatches} of 4 calls differ from 2x (world size 1: every collective is the identity)"))
-        extra = {"use_distributed_optimizer": True}
-        eager = train(device, "eager", config_extra=extra, process_group=dist.group.WORLD)
-        captured = train(device, "graph", config_extra=extra, process_group=dist.group.WORLD)
-        out.append(compare(names[1], eager, captured))
     except Exception as error:
         out += [record(n, "error", f"{type(error).__name__}: {error}") for n in names[len(out):]]
     finally:

@@ -15,9 +15,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 # Every check the script owns; the ones that only mean something on a GPU are skipped in the dry run.
-GPU_ONLY = {"pytest-tests-cuda", "replay-without-host-sync", "captured-vs-eager-10k-tensors", "flat-64M-vs-hbm-floor",
+GPU_ONLY = {"pytest-tests-cuda", "replay-without-host-sync", "captured-10k-tensors-vs-flat", "flat-64M-vs-hbm-floor",
             "memory-flat-over-10-recaptures", "capture-with-pinned-memory-thread", "nccl-world1-collectives-captured",
-            "nccl-world1-distributed-optimizer", "graphstep-profile-capture-graph", "offload-pinned-and-memory",
+            "graphstep-profile-capture-graph", "offload-pinned-and-memory",
             "fold-step-vs-fused-floor", "fold-backward-plus-step", "default-step-vs-torch-amp",
             "default-step-vs-adamw-fused-clip"}
 CPU_RUNNABLE = {f"bitwise-{p}-{k}" for p in ("fp32", "bf16", "fp16") for k in ("fused", "compiled")} | {
@@ -26,6 +26,9 @@ CPU_RUNNABLE = {f"bitwise-{p}-{k}" for p in ("fp32", "bf16", "fp16") for k in ("
     "offload-overlap"}
 # Rows for features later issues add: they run where OptimizerConfig accepts them, else skip saying so.
 FEATURE_ROWS = {"family-muon", "family-fp8", "family-offload"}
+# Two or more ranks: listed as skipped in the default run; ``--multi`` runs them (two gloo ranks with --cpu).
+MULTI = {"multi-captured-step-matches-eager", "multi-teardown-after-capture", "multi-dead-peer-bounded"}
+BUDGET_S = 470  # perf/gpu_check.py's BUDGET_S: the dry run must finish well inside it
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +46,9 @@ def dry_run(tmp_path_factory):
 def test_dry_run_lists_every_check(dry_run):
     _, summary, out = dry_run
     names = [c["check"] for c in summary["checks"]]
-    assert sorted(names) == sorted(GPU_ONLY | CPU_RUNNABLE | FEATURE_ROWS)
+    assert sorted(names) == sorted(GPU_ONLY | CPU_RUNNABLE | FEATURE_ROWS | MULTI)
+    assert names[:2] == ["preflight", "pytest-tests-cuda"]  # correctness first: a budget cut falls on speed
+    assert summary["budget_s"] == BUDGET_S and summary["wall_s"] < BUDGET_S / 2, summary["wall_s"]
     table = (out / "gpu_check.md").read_text()
     assert [name for name in names if f"| {name} |" not in table] == []
 
@@ -64,3 +69,19 @@ def test_cpu_runnable_checks_pass_and_the_run_exits_zero(dry_run):
         assert status == "pass" or status.startswith("skipped: OptimizerConfig does not accept"), (name, status)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert all(p["exit_code"] in (0, None) for p in summary["parts"])
+
+
+@pytest.mark.distributed  # two gloo ranks, spawned by the script with one deadline
+def test_the_multi_rank_part_runs_on_two_cpu_ranks(tmp_path):
+    # On a machine with one GPU the part is skipped; with --cpu the same scenarios run on two gloo ranks,
+    # so what a >= 2-GPU machine will run is exercised here: captured vs eager, teardown, a dead peer.
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: run perf/gpu_check.py --multi itself")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(ROOT / "perf" / "gpu_check.py"), str(tmp_path), "--cpu", "--no-install",
+                           "--multi"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    by_name = {c["check"]: (c["status"], c["detail"]) for c in summary["checks"]}
+    assert set(by_name) == {"preflight"} | MULTI
+    assert {name: by_name[name][0] for name in MULTI} == {name: "pass" for name in MULTI}, by_name
+    assert proc.returncode == 0, proc.stderr[-2000:]
