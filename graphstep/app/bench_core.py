@@ -40,6 +40,7 @@ GRAPHSTEP_BYTES = ADAM_BYTES + NORM_BYTES
 # write): 16. Folding the norm in it adds one read of the just-written grad (20) and takes it off the step.
 BACKWARD_BYTES = 16
 TORCH_AMP_BYTES = 8 + 4 + 8 + ADAM_BYTES
+CLIP_ADAMW_BYTES = 4 + 8 + ADAM_BYTES  # clip_grad_norm_ (the norm's read, the multiply's read + write) + AdamW
 # torch's fused kernels, given a grad scale (every clipped or loss-scaled step), write the divided grads back:
 # 4 more bytes per param than the compiled kernel, which only reads them (graphstep/kernels/__init__.py).
 GRAD_WRITEBACK_BYTES = 4
