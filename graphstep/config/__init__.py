@@ -131,7 +131,9 @@ class OptimizerConfig:
     """Defer each bucket's param all-gather to a forward pre-hook of the next iteration."""
 
     distributed_timeout_s: float = 300.0
-    """graphstep's own: a collective that has not finished after this many seconds raises, naming it."""
+    """graphstep's own: with gloo, a collective of the step that has not finished after this many seconds
+    raises, naming it; it also bounds the ranks' host-side agreement (gloo) on every backend. NCCL
+    collectives run on the caller's groups, under their own timeout (README, "Capture on GPUs")."""
 
     # ---- hybrid CPU offload (Megatron-Core's names; graphstep.offload) --------------------------------
     optimizer_cpu_offload: bool = False

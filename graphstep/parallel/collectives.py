@@ -17,12 +17,13 @@ Averaging (graphstep/step/stages/reduce.py): SUM, then the received shard times 
 instead, since their SUM could overflow where the mean would not. gloo has no ``PREMUL_SUM``; with gloo a
 reduce-scatter costs about one all-reduce of the bucket (gloo implements it so), NCCL's about half.
 
-Failure. graphstep runs its collectives on its own copy of the data-parallel group, created at build
-with ``timeout=distributed_timeout_s`` (``dist.new_group(..., use_local_synchronization=True)``: only the
-group's members take part, so every data-parallel group of a larger job can build its own), without
-touching the user's group. With gloo the timeout holds for every collective of the step, eager or replayed
-from a capture; with NCCL torch's watchdog enforces it on eager work only (it aborts the process), and a
-replayed NCCL collective has no timeout of its own (README, "Capture on GPUs"). Measured with gloo: a peer that exits or is killed makes the survivors' next collective
+Failure. With gloo, graphstep runs its collectives on its own copy of the data-parallel group, created at
+build with ``timeout=distributed_timeout_s`` (``dist.new_group(..., use_local_synchronization=True)``: only
+the group's members take part, so every data-parallel group of a larger job can build its own), without
+touching the user's group; the timeout then holds for every collective of the step, eager or replayed from
+a capture. With NCCL the step runs on the user's groups (``derive_group`` says why): their own timeout
+drives torch's watchdog on eager work (it aborts the process), and a replayed NCCL collective has no
+timeout at all (README, "Capture on GPUs"). Measured with gloo: a peer that exits or is killed makes the survivors' next collective
 fail at once ("Connection reset/closed by peer"); a peer that stops answering makes it fail after the
 timeout ("Timed out waiting ..."). Both surface here as :class:`CollectiveError` naming the collective and
 the group. In a replayed capture, Python is not re-run: the replay raises torch's RuntimeError, and
@@ -54,10 +55,17 @@ class CollectiveError(RuntimeError):
 
 
 def derive_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:
-    """graphstep's own copy of ``group`` (same ranks and backend) whose collectives time out after
-    ``timeout_s``. Collective over ``group``'s members only; call it at build, on all of them."""
+    """The group the step's collectives run on: for gloo, graphstep's own copy of ``group`` (same ranks)
+    whose collectives time out after ``timeout_s``, so a dead or silent peer is a bounded
+    ``CollectiveError``; for NCCL, ``group`` itself. A copy of an NCCL group is a second communicator per
+    group (its buffers on every GPU, its set-up time at build) that buys nothing: torch's watchdog turns an
+    eager NCCL timeout into a process abort, not an error, and replayed NCCL work has no watchdog at all
+    (README, "Capture on GPUs"). Collective over ``group``'s members only; call it at build, on all of them."""
+    backend = dist.get_backend(group)
+    if "nccl" in str(backend).lower():
+        return group
     return dist.new_group(dist.get_process_group_ranks(group), timeout=datetime.timedelta(seconds=timeout_s),
-                          backend=dist.get_backend(group), use_local_synchronization=True)
+                          backend=backend, use_local_synchronization=True)
 
 
 def host_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:
