@@ -89,6 +89,18 @@ class Graph:
         return self._backend.name
 
     @property
+    def capture_due(self) -> bool:
+        """Whether the next call captures (warm-up done, nothing captured yet)."""
+        return (not self._closed and not self._captured and self._warmup_left == 0
+                and self._backend.name != EagerBackend.name)
+
+    @property
+    def capture_runs_ops(self) -> bool:
+        """Whether a capture runs the step's ops as it records them (the backend's ``capture_runs_ops``): a
+        capture that raised has then applied part of the step; otherwise it applied nothing."""
+        return self._backend.capture_runs_ops
+
+    @property
     def captured(self) -> bool:
         """True once a capture has succeeded (and until invalidate() or close())."""
         return self._captured

@@ -207,6 +207,39 @@ def test_auto_stays_eager_on_every_rank_when_another_ranks_check_found_something
     assert any("another rank's step is not capturable" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("capture_runs_ops", [False, True])
+def test_auto_gives_capture_up_after_a_failed_capture_instead_of_retrying_every_step(monkeypatch, caplog,
+                                                                                     capture_runs_ops):
+    # The capture call fails (e.g. a CUDA error inside it). A CUDA capture only records, so the step is run
+    # eagerly at once; a backend that ran part of it while recording cannot run it again and raises. Either
+    # way later steps are eager, and the capture is never tried again.
+    from capture.backends.replay import ReplayBackend
+
+    monkeypatch.setattr(runner_mod, "backend_for", lambda device, mode: ("replay", None))
+    monkeypatch.setattr(ReplayBackend, "capture_runs_ops", capture_runs_ops)
+    applied, recording = [], []
+
+    def failing_capture(self, fn):
+        recording.append(1)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(ReplayBackend, "capture", failing_capture)
+    runner = runner_mod.StepRunner(step_fn=lambda: applied.append(1), device="cpu", mode="auto", warmup_steps=1,
+                                   invalidation="recapture", static_inputs=dict, baked_values=tuple)
+    with caplog.at_level(logging.WARNING, logger="graphstep"):
+        for step in range(6):
+            if step == 3 and capture_runs_ops:
+                with pytest.raises(RuntimeError, match="illegal memory access"):
+                    runner.run()
+            else:
+                runner.run()
+    assert recording == [1]  # tried once
+    assert runner.backend == "eager" and not runner.captured
+    # warm-up, check, side-stream warm-up, (the failed capture: run eagerly unless it ran part of it), 2 more
+    assert len(applied) == (5 if capture_runs_ops else 6)
+    assert any("could not capture the step" in r.getMessage() for r in caplog.records)
+
+
 def test_auto_runs_eagerly_on_cpu_and_says_why_once(caplog):
     model = tiny_transformer()
     with caplog.at_level(logging.INFO, logger="graphstep"):

@@ -28,7 +28,8 @@ class Backend(Protocol):
     """One captured step's machinery. A backend instance owns its graph, pool, stream.
 
     warmup(fn)  run fn eagerly (where a capture would later run it), return its result
-    capture(fn) capture fn AND apply its effects exactly once; return fn's outputs,
+    capture(fn) capture fn AND apply its effects exactly once (or, if it raises, at most partly: see
+                capture_runs_ops); return fn's outputs,
                 which become graph-owned (every replay updates them in place)
     replay()    apply the captured step once more; return the same output objects
     reset()     drop the captured step (a later capture starts afresh)
@@ -38,6 +39,9 @@ class Backend(Protocol):
     """
 
     name: ClassVar[str]
+    capture_runs_ops: ClassVar[bool]
+    """Whether ``capture(fn)`` runs fn's ops as it records them (so a capture that fails part-way has
+    applied part of the step), or only records them (a failed capture applied nothing)."""
 
     def warmup(self, fn: Callable[[], Any]) -> Any: ...
 

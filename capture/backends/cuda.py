@@ -122,6 +122,7 @@ def _nccl_initialised() -> bool:
 
 class CudaBackend:
     name: ClassVar[str] = "cuda"
+    capture_runs_ops: ClassVar[bool] = False  # kernels are recorded, then replayed once the capture succeeded
 
     def __init__(self, *, pool: Any = None, label: str = "step", options: Optional[CaptureOptions] = None) -> None:
         self._pool = pool

@@ -8,6 +8,7 @@ from .base import CaptureOptions
 
 class EagerBackend:
     name: ClassVar[str] = "eager"
+    capture_runs_ops: ClassVar[bool] = True
 
     def __init__(self, *, pool: Any = None, label: str = "step", options: Optional[CaptureOptions] = None) -> None:
         self._fn: Optional[Callable[[], Any]] = None

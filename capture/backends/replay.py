@@ -257,6 +257,7 @@ class ReplayBackend:
     """Record once, replay the aten op list. See the module docstring."""
 
     name: ClassVar[str] = "replay"
+    capture_runs_ops: ClassVar[bool] = True  # recording runs each op
 
     def __init__(self, *, pool: Any = None, label: str = "step", options: Optional[CaptureOptions] = None) -> None:
         # `pool` is accepted for interface parity; the replay backend has no pool.

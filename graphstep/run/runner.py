@@ -7,7 +7,8 @@ The backend is decided once, at build, by ``capture.devices.backend_for`` (``Opt
   several ranks, all stay eager if the check finds anything on any of them);
   with no findings the next step runs eagerly on the capture's side stream (its lazy setup, such as
   cuBLAS workspaces, must not land in the capture) and the one after is captured; otherwise the step
-  stays eager and says why once.
+  stays eager and says why once. A capture that fails anyway is not tried again: the step stays eager
+  (``_give_up_capture``).
   Elsewhere it runs eagerly and says why once.
 - "eager": the chain runs eagerly every step; ``opt.debug_step()`` runs it stage by stage with stats.
 
@@ -72,6 +73,7 @@ class StepRunner:
         """How many times the step was captured again after going stale."""
         self._backend, reason = backend_for(device, mode)
         self._check_first = mode == "auto" and self._backend != "eager"
+        self._auto = mode == "auto"
         if reason is not None:
             logger.info("graphstep: %s", reason)
         if self._backend != "eager" and not self._check_first:
@@ -131,7 +133,7 @@ class StepRunner:
                 self._eager_step_fn()
             return
         self._settle_staleness()
-        was_captured = self._graph.captured
+        was_captured, capturing = self._graph.captured, self._graph.capture_due
         try:
             self._graph()
         except capture.StaleInputError:
@@ -144,6 +146,11 @@ class StepRunner:
             self._recapture()
             was_captured = False
             self._graph()
+        except Exception as error:
+            if not (capturing and self._auto):
+                raise  # capture="graph" promises a captured step or an error
+            self._give_up_capture(error)
+            return
         if not was_captured and self._graph.captured:
             self._baked.record()
             if self._agree is not None:
@@ -188,6 +195,22 @@ class StepRunner:
             self._backend = "eager"
             return
         self._graph = self._new_graph(warmup=RECAPTURE_WARMUP_STEPS)
+
+    def _give_up_capture(self, error: Exception) -> None:
+        """capture="auto" after a capture that raised: the step runs eagerly from now on, never tried again.
+        This step runs eagerly now if the failed capture applied none of it (a CUDA capture only records);
+        it is raised if part of it ran while recorded, or if peers captured theirs (their collectives wait
+        for this rank's), since re-running it could not be made whole."""
+        applied_part = self._graph.capture_runs_ops
+        self.close()
+        reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        if applied_part or self._agree is not None:
+            logger.warning("graphstep: capture='auto' could not capture the step (%s); later steps run eagerly",
+                           reason)
+            raise error
+        logger.warning("graphstep: capture='auto' could not capture the step (%s); it runs eagerly from now on",
+                       reason)
+        self._eager_step_fn()
 
     def _recapture(self) -> None:
         self.recaptures += 1
