@@ -25,9 +25,10 @@ graph would do to a step:
   initialisation during the recording (a torch.compile compiling, a process group's
   first collective), and a torch.optim step over a param group with `capturable=False`
   (torch's own capture health check, which a CPU build skips). The exact rules, and what
-  is not detected: `capture.unsafe` and `_strict.py`. Recording runs the ops, so a refused capture call has already applied
-  the ops before the refused one (for host work and lazy initialisation, decided once
-  fn has returned, the whole step): fix the step rather than retrying it.
+  is not detected: `capture.unsafe` and `_strict.py`. Recording runs the ops, so a
+  refused capture call has already applied the ops before the refused one (for host work
+  and lazy initialisation, decided once fn has returned, the whole step): fix the step
+  rather than retrying it.
 * Custom ops (`torch.library`, any namespace but torch's own) are recorded as one op
   and called again at each replay; their body runs with the dispatch state of the
   caller, so a torch.compile'd kernel inside sees what it saw in warm-up. A compile

@@ -23,11 +23,12 @@ the group's members take part, so every data-parallel group of a larger job can 
 touching the user's group; the timeout then holds for every collective of the step, eager or replayed from
 a capture. With NCCL the step runs on the user's groups (``derive_group`` says why): their own timeout
 drives torch's watchdog on eager work (it aborts the process), and a replayed NCCL collective has no
-timeout at all (README, "Capture on GPUs"). Measured with gloo: a peer that exits or is killed makes the survivors' next collective
-fail at once ("Connection reset/closed by peer"); a peer that stops answering makes it fail after the
-timeout ("Timed out waiting ..."). Both surface here as :class:`CollectiveError` naming the collective and
-the group. In a replayed capture, Python is not re-run: the replay raises torch's RuntimeError, and
-``Collectives.explain`` turns it into the same error listing the step's collectives.
+timeout at all (README, "Capture on GPUs"). Measured with gloo: a peer that exits or is killed makes the
+survivors' next collective fail at once ("Connection reset/closed by peer"); a peer that stops answering
+makes it fail after the timeout ("Timed out waiting ..."). Both surface here as :class:`CollectiveError`
+naming the collective and the group. In a replayed capture, Python is not re-run: the replay raises
+torch's RuntimeError, and ``Collectives.explain`` turns it into the same error listing the step's
+collectives.
 """
 
 from __future__ import annotations

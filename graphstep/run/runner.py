@@ -3,13 +3,12 @@
 The backend is decided once, at build, by ``capture.devices.backend_for`` (``OptimizerConfig.capture``):
 - "graph": capture after ``capture_warmup_steps`` eager steps (a CUDA graph on CUDA, capture's CPU
   replay backend elsewhere); a step that cannot be captured raises ``capture.CaptureError``.
-- "auto": on CUDA, the first step after the warm-up runs under ``capture.check`` (it *is* that step; with
-  several ranks, all stay eager if the check finds anything on any of them);
-  with no findings the next step runs eagerly on the capture's side stream (its lazy setup, such as
-  cuBLAS workspaces, must not land in the capture) and the one after is captured; otherwise the step
-  stays eager and says why once. A capture that fails anyway is not tried again: the step stays eager
-  (``_give_up_capture``).
-  Elsewhere it runs eagerly and says why once.
+- "auto": on CUDA, the first step after the warm-up runs under ``capture.check`` (it *is* that step).
+  With findings (on any rank, when several share the step) the step stays eager and says why once.
+  Without, the next step runs eagerly on the capture's side stream (its lazy setup, such as cuBLAS
+  workspaces, must not land in the capture) and the one after is captured. A capture that fails anyway
+  is not tried again: the step stays eager (``_give_up_capture``). Elsewhere than on CUDA the step runs
+  eagerly and says why once.
 - "eager": the chain runs eagerly every step; ``opt.debug_step()`` runs it stage by stage with stats.
 
 A captured step goes stale when what it baked in changes. Before each replay the runner checks:
@@ -203,7 +202,7 @@ class StepRunner:
         for this rank's), since re-running it could not be made whole."""
         applied_part = self._graph.capture_runs_ops
         self.close()
-        reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
         if applied_part or self._agree is not None:
             logger.warning("graphstep: capture='auto' could not capture the step (%s); later steps run eagerly",
                            reason)
