@@ -18,6 +18,7 @@ from capture.profile import Ranges
 
 from . import families as families_mod
 from . import offload
+from .build import model_parallel
 from .build.layout import plan_layout
 from .build.model_params import as_chunks, named_trainable_params, param_spec, warn_dtype_conversion
 from .build.routing import build_family_param_groups
@@ -61,19 +62,22 @@ class StepResult:
 
 
 def get_optimizer(config: OptimizerConfig, model_chunks, config_overrides=None, process_group=None,
-                  model_parallel_group=None, expert_data_parallel_group=None) -> "GraphstepOptimizer":
+                  model_parallel_group=None, expert_data_parallel_group=None,
+                  tensor_parallel_group=None) -> "GraphstepOptimizer":
     """Build the engine over ``model_chunks`` (an nn.Module or a list of them).
 
     ``config_overrides``: None applies the standard overrides (no weight decay on biases and 1-D params,
     ``decoupled_lr`` for embedding/output params); ``{}`` applies none. ``process_group``: the
     data-parallel group (default WORLD when torch.distributed is initialised and the distributed optimizer
-    is on). ``model_parallel_group``: summed over as well for the grad norm and the non-finite check.
-    ``expert_data_parallel_group``: the group MoE expert params (marked ``allreduce=False`` or
-    ``is_expert_parallel=True``) are sharded and reduced over instead of ``process_group``; see
-    graphstep/build/experts.py for the rules.
+    is on). ``model_parallel_group``: summed over as well for the grad norm and the non-finite check (the
+    tensor- and pipeline-parallel ranks together). ``expert_data_parallel_group``: the group MoE expert params
+    (marked ``allreduce=False`` or ``is_expert_parallel=True``) are sharded and reduced over instead of
+    ``process_group``; see graphstep/build/experts.py for the rules. ``tensor_parallel_group``: the
+    tensor-parallel group, whose rank 0 alone counts the params replicated across it in the grad norm
+    (graphstep/build/model_parallel.py); it is the model-parallel group too when that is not given.
     """
     return GraphstepOptimizer(config, model_chunks, config_overrides, process_group, model_parallel_group,
-                              expert_data_parallel_group)
+                              expert_data_parallel_group, tensor_parallel_group)
 
 
 def _static_inputs(domains: tuple[domains_mod.Domain, ...], hyper: HyperParams, tensors: StepTensors):
@@ -101,7 +105,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
     (graphstep/step/torch_amp.py)."""
 
     def __init__(self, config: OptimizerConfig, model_chunks, config_overrides=None, process_group=None,
-                 model_parallel_group=None, expert_data_parallel_group=None):
+                 model_parallel_group=None, expert_data_parallel_group=None, tensor_parallel_group=None):
         if not isinstance(config, OptimizerConfig):
             raise TypeError(f"get_optimizer: config must be an OptimizerConfig, got {type(config).__name__}")
         self.config = config
@@ -124,8 +128,13 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         warn_dtype_conversion(config, named)
         fp8_support.check_against_config(config, named)
         self._families = families = families_of(self.param_groups, config.optimizer)
-        specs = [param_spec(config, name, p, group_of[id(p)], families[group_of[id(p)]].batch_by_shape)
-                 for name, p in named]
+        model_parallel.check_groups(named, model_parallel_group, tensor_parallel_group)
+        model_parallel_group = model_parallel.model_parallel_group(model_parallel_group, tensor_parallel_group)
+        tp_rank = model_parallel.tensor_parallel_rank(tensor_parallel_group)
+        for name, p in named:
+            model_parallel.check_marks(name, p)
+        specs = [param_spec(config, name, p, group_of[id(p)], families[group_of[id(p)]].batch_by_shape,
+                            model_parallel.counted_in_norm(p, tp_rank)) for name, p in named]
 
         dp_group, rank, dp_size = data_parallel_group(config, process_group)
         # MoE expert params: a further domain over the expert data-parallel group (experts.py), or none.

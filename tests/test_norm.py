@@ -60,3 +60,33 @@ def test_a_rescued_row_holding_an_inf_stays_non_finite():
     assert torch.isinf(SumOfSquares(grad)())
     grad[ROW + 7] = float("nan")
     assert torch.isnan(SumOfSquares(grad)())
+
+
+@pytest.mark.parametrize("folded", [False, True])
+def test_sums_another_rank_counts_add_nothing_but_still_carry_a_non_finite_grad(folded):
+    # Tensor parallelism: a replicated param's grad counts in the norm on TP rank 0 only, yet a NaN or inf in
+    # it must still skip the step on this rank (0 x inf is NaN).
+    from graphstep.parallel.collectives import Collectives
+    from graphstep.step.stages import StepTensors, norm
+
+    def run(values, counted):
+        t = StepTensors.allocate(torch.device("cpu"), None, None)
+        if folded:
+            class Folded:
+                sums = torch.tensor(values, dtype=torch.float64)
+
+                def finish(self):
+                    pass
+
+            stage = norm.build_folded([Folded()], t, Collectives(), counted=counted)
+        else:
+            sums = [lambda v=v: torch.tensor(v, dtype=torch.float64) for v in values]
+            stage = norm.build_over(sums, t, Collectives(), counted=counted)
+        stage.apply()
+        return float(t.grad_norm), bool(t.found_inf)
+
+    assert run([9.0, 16.0, 4.0], [True, True, False]) == (5.0, False)
+    assert run([9.0, 16.0, 4.0], [True, True, True]) == (pytest.approx(29.0 ** 0.5), False)
+    assert run([9.0, float("inf")], [True, False])[1]
+    assert run([9.0, float("nan")], [True, False])[1]
+    assert run([4.0], [False]) == (0.0, False)

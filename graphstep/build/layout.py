@@ -60,6 +60,8 @@ class ParamSpec:
     group: int
     batch_by_shape: bool = False  # its group's update needs whole matrices, batched by shape (Muon): sort by
     # shape, and with several ranks shard layer-wise (whole matrices per rank)
+    counted_in_norm: bool = True  # False: a copy another rank counts (graphstep/build/model_parallel.py); its
+    # grads still take part in the non-finite check. Such params get buffers of their own.
 
     @property
     def numel(self) -> int:
@@ -122,6 +124,7 @@ class BufferLayout:
     numel: int
     buckets: tuple[int, ...]  # indices into Layout.buckets
     shard_numel: int  # elements of this buffer each rank owns (sum of its buckets' shards)
+    counted_in_norm: bool = True  # its params' grads count in the grad norm on this rank (ParamSpec)
 
 
 @dataclass(frozen=True)
@@ -196,18 +199,22 @@ class Layout:
                                         start, end))
         return tuple(segments)
 
-    def padding_numel(self, rank: Optional[int] = None) -> int:
-        """Elements that belong to no param: in the whole buffers, or in ``rank``'s shards."""
+    def padding_numel(self, rank: Optional[int] = None, buffers: Optional[Sequence[int]] = None) -> int:
+        """Elements that belong to no param: in the whole buffers, or in ``rank``'s shards; of every buffer,
+        or of ``buffers`` only."""
+        chosen = set(range(len(self.buffers)) if buffers is None else buffers)
         if rank is None:
-            return sum(b.numel for b in self.buffers) - sum(p.numel for p in self.params)
-        owned = sum(r.param_end - r.param_start for r in self.owned_ranges(rank))
-        return sum(b.shard_numel for b in self.buffers) - owned
+            return (sum(self.buffers[b].numel for b in chosen)
+                    - sum(p.numel for p in self.params if p.buffer in chosen))
+        owned = sum(r.param_end - r.param_start for r in self.owned_ranges(rank)
+                    if self.params[r.param].buffer in chosen)
+        return sum(self.buffers[b].shard_numel for b in chosen) - owned
 
     def fingerprint(self) -> tuple:
         """A value equal on two ranks exactly when they planned the same layout (checked at build)."""
         return (self.dp_size, self.num_groups,
                 tuple((p.name, p.shape, p.group, p.buffer, p.start) for p in self.params),
-                tuple((str(b.param_dtype), str(b.grad_dtype), b.numel) for b in self.buffers))
+                tuple((str(b.param_dtype), str(b.grad_dtype), b.numel, b.counted_in_norm) for b in self.buffers))
 
 
 def default_bucket_size(dp_size: int) -> int:
@@ -216,6 +223,11 @@ def default_bucket_size(dp_size: int) -> int:
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+def _buffer_key(spec: ParamSpec) -> tuple[torch.dtype, torch.dtype, bool]:
+    """Params share a flat buffer when they share dtypes and whether they count in the norm on this rank."""
+    return spec.dtype, spec.grad_dtype, spec.counted_in_norm
 
 
 def _in_bucket_key(spec: ParamSpec) -> tuple:
@@ -251,11 +263,11 @@ def plan_layout(specs: Sequence[ParamSpec], dp_size: int = 1, bucket_size: Optio
         raise ValueError(f"bucket_size={bucket_size}: must be >= 1")
     bucket_multiple = math.lcm(dp_size, BUCKET_ALIGNMENT)
 
-    keys: list[tuple[torch.dtype, torch.dtype]] = []
+    keys: list[tuple[torch.dtype, torch.dtype, bool]] = []
     for spec in specs:
         if spec.numel == 0:
             raise ValueError(f"parameter '{spec.name}' has no elements; drop it or freeze it")
-        key = (spec.dtype, spec.grad_dtype)
+        key = _buffer_key(spec)
         if key not in keys:
             keys.append(key)
 
@@ -264,7 +276,7 @@ def plan_layout(specs: Sequence[ParamSpec], dp_size: int = 1, bucket_size: Optio
     buckets: list[Bucket] = []
     buffers: list[BufferLayout] = []
     for buffer_index, key in enumerate(keys):
-        backward = [i for i in reversed(range(len(specs))) if (specs[i].dtype, specs[i].grad_dtype) == key]
+        backward = [i for i in reversed(range(len(specs))) if _buffer_key(specs[i]) == key]
         # With several ranks, whole-matrix params (Muon's) get layer-wise buckets of their own, after the
         # element-sharded ones (graphstep.layerwise).
         whole = [i for i in backward if dp_size > 1 and specs[i].batch_by_shape]
@@ -313,7 +325,8 @@ def plan_layout(specs: Sequence[ParamSpec], dp_size: int = 1, bucket_size: Optio
             bucket_indices.append(bucket.index)
             shard_offset += bucket.shard_numel
             offset = bucket.end
-        buffers.append(BufferLayout(buffer_index, key[0], key[1], offset, tuple(bucket_indices), shard_offset))
+        buffers.append(BufferLayout(buffer_index, key[0], key[1], offset, tuple(bucket_indices), shard_offset,
+                                    counted_in_norm=key[2]))
 
     num_groups = max(spec.group for spec in specs) + 1
     return Layout(tuple(placements[i] for i in range(len(specs))), tuple(buckets), tuple(buffers), dp_size,

@@ -73,7 +73,7 @@ def warn_dtype_conversion(config: OptimizerConfig, named) -> None:
 
 
 def param_spec(config: OptimizerConfig, name: str, p: torch.nn.Parameter, group: int,
-                batch_by_shape: bool = False) -> ParamSpec:
+               batch_by_shape: bool = False, counted_in_norm: bool = True) -> ParamSpec:
     """The layout's view of one param, refusing dtypes graphstep does not train."""
     if p.is_complex():
         raise ValueError(f"param '{name}' is complex ({p.dtype}): graphstep trains real floating-point params "
@@ -86,4 +86,4 @@ def param_spec(config: OptimizerConfig, name: str, p: torch.nn.Parameter, group:
         raise ValueError(f"{source}: graphstep trains float32, bfloat16 and float16 params (its norm and update "
                          "kernels run in fp32 over fp32 main params); cast the model with model.float()")
     grad_dtype = config.main_grads_dtype if dtype in _HALF or is_fp8(p) else dtype
-    return ParamSpec(name, tuple(p.shape), dtype, grad_dtype, group, batch_by_shape)
+    return ParamSpec(name, tuple(p.shape), dtype, grad_dtype, group, batch_by_shape, counted_in_norm)

@@ -4,7 +4,9 @@ No pass unscales the grads: the norm of the scaled grads times 1/scale is the no
 and the unscale itself is folded into the update's grad scale (stages/clip.py). A non-finite grad makes
 the sum of squares non-finite, which is the non-finite check; summing the squares across ranks (SUM
 all-reduce) carries a non-finite value to every rank, so all ranks decide the skip alike from the same
-number.
+number. Under tensor or pipeline parallelism a grad buffer whose params another rank counts
+(``BufferLayout.counted_in_norm``, graphstep/build/model_parallel.py) adds nothing to the sum but still
+carries a non-finite value into it.
 
 Precision. One fp32 reduction over a whole buffer is inaccurate at scale (at 124M grads, GPT-2 small,
 ``torch.dot`` and ``vector_norm`` were 0.3% and 2% off an fp64 sum), so the norm is two-level: fp32 norms
@@ -18,7 +20,7 @@ overflowing rows the step is treated as non-finite. Rows holding an inf or NaN s
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -103,29 +105,51 @@ class ForeachSumOfSquares:
         return norms.square().sum()
 
 
-def build_over(sums: Sequence[Callable[[], torch.Tensor]], t: StepTensors, comm, compiled: bool = False) -> Stage:
+def build_over(sums: Sequence[Callable[[], torch.Tensor]], t: StepTensors, comm, compiled: bool = False,
+               counted: Optional[Sequence[bool]] = None) -> Stage:
     """The norm stage over ``sums`` (each returns an fp64 0-d sum of squares of its grads); ``compiled``: as in
-    ``_stage``."""
+    ``_stage``. ``counted``: per sum, whether it counts in the norm on this rank (default: all); the others
+    only take part in the non-finite check (``_uncounted``)."""
+    counted = [True] * len(sums) if counted is None else list(counted)
 
     def total() -> torch.Tensor:
         parts = [sum_of_squares() for sum_of_squares in sums]
-        return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+        if all(counted):
+            return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+        kept = [p for p, keep in zip(parts, counted) if keep]
+        left_out = [p for p, keep in zip(parts, counted) if not keep]
+        base = torch.stack(kept).sum() if kept else torch.zeros((), dtype=torch.float64, device=parts[0].device)
+        return base + _uncounted(torch.stack(left_out).sum())
 
     return _stage(total, t, comm, compiled)
 
 
-def build_folded(folds: Sequence, t: StepTensors, comm, compiled: bool = False) -> Stage:
+def _uncounted(sumsq: torch.Tensor) -> torch.Tensor:
+    """What a sum of squares another rank counts adds here: 0, or NaN when it is not finite (0 x inf), so a
+    non-finite grad in it still skips the step on every rank."""
+    return sumsq * 0.0
+
+
+def build_folded(folds: Sequence, t: StepTensors, comm, compiled: bool = False,
+                 counted: Optional[Sequence[bool]] = None) -> Stage:
     """The norm stage over sums of squares already folded where the grads became final (graphstep.step.folded_sums):
     it reads no grad. Each domain ``finish``es its fp64 vector (one rank: rescue and sum the folded row
     norms), then the vectors are summed as one: with several ranks the same values in the same order as
-    ``build_over``'s parts, summed the same way."""
+    ``build_over``'s parts, summed the same way. ``counted``: per slot of the joined vector (one per grad
+    buffer), as in ``build_over``."""
     vectors = [folded.sums for folded in folds]
     joined = torch.empty(sum(v.numel() for v in vectors), dtype=torch.float64, device=vectors[0].device)
+    counted = [True] * joined.numel() if counted is None else list(counted)
+    keep = torch.tensor([i for i, c in enumerate(counted) if c], dtype=torch.int64, device=joined.device)
+    drop = torch.tensor([i for i, c in enumerate(counted) if not c], dtype=torch.int64, device=joined.device)
 
     def total() -> torch.Tensor:
         for folded in folds:
             folded.finish()
-        return vectors[0].sum() if len(vectors) == 1 else torch.cat(vectors, out=joined).sum()
+        if all(counted):
+            return vectors[0].sum() if len(vectors) == 1 else torch.cat(vectors, out=joined).sum()
+        sums = torch.cat(vectors, out=joined)
+        return sums.index_select(0, keep).sum() + _uncounted(sums.index_select(0, drop).sum())
 
     return _stage(total, t, comm, compiled)
 
@@ -161,7 +185,9 @@ def build(ctx, *others) -> Stage:
     this one's before its single all-reduce. With ``fold_grad_norm`` the sums were folded where the grads
     became final (graphstep.step.folded_sums) and the stage only adds them up."""
     domains = (ctx, *others)
+    # One entry per grad buffer of each domain, in the order both paths sum them.
+    counted = [buffer.counted_in_norm for c in domains for buffer in c.layout.buffers]
     if ctx.folded is not None:
-        return build_folded([c.folded for c in domains], ctx.tensors, ctx.comm, ctx.compile_scalars)
+        return build_folded([c.folded for c in domains], ctx.tensors, ctx.comm, ctx.compile_scalars, counted)
     return build_over([SumOfSquares(g) for c in domains for g in c.buffers.grad_shard], ctx.tensors, ctx.comm,
-                      ctx.compile_scalars)
+                      ctx.compile_scalars, counted)

@@ -1,0 +1,110 @@
+"""What the spawned ranks of test_tensor_parallel.py run: a two-layer MLP split the Megatron way over a
+tensor-parallel group (column-parallel, then row-parallel with a replicated bias, then a replicated
+LayerNorm), against the same MLP whole in one process."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import graphstep as gs
+
+D, H, BATCH, STEPS = 16, 32, 8, 4
+
+
+class _SumOverTensorParallel(torch.autograd.Function):
+    """Megatron's reduce-from-tensor-parallel region: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, hidden: int = H):
+        super().__init__()
+        self.up = torch.nn.Linear(D, hidden)
+        self.down = torch.nn.Linear(hidden, D)
+        self.norm = torch.nn.LayerNorm(D)
+        self.unused_offset = torch.nn.Parameter(torch.zeros(D))  # replicated; its grad is all zeros (num_zeros)
+        self.tp = False
+
+    def forward(self, x):
+        partial = torch.nn.functional.linear(torch.nn.functional.gelu(self.up(x)), self.down.weight)
+        if self.tp:
+            partial = _SumOverTensorParallel.apply(partial)
+        return self.norm(partial + self.down.bias) + 0.0 * self.unused_offset
+
+
+def whole_model() -> MLP:
+    torch.manual_seed(0)
+    model = MLP()
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 1.5)
+        model.norm.bias.uniform_(-0.1, 0.1)
+    return model
+
+
+def tp_slice(whole: MLP, rank: int, world: int) -> MLP:
+    """This rank's part of ``whole``: ``up`` split by rows (its weight and bias), ``down`` by columns; the
+    ``down`` bias and the LayerNorm replicated. Megatron's marks on the split params."""
+    part = MLP(H // world)
+    rows = slice(rank * H // world, (rank + 1) * H // world)
+    with torch.no_grad():
+        part.up.weight.copy_(whole.up.weight[rows])
+        part.up.bias.copy_(whole.up.bias[rows])
+        part.down.weight.copy_(whole.down.weight[:, rows])
+        part.down.bias.copy_(whole.down.bias)
+        part.norm.load_state_dict(whole.norm.state_dict())
+        part.unused_offset.copy_(whole.unused_offset)
+    for p, dim in ((part.up.weight, 0), (part.up.bias, 0), (part.down.weight, 1)):
+        p.tensor_model_parallel, p.partition_dim = True, dim
+    part.tp = world > 1
+    return part
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randn(BATCH, D, generator=torch.Generator().manual_seed(100 + step))
+
+
+def train(model: MLP, capture: str, **groups) -> dict:
+    config = gs.OptimizerConfig(lr=1e-2, clip_grad=0.05, weight_decay=0.0, capture=capture, capture_warmup_steps=1,
+                                log_num_zeros_in_grad=True, kernel="fused")
+    opt = gs.get_optimizer(config, model, **groups)
+    norms, zeros = [], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        model(batch(step)).square().mean().backward()
+        result = opt.step()
+        norms.append(float(result.grad_norm))
+        zeros.append(int(result.num_zeros))
+    return {"norms": norms, "zeros": zeros, "captured": opt.captured}
+
+
+def tensor_parallel(rank: int, world: int, capture: str) -> dict:
+    """The split MLP trained over WORLD as the tensor-parallel group, and the whole one in this process."""
+    whole = whole_model()
+    part = tp_slice(whole, rank, world)
+    reference = train(whole, "eager")
+    found = train(part, capture, tensor_parallel_group=dist.group.WORLD)
+    rows = slice(rank * H // world, (rank + 1) * H // world)
+    pairs = ((part.up.weight, whole.up.weight[rows]), (part.up.bias, whole.up.bias[rows]),
+             (part.down.weight, whole.down.weight[:, rows]), (part.down.bias, whole.down.bias),
+             (part.norm.weight, whole.norm.weight), (part.norm.bias, whole.norm.bias))
+    worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
+    return {"reference": reference, "found": found, "worst_param_error": worst}
+
+
+def marks_without_tensor_parallel_group(rank: int, world: int) -> str:
+    part = tp_slice(whole_model(), rank, world)
+    try:
+        gs.get_optimizer(gs.OptimizerConfig(capture="eager"), part, model_parallel_group=dist.group.WORLD)
+    except ValueError as error:
+        return str(error)
+    return "built"

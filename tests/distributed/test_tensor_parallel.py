@@ -1,0 +1,26 @@
+"""Tensor parallelism: every grad element counted once in the norm, the clip and num_zeros across the
+tensor-parallel ranks (graphstep/build/model_parallel.py), against the unsplit model in one process."""
+
+import pytest
+
+import _tp_workers
+from _harness import spawn, values
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize("capture", ["eager", "graph"])
+def test_norm_clip_and_zero_count_equal_the_unsplit_model(capture):
+    # Replicated params (the row-parallel bias, the LayerNorm) count on TP rank 0 only: counted on both ranks,
+    # as before tensor_parallel_group existed, the norm came out larger than the unsplit model's.
+    for report in values(spawn(_tp_workers.tensor_parallel, 2, capture, timeout=60)):
+        reference, found = report["reference"], report["found"]
+        assert found["captured"] == (capture == "graph")
+        assert found["norms"] == pytest.approx(reference["norms"], rel=1e-5), report
+        assert found["zeros"] == reference["zeros"] and min(reference["zeros"]) >= _tp_workers.D, report
+        assert report["worst_param_error"] < 1e-5, report
+
+
+def test_tensor_parallel_marks_without_the_tensor_parallel_group_are_refused():
+    for message in values(spawn(_tp_workers.marks_without_tensor_parallel_group, 2, timeout=60)):
+        assert "no tensor_parallel_group was given" in message and "up.weight" in message, message
