@@ -16,14 +16,14 @@ class _SumOverTensorParallel(torch.autograd.Function):
     """Megatron's reduce-from-tensor-parallel region: all-reduce forward, identity backward."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, group):
         x = x.clone()
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        return grad, None
 
 
 class MLP(torch.nn.Module):
@@ -34,11 +34,12 @@ class MLP(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(D)
         self.unused_offset = torch.nn.Parameter(torch.zeros(D))  # replicated; its grad is all zeros (num_zeros)
         self.tp = False
+        self.tp_group = None  # None: WORLD
 
     def forward(self, x):
         partial = torch.nn.functional.linear(torch.nn.functional.gelu(self.up(x)), self.down.weight)
         if self.tp:
-            partial = _SumOverTensorParallel.apply(partial)
+            partial = _SumOverTensorParallel.apply(partial, self.tp_group)
         return self.norm(partial + self.down.bias) + 0.0 * self.unused_offset
 
 
@@ -108,3 +109,41 @@ def marks_without_tensor_parallel_group(rank: int, world: int) -> str:
     except ValueError as error:
         return str(error)
     return "built"
+
+
+def tensor_and_data_parallel(rank: int, world: int, capture: str) -> dict:
+    """TP = 2 x DP = 2 on 4 ranks: TP groups {0, 1} and {2, 3}, data-parallel groups {0, 2} and {1, 3} with
+    the distributed optimizer; each data-parallel rank its own batch. The reference is the whole model in
+    this process over both batches' mean loss (what the data-parallel average of the grads computes)."""
+    tp_size = 2
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tp_rank, dp_rank = rank % tp_size, rank // tp_size
+    tp_group, dp_group = tp_groups[dp_rank], dp_groups[tp_rank]
+
+    def loss(model, step, dp):
+        return model(batch(10 * step + dp)).square().mean()
+
+    config = dict(lr=1e-2, clip_grad=0.05, weight_decay=0.0, capture_warmup_steps=1, log_num_zeros_in_grad=True,
+                  kernel="fused")
+    whole = whole_model()
+    reference = gs.get_optimizer(gs.OptimizerConfig(capture="eager", **config), whole)
+    part = tp_slice(whole_model(), tp_rank, tp_size)
+    part.tp_group = tp_group
+    opt = gs.get_optimizer(gs.OptimizerConfig(capture=capture, use_distributed_optimizer=True, **config), part,
+                           process_group=dp_group, tensor_parallel_group=tp_group)
+    found, expected = [], []
+    for step in range(STEPS):
+        reference.zero_grad()
+        (sum(loss(whole, step, dp) for dp in range(2)) / 2).backward()
+        result = reference.step()
+        expected.append((float(result.grad_norm), int(result.num_zeros)))
+        opt.zero_grad()
+        loss(part, step, dp_rank).backward()
+        result = opt.step()
+        found.append((float(result.grad_norm), int(result.num_zeros)))
+    rows = slice(tp_rank * H // tp_size, (tp_rank + 1) * H // tp_size)
+    pairs = ((part.up.weight, whole.up.weight[rows]), (part.down.weight, whole.down.weight[:, rows]),
+             (part.down.bias, whole.down.bias), (part.norm.weight, whole.norm.weight))
+    worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
+    return {"found": found, "expected": expected, "worst_param_error": worst, "captured": opt.captured}

@@ -24,3 +24,14 @@ def test_norm_clip_and_zero_count_equal_the_unsplit_model(capture):
 def test_tensor_parallel_marks_without_the_tensor_parallel_group_are_refused():
     for message in values(spawn(_tp_workers.marks_without_tensor_parallel_group, 2, timeout=60)):
         assert "no tensor_parallel_group was given" in message and "up.weight" in message, message
+
+
+@pytest.mark.parametrize("capture", ["eager", "graph"])
+def test_tensor_times_data_parallel_on_four_ranks_equals_the_unsplit_model(capture):
+    for report in values(spawn(_tp_workers.tensor_and_data_parallel, 4, capture, timeout=90)):
+        assert report["captured"] == (capture == "graph")
+        norms, zeros = zip(*report["found"])
+        expected_norms, expected_zeros = zip(*report["expected"])
+        assert norms == pytest.approx(expected_norms, rel=1e-5), report
+        assert zeros == expected_zeros, report
+        assert report["worst_param_error"] < 1e-5, report
