@@ -167,7 +167,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         """Clip threshold, refreshed into a device tensor before each step: may change between steps."""
         self.grad_norm_skip_threshold = config.grad_norm_skip_threshold
         """Norm above which a step is skipped, refreshed like ``clip_grad``."""
-        self.comm = Collectives(dp_group, dp_size, model_parallel_group, timeout_s=config.distributed_timeout_s)
+        self.comm = Collectives(dp_group, dp_size, model_parallel_group, timeout_s=config.distributed_timeout_s,
+                                tp_group=tensor_parallel_group)
         # The one build-time exchange with other ranks: all agree on the layout and config before any stage
         # pairs up buffers (and the model-parallel group gets its timeout). No stage factory talks to peers.
         self.comm.setup(layout, config, device)
@@ -210,7 +211,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             static_inputs=_static_inputs(self.domains, self.hyper, self.tensors),
             baked_values=baked_values(self.stages),
             agree=_agreement(config, device, self.comm))
-        step_groups = [g for d in self.domains for g in (d.comm.dp_group, d.comm.mp_group) if g is not None]
+        step_groups = [g for d in self.domains for g in (d.comm.dp_group, d.comm.mp_group, d.comm.tp_group)
+                       if g is not None]
         if step_groups and self._runner.may_capture:
             # NCCL cannot destroy a communicator while a CUDA graph holds its collectives: the captured step
             # goes first, whichever way the job is torn down (graphstep/parallel/teardown.py).

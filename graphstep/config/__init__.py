@@ -214,6 +214,12 @@ class OptimizerConfig:
     """With ``optimizer="muon"``: the family of the params Muon does not take (not 2-D, embedding/output,
     ``use_muon=False``): "adam" or "lion"."""
 
+    muon_tp_mode: str = "duplicated"
+    """Muon on a matrix split over the tensor-parallel group (``tensor_model_parallel``, ``partition_dim``):
+    "duplicated" all-gathers it and orthogonalises the whole matrix on every TP rank, "distributed" runs
+    Newton–Schulz on the slices with its Gram matrices all-reduced over the group, "blockwise"
+    orthogonalises each slice alone. The update scale uses the whole matrix's shape in every mode."""
+
     lion_beta1: float = 0.95
     """Lion's interpolation β1 in [0, 1) (the sign of ``β1·m + (1 − β1)·g`` is the update)."""
 

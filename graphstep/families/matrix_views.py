@@ -13,6 +13,10 @@ one entry of the kernel's lists. Nothing here assumes the layout's order for cor
 With several data-parallel ranks the layout shards Muon's params layer-wise (graphstep.build.layerwise): each
 rank's shard holds whole matrices, and the views here cover only this rank's own.
 
+Tensor parallelism: a param marked ``tensor_model_parallel`` (Megatron's mark, with ``partition_dim``) holds
+one slice of a matrix split over the tensor-parallel group; its runs carry a ``TensorParallelSplit`` and the
+kernel handles them as ``OptimizerConfig.muon_tp_mode`` says (graphstep/kernels/muon.py).
+
 Fused QKV weights: with ``OptimizerConfig.muon_split_qkv`` a param carrying ``qkv_split`` (a
 ``graphstep.QKVSplit``; ``graphstep.qk_clip.register(..., qkv=...)`` sets it from the head layout) is
 orthogonalised as separate Q, K and V matrices. A param named like Megatron's ``linear_qkv.weight``
@@ -26,7 +30,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from ..kernels.muon import QKVSplit
+from ..kernels.muon import QKVSplit, TensorParallelSplit
 
 MEGATRON_QKV_SUFFIX = "linear_qkv.weight"
 
@@ -39,6 +43,7 @@ class MatrixViews:
     grads: list[torch.Tensor]
     state: Mapping[str, list[torch.Tensor]]
     qkv_splits: list[Optional[QKVSplit]] = field(default_factory=list)
+    tp_splits: list[Optional[TensorParallelSplit]] = field(default_factory=list)
 
 
 def check_whole_matrices(ctx, group: int) -> None:
@@ -83,6 +88,29 @@ def qkv_split_of(param: torch.Tensor, name: str, shape: tuple, config) -> Option
     return split
 
 
+def tensor_parallel_dim(param: torch.Tensor, name: str, comm) -> Optional[int]:
+    """The dimension (0 or 1) ``param`` is split along over the tensor-parallel group, or None: not marked
+    ``tensor_model_parallel``, or no such group (the param is then the whole matrix)."""
+    if comm.tp_group is None or not getattr(param, "tensor_model_parallel", False):
+        return None
+    dim = getattr(param, "partition_dim", None)
+    if dim not in (0, 1, -1, -2):
+        raise ValueError(f"param '{name}' is marked tensor_model_parallel but its partition_dim={dim!r} is not one of "
+                         "its two dimensions: Muon needs to know along which one it is split")
+    if getattr(param, "partition_stride", 1) != 1:
+        raise ValueError(f"param '{name}' has partition_stride={param.partition_stride}: Muon on strided tensor-"
+                         "parallel splits is not supported (gather its slices in Megatron's order first)")
+    return dim % 2
+
+
+def _tp_split(comm, dim: Optional[int]) -> Optional[TensorParallelSplit]:
+    if dim is None:
+        return None
+    return TensorParallelSplit(dim, comm.tp_size, comm.tp_rank,
+                               lambda out, inp: comm.tp_all_gather(out, inp, "Muon tensor-parallel all_gather"),
+                               lambda t: comm.tp_all_reduce_sum(t, "Muon tensor-parallel all_reduce"))
+
+
 def matrix_views(ctx, group: int, segments: Sequence, sources) -> MatrixViews:
     """The (n, r, c) views of group ``group``'s params in ``sources`` (a families.ViewSources)."""
     layout, config = ctx.layout, ctx.config
@@ -98,10 +126,12 @@ def matrix_views(ctx, group: int, segments: Sequence, sources) -> MatrixViews:
     runs: list[list] = []
     for place in places:
         mine = owned[place.index]
-        split = qkv_split_of(ctx.buffers.params[place.index], place.name, place.shape, config)
+        param = ctx.buffers.params[place.index]
+        split = qkv_split_of(param, place.name, place.shape, config)
+        tp_dim = tensor_parallel_dim(param, place.name, ctx.comm)
         states = tuple(sources.state_at(n, place.buffer, mine.shard_start, place.numel) for n in names)
         run = runs[-1] if runs else None
-        if (run is not None and run[:3] == [place.buffer, place.shape, split]
+        if (run is not None and run[:3] == [place.buffer, place.shape, split] and run[8] == tp_dim
                 and mine.shard_start - run[3] == mine.flat_start - run[6]
                 and all(o - r == mine.shard_start - run[3] for o, r in zip(states, run[7]))
                 and (run[5] == 1 or mine.shard_start - run[3] == run[4] * run[5])):
@@ -109,11 +139,11 @@ def matrix_views(ctx, group: int, segments: Sequence, sources) -> MatrixViews:
                 run[4] = mine.shard_start - run[3]
             run[5] += 1
         else:
-            runs.append([place.buffer, place.shape, split, mine.shard_start, 0, 1, mine.flat_start, states])
+            runs.append([place.buffer, place.shape, split, mine.shard_start, 0, 1, mine.flat_start, states, tp_dim])
 
     def cut(tensors, in_flat=(), state=None):
         views = []
-        for buffer, (rows, cols), _, start, spacing, count, flat_start, states in runs:
+        for buffer, (rows, cols), _, start, spacing, count, flat_start, states, _ in runs:
             base = tensors[buffer]
             offset = states[state] if state is not None else flat_start if in_flat and in_flat[buffer] else start
             views.append(base.as_strided((count, rows, cols), (spacing or rows * cols, cols, 1),
@@ -122,4 +152,4 @@ def matrix_views(ctx, group: int, segments: Sequence, sources) -> MatrixViews:
 
     return MatrixViews(cut(sources.main, sources.main_in_flat), cut(sources.grads, sources.grads_in_flat),
                        {name: cut(sources.state[name], state=i) for i, name in enumerate(names)},
-                       [run[2] for run in runs])
+                       [run[2] for run in runs], [_tp_split(ctx.comm, run[8]) for run in runs])

@@ -37,6 +37,7 @@ def _validate(config, checks) -> None:
     checks.choice(config, "muon_scale_mode", muon_kernels.SCALE_MODES)
     checks.choice(config, "muon_fp32_matmul_prec", MATMUL_PRECISIONS)
     checks.choice(config, "muon_scalar_optimizer", SCALAR_FAMILIES)
+    checks.choice(config, "muon_tp_mode", muon_kernels.TP_MODES)
     steps = config.muon_num_ns_steps
     if isinstance(steps, bool) or not isinstance(steps, int):
         checks.fail("muon_num_ns_steps", steps, "must be an int")
@@ -52,7 +53,8 @@ def _call(kernels, views: GroupViews, scalars: StepScalars, config, grad_scale, 
                  decoupled=config.decoupled_weight_decay, grad_scale=grad_scale, found_inf=scalars.found_inf,
                  ns_steps=config.muon_num_ns_steps, coefficient_type=config.muon_coefficient_type,
                  scale_mode=config.muon_scale_mode, extra_scale_factor=config.muon_extra_scale_factor,
-                 fp32_matmul_prec=config.muon_fp32_matmul_prec, qkv_splits=views.qkv_splits, **hyper)
+                 fp32_matmul_prec=config.muon_fp32_matmul_prec, qkv_splits=views.qkv_splits,
+                 tp_splits=views.tp_splits, tp_mode=config.muon_tp_mode, **hyper)
 
 
 FAMILY = Family(

@@ -31,15 +31,46 @@ rows, all K rows, all V rows), each scaled by its own shape, when its entry of `
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from .newton_schulz import NS_EPS, newton_schulz
+from .newton_schulz import NS_EPS, newton_schulz, newton_schulz_split
 
 LIVE_FIELDS = frozenset({"lr", "weight_decay", "momentum"})
 STATE_NAMES = ("momentum_buffer",)
 SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
+TP_MODES = ("duplicated", "distributed", "blockwise")  # OptimizerConfig.muon_tp_mode
+
+
+@dataclass(frozen=True)
+class TensorParallelSplit:
+    """A run of matrices split over the tensor-parallel group: this rank holds slice ``rank`` of ``world``
+    equal slices along ``dim`` (0: rows, 1: columns) of each. ``all_gather(out, inp)`` writes every rank's
+    ``inp`` into ``out`` (flat, rank after rank); ``all_reduce(t)`` sums ``t`` in place over the group. Both
+    are the step's collectives (graphstep/parallel/collectives.py), passed in: the kernels talk to no group."""
+
+    dim: int
+    world: int
+    rank: int
+    all_gather: Callable[[torch.Tensor, torch.Tensor], None]
+    all_reduce: Callable[[torch.Tensor], None]
+
+    def global_shape(self, rows: int, cols: int) -> tuple[int, int]:
+        return (rows * self.world, cols) if self.dim == 0 else (rows, cols * self.world)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole matrices of this rank's slices ``x`` (n, r, c)."""
+        n, rows, cols = x.shape
+        out = torch.empty(self.world * x.numel(), dtype=x.dtype, device=x.device)
+        self.all_gather(out, x.contiguous().view(-1))
+        slices = out.view(self.world, n, rows, cols)
+        return torch.cat(slices.unbind(0), dim=1 + self.dim)
+
+    def local(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of ``whole`` (n, R, C)."""
+        size = whole.size(1 + self.dim) // self.world
+        return whole.narrow(1 + self.dim, self.rank * size, size)
 
 
 def scale_factor(rows: int, cols: int, scale_mode: str) -> float:
@@ -78,12 +109,25 @@ class QKVSplit:
 
 
 def orthogonalize(update: torch.Tensor, *, ns_steps: int, coefficient_type: str, scale_mode: str,
-                  extra_scale_factor: float, fp32_matmul_prec: str, eps: float = NS_EPS) -> torch.Tensor:
-    """NS of each matrix of ``update`` (n, r, c) times its shape scale and ``extra_scale_factor``."""
-    orth = newton_schulz(update, num_steps=ns_steps, coefficient_type=coefficient_type,
-                         fp32_matmul_prec=fp32_matmul_prec, eps=eps)
+                  extra_scale_factor: float, fp32_matmul_prec: str, eps: float = NS_EPS,
+                  split: Optional[TensorParallelSplit] = None, distributed: bool = False) -> torch.Tensor:
+    """NS of each matrix of ``update`` (n, r, c) times its shape scale and ``extra_scale_factor``.
+
+    ``split``: ``update`` is this rank's slice of matrices split over the tensor-parallel group; the scale
+    is the whole matrix's, and with ``distributed`` Newton–Schulz runs on the slices together
+    (``newton_schulz_split``), else on the slice alone (blockwise)."""
+    rows, cols = update.size(-2), update.size(-1)
+    if split is not None:
+        rows, cols = split.global_shape(rows, cols)
+    if split is not None and distributed:
+        orth = newton_schulz_split(update, split_dim=1 + split.dim, global_shape=(rows, cols),
+                                   all_reduce=split.all_reduce, num_steps=ns_steps, coefficient_type=coefficient_type,
+                                   fp32_matmul_prec=fp32_matmul_prec, eps=eps)
+    else:
+        orth = newton_schulz(update, num_steps=ns_steps, coefficient_type=coefficient_type,
+                             fp32_matmul_prec=fp32_matmul_prec, eps=eps)
     # Two multiplies by Python floats, as EO does: `update * scale_factor * extra_scale_factor`.
-    orth = orth * scale_factor(update.size(-2), update.size(-1), scale_mode)
+    orth = orth * scale_factor(rows, cols, scale_mode)
     return orth * extra_scale_factor if extra_scale_factor != 1.0 else orth
 
 
@@ -91,7 +135,9 @@ def orthogonalize_qkv(update: torch.Tensor, split: QKVSplit, **ns_options) -> to
     """``orthogonalize`` of the gathered Q, K and V matrices of each fused weight in ``update`` (n, R, C).
 
     Returns (n, R, C) with every row back in its fused position. When K and V have the same shape they
-    go through one batched call of 2n matrices, so a split costs two NS calls, not three.
+    go through one batched call of 2n matrices, so a split costs two NS calls, not three. A tensor-parallel
+    ``split`` in ``ns_options`` applies to each of the three: a column-parallel QKV weight is split by query
+    groups, so each of Q, K and V is split along its rows.
     """
     n, rows, cols = update.shape
     split.check(rows)
@@ -119,13 +165,34 @@ def _check_views(params, grads, momentum_buffers, qkv_splits) -> None:
             raise TypeError(f"muon runs on fp32 main params and state, got {param.dtype} / {buf.dtype}")
 
 
+def _orthogonalize_entry(update: torch.Tensor, qkv: Optional[QKVSplit], tp: Optional[TensorParallelSplit],
+                         tp_mode: str, ns_options: dict) -> torch.Tensor:
+    """One entry's orthogonalised update: whole matrices, or slices split over the tensor-parallel group
+    handled as ``tp_mode`` says (duplicated: gather, orthogonalise the whole, keep this rank's slice)."""
+    if tp is not None and tp_mode == "duplicated":
+        whole = tp.gather(update)
+        if qkv is None:
+            return tp.local(orthogonalize(whole, **ns_options))
+        whole_qkv = QKVSplit(qkv.num_groups * tp.world, qkv.q_rows, qkv.k_rows, qkv.v_rows)  # groups split by rank
+        return tp.local(orthogonalize_qkv(whole, whole_qkv, **ns_options))
+    if tp is not None:
+        ns_options = dict(ns_options, split=tp, distributed=tp_mode == "distributed")
+    return orthogonalize(update, **ns_options) if qkv is None else orthogonalize_qkv(update, qkv, **ns_options)
+
+
 def muon(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], momentum_buffers: Sequence[torch.Tensor],
          *, lr: torch.Tensor, weight_decay: torch.Tensor, momentum: torch.Tensor, nesterov: bool, decoupled: bool,
          grad_scale: Optional[torch.Tensor], found_inf: torch.Tensor, ns_steps: int, coefficient_type: str,
          scale_mode: str, extra_scale_factor: float, fp32_matmul_prec: str,
-         qkv_splits: Optional[Sequence[Optional[QKVSplit]]] = None, eps: float = NS_EPS) -> None:
-    """One Muon step over each (n, r, c) entry, in place; see the module docstring for the rule."""
+         qkv_splits: Optional[Sequence[Optional[QKVSplit]]] = None, eps: float = NS_EPS,
+         tp_splits: Optional[Sequence[Optional[TensorParallelSplit]]] = None, tp_mode: str = "duplicated") -> None:
+    """One Muon step over each (n, r, c) entry, in place; see the module docstring for the rule. ``tp_splits``:
+    per entry, how its matrices are split over the tensor-parallel group (None: whole), handled as
+    ``tp_mode`` says (``TP_MODES``)."""
     qkv_splits = list(qkv_splits) if qkv_splits is not None else [None] * len(params)
+    tp_splits = list(tp_splits) if tp_splits is not None else [None] * len(params)
+    if tp_mode not in TP_MODES:
+        raise ValueError(f"muon tp_mode={tp_mode!r}: must be one of {', '.join(map(repr, TP_MODES))}")
     _check_views(params, grads, momentum_buffers, qkv_splits)
     ns_options = dict(ns_steps=ns_steps, coefficient_type=coefficient_type, scale_mode=scale_mode,
                       extra_scale_factor=extra_scale_factor, fp32_matmul_prec=fp32_matmul_prec, eps=eps)
@@ -136,7 +203,7 @@ def muon(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], momentum
     # Python float EO passes.
     momentum_weight = (1 - momentum).to(torch.float32)
     nesterov_weight = momentum.to(torch.float32)
-    for param, grad, buf, split in zip(params, grads, momentum_buffers, qkv_splits):
+    for param, grad, buf, split, tp in zip(params, grads, momentum_buffers, qkv_splits, tp_splits, strict=True):
         if grad_scale is not None:
             grad = grad / grad_scale
         if decoupled:
@@ -146,10 +213,7 @@ def muon(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], momentum
             decayed = param
         new_buf = buf.lerp(grad, momentum_weight)
         update = grad.lerp(new_buf, nesterov_weight) if nesterov else new_buf
-        if split is None:
-            orth = orthogonalize(update, **ns_options)
-        else:
-            orth = orthogonalize_qkv(update, split, **ns_options)
+        orth = _orthogonalize_entry(update, split, tp, tp_mode, ns_options)
         new_param = torch.addcmul(decayed, neg_lr, orth)
         param.copy_(torch.where(keep, new_param, param))
         buf.copy_(torch.where(keep, new_buf, buf))

@@ -116,6 +116,53 @@ def _precision_backends() -> list:
     return found
 
 
+def newton_schulz_split(x: torch.Tensor, *, split_dim: int, global_shape: tuple[int, int], all_reduce,
+                        num_steps: int, coefficient_type: str = "quintic", fp32_matmul_prec: str = "medium",
+                        eps: float = NS_EPS) -> torch.Tensor:
+    """``newton_schulz`` of matrices split over ranks: ``x`` (n, r, c) is this rank's slice along
+    ``split_dim`` (1: rows, 2: columns) of matrices of ``global_shape``; ``all_reduce(t)`` sums ``t`` in place
+    over the ranks holding the other slices. Returns this rank's slice of the orthogonalised matrices.
+
+    The Frobenius norm is the sum of the slices' squares. Oriented as ``newton_schulz`` orients the whole
+    matrix (transposed when it has more rows than columns), the slice either cuts the columns, where
+    X Xᵀ is the sum of the slices' own X Xᵀ, or the rows, where each step is rewritten as
+    X ← a·X + X·(b·G + c·G²) with G = Xᵀ X the sum of the slices' Xᵀ X (the same polynomial:
+    (X Xᵀ)ᵏ X = X (Xᵀ X)ᵏ). Equal to the whole-matrix iteration up to the order of the sums."""
+    if x.dim() != 3 or split_dim not in (1, 2):
+        raise ValueError(f"newton_schulz_split: (n, r, c) slices split along dim 1 or 2, got shape {tuple(x.shape)} "
+                         f"and split_dim={split_dim}")
+    schedule = coefficient_schedule(coefficient_type, num_steps)
+    transpose = global_shape[0] > global_shape[1]
+    if transpose:
+        x = x.mT
+        split_dim = 3 - split_dim
+    sumsq = x.square().sum(dim=(-2, -1), keepdim=True)
+    all_reduce(sumsq)
+    X = x / sumsq.sqrt().clamp_min(eps)
+    with matmul_precision(fp32_matmul_prec):
+        if fp32_matmul_prec == "medium":
+            X = X.to(torch.bfloat16)
+        for a, b, c in schedule:
+            if split_dim == 2:  # the columns are split: X Xᵀ is summed over the slices
+                A = torch.bmm(X, X.mT)
+                A = _summed(A, all_reduce)
+                B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+                X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)
+            else:  # the rows are split: Xᵀ X is summed over the slices
+                G = _summed(torch.bmm(X.mT, X), all_reduce)
+                B = torch.baddbmm(G, G, G, beta=b, alpha=c)
+                X = torch.baddbmm(X, X, B, beta=a, alpha=1.0)
+    X = X.to(torch.float32)
+    return X.mT if transpose else X
+
+
+def _summed(t: torch.Tensor, all_reduce) -> torch.Tensor:
+    """``t`` summed over the ranks, in fp32 (a bf16 Gram matrix is summed in fp32, then cast back)."""
+    wide = t.to(torch.float32)
+    all_reduce(wide)
+    return wide.to(t.dtype)
+
+
 def newton_schulz(x: torch.Tensor, *, num_steps: int, coefficient_type: str = "quintic",
                   fp32_matmul_prec: str = "medium", eps: float = NS_EPS) -> torch.Tensor:
     """Orthogonalise each matrix of ``x`` (n, r, c), fp32; returns a new fp32 (n, r, c) tensor."""

@@ -134,10 +134,15 @@ class Collectives:
     """
 
     def __init__(self, dp_group: Optional[dist.ProcessGroup] = None, dp_size: int = 1,
-                 mp_group: Optional[dist.ProcessGroup] = None, timeout_s: Optional[float] = None):
+                 mp_group: Optional[dist.ProcessGroup] = None, timeout_s: Optional[float] = None,
+                 tp_group: Optional[dist.ProcessGroup] = None):
         self.dp_group = dp_group
         self.dp_size = dp_size
         self.mp_group = mp_group
+        self.tp_group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
+        """The tensor-parallel group (Muon's split matrices: ``tp_all_gather``, ``tp_all_reduce_sum``), or None."""
+        self.tp_size = 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
+        self.tp_rank = 0 if self.tp_group is None else dist.get_rank(self.tp_group)
         self.timeout_s = timeout_s
         self.overlap_enabled = False
         self.defer_param_gather = False
@@ -184,7 +189,8 @@ class Collectives:
 
     def _warm_up(self, device) -> None:
         probe = torch.zeros(1, device=device)
-        groups = ((self.dp_group if self.dp_size > 1 else None, "data-parallel"), (self.mp_group, "model-parallel"))
+        groups = ((self.dp_group if self.dp_size > 1 else None, "data-parallel"), (self.mp_group, "model-parallel"),
+                  (self.tp_group, "tensor-parallel"))
         for group, kind in groups:
             if group is not None:
                 self._guard("communicator warm-up all_reduce", group,
@@ -211,6 +217,20 @@ class Collectives:
             self._named(what)
             self._guard(what, self.dp_group,
                         lambda: _F.wait_tensor(_F.all_reduce_(tensor, "max", self.dp_group.group_name)))
+
+    def tp_all_gather(self, whole: torch.Tensor, mine: torch.Tensor, what: str) -> None:
+        """``whole`` ← every tensor-parallel rank's ``mine``, in rank order (flat tensors)."""
+        self._named(what)
+        self._guard(what, self.tp_group, lambda: _F.wait_tensor(
+            _F.all_gather_into_tensor_out(mine, self.tp_size, self.tp_group.group_name, out=whole)),
+                    kind="tensor-parallel")
+
+    def tp_all_reduce_sum(self, tensor: torch.Tensor, what: str) -> None:
+        """Sum ``tensor`` in place over the tensor-parallel group."""
+        self._named(what)
+        self._guard(what, self.tp_group,
+                    lambda: _F.wait_tensor(_F.all_reduce_(tensor, "sum", self.tp_group.group_name)),
+                    kind="tensor-parallel")
 
     def reduce_scatter(self, shard: torch.Tensor, whole: torch.Tensor, what: str, *, op: str = "sum",
                        key: Optional[tuple] = None) -> None:

@@ -147,3 +147,42 @@ def tensor_and_data_parallel(rank: int, world: int, capture: str) -> dict:
              (part.down.bias, whole.down.bias), (part.norm.weight, whole.norm.weight))
     worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
     return {"found": found, "expected": expected, "worst_param_error": worst, "captured": opt.captured}
+
+
+def _muon_config(mode: str, capture: str) -> gs.OptimizerConfig:
+    return gs.OptimizerConfig(optimizer="muon", lr=2e-2, weight_decay=0.0, clip_grad=0.0, muon_tp_mode=mode,
+                              muon_fp32_matmul_prec="highest", capture=capture, capture_warmup_steps=1)
+
+
+def muon_tensor_parallel(rank: int, world: int, mode: str, capture: str) -> dict:
+    """Muon over the split MLP (its two matrices split over WORLD as the TP group) against Muon over the
+    whole MLP in this process; for "blockwise", the first step against Newton–Schulz of each slice alone."""
+    from graphstep.kernels.muon import scale_factor
+    from graphstep.kernels.newton_schulz import newton_schulz
+
+    whole = whole_model()
+    part = tp_slice(whole_model(), rank, world)
+    rows = slice(rank * H // world, (rank + 1) * H // world)
+    reference = gs.get_optimizer(_muon_config(mode, "eager"), whole)
+    opt = gs.get_optimizer(_muon_config(mode, capture), part, tensor_parallel_group=dist.group.WORLD)
+    first_step = None
+    for step in range(STEPS):
+        for model, optimizer in ((whole, reference), (part, opt)):
+            optimizer.zero_grad()
+            model(batch(step)).square().mean().backward()
+        if step == 0:  # what one blockwise step does to each slice: Newton–Schulz of (1 - μ)·g alone
+            expected = {}
+            for name, p, full_shape in (("up", part.up.weight, whole.up.weight.shape),
+                                        ("down", part.down.weight, whole.down.weight.shape)):
+                update = (1 - 0.95) * p.grad.detach().float()
+                orth = newton_schulz(update.unsqueeze(0), num_steps=5, fp32_matmul_prec="highest")[0]
+                expected[name] = p.detach() - 2e-2 * orth * scale_factor(*full_shape, "spectral")
+        reference.step()
+        opt.step()
+        if step == 0:
+            first_step = max(float((p.detach() - expected[name]).abs().max() / expected[name].abs().max())
+                             for name, p in (("up", part.up.weight), ("down", part.down.weight)))
+    pairs = ((part.up.weight, whole.up.weight[rows]), (part.down.weight, whole.down.weight[:, rows]),
+             (part.down.bias, whole.down.bias), (part.norm.weight, whole.norm.weight))
+    worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
+    return {"worst_vs_whole": worst, "blockwise_first_step": first_step, "captured": opt.captured}

@@ -35,3 +35,17 @@ def test_tensor_times_data_parallel_on_four_ranks_equals_the_unsplit_model(captu
         assert norms == pytest.approx(expected_norms, rel=1e-5), report
         assert zeros == expected_zeros, report
         assert report["worst_param_error"] < 1e-5, report
+
+
+@pytest.mark.parametrize("mode, capture", [("duplicated", "eager"), ("duplicated", "graph"),
+                                           ("distributed", "graph"), ("blockwise", "eager")])
+def test_muon_on_split_matrices_in_each_tp_mode(mode, capture):
+    # duplicated and distributed orthogonalise the whole matrix (distributed from the slices, its sums in
+    # another order); blockwise each slice alone, scaled by the whole matrix's shape.
+    for report in values(spawn(_tp_workers.muon_tensor_parallel, 2, mode, capture, timeout=90)):
+        assert report["captured"] == (capture == "graph")
+        if mode == "blockwise":
+            assert report["blockwise_first_step"] < 1e-6, report
+            assert report["worst_vs_whole"] > 1e-3, report  # not the whole-matrix update
+        else:
+            assert report["worst_vs_whole"] < 1e-5, report
