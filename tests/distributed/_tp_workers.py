@@ -186,3 +186,76 @@ def muon_tensor_parallel(rank: int, world: int, mode: str, capture: str) -> dict
              (part.down.bias, whole.down.bias), (part.norm.weight, whole.norm.weight))
     worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
     return {"worst_vs_whole": worst, "blockwise_first_step": first_step, "captured": opt.captured}
+
+
+# ---- QK-clip over heads split across the tensor-parallel ranks ---------------------------------------------
+HIDDEN, SEQ, HEADS, GROUPS, HEAD_DIM, THRESHOLD = 24, 6, 8, 2, 4, 10.0
+
+
+class Attention(torch.nn.Module):
+    """GQA attention; with ``tp_world`` > 1, this rank's heads and groups (column-parallel Q, K, V, row-parallel
+    output): each TP rank holds HEADS / tp_world heads of GROUPS / tp_world groups."""
+
+    def __init__(self, tp_world: int = 1, tp_rank: int = 0):
+        super().__init__()
+        from graphstep.step.qk_clip import HeadLayout
+
+        torch.manual_seed(0)
+        whole = {name: torch.nn.Linear(HIDDEN, rows * HEAD_DIM, bias=False).weight.detach()
+                 for name, rows in (("q", HEADS), ("k", GROUPS), ("v", GROUPS))}
+        whole["out"] = torch.nn.Linear(HEADS * HEAD_DIM, HIDDEN, bias=False).weight.detach()
+        with torch.no_grad():  # logits of ~10-50: some groups cross the threshold on some steps
+            whole["q"] = whole["q"] * torch.linspace(2.0, 12.0, HEADS).repeat_interleave(HEAD_DIM)[:, None]
+        self.heads, self.groups = HEADS // tp_world, GROUPS // tp_world
+        self.tp = tp_world > 1
+
+        def rows_of(name, count):
+            size = count * HEAD_DIM
+            return whole[name][tp_rank * size:(tp_rank + 1) * size]
+
+        self.q = torch.nn.Parameter(rows_of("q", self.heads).clone())
+        self.k = torch.nn.Parameter(rows_of("k", self.groups).clone())
+        self.v = torch.nn.Parameter(rows_of("v", self.groups).clone())
+        cols = slice(tp_rank * self.heads * HEAD_DIM, (tp_rank + 1) * self.heads * HEAD_DIM)
+        self.out = torch.nn.Parameter(whole["out"][:, cols].clone())
+        for p, dim in ((self.q, 0), (self.k, 0), (self.v, 0), (self.out, 1)):
+            p.tensor_model_parallel, p.partition_dim = True, dim
+        gs.qk_clip.register(self, layout=HeadLayout(self.heads, self.groups, HEAD_DIM), q=self.q, k=self.k)
+
+    def forward(self, x):
+        b = x.shape[0]
+        q = (x @ self.q.T).view(b, SEQ, self.heads, HEAD_DIM).transpose(1, 2)
+        k, v = ((x @ w.T).view(b, SEQ, self.groups, HEAD_DIM).transpose(1, 2)
+                .repeat_interleave(self.heads // self.groups, dim=1) for w in (self.k, self.v))
+        scores = q @ k.mT * HEAD_DIM ** -0.5
+        gs.qk_clip.record(self, scores)
+        y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, SEQ, -1) @ self.out.T
+        return _SumOverTensorParallel.apply(y, None) if self.tp else y
+
+
+def qk_clip_tensor_parallel(rank: int, world: int) -> dict:
+    """lr 0, so only QK-clip moves W_q and W_k: the split attention (captured) against the whole one."""
+    runs = {}
+    for name, model, groups in (("whole", Attention(), {}),
+                                ("part", Attention(world, rank), {"tensor_parallel_group": dist.group.WORLD})):
+        config = gs.OptimizerConfig(lr=0.0, weight_decay=0.0, qk_clip=True, qk_clip_threshold=THRESHOLD,
+                                    capture="graph" if groups else "eager", capture_warmup_steps=1)
+        opt = gs.get_optimizer(config, model, **groups)
+        maxima = []
+        for step in range(STEPS):
+            opt.zero_grad()
+            x = torch.randn(2, SEQ, HIDDEN, generator=torch.Generator().manual_seed(step))
+            model(x).pow(2).mean().backward()
+            maxima.append(model.qk_clip_max_logits.clone())
+            opt.step()
+        runs[name] = (model, maxima, opt.captured)
+    whole, whole_maxima, _ = runs["whole"]
+    part, part_maxima, captured = runs["part"]
+    heads = slice(rank * HEADS // world, (rank + 1) * HEADS // world)
+    q_rows = slice(rank * HEADS // world * HEAD_DIM, (rank + 1) * HEADS // world * HEAD_DIM)
+    k_rows = slice(rank * GROUPS // world * HEAD_DIM, (rank + 1) * GROUPS // world * HEAD_DIM)
+    return {"captured": captured,
+            "q_error": float((part.q - whole.q[q_rows]).abs().max()),
+            "k_error": float((part.k - whole.k[k_rows]).abs().max()),
+            "q_moved": float((whole.q - Attention().q).abs().max()),
+            "maxima_error": max(float((a - b[heads]).abs().max()) for a, b in zip(part_maxima, whole_maxima))}

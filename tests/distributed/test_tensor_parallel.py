@@ -49,3 +49,13 @@ def test_muon_on_split_matrices_in_each_tp_mode(mode, capture):
             assert report["worst_vs_whole"] > 1e-3, report  # not the whole-matrix update
         else:
             assert report["worst_vs_whole"] < 1e-5, report
+
+
+def test_qk_clip_over_heads_split_across_tensor_parallel_ranks_equals_the_whole_attention():
+    # Each TP rank holds its own heads (column-parallel Q and K): their maxima and the rows they clip are local,
+    # so registering the local head layout is all it takes; captured here, against the whole attention eagerly.
+    for report in values(spawn(_tp_workers.qk_clip_tensor_parallel, 2, timeout=90)):
+        assert report["captured"], report
+        assert report["q_moved"] > 1e-3, report  # the clip did act
+        # bitwise: lr 0, and each head's logits are computed by the same ops on either side
+        assert report["q_error"] == report["k_error"] == report["maxima_error"] == 0.0, report
