@@ -259,3 +259,79 @@ def qk_clip_tensor_parallel(rank: int, world: int) -> dict:
             "k_error": float((part.k - whole.k[k_rows]).abs().max()),
             "q_moved": float((whole.q - Attention().q).abs().max()),
             "maxima_error": max(float((a - b[heads]).abs().max()) for a, b in zip(part_maxima, whole_maxima))}
+
+
+# ---- two pipeline stages sharing the embedding ------------------------------------------------------------------
+VOCAB = 12
+
+
+class Stage(torch.nn.Module):
+    """Stage 0: the embedding and a first layer. Stage 1: a second layer and the output projection, which is a
+    copy of the embedding marked ``shared=True`` (Megatron's pipeline layout of tied embeddings)."""
+
+    def __init__(self, stage: int, embedding: torch.Tensor, first: torch.nn.Linear, second: torch.nn.Linear):
+        super().__init__()
+        self.stage = stage
+        if stage == 0:
+            self.embed = torch.nn.Parameter(embedding.clone())
+            self.layer = torch.nn.Linear(D, D)
+            self.layer.load_state_dict(first.state_dict())
+        else:
+            self.layer = torch.nn.Linear(D, D)
+            self.layer.load_state_dict(second.state_dict())
+            self.output = torch.nn.Parameter(embedding.clone())
+            self.output.shared = True
+
+
+class Tied(torch.nn.Module):
+    def __init__(self, embedding, first, second):
+        super().__init__()
+        self.embed = torch.nn.Parameter(embedding.clone())
+        self.first, self.second = first, second
+
+    def forward(self, tokens):
+        return torch.nn.functional.linear(torch.tanh(self.second(torch.tanh(self.first(self.embed[tokens])))),
+                                          self.embed)
+
+
+def pipeline_with_shared_embedding(rank: int, world: int) -> dict:
+    """Rank r is pipeline stage r; the two ranks form the model-parallel group. Each step: stage 0's forward,
+    its activations to stage 1, stage 1's forward and backward, the activations' grad back, stage 0's backward,
+    then the embedding copies' grads summed over both stages (Megatron's embedding-group all-reduce)."""
+    torch.manual_seed(0)
+    embedding = torch.randn(VOCAB, D) * 0.5
+    first, second = torch.nn.Linear(D, D), torch.nn.Linear(D, D)
+    whole = Tied(embedding, first, second)
+    stage = Stage(rank, embedding, first, second)
+    config = dict(lr=1e-2, clip_grad=0.05, weight_decay=0.0, kernel="fused")
+    reference = gs.get_optimizer(gs.OptimizerConfig(capture="eager", **config), whole)
+    opt = gs.get_optimizer(gs.OptimizerConfig(capture="graph", capture_warmup_steps=1, **config), stage,
+                           model_parallel_group=dist.group.WORLD)
+    norms, expected = [], []
+    for step in range(STEPS):
+        tokens = torch.randint(0, VOCAB, (4, 5), generator=torch.Generator().manual_seed(step))
+        reference.zero_grad()
+        whole(tokens).square().mean().backward()
+        expected.append(float(reference.step().grad_norm))
+        opt.zero_grad()
+        if rank == 0:
+            hidden = torch.tanh(stage.layer(stage.embed[tokens]))
+            dist.send(hidden.detach().contiguous(), 1)
+            grad = torch.empty_like(hidden)
+            dist.recv(grad, 1)
+            hidden.backward(grad)
+            shared_grad = stage.embed.grad
+        else:
+            hidden = torch.empty(4, 5, D)
+            dist.recv(hidden, 0)
+            hidden.requires_grad_(True)
+            logits = torch.nn.functional.linear(torch.tanh(stage.layer(hidden)), stage.output)
+            logits.square().mean().backward()
+            dist.send(hidden.grad.contiguous(), 0)
+            shared_grad = stage.output.grad
+        dist.all_reduce(shared_grad)  # both copies now hold the tied weight's whole grad
+        norms.append(float(opt.step().grad_norm))
+    copy = stage.embed if rank == 0 else stage.output
+    layer = whole.first if rank == 0 else whole.second
+    worst = max(float((copy - whole.embed).abs().max()), float((stage.layer.weight - layer.weight).abs().max()))
+    return {"norms": norms, "expected": expected, "worst_param_error": worst, "captured": opt.captured}

@@ -59,3 +59,12 @@ def test_qk_clip_over_heads_split_across_tensor_parallel_ranks_equals_the_whole_
         assert report["q_moved"] > 1e-3, report  # the clip did act
         # bitwise: lr 0, and each head's logits are computed by the same ops on either side
         assert report["q_error"] == report["k_error"] == report["maxima_error"] == 0.0, report
+
+
+def test_two_pipeline_stages_sharing_the_embedding_count_it_once():
+    # The norm is summed over the pipeline (model-parallel) group: the last stage's copy of the embedding,
+    # marked shared, counts on no rank, so the norm is the tied model's.
+    for report in values(spawn(_tp_workers.pipeline_with_shared_embedding, 2, timeout=90)):
+        assert report["captured"], report
+        assert report["norms"] == pytest.approx(report["expected"], rel=1e-5), report
+        assert report["worst_param_error"] < 1e-5, report
