@@ -195,7 +195,7 @@ for where, code in {blocks!r}:
                   "my_slice_of_each_global_batch": [(b[:, :-1], b[:, 1:]) for b in token_batches()]}}
     if "init_process_group" not in code:
         dist.init_process_group("gloo")
-        namespace["edp_group"] = dist.group.WORLD
+        namespace["edp_group"] = namespace["tp_group"] = namespace["mp_group"] = dist.group.WORLD
         model.blocks[1].attn.o.weight.allreduce = False  # an expert param (Megatron-Core's mark)
     exec(compile(code, f"README.md, block at line {{where}}", "exec"), namespace)
     dist.destroy_process_group()

@@ -74,7 +74,9 @@ def check_groups(named, model_parallel_group: Optional[dist.ProcessGroup],
         raise ValueError(f"get_optimizer: params are marked tensor_model_parallel ({', '.join(marked[:3])}"
                          f"{', ...' if len(marked) > 3 else ''}) and summed over a model_parallel_group of "
                          f"{dist.get_world_size(model_parallel_group)} ranks, but no tensor_parallel_group was "
-                         "given: pass it, so that the params replicated across it count on its rank 0 only")
+                         "given: pass it, so that the params replicated across it count on its rank 0 only (a "
+                         "group of this rank alone when the model is not tensor-parallel: Megatron-Core marks "
+                         "its parallel layers at any TP size)")
 
 
 def counted_in_norm(p: torch.Tensor, tp_rank: int) -> bool:

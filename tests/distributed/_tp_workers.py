@@ -124,10 +124,11 @@ def marks_without_tensor_parallel_group(rank: int, world: int) -> str:
     return "built"
 
 
-def tensor_and_data_parallel(rank: int, world: int, capture: str) -> dict:
+def tensor_and_data_parallel(rank: int, world: int, capture: str, overlap: bool = False) -> dict:
     """TP = 2 x DP = 2 on 4 ranks: TP groups {0, 1} and {2, 3}, data-parallel groups {0, 2} and {1, 3} with
     the distributed optimizer; each data-parallel rank its own batch. The reference is the whole model in
-    this process over both batches' mean loss (what the data-parallel average of the grads computes)."""
+    this process over both batches' mean loss (what the data-parallel average of the grads computes).
+    ``overlap``: the reduce-scatters start from backward hooks (``overlap_grad_reduce``, eager steps)."""
     tp_size = 2
     tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -143,7 +144,8 @@ def tensor_and_data_parallel(rank: int, world: int, capture: str) -> dict:
     reference = gs.get_optimizer(gs.OptimizerConfig(capture="eager", **config), whole)
     part = tp_slice(whole_model(), tp_rank, tp_size)
     part.tp_group = tp_group
-    opt = gs.get_optimizer(gs.OptimizerConfig(capture=capture, use_distributed_optimizer=True, **config), part,
+    opt = gs.get_optimizer(gs.OptimizerConfig(capture=capture, use_distributed_optimizer=True,
+                                              overlap_grad_reduce=overlap, **config), part,
                            process_group=dp_group, tensor_parallel_group=tp_group)
     found, expected = [], []
     for step in range(STEPS):
@@ -159,7 +161,8 @@ def tensor_and_data_parallel(rank: int, world: int, capture: str) -> dict:
     pairs = ((part.up.weight, whole.up.weight[rows]), (part.down.weight, whole.down.weight[:, rows]),
              (part.down.bias, whole.down.bias), (part.norm.weight, whole.norm.weight))
     worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
-    return {"found": found, "expected": expected, "worst_param_error": worst, "captured": opt.captured}
+    return {"found": found, "expected": expected, "worst_param_error": worst, "captured": opt.captured,
+            "overlapped": sum(opt.overlap_counts.values())}
 
 
 def _muon_config(mode: str, capture: str) -> gs.OptimizerConfig:
