@@ -210,6 +210,13 @@ class Layout:
                     if self.params[r.param].buffer in chosen)
         return sum(self.buffers[b].shard_numel for b in chosen) - owned
 
+    def shard_entries_counted(self) -> list[bool]:
+        """Per ``grad_shard`` entry (graphstep/state/buffers.py: a whole buffer with one rank, a bucket's shard
+        with several), whether its grads count in the norm on this rank (``BufferLayout.counted_in_norm``)."""
+        if self.dp_size == 1:
+            return [b.counted_in_norm for b in self.buffers]
+        return [self.buffers[bucket.buffer].counted_in_norm for bucket in self.buckets]
+
     def fingerprint(self) -> tuple:
         """A value equal on two ranks exactly when they planned the same layout (checked at build)."""
         return (self.dp_size, self.num_groups,

@@ -124,11 +124,14 @@ def marks_without_tensor_parallel_group(rank: int, world: int) -> str:
     return "built"
 
 
-def tensor_and_data_parallel(rank: int, world: int, capture: str, overlap: bool = False) -> dict:
+def tensor_and_data_parallel(rank: int, world: int, capture: str, overlap: bool = False,
+                             optimizer: str = "adam") -> dict:
     """TP = 2 x DP = 2 on 4 ranks: TP groups {0, 1} and {2, 3}, data-parallel groups {0, 2} and {1, 3} with
     the distributed optimizer; each data-parallel rank its own batch. The reference is the whole model in
     this process over both batches' mean loss (what the data-parallel average of the grads computes).
-    ``overlap``: the reduce-scatters start from backward hooks (``overlap_grad_reduce``, eager steps)."""
+    ``overlap``: the reduce-scatters start from backward hooks (``overlap_grad_reduce``, eager steps).
+    ``optimizer="muon"``: the two matrices split over TP are also sharded layer-wise over DP (whole slices per
+    data-parallel rank), Muon in its default tensor-parallel mode ("duplicated")."""
     tp_size = 2
     tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -139,7 +142,7 @@ def tensor_and_data_parallel(rank: int, world: int, capture: str, overlap: bool 
         return model(batch(10 * step + dp)).square().mean()
 
     config = dict(lr=1e-2, clip_grad=0.05, weight_decay=0.0, capture_warmup_steps=1, log_num_zeros_in_grad=True,
-                  kernel="fused")
+                  kernel="fused", optimizer=optimizer, muon_fp32_matmul_prec="highest")
     whole = whole_model()
     reference = gs.get_optimizer(gs.OptimizerConfig(capture="eager", **config), whole)
     part = tp_slice(whole_model(), tp_rank, tp_size)

@@ -31,9 +31,10 @@ def test_tensor_parallel_marks_without_the_tensor_parallel_group_are_refused():
         assert "no tensor_parallel_group was given" in message and "up.weight" in message, message
 
 
-@pytest.mark.parametrize("capture, overlap", [("eager", False), ("graph", False), ("eager", True)])
-def test_tensor_times_data_parallel_on_four_ranks_equals_the_unsplit_model(capture, overlap):
-    for report in values(spawn(_tp_workers.tensor_and_data_parallel, 4, capture, overlap, timeout=90)):
+@pytest.mark.parametrize("capture, overlap, optimizer", [("eager", False, "adam"), ("graph", False, "adam"),
+                                                         ("eager", True, "adam"), ("graph", False, "muon")])
+def test_tensor_times_data_parallel_on_four_ranks_equals_the_unsplit_model(capture, overlap, optimizer):
+    for report in values(spawn(_tp_workers.tensor_and_data_parallel, 4, capture, overlap, optimizer, timeout=90)):
         assert report["captured"] == (capture == "graph")
         assert (report["overlapped"] > 0) == overlap, report
         norms, zeros = zip(*report["found"])

@@ -111,6 +111,8 @@ def build_over(sums: Sequence[Callable[[], torch.Tensor]], t: StepTensors, comm,
     ``_stage``. ``counted``: per sum, whether it counts in the norm on this rank (default: all); the others
     only take part in the non-finite check (``_uncounted``)."""
     counted = [True] * len(sums) if counted is None else list(counted)
+    if len(counted) != len(sums):
+        raise ValueError(f"norm: {len(sums)} sums of squares but {len(counted)} counted flags")
 
     def total() -> torch.Tensor:
         parts = [sum_of_squares() for sum_of_squares in sums]
@@ -135,11 +137,13 @@ def build_folded(folds: Sequence, t: StepTensors, comm, compiled: bool = False,
     """The norm stage over sums of squares already folded where the grads became final (graphstep.step.folded_sums):
     it reads no grad. Each domain ``finish``es its fp64 vector (one rank: rescue and sum the folded row
     norms), then the vectors are summed as one: with several ranks the same values in the same order as
-    ``build_over``'s parts, summed the same way. ``counted``: per slot of the joined vector (one per grad
-    buffer), as in ``build_over``."""
+    ``build_over``'s parts, summed the same way. ``counted``: per slot of the joined vector (one per
+    ``grad_shard`` entry), as in ``build_over``."""
     vectors = [folded.sums for folded in folds]
     joined = torch.empty(sum(v.numel() for v in vectors), dtype=torch.float64, device=vectors[0].device)
     counted = [True] * joined.numel() if counted is None else list(counted)
+    if len(counted) != joined.numel():
+        raise ValueError(f"norm: {joined.numel()} folded sums but {len(counted)} counted flags")
     keep = torch.tensor([i for i, c in enumerate(counted) if c], dtype=torch.int64, device=joined.device)
     drop = torch.tensor([i for i, c in enumerate(counted) if not c], dtype=torch.int64, device=joined.device)
 
@@ -185,8 +189,9 @@ def build(ctx, *others) -> Stage:
     this one's before its single all-reduce. With ``fold_grad_norm`` the sums were folded where the grads
     became final (graphstep.step.folded_sums) and the stage only adds them up."""
     domains = (ctx, *others)
-    # One entry per grad buffer of each domain, in the order both paths sum them.
-    counted = [buffer.counted_in_norm for c in domains for buffer in c.layout.buffers]
+    # One entry per grad_shard entry of each domain (a buffer, or with several ranks a bucket's shard), in the
+    # order both paths sum them.
+    counted = [entry for c in domains for entry in c.layout.shard_entries_counted()]
     if ctx.folded is not None:
         return build_folded([c.folded for c in domains], ctx.tensors, ctx.comm, ctx.compile_scalars, counted)
     return build_over([SumOfSquares(g) for c in domains for g in c.buffers.grad_shard], ctx.tensors, ctx.comm,

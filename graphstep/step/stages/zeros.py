@@ -10,10 +10,11 @@ from . import Stage
 def build(ctx, *others) -> Stage:
     """``others``: further domains' contexts (expert params), counted together in one all-reduce."""
     domains = (ctx, *others)
-    counted = [[b for b, buffer in enumerate(c.layout.buffers) if buffer.counted_in_norm] for c in domains]
-    grads = [c.buffers.grad_shard[b] for c, chosen in zip(domains, counted) for b in chosen]
+    grads = [g for c in domains for g, counted in zip(c.buffers.grad_shard, c.layout.shard_entries_counted(),
+                                                      strict=True) if counted]
     # Padding elements are always zero (nothing writes them); subtract their known count.
-    padding = sum(c.layout.padding_numel(c.rank, chosen) for c, chosen in zip(domains, counted))
+    counted_buffers = [[b for b, buffer in enumerate(c.layout.buffers) if buffer.counted_in_norm] for c in domains]
+    padding = sum(c.layout.padding_numel(c.rank, chosen) for c, chosen in zip(domains, counted_buffers))
     total = sum(g.numel() for g in grads)
     t = ctx.tensors
     comm = ctx.comm
