@@ -110,18 +110,18 @@ class QKVSplit:
 
 def orthogonalize(update: torch.Tensor, *, ns_steps: int, coefficient_type: str, scale_mode: str,
                   extra_scale_factor: float, fp32_matmul_prec: str, eps: float = NS_EPS,
-                  split: Optional[TensorParallelSplit] = None, distributed: bool = False) -> torch.Tensor:
+                  tp: Optional[TensorParallelSplit] = None, distributed: bool = False) -> torch.Tensor:
     """NS of each matrix of ``update`` (n, r, c) times its shape scale and ``extra_scale_factor``.
 
-    ``split``: ``update`` is this rank's slice of matrices split over the tensor-parallel group; the scale
-    is the whole matrix's, and with ``distributed`` Newton–Schulz runs on the slices together
+    ``tp``: ``update`` is this rank's slice of matrices split over the tensor-parallel group; the scale is
+    the whole matrix's, and with ``distributed`` Newton–Schulz runs on the slices together
     (``newton_schulz_split``), else on the slice alone (blockwise)."""
     rows, cols = update.size(-2), update.size(-1)
-    if split is not None:
-        rows, cols = split.global_shape(rows, cols)
-    if split is not None and distributed:
-        orth = newton_schulz_split(update, split_dim=1 + split.dim, global_shape=(rows, cols),
-                                   all_reduce=split.all_reduce, num_steps=ns_steps, coefficient_type=coefficient_type,
+    if tp is not None:
+        rows, cols = tp.global_shape(rows, cols)
+    if tp is not None and distributed:
+        orth = newton_schulz_split(update, split_dim=1 + tp.dim, global_shape=(rows, cols),
+                                   all_reduce=tp.all_reduce, num_steps=ns_steps, coefficient_type=coefficient_type,
                                    fp32_matmul_prec=fp32_matmul_prec, eps=eps)
     else:
         orth = newton_schulz(update, num_steps=ns_steps, coefficient_type=coefficient_type,
@@ -136,7 +136,7 @@ def orthogonalize_qkv(update: torch.Tensor, split: QKVSplit, **ns_options) -> to
 
     Returns (n, R, C) with every row back in its fused position. When K and V have the same shape they
     go through one batched call of 2n matrices, so a split costs two NS calls, not three. A tensor-parallel
-    ``split`` in ``ns_options`` applies to each of the three: a column-parallel QKV weight is split by query
+    ``tp`` in ``ns_options`` applies to each of the three: a column-parallel QKV weight is split by query
     groups, so each of Q, K and V is split along its rows.
     """
     n, rows, cols = update.shape
@@ -176,7 +176,7 @@ def _orthogonalize_entry(update: torch.Tensor, qkv: Optional[QKVSplit], tp: Opti
         whole_qkv = QKVSplit(qkv.num_groups * tp.world, qkv.q_rows, qkv.k_rows, qkv.v_rows)  # groups split by rank
         return tp.local(orthogonalize_qkv(whole, whole_qkv, **ns_options))
     if tp is not None:
-        ns_options = dict(ns_options, split=tp, distributed=tp_mode == "distributed")
+        ns_options = dict(ns_options, tp=tp, distributed=tp_mode == "distributed")
     return orthogonalize(update, **ns_options) if qkv is None else orthogonalize_qkv(update, qkv, **ns_options)
 
 

@@ -354,3 +354,41 @@ def pipeline_with_shared_embedding(rank: int, world: int) -> dict:
     layer = whole.first if rank == 0 else whole.second
     worst = max(float((copy - whole.embed).abs().max()), float((stage.layer.weight - layer.weight).abs().max()))
     return {"norms": norms, "expected": expected, "worst_param_error": worst, "captured": opt.captured}
+
+
+class FusedQKV(torch.nn.Module):
+    """Megatron's fused QKV weight, GQA: per query group its heads' Q rows, then its K rows, then its V rows;
+    split over TP by query groups (column-parallel). Muon orthogonalises Q, K and V as three matrices."""
+
+    def __init__(self, tp_world: int = 1, tp_rank: int = 0):
+        super().__init__()
+        torch.manual_seed(0)
+        per_group = (HEADS // GROUPS + 2) * HEAD_DIM
+        whole = torch.randn(GROUPS * per_group, HIDDEN) * 0.2
+        self.groups = GROUPS // tp_world
+        rows = slice(tp_rank * self.groups * per_group, (tp_rank + 1) * self.groups * per_group)
+        self.qkv = torch.nn.Parameter(whole[rows].clone())
+        self.qkv.qkv_split = gs.QKVSplit(self.groups, HEADS // GROUPS * HEAD_DIM, HEAD_DIM, HEAD_DIM)
+        self.qkv.tensor_model_parallel, self.qkv.partition_dim = True, 0
+        self.tp = tp_world > 1
+
+    def forward(self, x):
+        out = x @ self.qkv.T  # (b, s, local rows): a stand-in loss over every row
+        loss_rows = out.square().sum(-1, keepdim=True)
+        return _SumOverTensorParallel.apply(loss_rows, None) if self.tp else loss_rows
+
+
+def muon_fused_qkv_tensor_parallel(rank: int, world: int, mode: str) -> dict:
+    per_group = (HEADS // GROUPS + 2) * HEAD_DIM
+    rows = slice(rank * GROUPS // world * per_group, (rank + 1) * GROUPS // world * per_group)
+    whole, part = FusedQKV(), FusedQKV(world, rank)
+    reference = gs.get_optimizer(_muon_config(mode, "eager"), whole)
+    opt = gs.get_optimizer(_muon_config(mode, "graph"), part, tensor_parallel_group=dist.group.WORLD)
+    for step in range(STEPS):
+        x = torch.randn(2, SEQ, HIDDEN, generator=torch.Generator().manual_seed(step))
+        for model, optimizer in ((whole, reference), (part, opt)):
+            optimizer.zero_grad()
+            model(x).mean().backward()
+            optimizer.step()
+    return {"error": float((part.qkv - whole.qkv[rows]).abs().max() / whole.qkv.abs().max()),
+            "moved": float((whole.qkv - FusedQKV().qkv).abs().max()), "captured": opt.captured}

@@ -75,3 +75,12 @@ def test_two_pipeline_stages_sharing_the_embedding_count_it_once():
         assert report["captured"], report
         assert report["norms"] == pytest.approx(report["expected"], rel=1e-5), report
         assert report["worst_param_error"] < 1e-5, report
+
+
+@pytest.mark.parametrize("mode", ["duplicated", "distributed"])
+def test_muon_on_a_fused_qkv_weight_split_by_query_groups(mode):
+    # Q, K and V are orthogonalised as three matrices of the whole weight: each rank's slice holds its query
+    # groups, so each of the three is split along its rows.
+    for report in values(spawn(_tp_workers.muon_fused_qkv_tensor_parallel, 2, mode, timeout=90)):
+        assert report["captured"] and report["moved"] > 1e-3, report
+        assert report["error"] < 1e-5, report
