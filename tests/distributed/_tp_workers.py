@@ -4,6 +4,8 @@ LayerNorm), against the same MLP whole in one process."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -75,10 +77,11 @@ def batch(step: int) -> torch.Tensor:
     return torch.randn(BATCH, D, generator=torch.Generator().manual_seed(100 + step))
 
 
-def train(model: MLP, capture: str, nan_into=None, **groups) -> dict:
-    """LONG_STEPS steps; at NAN_STEP a NaN is written into ``nan_into(model)``'s grad (None: nowhere)."""
+def train(model: MLP, capture: str, nan_into=None, extra: Optional[dict] = None, **groups) -> dict:
+    """LONG_STEPS steps; at NAN_STEP a NaN is written into ``nan_into(model)``'s grad (None: nowhere).
+    ``extra``: more OptimizerConfig fields."""
     config = gs.OptimizerConfig(lr=1e-2, clip_grad=0.05, weight_decay=0.0, capture=capture, capture_warmup_steps=1,
-                                log_num_zeros_in_grad=True, kernel="fused")
+                                log_num_zeros_in_grad=True, kernel="fused", **(extra or {}))
     opt = gs.get_optimizer(config, model, **groups)
     norms, zeros, applied = [], [], []
     for step in range(LONG_STEPS):
@@ -94,17 +97,19 @@ def train(model: MLP, capture: str, nan_into=None, **groups) -> dict:
     return {"norms": norms, "zeros": zeros, "applied": applied, "captured": opt.captured}
 
 
-def tensor_parallel(rank: int, world: int) -> dict:
+def tensor_parallel(rank: int, world: int, extra: Optional[dict] = None) -> dict:
     """The split MLP trained over WORLD as the tensor-parallel group, eager and captured, and the whole one in
     this process. At NAN_STEP the last rank alone gets a NaN in the LayerNorm's weight grad: a replicated
-    param, which that rank does not count in the norm, yet the step must be skipped on every rank."""
+    param, which that rank does not count in the norm, yet the step must be skipped on every rank. ``extra``:
+    more OptimizerConfig fields for the split runs (e.g. CPU offload)."""
     whole = whole_model()
     reference = train(whole, "eager", nan_into=lambda m: m.norm.weight)
     nan_here = (lambda m: m.norm.weight) if rank == world - 1 else None
     parts, found = {}, {}
     for capture in ("eager", "graph"):
         parts[capture] = tp_slice(whole_model(), rank, world)
-        found[capture] = train(parts[capture], capture, nan_into=nan_here, tensor_parallel_group=dist.group.WORLD)
+        found[capture] = train(parts[capture], capture, nan_into=nan_here, extra=extra,
+                               tensor_parallel_group=dist.group.WORLD)
     part = parts["graph"]
     rows = slice(rank * H // world, (rank + 1) * H // world)
     pairs = ((part.up.weight, whole.up.weight[rows]), (part.up.bias, whole.up.bias[rows]),

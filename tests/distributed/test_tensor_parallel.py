@@ -9,12 +9,14 @@ from _harness import spawn, values
 pytestmark = pytest.mark.distributed
 
 
-def test_norm_clip_zero_count_and_skip_equal_the_unsplit_model():
+@pytest.mark.parametrize("extra", [None, {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5}],
+                         ids=["device", "cpu-offload"])
+def test_norm_clip_zero_count_and_skip_equal_the_unsplit_model(extra):
     # Replicated params (the row-parallel bias, the LayerNorm) count on TP rank 0 only: counted on both ranks,
     # as before tensor_parallel_group existed, the norm came out larger than the unsplit model's. A NaN in a
     # replicated grad on the last rank alone (not counted there) still skips the step on both ranks.
     skipped = [step == _tp_workers.NAN_STEP for step in range(_tp_workers.LONG_STEPS)]
-    for report in values(spawn(_tp_workers.tensor_parallel, 2, timeout=90)):
+    for report in values(spawn(_tp_workers.tensor_parallel, 2, extra, timeout=90)):
         reference = report["reference"]
         assert reference["applied"] == [not s for s in skipped]
         for capture, found in report["found"].items():
