@@ -156,7 +156,7 @@ def tensor_and_data_parallel(rank: int, world: int, capture: str, overlap: bool 
                                               overlap_grad_reduce=overlap, **config), part,
                            process_group=dp_group, tensor_parallel_group=tp_group)
     found, expected = [], []
-    for step in range(STEPS):
+    for step in range(LONG_STEPS):
         reference.zero_grad()
         (sum(loss(whole, step, dp) for dp in range(2)) / 2).backward()
         result = reference.step()
