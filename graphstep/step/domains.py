@@ -139,7 +139,16 @@ def with_role(domains: Sequence[Domain], role: Role) -> Optional[Domain]:
 
 def refuse_checkpoint(opt, what: str) -> None:
     """The reshardable format refuses an optimizer with a domain it does not cover, rather than save half
-    an optimizer."""
+    an optimizer, and one whose model is split over model-parallel ranks: it names state by param, and the
+    tensor-parallel slices and pipeline stages of one param name share the name, so their entries would
+    overwrite each other in one checkpoint."""
+    mp_group = opt.comm.mp_group
+    if mp_group is not None and torch.distributed.get_world_size(mp_group) > 1:
+        raise NotImplementedError(f"{what}: the reshardable checkpoint format (graphstep.checkpoint) names state by "
+                                  "param, and with a model_parallel_group of several ranks the tensor-parallel slices "
+                                  "and pipeline stages share param names, so one rank's entries would overwrite "
+                                  "another's: save each rank's opt.state_dict() (torch.save to a per-rank file) "
+                                  "instead")
     for domain in opt.domains:
         if domain.role.unreshardable is not None:
             raise NotImplementedError(f"{what}: the reshardable checkpoint format (graphstep.checkpoint) "

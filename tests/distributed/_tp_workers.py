@@ -120,13 +120,23 @@ def tensor_parallel(rank: int, world: int, extra: Optional[dict] = None) -> dict
     return {"reference": reference, "found": found, "worst_param_error": worst, "captured_equals_eager": bitwise}
 
 
-def marks_without_tensor_parallel_group(rank: int, world: int) -> str:
-    part = tp_slice(whole_model(), rank, world)
+def refusals(rank: int, world: int) -> dict:
+    """What get_optimizer and the reshardable checkpoint refuse under tensor parallelism, by message."""
+    found = {}
     try:
-        gs.get_optimizer(gs.OptimizerConfig(capture="eager"), part, model_parallel_group=dist.group.WORLD)
+        gs.get_optimizer(gs.OptimizerConfig(capture="eager"), tp_slice(whole_model(), rank, world),
+                         model_parallel_group=dist.group.WORLD)
+        found["marks"] = "built"
     except ValueError as error:
-        return str(error)
-    return "built"
+        found["marks"] = str(error)
+    opt = gs.get_optimizer(gs.OptimizerConfig(capture="eager"), tp_slice(whole_model(), rank, world),
+                           tensor_parallel_group=dist.group.WORLD)
+    try:
+        gs.checkpoint.save(opt, "/nonexistent/never-written")
+        found["checkpoint"] = "saved"
+    except NotImplementedError as error:
+        found["checkpoint"] = str(error)
+    return found
 
 
 def tensor_and_data_parallel(rank: int, world: int, capture: str, overlap: bool = False,

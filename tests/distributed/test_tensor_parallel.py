@@ -28,9 +28,11 @@ def test_norm_clip_zero_count_and_skip_equal_the_unsplit_model(extra):
         assert report["captured_equals_eager"], report
 
 
-def test_tensor_parallel_marks_without_the_tensor_parallel_group_are_refused():
-    for message in values(spawn(_tp_workers.marks_without_tensor_parallel_group, 2, timeout=60)):
-        assert "no tensor_parallel_group was given" in message and "up.weight" in message, message
+def test_what_tensor_parallelism_cannot_do_is_refused():
+    for found in values(spawn(_tp_workers.refusals, 2, timeout=60)):
+        assert "no tensor_parallel_group was given" in found["marks"] and "up.weight" in found["marks"], found
+        # the TP slices share param names: one checkpoint would keep one rank's entries (nothing is written)
+        assert "share param names" in found["checkpoint"], found
 
 
 @pytest.mark.parametrize("capture, overlap, optimizer", [("eager", False, "adam"), ("graph", False, "adam"),
