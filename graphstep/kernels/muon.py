@@ -2,7 +2,7 @@
 
     muon(params, grads, momentum_buffers, *, lr, weight_decay, momentum, nesterov, decoupled,
          grad_scale, found_inf, ns_steps, coefficient_type, scale_mode, extra_scale_factor,
-         fp32_matmul_prec, qkv_splits=None, eps=NS_EPS) -> None
+         fp32_matmul_prec, qkv_splits=None, eps=NS_EPS, tp_splits=None, tp_mode="duplicated") -> None
 
 ``params``, ``grads`` and ``momentum_buffers`` are lists of 3-D fp32 views (n, r, c), one entry per
 distinct shape (the layout keeps same-shape matrices contiguous); params and buffers are updated in
@@ -26,6 +26,12 @@ build. ``found_inf`` (0-d fp32, 1.0 = skip) leaves params and momentum bitwise u
 Split QKV: a fused QKV weight in Megatron's grouped layout is orthogonalised as three matrices (all Q
 rows, all K rows, all V rows), each scaled by its own shape, when its entry of ``qkv_splits`` is a
 ``QKVSplit``; all n matrices of the entry are split the same way, still in batched calls.
+
+Tensor parallelism: an entry whose ``tp_splits`` item is a ``TensorParallelSplit`` holds this rank's slices
+of matrices split over the tensor-parallel group. ``tp_mode`` (``OptimizerConfig.muon_tp_mode``):
+"duplicated" gathers the whole matrices, orthogonalises them and keeps this rank's slice; "distributed"
+runs Newton–Schulz on the slices with the norm and the Gram matrices summed over the group
+(``newton_schulz_split``); "blockwise" orthogonalises each slice alone. The scale uses the whole shape.
 """
 
 from __future__ import annotations

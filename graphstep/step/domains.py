@@ -142,8 +142,8 @@ def refuse_checkpoint(opt, what: str) -> None:
     an optimizer, and one whose model is split over model-parallel ranks: it names state by param, and the
     tensor-parallel slices and pipeline stages of one param name share the name, so their entries would
     overwrite each other in one checkpoint."""
-    mp_group = opt.comm.mp_group
-    if mp_group is not None and torch.distributed.get_world_size(mp_group) > 1:
+    mp_groups = [d.comm.mp_group for d in opt.domains if d.comm.mp_group is not None]
+    if any(torch.distributed.get_world_size(group) > 1 for group in mp_groups):
         raise NotImplementedError(f"{what}: the reshardable checkpoint format (graphstep.checkpoint) names state by "
                                   "param, and with a model_parallel_group of several ranks the tensor-parallel slices "
                                   "and pipeline stages share param names, so one rank's entries would overwrite "
