@@ -8,9 +8,10 @@ and is closed (graph and memory pool freed; any later step runs eagerly):
 
 - by ``opt.close()`` or leaving ``with opt:``, the explicit way, which the README's recipes use;
 - at the start of ``torch.distributed.destroy_process_group``, which graphstep wraps the first time such a
-  step registers: with no group (the whole job) every registered step is closed, with a group only the
-  steps whose collectives run on it. A reference taken before (``from torch.distributed import
-  destroy_process_group`` ahead of building the optimizer) bypasses the wrapper: close first then;
+  step registers: with no group or the default one (the whole job) every registered step is closed, with
+  another group only the steps whose collectives run on it. A reference taken before (``from
+  torch.distributed import destroy_process_group`` ahead of building the optimizer) bypasses the wrapper:
+  close first then;
 - at interpreter exit (``atexit`` runs before the process groups' destructors).
 """
 
@@ -34,9 +35,11 @@ def release_before_teardown(owner, groups: Iterable[dist.ProcessGroup]) -> None:
 
 
 def release(group: Optional[dist.ProcessGroup] = None) -> None:
-    """Close every registered owner whose collectives run on ``group`` (all of them for None)."""
+    """Close every registered owner whose collectives run on ``group``; all of them for None or the default
+    group, whose destruction takes every group with it."""
+    everything = group is None or group is dist.GroupMember.WORLD
     for owner, groups in list(_registered.items()):
-        if group is None or any(g is group for g in groups):
+        if everything or any(g is group for g in groups):
             _registered.pop(owner, None)
             owner.close()
 
