@@ -140,6 +140,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         # MoE expert params: a further domain over the expert data-parallel group (experts.py), or none.
         dense_indices, further = domains_mod.plan(config, named, expert_data_parallel_group, dp_group, dp_size,
                                                   model_parallel_group)
+        model_parallel.check_experts(bool(further), tensor_parallel_group)
         layout = plan_layout([specs[i] for i in dense_indices], dp_size, config.bucket_size)
         self.rank = rank
         self.device = device

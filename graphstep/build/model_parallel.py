@@ -79,6 +79,16 @@ def check_groups(named, model_parallel_group: Optional[dist.ProcessGroup],
                          "its parallel layers at any TP size)")
 
 
+def check_experts(has_expert_domain: bool, tensor_parallel_group: Optional[dist.ProcessGroup]) -> None:
+    """Refuse expert params together with a tensor-parallel group of several ranks: which TP rank counts an
+    expert's grads (with expert tensor parallelism or without) is not settled here yet, and a guess could
+    count them twice or not at all."""
+    if has_expert_domain and tensor_parallel_group is not None and dist.get_world_size(tensor_parallel_group) > 1:
+        raise ValueError("get_optimizer: expert params (an expert_data_parallel_group domain) together with a "
+                         "tensor_parallel_group of several ranks are not supported yet: their grads could be "
+                         "counted in the norm once per tensor-parallel rank")
+
+
 def counted_in_norm(p: torch.Tensor, tp_rank: int) -> bool:
     """Whether ``p``'s grad counts in the grad norm (and ``num_zeros``) on TP rank ``tp_rank``."""
     if getattr(p, "shared", False):

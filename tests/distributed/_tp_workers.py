@@ -129,6 +129,14 @@ def refusals(rank: int, world: int) -> dict:
         found["marks"] = "built"
     except ValueError as error:
         found["marks"] = str(error)
+    experts = tp_slice(whole_model(), rank, world)
+    experts.down.weight.allreduce = False  # an expert param (Megatron-Core's mark)
+    try:
+        gs.get_optimizer(gs.OptimizerConfig(capture="eager", use_distributed_optimizer=True), experts,
+                         expert_data_parallel_group=dist.group.WORLD, tensor_parallel_group=dist.group.WORLD)
+        found["experts"] = "built"
+    except ValueError as error:
+        found["experts"] = str(error)
     opt = gs.get_optimizer(gs.OptimizerConfig(capture="eager"), tp_slice(whole_model(), rank, world),
                            tensor_parallel_group=dist.group.WORLD)
     try:
