@@ -24,8 +24,8 @@ device, ``Module.to`` does not move attributes of a param, and a later ``model.b
 fp8 weights and their scales too. The scaling tensors are also the layer's buffers
 (``weight_scale``, ``weight_scale_inv``, ``weight_amax_history``), so ``model.state_dict()`` saves a
 complete fp8 weight and ``load_state_dict`` into a converted model restores it in place. Without
-graphstep's optimizer nothing zeroes ``main_grad`` between steps (``opt.zero_grad()`` does). Code that reads a Linear's weight instead of
-calling the module sees fp8 bytes: torch's fused inference path of ``nn.TransformerEncoderLayer`` (taken
+graphstep's optimizer nothing zeroes ``main_grad`` between steps (``opt.zero_grad()`` does). Code that
+reads a Linear's weight instead of calling the module sees fp8 bytes: torch's fused inference path of ``nn.TransformerEncoderLayer`` (taken
 in eval mode under ``no_grad``) does; turn it off with ``torch.backends.mha.set_fastpath_enabled(False)``.
 """
 
