@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -28,16 +27,11 @@ from pathlib import Path
 import torch
 
 from capture.devices import is_cuda
+from graphstep.app.demo_dist import free_port
 from gpu_check_numerics import record
 
 CHECKS = ("multi-captured-step-matches-eager", "multi-teardown-after-capture", "multi-dead-peer-bounded")
 STEPS, DEAD_AT, TIMEOUT_S, TEARDOWN_LIMIT_S, SPAWN_DEADLINE_S = 8, 5, 10.0, 30.0, 100.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model(device) -> torch.nn.Module:
@@ -129,7 +123,7 @@ def spawn(scenario: str, world: int, backend: str) -> list[dict]:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as outdir:
         procs = [ctx.Process(target=_rank_main, args=(rank, world, port, backend, outdir, scenario))
                  for rank in range(world)]
