@@ -64,6 +64,11 @@ def test_a_fused_adamw_without_capturable_is_refused_as_a_cuda_capture_would_ref
     assert [f.kind for f in refused.value.findings] == ["not_capturable"]
 
     wrapped = gs.wrap(torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True))
+    assert_captures(wrapped, model)
+
+
+def assert_captures(wrapped, model) -> None:
+    """Every group of ``wrapped`` is capturable and its step is captured after the warm-up."""
     assert all(group["capturable"] for group in wrapped.param_groups)
     for step in range(3):
         loss_fn(model, step).backward()
@@ -78,11 +83,7 @@ def test_a_state_dict_saved_without_capturable_still_captures_after_loading():
     source.step()
     wrapped = gs.wrap(torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True))
     wrapped.load_state_dict(source.state_dict())
-    assert all(group["capturable"] for group in wrapped.param_groups)
-    for step in range(3):
-        loss_fn(model, step).backward()
-        wrapped.step()
-    assert wrapped.captured
+    assert_captures(wrapped, model)
 
 
 def test_wrapped_sgd_and_the_users_set_to_none_zero_grad():
