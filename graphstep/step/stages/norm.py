@@ -108,28 +108,34 @@ class ForeachSumOfSquares:
 def build_over(sums: Sequence[Callable[[], torch.Tensor]], t: StepTensors, comm, compiled: bool = False,
                counted: Optional[Sequence[bool]] = None) -> Stage:
     """The norm stage over ``sums`` (each returns an fp64 0-d sum of squares of its grads); ``compiled``: as in
-    ``_stage``. ``counted``: per sum, whether it counts in the norm on this rank (default: all); the others
-    only take part in the non-finite check (``_uncounted``)."""
-    counted = [True] * len(sums) if counted is None else list(counted)
-    if len(counted) != len(sums):
-        raise ValueError(f"norm: {len(sums)} sums of squares but {len(counted)} counted flags")
+    ``_stage``. ``counted``: per sum, whether it counts in the norm on this rank (default: all; see
+    ``CountedSum``)."""
+    counted_sum = CountedSum(len(sums), counted, t.found_inf.device)
 
     def total() -> torch.Tensor:
         parts = [sum_of_squares() for sum_of_squares in sums]
-        if all(counted):
+        if counted_sum.all:
             return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
-        kept = [p for p, keep in zip(parts, counted) if keep]
-        left_out = [p for p, keep in zip(parts, counted) if not keep]
-        base = torch.stack(kept).sum() if kept else torch.zeros((), dtype=torch.float64, device=parts[0].device)
-        return base + _uncounted(torch.stack(left_out).sum())
+        return counted_sum(torch.stack(parts))
 
     return _stage(total, t, comm, compiled)
 
 
-def _uncounted(sumsq: torch.Tensor) -> torch.Tensor:
-    """What a sum of squares another rank counts adds here: 0, or NaN when it is not finite (0 x inf), so a
-    non-finite grad in it still skips the step on every rank."""
-    return sumsq * 0.0
+class CountedSum:
+    """The sum of a vector of sums of squares of which only some count in the norm on this rank (the others
+    another rank counts: graphstep/build/model_parallel.py). A left-out sum adds 0, or NaN when it is not
+    finite (0 x inf), so a non-finite grad in it still skips the step on every rank."""
+
+    def __init__(self, size: int, counted: Optional[Sequence[bool]], device):
+        counted = [True] * size if counted is None else list(counted)
+        if len(counted) != size:
+            raise ValueError(f"norm: {size} sums of squares but {len(counted)} counted flags")
+        self.all = all(counted)
+        self._keep = torch.tensor([i for i, c in enumerate(counted) if c], dtype=torch.int64, device=device)
+        self._drop = torch.tensor([i for i, c in enumerate(counted) if not c], dtype=torch.int64, device=device)
+
+    def __call__(self, sums: torch.Tensor) -> torch.Tensor:
+        return sums.index_select(0, self._keep).sum() + sums.index_select(0, self._drop).sum() * 0.0
 
 
 def build_folded(folds: Sequence, t: StepTensors, comm, compiled: bool = False,
@@ -141,19 +147,14 @@ def build_folded(folds: Sequence, t: StepTensors, comm, compiled: bool = False,
     ``grad_shard`` entry), as in ``build_over``."""
     vectors = [folded.sums for folded in folds]
     joined = torch.empty(sum(v.numel() for v in vectors), dtype=torch.float64, device=vectors[0].device)
-    counted = [True] * joined.numel() if counted is None else list(counted)
-    if len(counted) != joined.numel():
-        raise ValueError(f"norm: {joined.numel()} folded sums but {len(counted)} counted flags")
-    keep = torch.tensor([i for i, c in enumerate(counted) if c], dtype=torch.int64, device=joined.device)
-    drop = torch.tensor([i for i, c in enumerate(counted) if not c], dtype=torch.int64, device=joined.device)
+    counted_sum = CountedSum(joined.numel(), counted, joined.device)
 
     def total() -> torch.Tensor:
         for folded in folds:
             folded.finish()
-        if all(counted):
+        if counted_sum.all:
             return vectors[0].sum() if len(vectors) == 1 else torch.cat(vectors, out=joined).sum()
-        sums = torch.cat(vectors, out=joined)
-        return sums.index_select(0, keep).sum() + _uncounted(sums.index_select(0, drop).sum())
+        return counted_sum(torch.cat(vectors, out=joined))
 
     return _stage(total, t, comm, compiled)
 
