@@ -93,10 +93,10 @@ def tensor_parallel_dim(param: torch.Tensor, name: str, comm) -> Optional[int]:
     ``tensor_model_parallel``, or no such group (the param is then the whole matrix)."""
     if comm.tp_group is None or not getattr(param, "tensor_model_parallel", False):
         return None
-    dim = getattr(param, "partition_dim", None)
-    if dim not in (0, 1, -1, -2):
-        raise ValueError(f"param '{name}' is marked tensor_model_parallel but its partition_dim={dim!r} is not one of "
-                         "its two dimensions: Muon needs to know along which one it is split")
+    dim = getattr(param, "partition_dim", None)  # a dimension of the param when set (checked at build)
+    if dim is None:
+        raise ValueError(f"param '{name}' is marked tensor_model_parallel without a partition_dim: Muon needs to "
+                         "know along which of its dimensions it is split")
     if getattr(param, "partition_stride", 1) != 1:
         raise ValueError(f"param '{name}' has partition_stride={param.partition_stride}: Muon on strided tensor-"
                          "parallel splits is not supported (gather its slices in Megatron's order first)")
