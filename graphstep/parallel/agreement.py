@@ -16,11 +16,12 @@ by either group must agree transitively.
 
 from __future__ import annotations
 
-import datetime
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from .collectives import host_group
 
 
 class RankAgreement:
@@ -34,8 +35,7 @@ class RankAgreement:
         if mp_group is None and dp_host_group is not None:  # the collectives' gloo group has these very ranks
             self._group = dp_host_group
         else:
-            self._group = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s),
-                                         use_local_synchronization=True)
+            self._group = host_group(ranks, timeout_s)
         self._flag = torch.zeros(1, dtype=torch.int32)
 
     def any(self, flag: bool) -> bool:

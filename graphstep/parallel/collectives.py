@@ -69,13 +69,13 @@ def derive_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGrou
                           backend=backend, use_local_synchronization=True)
 
 
-def host_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:
-    """A gloo group over ``group``'s ranks, for host-side exchanges (build-time objects, the ranks' recapture
-    flags). On GPUs the step's groups are NCCL, whose object collectives stage through the *current* CUDA
-    device: a job that never called ``torch.cuda.set_device`` would put every rank on GPU 0. gloo keeps them
-    on the host. Collective over ``group``'s members only."""
-    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
-                          timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=True)
+def host_group(ranks: list[int], timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group over ``ranks``, for host-side exchanges (build-time objects, the ranks' recapture flags).
+    On GPUs the step's groups are NCCL, whose object collectives stage through the *current* CUDA device: a
+    job that never called ``torch.cuda.set_device`` would put every rank on GPU 0. gloo keeps them on the
+    host. Collective over those ranks only."""
+    return dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s),
+                          use_local_synchronization=True)
 
 
 def data_parallel_group(config, process_group) -> tuple[Optional[dist.ProcessGroup], int, int]:
@@ -171,7 +171,7 @@ class Collectives:
             self._mp_derived = True
         if self.dp_size > 1:
             if self.host_group is None:
-                self.host_group = host_group(self.dp_group, self.timeout_s)
+                self.host_group = host_group(dist.get_process_group_ranks(self.dp_group), self.timeout_s)
             self._check_same_layout(layout, config)
         self._warm_up(device)
 
