@@ -128,11 +128,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         warn_dtype_conversion(config, named)
         fp8_support.check_against_config(config, named)
         self._families = families = families_of(self.param_groups, config.optimizer)
-        model_parallel.check_groups(named, model_parallel_group, tensor_parallel_group)
-        model_parallel_group = model_parallel.model_parallel_group(model_parallel_group, tensor_parallel_group)
-        tp_rank = model_parallel.tensor_parallel_rank(tensor_parallel_group)
-        for name, p in named:
-            model_parallel.check_marks(name, p)
+        model_parallel_group, tp_rank = model_parallel.resolve(named, model_parallel_group, tensor_parallel_group)
         specs = [param_spec(config, name, p, group_of[id(p)], families[group_of[id(p)]].batch_by_shape,
                             model_parallel.counted_in_norm(p, tp_rank)) for name, p in named]
 

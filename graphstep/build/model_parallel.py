@@ -25,7 +25,18 @@ import torch
 import torch.distributed as dist
 
 
-def model_parallel_group(model_parallel_group: Optional[dist.ProcessGroup],
+def resolve(named, model_parallel_group: Optional[dist.ProcessGroup],
+            tensor_parallel_group: Optional[dist.ProcessGroup]) -> tuple[Optional[dist.ProcessGroup], int]:
+    """(the group the grad statistics are summed over besides the data-parallel one, this rank's TP rank),
+    after refusing marks and groups that cannot describe the model (``named``: its (name, param) pairs)."""
+    check_groups(named, model_parallel_group, tensor_parallel_group)
+    for name, p in named:
+        check_marks(name, p)
+    return model_parallel_group_of(model_parallel_group, tensor_parallel_group), tensor_parallel_rank(
+        tensor_parallel_group)
+
+
+def model_parallel_group_of(model_parallel_group: Optional[dist.ProcessGroup],
                          tensor_parallel_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
     """The group the grad statistics are summed over besides the data-parallel one: ``model_parallel_group``
     (tensor x pipeline), or the tensor-parallel group alone. The TP group must lie inside it."""
