@@ -248,11 +248,15 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         if self._torch_amp.take(self.__dict__):  # torch's GradScaler: its scale and inf flag, on the device
             self._fold.grads_rewritten()  # scaler.unscale_(opt) rewrote the grads unseen by version counters
         self._grads_seen.check()
-        self._fold.forget_unbound_grads()  # fold_grad_norm: before the grads are re-bound
+        self._fold.note_writes()  # fold_grad_norm: grads written since backward, before the engine writes any
         replaced = []
         for buffers in self._domain_buffers():
-            replaced += buffers.restore_replaced_buffers()
+            restored = buffers.restore_replaced_buffers()
+            if restored:
+                self._fold.grads_rewritten()  # copied into the static buffers: the folded sums may be stale
+                replaced += restored
             if not buffers.bindings_intact():
+                self._fold.forget_unbound_grads()  # fold_grad_norm: before the grads are re-bound
                 replaced += buffers.readopt_params()  # also rebinds grads a user set to None (as zeros)
         if replaced:
             self._runner.on_replaced(replaced)

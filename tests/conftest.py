@@ -41,3 +41,15 @@ def _auto_kernel_is_fused_unless_marked(request, monkeypatch):
     if request.node.get_closest_marker("default_kernel") is None:
         pin_auto_to_fused(monkeypatch.setattr)
 
+
+
+@pytest.fixture(autouse=True)
+def _fold_units_of_one_row_unless_marked(request, monkeypatch):
+    # The test models are far smaller than a fold unit: at the real sizes none of their params would be
+    # folded in backward. Units of one row, every one folded by hooks, make them exercise the backward fold
+    # the way large models do; tests of the real sizes are marked ``default_fold_units``.
+    if request.node.get_closest_marker("default_fold_units") is None:
+        from graphstep.step import folded_sums
+
+        monkeypatch.setattr(folded_sums, "UNIT_ROWS", 1)
+        monkeypatch.setattr(folded_sums, "HOOK_MIN_ELEMENTS", 1)

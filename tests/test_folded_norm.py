@@ -1,11 +1,11 @@
-"""fold_grad_norm on one rank: each grad's sum of squares folded by its post-accumulate-grad hook.
+"""fold_grad_norm on one rank: each buffer's rows folded a unit at a time by the hook of the unit's last
+param to arrive (graphstep/step/folded_sums.py; these tests fold units of one row, tests/conftest.py, except
+those marked ``default_fold_units``).
 
-The oracle is the unfolded step: the same norm within fp64 rounding of the per-row sums (the rows start at
-each param instead of each buffer), the same skip decisions, and params whose drift from it relative to
-their motion is at rounding level (docs/design.md §8: SGD is the tight oracle; Adam turns the last-bit change of
-the clip coefficient into sign flips of near-zero grads).
-The folded step itself is exact across modes: eager equals captured bitwise, and a loop under ``no_sync()``
-equals one that folds every micro-batch bitwise (the last fold sees the same final grads).
+The oracle is the unfolded step, and the folded one equals it bitwise: the same rows normed by the same op,
+summed in the same order, so the same norm, skip decisions and params. The folded step is exact across
+modes too: eager equals captured bitwise, and a loop under ``no_sync()`` equals one that folds every
+micro-batch bitwise (the last fold sees the same final grads).
 """
 
 import contextlib
@@ -14,7 +14,8 @@ import warnings
 
 import pytest
 import torch
-from toy import VOCAB, loss_fn, relative_drift
+from _dispatched import DispatchedOps
+from toy import VOCAB, loss_fn
 
 import graphstep as gs
 from graphstep.step.stages.norm import RESCUE_ROWS, ROW, SumOfSquares
@@ -23,9 +24,6 @@ WIDTH = 96  # wide enough that most weights hold whole 4,096-element rows (folde
 
 STEPS = 6
 SGD = dict(optimizer="sgd", lr=0.05, weight_decay=1e-3, sgd_momentum=0.9)
-# Drift bounds relative to the motion (docs/design.md §8 measured 6e-7 for SGD and 3e-4 for Adam from a 1e-7
-# change of the clip coefficient; 5e-2 for half-precision params, whose backward rounds on its own).
-DRIFT = {"sgd": 1e-5, "adam": 1e-3, "half": 5e-2}
 
 
 def folded_model() -> torch.nn.Module:
@@ -68,7 +66,7 @@ def train(fold: bool, *, micro_batches: int = 1, use_no_sync: bool = True, inf_a
         ok.append(bool(result.update_successful))
     opt.finish_param_gather()  # an overlapped CPU-offload update may still be copying params back
     return {"params": [p.detach().clone() for p in model.parameters()], "norms": norms, "ok": ok,
-            "counts": dict(opt.fold_counts), "captured": opt.captured}
+            "counts": dict(opt.fold_counts), "captured": opt.captured, "units": backward_units(opt) if fold else 0}
 
 
 def same_floats(a, b) -> bool:
@@ -76,28 +74,26 @@ def same_floats(a, b) -> bool:
     return len(a) == len(b) and all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
 
 
-def assert_close_to_unfolded(folded, plain, *, drift=DRIFT["sgd"], norm_rel=1e-6):
-    """``norm_rel``: half-precision params round the params (and so later grads) apart after the first step."""
+def assert_same_as_unfolded(folded, plain):
     assert folded["ok"] == plain["ok"]
-    for a, b in zip(folded["norms"], plain["norms"]):
-        if math.isfinite(b):
-            assert a == pytest.approx(b, rel=norm_rel)
-        else:
-            assert not math.isfinite(a)
-    start = list(folded_model().parameters())
-    assert relative_drift(folded["params"], plain["params"], start) <= drift
+    assert same_floats(folded["norms"], plain["norms"])
+    assert all(torch.equal(a, b) for a, b in zip(folded["params"], plain["params"]))
+
+
+def backward_units(opt) -> int:
+    """The units of ``opt``'s rows folded in backward (one row each here: tests/conftest.py)."""
+    return len(opt._fold.hooked.current)
 
 
 @pytest.mark.parametrize("family", ["sgd", "adam"])
 @pytest.mark.parametrize("micro_batches", [1, 2, 3, 4])
-def test_folded_norm_matches_the_unfolded_step_with_grad_accumulation(micro_batches, family):
+def test_folded_norm_is_the_unfolded_step_bitwise_with_grad_accumulation(micro_batches, family):
     changes = SGD if family == "sgd" else {}
     folded = train(True, micro_batches=micro_batches, **changes)
-    assert_close_to_unfolded(folded, train(False, micro_batches=micro_batches, **changes), drift=DRIFT[family])
-    # Every param of a row or more folded once per step, in the last micro-batch's backward; none left over.
-    rows = sum(p.numel() >= ROW for p in folded_model().parameters())
-    assert rows == 6
-    assert folded["counts"] == {"in_backward": rows * STEPS, "before_step": 0}
+    assert_same_as_unfolded(folded, train(False, micro_batches=micro_batches, **changes))
+    # Every unit folded once per step, in the last micro-batch's backward; none before the step.
+    assert folded["units"] > 1
+    assert folded["counts"] == {"in_backward": folded["units"] * STEPS, "before_step": 0}
 
 
 @pytest.mark.parametrize("micro_batches", [2, 4])
@@ -107,15 +103,15 @@ def test_no_sync_only_saves_folds_the_result_is_bitwise_the_same(micro_batches):
         unmarked = train(True, micro_batches=micro_batches, use_no_sync=False)
     assert same_floats(marked["norms"], unmarked["norms"])
     assert all(torch.equal(a, b) for a, b in zip(marked["params"], unmarked["params"]))
-    # The first step folds in every micro-batch's backward; having seen that, later steps fold right before
-    # the step, once, instead of once per micro-batch.
-    rows = marked["counts"]["in_backward"] // STEPS
-    assert unmarked["counts"] == {"in_backward": micro_batches * rows, "before_step": (STEPS - 1) * rows}
+    # The first step folds in the first backward, and again before the step (the later backwards changed
+    # the grads); having seen that, later steps fold right before the step only.
+    units = marked["units"]
+    assert unmarked["counts"] == {"in_backward": units, "before_step": STEPS * units}
 
 
 def test_the_fold_returns_to_backward_once_micro_batches_are_marked():
     model, opt = build(True)
-    rows = sum(p.numel() >= ROW for p in model.parameters())
+    units = backward_units(opt)
     where = []
     for step, marked in enumerate([False, False, True, True]):
         before = dict(opt.fold_counts)
@@ -127,10 +123,10 @@ def test_the_fold_returns_to_backward_once_micro_batches_are_marked():
             warnings.simplefilter("ignore", RuntimeWarning)
             opt.step()
         where.append({k: opt.fold_counts[k] - before[k] for k in before})
-    assert where == [{"in_backward": 2 * rows, "before_step": 0},  # unmarked: every backward folds
-                     {"in_backward": 0, "before_step": rows},  # the step folds instead
-                     {"in_backward": 0, "before_step": rows},  # one backward seen: back in backward next
-                     {"in_backward": rows, "before_step": 0}]
+    assert where == [{"in_backward": units, "before_step": units},  # unmarked: the second backward undoes it
+                     {"in_backward": 0, "before_step": units},  # the step folds instead
+                     {"in_backward": 0, "before_step": units},  # one backward seen: back in backward next
+                     {"in_backward": units, "before_step": 0}]
 
 
 @pytest.mark.parametrize("micro", [0, 1, 2])
@@ -138,16 +134,15 @@ def test_an_inf_in_any_micro_batch_skips_the_step(micro):
     folded = train(True, micro_batches=3, inf_at=(2, micro), **SGD)
     plain = train(False, micro_batches=3, inf_at=(2, micro), **SGD)
     assert folded["ok"] == plain["ok"] == [True, True, False, True, True, True]
-    assert_close_to_unfolded(folded, plain)
+    assert_same_as_unfolded(folded, plain)
 
 
 def test_dynamic_loss_scale_backs_off_on_a_folded_inf():
     fp16 = dict(fp16=True, initial_loss_scale=2.0**10, hysteresis=1)
     folded = train(True, micro_batches=2, inf_at=(1, 0), **fp16)
     plain = train(False, micro_batches=2, inf_at=(1, 0), **fp16)
-    assert folded["ok"][1] is False and folded["ok"] == plain["ok"]
-    assert folded["norms"][0] == pytest.approx(plain["norms"][0], rel=1e-6)  # before any rounding apart
-    assert_close_to_unfolded(folded, plain, drift=DRIFT["half"], norm_rel=1e-3)
+    assert folded["ok"][1] is False
+    assert_same_as_unfolded(folded, plain)
 
 
 @pytest.mark.parametrize("dtype_changes", [{}, {"bf16": True}], ids=["fp32", "bf16-main-grads"])
@@ -161,8 +156,7 @@ def test_captured_folded_step_equals_eager_bitwise(dtype_changes):
 
 
 def test_bf16_params_fold_their_fp32_main_grads():
-    assert_close_to_unfolded(train(True, micro_batches=3, bf16=True, **SGD),
-                             train(False, micro_batches=3, bf16=True, **SGD), drift=DRIFT["half"], norm_rel=1e-3)
+    assert_same_as_unfolded(train(True, micro_batches=3, bf16=True, **SGD), train(False, micro_batches=3, bf16=True, **SGD))
 
 
 # The output layer gets two backwards outside no_sync(): the unmarked-accumulation warning, expected here.
@@ -187,8 +181,8 @@ def test_grads_that_did_not_come_through_backward_are_folded_before_the_step():
         norms.append(float(opt.step().grad_norm))
         results[fold] = (norms, [p.detach().clone() for p in model.parameters()], dict(opt.fold_counts))
     (folded, folded_params, counts), (plain, plain_params, _) = results[True], results[False]
-    assert folded == pytest.approx(plain, rel=1e-6)
-    assert relative_drift(folded_params, plain_params, list(folded_model().parameters())) <= DRIFT["sgd"]
+    assert same_floats(folded, plain)
+    assert all(torch.equal(a, b) for a, b in zip(folded_params, plain_params))
     assert counts["before_step"] > 0
 
 
@@ -202,7 +196,7 @@ def test_model_zero_grad_to_none_then_backward_folds_the_fresh_grads():
             loss_fn(model, step).backward()
             norms.append(float(opt.step().grad_norm))
         results[fold] = (norms, dict(opt.fold_counts))
-    assert results[True][0] == pytest.approx(results[False][0], rel=1e-6)
+    assert same_floats(results[True][0], results[False][0])
     assert results[True][1]["before_step"] == 0
 
 
@@ -239,9 +233,9 @@ def test_grads_changed_in_place_after_backward_are_folded_again(change):
             norms.append(float(opt.step().grad_norm))
         results[fold] = (norms, [p.detach().clone() for p in model.parameters()], dict(opt.fold_counts))
     (folded, folded_params, counts), (plain, plain_params, _) = results[True], results[False]
-    assert folded == pytest.approx(plain, rel=1e-6)
-    assert relative_drift(folded_params, plain_params, list(folded_model().parameters())) <= DRIFT["sgd"]
-    assert counts["before_step"] == counts["in_backward"] > 0  # every hooked param refolded, every step
+    assert same_floats(folded, plain)
+    assert all(torch.equal(a, b) for a, b in zip(folded_params, plain_params))
+    assert counts["before_step"] == counts["in_backward"] > 0  # every unit refolded, every step
 
 
 def test_debug_step_warns_naming_a_grad_changed_after_its_fold():
@@ -288,7 +282,7 @@ def _folded_norm_of(coefficients: list[torch.Tensor]) -> float:
                                               kernel="fused", fold_grad_norm=True), model)
     sum((p * c).sum() for p, c in zip(model.parameters(), coefficients)).backward()
     norm = float(opt.step().grad_norm)
-    assert opt.fold_counts == {"in_backward": 2, "before_step": 0}
+    assert opt.fold_counts == {"in_backward": backward_units(opt), "before_step": 0}
     return norm
 
 
@@ -316,30 +310,70 @@ def test_more_overflowing_folded_rows_than_rescued_count_as_non_finite():
     assert not math.isfinite(_folded_norm_of(coefficients))
 
 
-class _ManySmall(torch.nn.Module):
-    """Leftovers past one CPU gather (``folded_norm._SERIAL_CAT`` elements): 12 row-holding params with
-    tails and 30 params under a row, ~100,000 leftover elements in all."""
+def test_units_end_where_a_param_ends_and_hold_at_least_unit_rows(monkeypatch):
+    from graphstep.step import folded_sums
 
-    def __init__(self):
-        super().__init__()
-        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(2 * ROW + 1000)) for _ in range(12))
-        self.small = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(3000 + i)) for i in range(30))
+    monkeypatch.setattr(folded_sums, "UNIT_ROWS", 4)
+    # Params ending inside rows 2, 5, 6, 11 and 13 of a 14-row buffer: a unit closes at the first param end
+    # at least 4 rows on; the row a param ends inside belongs to the next unit; the last runs to the end.
+    ends = [2 * ROW + 7, 5 * ROW + 1, 6 * ROW + 9, 11 * ROW, 13 * ROW + 5]
+    assert folded_sums._unit_cuts(ends, 14) == [(0, 5), (5, 11), (11, 14)]
+    assert folded_sums._unit_cuts([3 * ROW], 3) == [(0, 3)]  # shorter than a unit: one unit
 
 
-def test_leftovers_gathered_in_several_cats_add_up_to_the_exact_norm():
-    from graphstep.step import folded_sums as folded_norm
+def _weights(count: int, numel: int) -> torch.nn.Module:
+    model = torch.nn.Module()
+    model.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(numel)) for _ in range(count))
+    return model
 
-    model = _ManySmall()
-    leftover_numel = 12 * 1000 + sum(3000 + i for i in range(30))
-    assert leftover_numel > 3 * folded_norm._SERIAL_CAT  # several gathers on the CPU
-    opt = gs.get_optimizer(gs.OptimizerConfig(optimizer="sgd", lr=0.0, clip_grad=0.0, capture="eager",
-                                              kernel="fused", fold_grad_norm=True), model)
-    g = torch.Generator().manual_seed(3)
-    coefficients = [torch.randn(p.numel(), generator=g) * (1 + i) for i, p in enumerate(model.parameters())]
-    sum((p * c).sum() for p, c in zip(model.parameters(), coefficients)).backward()
-    exact = math.sqrt(sum(float(c.double().square().sum()) for c in coefficients))
-    assert float(opt.step().grad_norm) == pytest.approx(exact, rel=1e-6)
-    assert opt.fold_counts == {"in_backward": 12, "before_step": 0}
+
+def _vector_norms(block) -> int:
+    with DispatchedOps() as ops:
+        block()
+    return sum(name.startswith("aten.linalg_vector_norm") for name in ops.names)
+
+
+@pytest.mark.default_fold_units
+@pytest.mark.parametrize("count, numel, in_backward", [(2000, ROW, 0), (6, 2**20 + 100, 6)],
+                         ids=["many-small", "few-large"])
+def test_the_fold_costs_one_op_per_unit_and_none_for_small_params(count, numel, in_backward):
+    # Many 4,096-element params: no hook folds (each would cost backward more than the fold saves); the
+    # step norms their rows in one op. Large params: one op per unit in backward. Bitwise the unfolded norm.
+    g = torch.Generator().manual_seed(5)
+    coefficients = [torch.randn(numel, generator=g) for _ in range(count)]
+    norms = {}
+    for fold in (True, False):
+        model = _weights(count, numel)
+        opt = gs.get_optimizer(gs.OptimizerConfig(optimizer="sgd", lr=0.0, clip_grad=0.0, capture="eager",
+                                                  kernel="fused", fold_grad_norm=fold), model)
+        loss = sum((p * c).sum() for p, c in zip(model.weights, coefficients))
+        backward_norms = _vector_norms(loss.backward)
+        norms[fold] = float(opt.step().grad_norm)
+        if fold:
+            assert backward_norms == in_backward
+            assert opt.fold_counts == {"in_backward": in_backward, "before_step": 0}
+            assert sum(bool(p._post_accumulate_grad_hooks) for p in model.weights) == (count if in_backward else 0)
+    assert norms[True] == norms[False]
+
+
+@pytest.mark.default_fold_units
+@pytest.mark.parametrize("backward", [True, False], ids=["backward", "grads-by-hand"])
+def test_ops_per_step_do_not_grow_with_the_number_of_params(backward):
+    ops = []
+    for count in (150, 3000):
+        model = _weights(count, 64)
+        opt = gs.get_optimizer(gs.OptimizerConfig(lr=1e-3, clip_grad=1.0, capture="eager", kernel="fused"), model)
+        for _ in range(2):
+            if backward:
+                sum(p.sum() for p in model.weights).backward()
+            else:
+                for p in model.weights:
+                    p.grad = torch.ones_like(p)
+            with DispatchedOps() as dispatched:
+                opt.step()
+            opt.zero_grad()
+        ops.append(len(dispatched.names))
+    assert ops[0] == ops[1]
 
 
 @pytest.mark.parametrize("where", ["row", "tail"])
@@ -372,13 +406,11 @@ def test_cpu_offload_with_the_folded_norm_is_bitwise_the_folded_step(changes, mo
     assert all(torch.equal(a, b) for a, b in zip(offloaded["params"], plain["params"]))
 
 
-def test_muon_with_the_folded_norm_matches_the_unfolded_step():
+def test_muon_with_the_folded_norm_is_the_unfolded_step():
     changes = dict(optimizer="muon", lr=0.02, muon_momentum=0.9, muon_fp32_matmul_prec="highest")  # no bf16 NS
     folded, plain = train(True, micro_batches=2, **changes), train(False, micro_batches=2, **changes)
     assert folded["counts"]["in_backward"] > 0
-    assert folded["norms"][0] == pytest.approx(plain["norms"][0], rel=1e-6)
-    # Newton-Schulz turns the last-bit change of the clip coefficient into larger ones of later grads.
-    assert_close_to_unfolded(folded, plain, drift=DRIFT["adam"], norm_rel=1e-3)
+    assert_same_as_unfolded(folded, plain)
 
 
 def test_fp8_weights_fold_their_main_grads_in_backward():
@@ -397,6 +429,6 @@ def test_fp8_weights_fold_their_main_grads_in_backward():
             norms.append(float(opt.step().grad_norm))
         runs[fold] = (norms, opt.fold_counts)
     assert sum(fp8.is_fp8(p) for p in model.parameters()) > 0
-    assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-6)
+    assert same_floats(runs[True][0], runs[False][0])
     assert runs[True][1]["in_backward"] > 0 and runs[True][1]["before_step"] == 0
 

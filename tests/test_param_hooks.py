@@ -57,9 +57,12 @@ def test_every_param_has_one_hook_from_the_optimizer(name):
     opt = gs.get_optimizer(config(**CONFIGS[name]), model)
     assert hook_counts(model) == [1] * len(hook_counts(model))  # before any backward: the grads-seen flag too
     train(model, opt, steps=2)
-    # After a backward the grads-seen listener is gone: a hook stays where a main grad or the fold listens.
-    stays = CONFIGS[name].get("bf16", False) or CONFIGS[name]["fold_grad_norm"]
-    assert hook_counts(model) == [int(stays)] * len(hook_counts(model))
+    # After a backward the grads-seen listener is gone: a hook stays where a main grad or the fold listens
+    # (the fold: on the params of the units folded in backward, not on those only in a buffer's tail).
+    folded = [CONFIGS[name]["fold_grad_norm"] and "fold" in opt._grad_hooks.stages_of(p) for p in model.parameters()]
+    assert any(folded) == CONFIGS[name]["fold_grad_norm"]
+    stays = [CONFIGS[name].get("bf16", False) or fold for fold in folded]
+    assert hook_counts(model) == [int(s) for s in stays]
 
 
 def test_the_listeners_run_in_the_declared_order_whatever_order_they_were_added_in():
@@ -91,7 +94,9 @@ def test_the_listeners_run_in_the_declared_order_whatever_order_they_were_added_
 def test_an_engine_listens_in_the_declared_order():
     model = mlp("bf16_fold")
     opt = gs.get_optimizer(config(**CONFIGS["bf16_fold"]), model)
-    assert all(opt._grad_hooks.stages_of(p) == ("main_grad", "grads_seen", "fold") for p in model.parameters())
+    stages = [opt._grad_hooks.stages_of(p) for p in model.parameters()]
+    assert all(s in (("main_grad", "grads_seen", "fold"), ("main_grad", "grads_seen")) for s in stages)
+    assert ("main_grad", "grads_seen", "fold") in stages
     # The fold reads the grad main_grad just accumulated: the folded norm is the unfolded one's.
     other = mlp("bf16")
     unfolded = gs.get_optimizer(config(**CONFIGS["bf16"]), other)

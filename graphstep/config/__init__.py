@@ -103,16 +103,16 @@ class OptimizerConfig:
     """Skip the step (decided on device) when the grad norm exceeds this."""
 
     fold_grad_norm: bool = True
-    """graphstep's own: compute each grad's sum of squares where the grad becomes final (one rank: a
-    post-accumulate-grad hook per param of 4,096 elements or more; several: as each bucket's reduce-scatter
-    lands), so the step reads the grads once, in the update (graphstep/step/folded_sums.py). On by default: the
+    """graphstep's own: compute each grad's sum of squares where the grad becomes final (one rank: in
+    backward, a unit of rows at a time, by the hook of the unit's last param to arrive, for units of large
+    params; several: as each bucket's reduce-scatter lands), so the step reads the grads once, in the
+    update (graphstep/step/folded_sums.py). On by default: the
     step then costs about the bare update, and backward + step no more than with the norm in the step (the
     README's Performance section has the figures). A grad changed
     in place after backward is refolded before the step (its buffer's version counter moved on); a write that
     bypasses the counter (``p.grad.data``) is not seen (``debug_step()`` warns). Run earlier micro-batches
     under ``opt.no_sync()`` to fold only in the last. False: the step's norm stage reads the grads itself.
-    Several ranks: the two give bitwise the same step; one rank: sums as accurate, in another order (not
-    bitwise)."""
+    The two give bitwise the same step."""
 
     log_num_zeros_in_grad: bool = False
     """Count zero grad elements on device into ``StepResult.num_zeros``."""

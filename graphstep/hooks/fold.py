@@ -1,26 +1,29 @@
 """The fold's listeners and host bookkeeping (the sums themselves: graphstep/step/folded_sums.py).
 
-Which sums are current (one rank). A param's folded norms are current when they were folded after its
-grad last changed. The host keeps a flag per param: a fold sets it; a backward under ``no_sync()`` (an
-earlier micro-batch: no fold), ``zero_grad``, a step and a broken grad binding clear it. It also keeps,
-per grad buffer, the buffer's version counter as backward left it: every param's hook (folded or not)
-records it after the param's grad was accumulated. Every in-place write to a grad bumps the counter of
-its whole buffer (grads are views of it), so a count that moved on by the step means a grad changed after
-backward (``p.grad.mul_(...)``, ``clip_grad_norm_``, a hand unscale): the buffer's params are then no
-longer current. Before each step every param that is not current is folded then, as eager device work
-ahead of the (captured) step: such changed grads, params without a grad in the last backward, grads
-written by hand, a step with no backward. ``fold_counts`` says how many folds ran in backward and how many
-before the step (none there in a loop that gets the fold's benefit). torch's ``GradScaler.unscale_``
-rewrites the grads without bumping their counters (``_amp_foreach_non_finite_check_and_unscale_``), but
-``scaler.step(opt)`` then tells the engine so (graphstep/step/torch_amp.py): every sum is folded again before
-that step. Not detectable: any other write that bypasses the version counter (through ``.data``, or into
-the buffer's memory by an extension or collective); ``debug_step()`` warns, naming the params, when a
-folded norm no longer matches its grad.
+Which sums are current (one rank). The sums are folded a unit of rows at a time (folded_sums.ParamSums); a
+unit's norms are current when they were folded after its params' grads last changed. The host keeps a
+flag per unit: a fold sets it; a backward under ``no_sync()`` (an earlier micro-batch: no fold), a grad
+arriving twice, ``zero_grad``, a step and a broken grad binding clear it. It also keeps, per grad buffer,
+the buffer's version counter as backward left it: the first hook of a backward queues a callback that
+records them when the backward ends (params without a hook may accumulate after the last hook). Every in-place write to a grad bumps the counter of its whole buffer (grads
+are views of it), so a count that moved on by the step means a grad changed after backward
+(``p.grad.mul_(...)``, ``clip_grad_norm_``, a hand unscale): the buffer's units are then no longer current.
+Before each step every unit that is not current is folded then, as eager device work ahead of the
+(captured) step: such changed grads, units with a param that got no grad in the last backward, grads
+written by hand, a step with no backward (a buffer with no current unit in one op, as unfolded).
+``fold_counts`` says how many units were folded in backward and how many before the step (none there in a
+loop that gets the fold's benefit). torch's ``GradScaler.unscale_`` rewrites the grads without bumping
+their counters (``_amp_foreach_non_finite_check_and_unscale_``), but ``scaler.step(opt)`` then tells the
+engine so (graphstep/step/torch_amp.py): every sum is folded again before that step. Not detectable: any
+other write that bypasses the version counter (through ``.data``, or into the buffer's memory by an
+extension or collective); ``debug_step()`` warns, naming the params, when a folded norm no longer matches
+its grad.
 
-Grad accumulation without ``no_sync()``. Every backward then folds, and only the last fold counts: one read
-of the grads per micro-batch where the unfolded norm reads them once. A step that saw a param's grad
-arrive twice outside ``no_sync()`` warns once and sends the next steps' fold to the step itself (before
-it, as for stale params), until a step sees a single backward again.
+Grad accumulation without ``no_sync()``. The first backward folds the units; a grad arriving again in a
+later one makes its units stale, and they are folded again before the step: two reads of the grads where
+the unfolded norm reads them once. A step that saw a param's grad arrive twice outside ``no_sync()`` warns
+once and sends the next steps' fold to the step itself (one read), until a step sees a single backward
+again.
 """
 
 from __future__ import annotations
@@ -54,9 +57,10 @@ class Fold:
         self._repeated = False  # one of them was delivered again: unmarked accumulation
         self._rewritten_after_backward = False  # DDP writes the averaged grads after the hooks: fold at the step
         self._warned = False
+        self._end_queued = False  # this backward's end-of-backward callback is queued
         if self.hooked is None:
             return
-        for index in range(len(buffers.params)):
+        for index in self.hooked.units_of:  # only the params of units folded in backward pay for a hook
             # Stage "fold" runs after stage "main_grad" (param_hooks.STAGES): main_grad holds the grad by then.
             hooks.listen("fold", buffers, index, self, "grad_arrived", index)
 
@@ -65,31 +69,42 @@ class Fold:
         param: a later optimizer over the same model may have taken it)."""
         folded = self.hooked
         if self._no_sync.active:  # an earlier micro-batch: the grad changed, the last one folds it
-            if index in folded.current:
-                folded.current[index] = False
+            folded.changed(index)
             return
-        self._buffers.adopt_grad(index, param)  # before recording: adopting a fresh grad writes the buffer
-        if index in folded.current:
-            self._repeated |= index in self._arrived
-            self._arrived.add(index)
-            if self.fold_in_backward:
-                folded.fold(index)
-                folded.in_backward_folds += 1
-            else:
-                folded.current[index] = False
-        folded.saw_backward_write(index)
+        self._buffers.adopt_grad(index, param)  # adopting a fresh grad writes the buffer: before the fold
+        repeated = index in self._arrived
+        self._repeated |= repeated
+        self._arrived.add(index)
+        if self.fold_in_backward and not repeated:
+            folded.arrived(index)
+        else:  # its units were folded (or are waiting) with an earlier grad: fold them before the step
+            folded.changed(index)
+        if not self._end_queued:  # params without a hook may still accumulate: record the counters at the end
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        self._end_queued = False
+        self.hooked.backward_ended()
 
     def forget_unbound_grads(self) -> None:
-        """Before the engine re-binds grads: a folded param whose ``.grad`` is no longer its flat view (set to
-        None, or assigned, after its hook ran) gets its view rewritten by the re-binding: fold it again."""
+        """Before the engine re-binds grads (when a binding broke): a folded param whose ``.grad`` is no longer
+        its flat view (set to None, or assigned, after its hook ran) gets its view rewritten by the
+        re-binding: fold its units again."""
         if self.hooked is None:
             return
-        for index in self.hooked.hooked:
+        for index in self.hooked.units_of:
             if not self._buffers.grad_bound(index):
-                self.hooked.current[index] = False
+                self.hooked.changed(index)
+
+    def note_writes(self) -> None:
+        """Before the step, ahead of any write of the engine's own (re-binding grads): units of buffers written
+        since backward ended are stale."""
+        if self.hooked is not None:
+            self.hooked.note_writes()
 
     def fold_stale(self) -> None:
-        """Right before the step: fold every param backward did not (or whose grad changed since)."""
+        """Right before the step: fold every unit backward did not (or whose grads changed since)."""
         if self.hooked is not None:
             self.hooked.fold_stale()
 
@@ -114,13 +129,14 @@ class Fold:
 
     def after_step(self, stacklevel: int) -> None:
         """Invalidate, and decide where the next step's fold runs: in backward, unless this step's grads were
-        accumulated over several backwards outside ``no_sync()`` (folding in each costs a read of the grads
-        per backward; folding before the step, one). ``stacklevel``: the warning's, from here to the user's
+        accumulated over several backwards outside ``no_sync()`` (the first one's fold is then wasted: the
+        grads are read again before the step). ``stacklevel``: the warning's, from here to the user's
         call."""
         if self._repeated and self.fold_in_backward and not self._warned:
             self._warned = True
             warnings.warn("graphstep: fold_grad_norm: backward ran more than once outside opt.no_sync() between "
-                          "steps (grad accumulation), and each folded the norm again. While steps see that, the "
+                          "steps (grad accumulation), so the norm folded in the first was folded again before the step. "
+                          "While steps see that, the "
                           "norm is folded right before the step instead (one read of the grads, as with "
                           "fold_grad_norm=False). Run the earlier micro-batches under opt.no_sync() to fold in "
                           "the last backward only", RuntimeWarning, stacklevel=stacklevel)

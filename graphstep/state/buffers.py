@@ -47,6 +47,8 @@ from ..fp8.engine_support import main_values
 from .state_ranges import plan_state_ranges
 
 _GRAD = operator.attrgetter("grad")
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
 
 
 @dataclass
@@ -61,6 +63,7 @@ class StaticBuffers:
     params: list[torch.nn.Parameter]  # in layout (input) order
     _main_grads: list = field(default_factory=list)  # each param's main_grad view, kept for identity checks
     _param_ptrs: list = field(default_factory=list)
+    _param_keys: list = field(default_factory=list)  # (data_ptr, dtype, shape) per param view
     _grad_params: list = field(default_factory=list)  # params whose .grad is a view of grad_flat
     _grad_views: list = field(default_factory=list)  # those views, one object each, kept for identity checks
     _originals: dict = field(default_factory=dict)
@@ -138,7 +141,9 @@ class StaticBuffers:
 
     def record_bindings(self) -> None:
         """Remember what every param, grad and buffer slot points at now (right after allocation)."""
-        self._param_ptrs = [self.param_view(i).data_ptr() for i in range(len(self.params))]
+        views = [self.param_view(i) for i in range(len(self.params))]
+        self._param_ptrs = [view.data_ptr() for view in views]
+        self._param_keys = [(view.data_ptr(), view.dtype, view.shape) for view in views]
         same_dtype = [i for i in range(len(self.params)) if self.grads_in_param_dtype(i)]
         self._grad_params = [self.params[i] for i in same_dtype]
         self._grad_views = [self.grad_view(i) for i in same_dtype]
@@ -274,22 +279,29 @@ class StaticBuffers:
         grads accumulate into an fp32 ``main_grad`` are not listed: their ``.grad`` is None between
         backwards by design, and only ``opt.zero_grad()`` clears ``main_grad``.)
         """
+        zeroed, copied_into, copied_from = [], [], []  # one foreach op each, however many params
         for p, view in zip(self._grad_params, self._grad_views):
-            if p.grad is None:
-                view.zero_()
-                p.grad = view
-            else:
-                _rebind_grad(p, view)
+            grad = p.grad
+            if grad is view:
+                continue
+            if grad is None:
+                zeroed.append(view)
+            elif grad.data_ptr() != view.data_ptr():
+                copied_into.append(view)
+                copied_from.append(grad)
+            p.grad = view
+        if zeroed:
+            torch._foreach_zero_(zeroed)
+        if copied_into:
+            torch._foreach_copy_(copied_into, copied_from)
 
     def readopt_params(self) -> list[str]:
         """Take back params whose tensor was replaced (``p.data = new``): copy the new values into the flat
         buffer and this rank's main params, then make the param a view again. Returns their names."""
         adopted = []
-        for i, p in enumerate(self.params):
-            view = self.param_view(i)
-            if p.data_ptr() == view.data_ptr() and p.dtype == view.dtype and p.shape == view.shape:
-                continue
-            place = self.layout.params[i]
+        now = zip(map(torch.Tensor.data_ptr, self.params), map(_DTYPE, self.params), map(_SHAPE, self.params))
+        for i in [i for i, (key, bound) in enumerate(zip(now, self._param_keys)) if key != bound]:
+            p, view, place = self.params[i], self.param_view(i), self.layout.params[i]
             if tuple(p.shape) != place.shape:
                 raise ValueError(f"param '{place.name}' was replaced by a tensor of shape {tuple(p.shape)}, "
                                  f"not {place.shape}: build a new optimizer for a new model")

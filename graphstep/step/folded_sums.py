@@ -3,24 +3,22 @@ the grad becomes final, so the step reads the grads once, in the update.
 
 Where the fold happens, per domain (the dense params, and the MoE expert params when there are some):
 
-- **One rank** (``ParamSums``): for every param of at least 4,096 elements, its listener on the param's
-  post-accumulate-grad hook (stage "fold", graphstep/hooks/param_hooks.py: after the fp32 main grad's) computes,
-  right after backward wrote the grad and while it is still in cache, the fp32 norms of the param's
-  4,096-element rows: one op per param. The step's norm stage then rescues rows whose fp32 norm
-  overflowed, adds the leftovers (tails under 4,096 elements and the small params: 0.1% of GPT-2 small's
-  grads, gathered by a few ``cat``s into a static scratch and normed in fp64) and sums the squares in fp64,
-  per grad buffer.
+- **One rank** (``ParamSums``): each grad buffer's 4,096-element rows (the unfolded norm's rows, counted from
+  the buffer's start) are cut into *units* of at least ``UNIT_ROWS`` rows, ending where a param ends. A
+  unit is folded (one ``vector_norm`` of its rows into the buffer's row-norm vector) in backward, by the
+  post-accumulate-grad hook of the last of its params to arrive (stage "fold",
+  graphstep/hooks/param_hooks.py: after the fp32 main grad's): one op per unit, whatever the number of
+  params, while the grads backward has just written are still in cache. The step's norm stage then
+  rescues rows whose fp32 norm overflowed, adds the buffer's tail (under 4,096 elements) and sums the
+  squares in fp64, per grad buffer.
 - **Several ranks** (``ShardSums``): the norm is of this rank's reduced shard, so each bucket's sum of
   squares is computed right after its reduce-scatter lands: in the step's reduce stage, or, with
   ``overlap_grad_reduce`` (eager), in backward, when the hook that launches the next bucket lands the
   ones launched before it (``Overlap``). An expert domain without a reduce-scatter folds right after the
   step's local average.
 
-Exactness. With several ranks the folded units are the buckets' shards the unfolded norm reads, summed by
-the same ``SumOfSquares`` in the same order: the norm, and so the step, is bitwise the unfolded one. With
-one rank the rows start at each param instead of each buffer: the sum is as accurate (fp32 rows of 4,096,
-fp64 tails and sums), not bitwise the same; the overflow rescue covers ``RESCUE_ROWS`` rows per grad
-buffer, as unfolded.
+Exactness. Both fold the units the unfolded norm reads (a buffer's rows; a bucket's shard) with the norm's
+own ``SumOfSquares``, summed in the same order: the norm, and so the step, is bitwise the unfolded one.
 
 The host bookkeeping around them (which sums are current, grad accumulation) is graphstep/hooks/fold.py.
 """
@@ -31,7 +29,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .stages.norm import RESCUE_ROWS, ROW, RowRescue, SumOfSquares
+from .stages.norm import ROW, SumOfSquares
 
 
 class FoldedSums:
@@ -80,16 +78,22 @@ class ShardSums(FoldedSums):
         return False
 
 
+# Rows per fold unit, at least: 2**20 elements (4 MiB of fp32 grads), small enough to be folded from cache
+# right after backward wrote it, large enough that a model of many params folds in few ops.
+UNIT_ROWS = 256
+# A unit is folded in backward only when its params average at least this many elements: each param it
+# waits for costs a Python hook call in backward (a few µs), which pays only where the fold reads enough
+# grad bytes from cache instead of memory. Units of smaller params are normed by the step itself, as
+# unfolded (docs/perf-notes.md, "The folded norm").
+HOOK_MIN_ELEMENTS = 65_536
+
+
 class ParamSums(FoldedSums):
-    """The dense params on one rank. A param of at least one 4,096-element row is folded by its
-    post-accumulate-grad hook: one op on a grad still in cache, the fp32 norms of its rows, into one
-    row-norm vector per grad buffer. What is left over (the tails of fewer than 4,096 elements, and the
-    params smaller than a row: biases, norms' weights) is read by the norm stage itself: per buffer, a few
-    ``cat``s of them into a static scratch (``_gathers``) and one fp64 norm of it (a small fraction of the
-    grads: hooks and ops per small param would cost backward more than the bytes, and a foreach norm
-    upcasting each piece to fp64 runs a cast and a norm per piece; docs/perf-notes.md). The stage
-    ``finish``es each buffer: rows whose fp32 norm overflowed are rescued (``norm.RowRescue``), then the
-    squares are summed in fp64 into the buffer's slot."""
+    """The dense params on one rank: each buffer's rows cut into units (the module docstring). A unit of large
+    params is folded in backward by the hook of the last of its params to arrive; the others ("step rows",
+    merged into one range per run of them) are normed by the step's norm stage itself. Host state per
+    backward unit: the params it waits for in this backward, and whether its row norms are current (folded
+    since its grads last changed)."""
 
     in_backward = True
 
@@ -97,122 +101,123 @@ class ParamSums(FoldedSums):
         grads = buffers.grad_flat
         super().__init__(len(grads), grads[0].device)
         self.names = [f"param '{place.name}'" for place in layout.params]
-        self._rows: dict[int, tuple] = {}  # param index -> (its rows, their norms' slice of the buffer's)
-        self._buffers = []
-        self._hooked_in: list[list[int]] = []  # per grad buffer: its params of at least one row
-        for b, grad in enumerate(grads):
-            members = sorted((i for i, place in enumerate(layout.params) if place.buffer == b),
+        self._buffers = [SumOfSquares(grad) for grad in grads]
+        self._unit_views: list[tuple[torch.Tensor, torch.Tensor]] = []  # per backward unit: its rows, their norms
+        self._unit_params: list[tuple[int, ...]] = []  # per backward unit: the params with elements in its rows
+        self._units_in: list[range] = []  # per buffer: its backward units
+        self._step_rows: list[tuple[torch.Tensor, torch.Tensor]] = []  # runs of rows the step norms itself
+        for sums in self._buffers:
+            members = sorted((i for i, place in enumerate(layout.params) if place.buffer == len(self._units_in)),
                              key=lambda i: layout.params[i].start)
-            row_counts = [(layout.params[i].end - layout.params[i].start) // ROW for i in members]
-            row_norms = torch.zeros(sum(row_counts), dtype=torch.float32, device=grad.device)
-            starts, tails, first = [], [], 0
-            for i, rows in zip(members, row_counts):
-                start, end = layout.params[i].start, layout.params[i].end
-                if rows:
-                    starts += range(start, start + rows * ROW, ROW)
-                    self._rows[i] = (grad[start:start + rows * ROW].view(rows, ROW), row_norms[first:first + rows])
-                    first += rows
-                if start + rows * ROW < end:
-                    tails.append(grad[start + rows * ROW:end])
-            leftovers = torch.empty(sum(t.numel() for t in tails), dtype=grad.dtype, device=grad.device)
-            rescue = _row_rescue(grad, row_norms, starts)
-            self._buffers.append((row_norms, _gathers(tails, leftovers), leftovers, rescue))
-            self._hooked_in.append([i for i, rows in zip(members, row_counts) if rows])
-        self.hooked = sorted(self._rows)
-        """The params folded in backward (at least one full row); the rest is read by the step."""
-        self.current = dict.fromkeys(self.hooked, False)
-        """Per hooked param: folded since its grad last changed (host flags)."""
+            first_unit, step_from = len(self._unit_views), None
+            for first, end in _unit_cuts([layout.params[i].end for i in members], sums.rows.shape[0]):
+                lo, hi = first * ROW, end * ROW
+                params = tuple(i for i in members if layout.params[i].start < hi and layout.params[i].end > lo)
+                if params and (end - first) * ROW >= HOOK_MIN_ELEMENTS * len(params):
+                    if step_from is not None:
+                        self._step_rows.append(_row_views(sums, step_from, first))
+                        step_from = None
+                    self._unit_views.append(_row_views(sums, first, end))
+                    self._unit_params.append(params)
+                elif step_from is None:
+                    step_from = first
+            if step_from is not None:
+                self._step_rows.append(_row_views(sums, step_from, sums.rows.shape[0]))
+            self._units_in.append(range(first_unit, len(self._unit_views)))
+        units_of: dict[int, list[int]] = {}
+        for unit, params in enumerate(self._unit_params):
+            for param in params:
+                units_of.setdefault(param, []).append(unit)
+        self.units_of = {param: tuple(units) for param, units in units_of.items()}
+        """Per param of a backward unit (the params whose hooks fold): its units."""
+        self.current = [False] * len(self._unit_views)
+        self._waiting = [len(params) for params in self._unit_params]  # params not yet arrived, per unit
         self._grads = grads
-        self._buffer_of = [place.buffer for place in layout.params]
         self._backward_versions: list = [None] * len(grads)
-        """Per grad buffer: its version counter as the last hook of a backward saw it (None: no backward)."""
+        """Per grad buffer: its version counter when the last backward ended (None: no backward)."""
 
-    def fold(self, param: int) -> None:
-        rows, row_norms = self._rows[param]
+    def arrived(self, param: int) -> None:
+        """``param``'s final grad arrived (once per backward): fold each of its units it completes."""
+        for unit in self.units_of[param]:
+            self._waiting[unit] -= 1
+            if self._waiting[unit] == 0:
+                self.fold(unit)
+                self.in_backward_folds += 1
+
+    def changed(self, param: int) -> None:
+        """``param``'s grad changed after (or without) its units' fold: they are folded again before the step."""
+        for unit in self.units_of[param]:
+            self.current[unit] = False
+
+    def fold(self, unit: int) -> None:
+        rows, row_norms = self._unit_views[unit]
         torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32, out=row_norms)
-        self.current[param] = True
+        self.current[unit] = True
 
-    def saw_backward_write(self, param: int) -> None:
-        """From param ``param``'s hook, after backward accumulated its grad (folded or not)."""
-        buffer = self._buffer_of[param]
-        self._backward_versions[buffer] = self._grads[buffer]._version
+    def backward_ended(self) -> None:
+        """At the end of a backward that folded: every grad is final; later writes are seen by the counters."""
+        self._backward_versions = [grad._version for grad in self._grads]
+
+    def note_writes(self) -> None:
+        """Every backward unit of a buffer written in place since the last backward ended is no longer current."""
+        for grad, units, version in zip(self._grads, self._units_in, self._backward_versions):
+            if grad._version != version:
+                self.current[units.start:units.stop] = [False] * len(units)
 
     def fold_stale(self) -> None:
-        """Fold every hooked param that is not current (before the step), counting as not current every param
-        of a buffer written in place since backward's last write to it."""
-        for buffer, grad in enumerate(self._grads):
-            if grad._version != self._backward_versions[buffer]:
-                for param in self._hooked_in[buffer]:
-                    self.current[param] = False
-        for param, current in self.current.items():
-            if not current:
-                self.fold(param)
-                self.before_step_folds += 1
+        """Fold every backward unit that is not current (before the step, after ``note_writes``). A buffer that
+        is all stale units is folded in one op, as the unfolded norm reads it."""
+        for units, sums in zip(self._units_in, self._buffers):
+            stale = [unit for unit in units if not self.current[unit]]
+            if len(stale) > 1 and sum(self._unit_views[u][0].shape[0] for u in stale) == sums.rows.shape[0]:
+                torch.linalg.vector_norm(sums.rows, dim=1, dtype=torch.float32, out=sums.row_norms)
+                self.current[units.start:units.stop] = [True] * len(units)
+            else:
+                for unit in stale:
+                    self.fold(unit)
+            self.before_step_folds += len(stale)
 
     def invalidate(self) -> None:
-        self.current = dict.fromkeys(self.hooked, False)
+        self.current = [False] * len(self._unit_views)
+        self._waiting = [len(params) for params in self._unit_params]
         self._backward_versions = [None] * len(self._grads)
 
     def rewritten(self) -> None:
-        self.current = dict.fromkeys(self.hooked, False)
+        self.current = [False] * len(self._unit_views)
 
     def finish(self) -> None:
-        for slot, (row_norms, gathers, leftovers, rescue) in zip(self._slots, self._buffers):
-            total = None
-            if gathers:
-                for pieces, into in gathers:
-                    torch.cat(pieces, out=into)
-                total = torch.linalg.vector_norm(leftovers, dtype=torch.float64).square()
-            if row_norms.numel():
-                rows_total = rescue().square_().sum()
-                total = rows_total if total is None else rows_total + total
-            if total is None:
-                slot.zero_()
-            else:
-                slot.copy_(total)
+        for rows, row_norms in self._step_rows:
+            torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32, out=row_norms)
+        for slot, sums in zip(self._slots, self._buffers):
+            slot.copy_(sums.total())
 
     def out_of_date(self) -> list[str]:
-        """Names of the params whose folded row norms differ from norms computed now (host reads: debug_step)."""
+        """Names of the params of every backward unit whose folded row norms differ from norms computed now
+        (host reads: debug_step)."""
         # equal_nan: a NaN grad folds to a NaN norm, which is current, not a stale one.
-        return [self.names[i] for i, (rows, row_norms) in self._rows.items()
-                if not torch.allclose(torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32), row_norms,
-                                      rtol=0.0, atol=0.0, equal_nan=True)]
+        stale = [params for (rows, row_norms), params in zip(self._unit_views, self._unit_params)
+                 if not torch.allclose(torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32), row_norms,
+                                       rtol=0.0, atol=0.0, equal_nan=True)]
+        return [self.names[i] for i in sorted({i for params in stale for i in params})]
 
 
-# torch's CPU ``cat`` copies its pieces with one memcpy loop when the result has fewer elements than its
-# grain size (32,768), or when it runs one thread; otherwise it goes through a narrow and a copy op per
-# piece (99 at GPT-2 small).
-_SERIAL_CAT = 32_768
+def _row_views(sums: SumOfSquares, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return sums.rows[first:end], sums.row_norms[first:end]
 
 
-def _gathers(tails: list, leftovers: torch.Tensor) -> list[tuple[list, torch.Tensor]]:
-    """``tails`` gathered into ``leftovers`` as (pieces, their slice of ``leftovers``) cats: on the CPU each
-    under ``_SERIAL_CAT`` elements (one large cat costs an op per piece; docs/perf-notes.md), elsewhere one."""
-    limit = _SERIAL_CAT if leftovers.device.type == "cpu" else leftovers.numel() + 1
-    gathers, pieces, start, size = [], [], 0, 0
-    for tail in tails:
-        if pieces and size + tail.numel() >= limit:
-            gathers.append((pieces, leftovers[start:start + size]))
-            pieces, start, size = [], start + size, 0
-        pieces.append(tail)
-        size += tail.numel()
-    if pieces:
-        gathers.append((pieces, leftovers[start:start + size]))
-    return gathers
-
-
-def _row_rescue(grad: torch.Tensor, row_norms: torch.Tensor, starts: list[int]) -> RowRescue:
-    """The rescue of a buffer whose rows start at ``starts`` (each param's rows begin at the param)."""
-    row_starts = torch.tensor(starts, dtype=torch.int64, device=grad.device)
-    offsets = torch.arange(ROW, dtype=torch.int64, device=grad.device)
-    index = torch.empty(min(RESCUE_ROWS, len(starts)), ROW, dtype=torch.int64, device=grad.device)
-
-    def fetch(picked: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        torch.add(row_starts.index_select(0, picked).unsqueeze(1), offsets, out=index)
-        torch.index_select(grad, 0, index.view(-1), out=out.view(-1))
-        return out
-
-    return RowRescue(row_norms, fetch, grad.dtype)
+def _unit_cuts(param_ends: Sequence[int], rows: int) -> list[tuple[int, int]]:
+    """A buffer's ``rows`` cut into units ``[first, end)`` of at least ``UNIT_ROWS`` rows, each ending at the
+    row where a param ends (``param_ends``, in buffer order; the row a param ends inside goes to the next
+    unit), the last at ``rows``."""
+    cuts, first = [], 0
+    for param_end in param_ends:
+        end = min(param_end // ROW, rows)
+        if end - first >= UNIT_ROWS:
+            cuts.append((first, end))
+            first = end
+    if first < rows:
+        cuts.append((first, rows))
+    return cuts
 
 
 def plan(config, layout, buffers, *, hooked: bool) -> Optional[FoldedSums]:

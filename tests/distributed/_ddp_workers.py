@@ -13,7 +13,7 @@ STEPS, BATCH = 6, 16
 
 
 def model():
-    # Params of at least one 4,096-element row, so that the folded norm's backward hooks would fold them.
+    # Params of at least one 4,096-element row: units the folded norm's backward hooks would fold.
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
 
@@ -46,6 +46,9 @@ def single_process() -> list:
 
 
 def scenarios(rank: int, world_size: int) -> dict:
+    from graphstep.step import folded_sums
+
+    folded_sums.UNIT_ROWS, folded_sums.HOOK_MIN_ELEMENTS = 1, 1  # units of one row, as tests/conftest.py sets
     rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
     out = {"reference": single_process(), "start": [p.detach().clone() for p in model().parameters()]}
 
@@ -62,7 +65,7 @@ def scenarios(rank: int, world_size: int) -> dict:
                 wrapped = DDP(net)
             train(wrapped, opt, rows)
         out[order] = {"params": [p.detach().clone() for p in net.parameters()], "folds": opt.fold_counts,
-                      "hooked": len(opt._fold.hooked.hooked), "captured": opt.captured,
+                      "units": len(opt._fold.hooked.current), "captured": opt.captured,
                       "warnings": [str(w.message) for w in seen if "graphstep" in str(w.message)]}
 
     # Neither DDP nor the distributed optimizer: warned at the first forward.

@@ -33,8 +33,8 @@ def test_under_ddp_each_grad_is_folded_once_per_step(ranks, order):
     # DDP writes the averaged grads after backward's hooks: a fold there would be refolded before the step.
     for report in ranks:
         run = report[order]
-        assert run["hooked"] > 0
-        assert run["folds"] == {"in_backward": 0, "before_step": run["hooked"] * _ddp_workers.STEPS}
+        assert run["units"] > 0
+        assert run["folds"] == {"in_backward": 0, "before_step": run["units"] * _ddp_workers.STEPS}
 
 
 def test_ranks_without_ddp_or_the_distributed_optimizer_are_warned_once(ranks):
