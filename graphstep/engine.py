@@ -170,7 +170,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         # pairs up buffers (and the model-parallel group gets its timeout). No stage factory talks to peers.
         self.comm.setup(layout, config, device)
 
-        kernels, self.kernel_choice = choose_kernels(config, device, families, self.comm, self.hyper.values.dtype)
+        kernels, self.kernel_choice = choose_kernels(config, device, families, self.comm, self.hyper.values.dtype,
+                                                     numel=sum(buffer.shard_numel for buffer in layout.buffers))
         """Which update kernel runs (``kernel="auto"`` resolved), why, and the probe's compile seconds."""
         if self.kernel_choice.name == "compiled" and config.capture_warmup_steps < 1 \
                 and backend_for(device, config.capture)[0] != "eager":

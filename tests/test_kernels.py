@@ -1,8 +1,11 @@
 """Update kernels: fused and compiled against the reference, the reference against torch.optim, skips bitwise."""
 
+import json
+
 import pytest
 import torch
 
+import graphstep as gs
 from graphstep.kernels import auto, compiled, fused, get_kernels, reference
 from graphstep.step import scalar_graph
 from _dispatched import DispatchedOps
@@ -343,3 +346,60 @@ def test_compile_seconds_count_the_first_call_of_each_compiled_variant():
     after_first = compiled.compile_seconds()
     compiled.adam(*parts, **kwargs)
     assert after_first > before and compiled.compile_seconds() == after_first
+
+
+@pytest.mark.default_kernel
+def test_auto_runs_fused_without_probing_below_the_size_a_compile_pays_for(monkeypatch):
+    def must_not_probe(device, hyper_dtype):
+        raise AssertionError("probed")
+
+    monkeypatch.setattr(auto, "COMPILE_MIN_NUMEL", 1000)
+    monkeypatch.setattr(auto, "probe_compiled", must_not_probe)
+    small = auto.choose("auto", CPU, capture="eager", warmup_steps=3, numel=999)
+    assert small.name == "fused" and "999 elements to update, fewer than 1,000" in small.reason
+    monkeypatch.undo()
+    monkeypatch.setattr(auto, "COMPILE_MIN_NUMEL", 1000)
+    assert auto.choose("auto", CPU, capture="eager", warmup_steps=3, numel=1000).name == "compiled"
+
+
+def test_a_small_model_builds_and_steps_without_compiling(monkeypatch):
+    # The README's kind of model: the real default choice, no compile, no probe.
+    from _kernel_pin import _real_choose
+
+    monkeypatch.setattr(auto, "choose", _real_choose)
+    monkeypatch.setattr(auto, "probe_compiled", lambda *args: pytest.fail("probed"))
+    compiles = compiled.compile_seconds()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10))
+    opt = gs.get_optimizer(gs.OptimizerConfig(lr=1e-3, clip_grad=1.0), model)
+    model(torch.randn(8, 64)).sum().backward()
+    opt.step()
+    assert opt.kernel_choice.name == "fused" and "fewer than" in opt.kernel_choice.reason
+    assert compiled.compile_seconds() == compiles
+
+
+@pytest.mark.default_kernel
+def test_a_passed_probe_is_remembered_across_processes_and_a_failed_one_is_not(monkeypatch, tmp_path):
+    calls = []
+
+    def compare(device, hyper_dtype):
+        calls.append(hyper_dtype)
+        return None if hyper_dtype == torch.float64 else "its result differs from the reference kernel's"
+
+    verdicts = tmp_path / "cache" / "graphstep_kernel_probe.json"
+    monkeypatch.setattr(auto, "verdict_file", lambda: verdicts)
+    monkeypatch.setattr(auto, "_compare_with_reference", compare)
+    for process in range(2):  # a fresh process: nothing probed in it yet
+        monkeypatch.setattr(auto, "_probed", {})
+        assert auto.probe_compiled(CPU, torch.float64)[0]
+        assert not auto.probe_compiled(CPU, torch.float32)[0]
+    # float64 passed and was probed once, by the first process; the float32 failure was probed by both.
+    assert calls == [torch.float64, torch.float32, torch.float32]
+    assert list(json.loads(verdicts.read_text()).values()) == ["works"]
+    # Anything the answer depends on changes the key (here: the kernels' source): probed again.
+    monkeypatch.setattr(auto, "_probed", {})
+    real_key = auto._machine_key
+    monkeypatch.setattr(auto, "_machine_key", lambda device, dtype: real_key(device, dtype) + " edited")
+    assert auto.probe_compiled(CPU, torch.float64)[0] and calls[-1] == torch.float64 and len(calls) == 4
+    verdicts.write_text("not json")  # a damaged file only means probing again
+    monkeypatch.setattr(auto, "_probed", {})
+    assert auto.probe_compiled(CPU, torch.float64)[0] and len(calls) == 5

@@ -42,14 +42,15 @@ def get_kernels(name: str) -> ModuleType:
         raise ValueError(f"kernel={name!r}: must be one of {', '.join(map(repr, IMPLEMENTATIONS))}") from None
 
 
-def choose_kernels(config, device, families, comm=None, hyper_dtype=None) -> tuple[ModuleType, "auto.KernelChoice"]:
+def choose_kernels(config, device, families, comm=None, hyper_dtype=None,
+                   numel=None) -> tuple[ModuleType, "auto.KernelChoice"]:
     """The implementation module ``config.kernel`` means on ``device`` ("auto" resolved), and why. ``comm``
     (graphstep.parallel.collectives.Collectives): with several data-parallel ranks, "auto" is agreed across them
     (``auto.agree``: a build-time collective). ``hyper_dtype``: the step's hyperparameter dtype, which "auto"
-    probes the compiled kernel with (float64 if None)."""
+    probes the compiled kernel with (float64 if None). ``numel``: elements this rank's update covers."""
     choice = auto.choose(config.kernel, device, capture=config.capture, warmup_steps=config.capture_warmup_steps,
                          needs_kernel=any(family.kernels is None for family in families),
-                         hyper_dtype=hyper_dtype or torch.float64)
+                         hyper_dtype=hyper_dtype or torch.float64, numel=numel)
     if config.kernel == "auto" and comm is not None and comm.dp_size > 1:
         choice = auto.agree(choice, comm, device)
     return get_kernels(choice.name), choice

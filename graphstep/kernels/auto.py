@@ -6,21 +6,30 @@ eps and weight decay into a capture. The compiled kernel reads the grads without
 every hyperparameter live. Its price is a compile: a few seconds on the first step of a process (a C++
 compiler on the CPU, Triton on a GPU).
 
-Whether ``torch.compile`` works is found out once per device and process, at build, by compiling and
-running the compiled Adam on a few elements, with the compile options and the hyperparameter dtype the
-step will use, and comparing it with the reference kernel: an environment
-without a compiler, or a miscompile, falls back to "fused" with one warning, before any stage is built
-(the update stage resolves live and baked hyperparameters from the chosen module, so the choice cannot
-change after build). The probe's compile time is reported (``KernelChoice.compile_s``, and an info line
-on the ``graphstep`` logger); the layout's own variant compiles on the first step
-(``compiled.compile_seconds()`` counts both).
+Whether ``torch.compile`` works is found out at build, by compiling and running the compiled Adam on a
+few elements, with the compile options and the hyperparameter dtype the step will use, and comparing it
+with the reference kernel: an environment without a compiler, or a miscompile, falls back to "fused" with
+one warning, before any stage is built (the update stage resolves live and baked hyperparameters from the
+chosen module, so the choice cannot change after build). The probe's compile time is reported
+(``KernelChoice.compile_s``, and an info line on the ``graphstep`` logger); the layout's own variant
+compiles on the first step (``compiled.compile_seconds()`` counts both).
+
+A probe runs once per device and process, and a passed one is remembered on the machine too
+(``_remembered``): in a file next to inductor's compile cache, keyed by everything its answer depends on
+(torch, Python, the device, the hyperparameter dtype, the C++ compilers on the path or Triton's version,
+and the source of the kernels and of this probe). A later process with the same key skips the compile
+and builds in a fraction of a second; with inductor's cache warm its first step loads the compiled
+variant instead of compiling it. A failed probe is never remembered: it runs again in the next process.
 
 With several data-parallel ranks the choice is agreed at build (``agree``): if compiling fails on any rank,
 every rank runs "fused".
 
 "auto" also picks "fused" without probing when no param group runs a configurable kernel (Lion, Muon
-bring their own) and when a capture could start before any eager step (``capture_warmup_steps=0``):
-the compile must run eagerly first.
+bring their own), when a capture could start before any eager step (``capture_warmup_steps=0``: the
+compile must run eagerly first), and when this rank updates fewer than ``COMPILE_MIN_NUMEL`` elements:
+the first compile in a process costs seconds (inductor's start-up even with its cache warm), and the
+compiled kernel saves the fused one's grad write-back, 4 of 32 bytes per element and step, so a small
+model would need thousands of steps to earn it back while every notebook, test and short job waits.
 
 Parity (docs/design.md §8): "fused" is bitwise equal to ``torch.optim``'s fused Adam/AdamW/SGD; "compiled" is
 its own loop, within the drift torch's own for-loop Adam shows against the fused one
@@ -30,10 +39,17 @@ more than speed.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import shutil
+import sys
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -49,6 +65,11 @@ class KernelChoice:
     compile_s: float = 0.0  # seconds the probe compile took (0 when none ran in this build)
 
 
+# Elements a rank's update must cover for "auto" to compile: 2**24 (16.8M). On the project's 2-core CPU the
+# first compile in a process took ~3 s with inductor's cache warm and the fused kernel's write-back ~1 ms
+# a step at this size (docs/perf-notes.md): a few thousand steps to break even.
+COMPILE_MIN_NUMEL = 2**24
+
 # per device and hyperparameter dtype: (works, why not, seconds)
 _probed: dict[tuple[str, int, torch.dtype], tuple[bool, str, float]] = {}
 
@@ -62,6 +83,8 @@ def probe_compiled(device: torch.device, hyper_dtype: torch.dtype = torch.float6
     with the reference on ``device``: (works, why not, seconds). Runs once per device, dtype and process;
     later calls return the first answer."""
     key = _key(device, hyper_dtype)
+    if key not in _probed and _remembered(device, hyper_dtype):
+        _probed[key] = (True, "", 0.0)
     if key not in _probed:
         start = time.perf_counter()
         try:
@@ -70,7 +93,68 @@ def probe_compiled(device: torch.device, hyper_dtype: torch.dtype = torch.float6
             first_line = (str(error).strip().splitlines() or [""])[0][:200]
             problem = f"{type(error).__name__}: {first_line}"
         _probed[key] = (problem is None, problem or "", time.perf_counter() - start)
+        if problem is None:
+            _remember(device, hyper_dtype)
     return _probed[key]
+
+
+def verdict_file() -> Optional[Path]:
+    """Where passed probes are remembered across processes: next to inductor's compile cache (whose warm
+    entries are what make a later first step cheap), so that clearing that cache forgets them too. None
+    where this torch does not say where its cache is: nothing is remembered then."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:
+        return None
+    return Path(cache_dir()) / "graphstep_kernel_probe.json"
+
+
+def _machine_key(device: torch.device, hyper_dtype: torch.dtype) -> str:
+    """Everything a probe's answer depends on, as one string."""
+    try:
+        import triton
+        toolchain = [f"triton {triton.__version__}"]
+    except ImportError:
+        toolchain = ["no triton"]
+    toolchain += [str(shutil.which(cxx)) for cxx in ("c++", "g++", "clang++")]
+    name = device.type
+    device_module = getattr(torch, device.type, None)
+    if device.type != "cpu" and hasattr(device_module, "get_device_name"):
+        name += " " + device_module.get_device_name(device)
+    sources = hashlib.sha256()
+    for module in (compiled, reference, sys.modules[__name__]):
+        sources.update(Path(module.__file__).read_bytes())
+    return " | ".join([torch.__version__, sys.version.split()[0], name, str(hyper_dtype), *toolchain,
+                       sources.hexdigest()[:16]])
+
+
+def _read_verdicts(path: Path) -> dict:
+    try:
+        verdicts = json.loads(path.read_text())
+        return verdicts if isinstance(verdicts, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _remembered(device: torch.device, hyper_dtype: torch.dtype) -> bool:
+    path = verdict_file()
+    return path is not None and _read_verdicts(path).get(_machine_key(device, hyper_dtype)) == "works"
+
+
+def _remember(device: torch.device, hyper_dtype: torch.dtype) -> None:
+    """Best effort: an unwritable cache folder only means the next process probes again."""
+    path = verdict_file()
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        verdicts = _read_verdicts(path)
+        verdicts[_machine_key(device, hyper_dtype)] = "works"
+        partial = path.with_name(f"{path.name}.{os.getpid()}")  # then one atomic rename: ranks may race
+        partial.write_text(json.dumps(verdicts, indent=1))
+        os.replace(partial, path)
+    except OSError:
+        pass
 
 
 def _compare_with_reference(device: torch.device, hyper_dtype: torch.dtype):
@@ -94,13 +178,18 @@ def _compare_with_reference(device: torch.device, hyper_dtype: torch.dtype):
 
 
 def choose(configured: str, device: torch.device, *, capture: str, warmup_steps: int,
-           needs_kernel: bool = True, hyper_dtype: torch.dtype = torch.float64) -> KernelChoice:
+           needs_kernel: bool = True, hyper_dtype: torch.dtype = torch.float64,
+           numel: Optional[int] = None) -> KernelChoice:
     """The implementation to run for ``OptimizerConfig.kernel=configured`` on ``device``, whose step keeps its
-    hyperparameters in ``hyper_dtype`` tensors (graphstep/state/hyperparams.py)."""
+    hyperparameters in ``hyper_dtype`` tensors (graphstep/state/hyperparams.py) and updates ``numel``
+    elements on this rank (None: not known, as if large)."""
     if configured != "auto":
         return KernelChoice(configured, "configured")
     if not needs_kernel:
         return KernelChoice("fused", "no param group runs the configurable update kernel")
+    if numel is not None and numel < COMPILE_MIN_NUMEL:
+        return KernelChoice("fused", f"{numel:,} elements to update, fewer than {COMPILE_MIN_NUMEL:,}: a compile "
+                                     "would not pay for itself")
     if capture != "eager" and warmup_steps < 1:
         return KernelChoice("fused", "capture_warmup_steps=0: the compiled kernel must compile in an eager step "
                                      "before a capture")
@@ -109,7 +198,8 @@ def choose(configured: str, device: torch.device, *, capture: str, warmup_steps:
     if works:
         if fresh:
             logger.info("graphstep: kernel='auto' runs 'compiled' (torch.compile works on %s; probe compile "
-                        "%.1f s, the layout's variant compiles on the first step)", device, seconds)
+                        "%.1f s, 0 when an earlier process on this machine probed it; the layout's variant "
+                        "compiles on the first step)", device, seconds)
         return KernelChoice("compiled", f"torch.compile works on {device}", seconds if fresh else 0.0)
     if fresh:
         warnings.warn(f"graphstep: kernel='auto' runs 'fused': torch.compile does not work on {device} "
