@@ -108,6 +108,12 @@ PIPELINES = {
                                 "scaled", core.ADAM_BYTES,
                                 lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel=DEFAULT,
                                                                fold=True)),
+    # The default config with grads written by a copy instead of a backward: the fold's units are then
+    # folded by the step itself, as a buffer-wide read (how benchmarks that compare optimizers drive it).
+    "graphstep-scaled-folded-copied": ("graphstep full step with loss scale: the default config, grads copied in "
+                                       "(no backward: the step folds)", "scaled", FULL_BYTES,
+                                       lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel=DEFAULT,
+                                                                      fold=True, timed="step-after-copy")),
     # What the fold costs backward, and backward + step together, with and without it.
     "backward": ("backward stand-in (zero_grad + every grad accumulated through autograd), unfolded", "backward",
                  core.BACKWARD_BYTES,

@@ -365,7 +365,8 @@ def build_graphstep(inputs: Inputs, *, clip_grad: float = CLIP, capture: str = "
 
     ``timed``: "step" (the grads refilled untimed before each step: a copy, or with ``fold`` the backward
     stand-in, whose hooks fold the norm), "backward" (the backward stand-in alone), "backward+step", or
-    "norm" (the norm stage alone, refilled by a copy)."""
+    "norm" (the norm stage alone, refilled by a copy), "step-after-copy" (the step, its grads refilled by a
+    copy even with ``fold``: no backward, so the step folds the norm itself)."""
     config = graphstep_config(clip_grad=clip_grad, capture=capture, loss_scale=loss_scale, kernel=kernel, fold=fold)
     engine = _engine(inputs, config)
     opt, backward = engine.opt, engine.backward
@@ -379,6 +380,8 @@ def build_graphstep(inputs: Inputs, *, clip_grad: float = CLIP, capture: str = "
     if timed == "norm":
         norm = next(stage for stage in opt.stages if stage.name == "norm")
         return Pipeline(norm.apply, engine.copy_grads, opt, engine.notes)
+    if timed == "step-after-copy":
+        return Pipeline(opt.step, engine.copy_grads, opt, engine.notes)
     return Pipeline(opt.step, engine.refill, opt, engine.notes)
 
 

@@ -38,7 +38,6 @@ def gpt2_quick() -> Shapes:
     return gpt2(n_layer=4, d_model=384, vocab=8192, n_ctx=512)
 
 
-SETS = {"gpt2-small": gpt2_small, "gpt2-quick": gpt2_quick}
 
 
 def many_tensors(count: int, numel: int, cols: int = 64) -> Shapes:
@@ -59,3 +58,16 @@ def numel(shapes: Shapes) -> int:
 def is_no_decay(name: str, shape: tuple[int, ...]) -> bool:
     """The standard rule (graphstep's default overrides, Megatron-Core's): no decay on biases and 1-D."""
     return name.endswith(".bias") or len(shape) == 1
+
+
+def tensors_1k() -> Shapes:
+    """1,000 weights of 65,536 elements (65.5M): params just large enough for the folded norm's hooks."""
+    return many_tensors(1000, 65_536)
+
+
+def tensors_10k() -> Shapes:
+    """10,000 weights of 4,096 elements (41.0M): many small params."""
+    return many_tensors(10_000, 4096)
+
+
+SETS = {"gpt2-small": gpt2_small, "gpt2-quick": gpt2_quick, "tensors-1k": tensors_1k, "tensors-10k": tensors_10k}

@@ -81,11 +81,11 @@ class ShardSums(FoldedSums):
 # Rows per fold unit, at least: 2**20 elements (4 MiB of fp32 grads), small enough to be folded from cache
 # right after backward wrote it, large enough that a model of many params folds in few ops.
 UNIT_ROWS = 256
-# A unit is folded in backward only when its params average at least this many elements: each param it
-# waits for costs a Python hook call in backward (a few µs), which pays only where the fold reads enough
-# grad bytes from cache instead of memory. Units of smaller params are normed by the step itself, as
-# unfolded (docs/perf-notes.md, "The folded norm").
-HOOK_MIN_ELEMENTS = 65_536
+# A unit is folded in backward only when its params average at least this many elements (2 MiB of fp32
+# grads): each param it waits for costs a Python hook call in backward (a few µs), and the fold pays only
+# where it reads a large grad backward has just written, from cache. Units of smaller params are normed
+# by the step itself, as unfolded (docs/perf-notes.md, "The norm").
+HOOK_MIN_ELEMENTS = 2**19
 
 
 class ParamSums(FoldedSums):
@@ -106,8 +106,8 @@ class ParamSums(FoldedSums):
         self._unit_params: list[tuple[int, ...]] = []  # per backward unit: the params with elements in its rows
         self._units_in: list[range] = []  # per buffer: its backward units
         self._step_rows: list[tuple[torch.Tensor, torch.Tensor]] = []  # runs of rows the step norms itself
-        for sums in self._buffers:
-            members = sorted((i for i, place in enumerate(layout.params) if place.buffer == len(self._units_in)),
+        for b, sums in enumerate(self._buffers):
+            members = sorted((i for i, place in enumerate(layout.params) if place.buffer == b),
                              key=lambda i: layout.params[i].start)
             first_unit, step_from = len(self._unit_views), None
             for first, end in _unit_cuts([layout.params[i].end for i in members], sums.rows.shape[0]):

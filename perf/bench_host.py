@@ -1,0 +1,64 @@
+"""Host work per step as the number of params grows: ops and milliseconds per step at 150, 1,000 and
+10,000 params of 64 elements each (so small that the step's arithmetic is negligible and its time is the
+host's: Python, dispatch, guards), graphstep's default step against torch's ``clip_grad_norm_`` +
+``AdamW(fused=True)`` over the same params, interleaved in one run per count.
+
+graphstep's grads arrive through the backward stand-in (``bench_core.backward_stand_in``, untimed before
+each step), so the step sees what it sees after a real backward. Ops are the aten ops one step dispatches.
+
+    python perf/bench_host.py [--rounds 200] [--counts 150,1000,10000] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's graphstep, not an installed one
+import torch  # noqa: E402
+
+from graphstep.app import bench_core as core  # noqa: E402
+from graphstep.app import bench_shapes  # noqa: E402
+
+NUMEL = 64
+
+
+def run(count: int, rounds: int) -> list[dict]:
+    inputs = core.Inputs(bench_shapes.many_tensors(count, NUMEL), torch.device("cpu"))
+    pipelines = {"graphstep": core.build_graphstep(inputs, kernel=None, fold=True),
+                 "torch": core.build_torch_adamw(inputs, fused=True, clip=True)}
+    ops = {key: core.count_ops(p)[0] for key, p in pipelines.items()}
+    times = core.time_interleaved({k: p.step for k, p in pipelines.items()}, inputs.device, warmup=5,
+                                  rounds=rounds, before={k: p.refill for k, p in pipelines.items() if p.refill})
+    kernel = pipelines["graphstep"].optimizer.kernel_choice.name
+    rows = [{"params": count, "row": key, "ops": ops[key], "ms": statistics.median(times[key]),
+             "kernel": kernel if key == "graphstep" else "fused"} for key in pipelines]
+    core.free_memory(inputs.device)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--counts", default="150,1000,10000")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = [row for count in map(int, args.counts.split(",")) for row in run(count, args.rounds)]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} interleaved rounds, "
+          f"params of {NUMEL} elements")
+    print("| params | graphstep ops/step | graphstep ms/step | torch clip_grad_norm_ + AdamW(fused) ops/step | "
+          "torch ms/step |")
+    print("|---:|---:|---:|---:|---:|")
+    for count in sorted({r["params"] for r in rows}):
+        g, t = (next(r for r in rows if r["params"] == count and r["row"] == key) for key in ("graphstep", "torch"))
+        print(f"| {count:,} | {g['ops']} | {g['ms']:.3f} | {t['ops']} | {t['ms']:.3f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
