@@ -65,9 +65,9 @@ class KernelChoice:
     compile_s: float = 0.0  # seconds the probe compile took (0 when none ran in this build)
 
 
-# Elements a rank's update must cover for "auto" to compile: 2**24 (16.8M). On the project's 2-core CPU the
-# first compile in a process took ~3 s with inductor's cache warm and the fused kernel's write-back ~1 ms
-# a step at this size (docs/perf-notes.md): a few thousand steps to break even.
+# Elements a rank's update must cover for "auto" to compile: 2**24 (16.8M). Below it the fused kernel's
+# grad write-back costs less over a few thousand steps than a process's first compile (the figures:
+# docs/perf-notes.md, "The first step").
 COMPILE_MIN_NUMEL = 2**24
 
 # per device and hyperparameter dtype: (works, why not, seconds)

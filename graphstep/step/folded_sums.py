@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .stages.norm import ROW, SumOfSquares
+from .stages.norm import ROW, SumOfSquares, row_norms
 
 
 class FoldedSums:
@@ -150,8 +150,8 @@ class ParamSums(FoldedSums):
             self.current[unit] = False
 
     def fold(self, unit: int) -> None:
-        rows, row_norms = self._unit_views[unit]
-        torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32, out=row_norms)
+        rows, norms = self._unit_views[unit]
+        row_norms(rows, norms)
         self.current[unit] = True
 
     def backward_ended(self) -> None:
@@ -170,7 +170,7 @@ class ParamSums(FoldedSums):
         for units, sums in zip(self._units_in, self._buffers):
             stale = [unit for unit in units if not self.current[unit]]
             if len(stale) > 1 and sum(self._unit_views[u][0].shape[0] for u in stale) == sums.rows.shape[0]:
-                torch.linalg.vector_norm(sums.rows, dim=1, dtype=torch.float32, out=sums.row_norms)
+                row_norms(sums.rows, sums.row_norms)
                 self.current[units.start:units.stop] = [True] * len(units)
             else:
                 for unit in stale:
@@ -186,8 +186,8 @@ class ParamSums(FoldedSums):
         self.current = [False] * len(self._unit_views)
 
     def finish(self) -> None:
-        for rows, row_norms in self._step_rows:
-            torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32, out=row_norms)
+        for rows, norms in self._step_rows:
+            row_norms(rows, norms)
         for slot, sums in zip(self._slots, self._buffers):
             slot.copy_(sums.total())
 
@@ -195,8 +195,8 @@ class ParamSums(FoldedSums):
         """Names of the params of every backward unit whose folded row norms differ from norms computed now
         (host reads: debug_step)."""
         # equal_nan: a NaN grad folds to a NaN norm, which is current, not a stale one.
-        stale = [params for (rows, row_norms), params in zip(self._unit_views, self._unit_params)
-                 if not torch.allclose(torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32), row_norms,
+        stale = [params for (rows, norms), params in zip(self._unit_views, self._unit_params)
+                 if not torch.allclose(torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32), norms,
                                        rtol=0.0, atol=0.0, equal_nan=True)]
         return [self.names[i] for i in sorted({i for params in stale for i in params})]
 

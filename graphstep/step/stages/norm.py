@@ -72,11 +72,16 @@ class RowRescue:
         return norms.index_copy_(0, picked, rescued)
 
 
+def row_norms(rows: torch.Tensor, out: torch.Tensor) -> None:
+    """The fp32 norms of ``rows`` (n, ``ROW``) into ``out`` (n,): the one op every row's norm is computed by,
+    whole buffers or a range of rows at a time (the folded norm's units), so both give the same bits."""
+    torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32, out=out)
+
+
 class SumOfSquares:
     """fp64 0-d sum of squares of one flat grad buffer: one read, no copy, accurate at any length. The folded
-    norm (graphstep/step/folded_sums.py) computes ``row_norms`` a range of ``rows`` at a time itself and then
-    calls ``total``: each row's norm is the same op on the same 4,096 elements either way, so the sum is
-    bitwise the same."""
+    norm (graphstep/step/folded_sums.py) fills ``row_norms`` a range of ``rows`` at a time (``row_norms()``,
+    the same op) and then calls ``total``: the sum is bitwise the same."""
 
     def __init__(self, grad: torch.Tensor):
         n = grad.numel()
@@ -98,7 +103,7 @@ class SumOfSquares:
 
     def __call__(self) -> torch.Tensor:
         if self.rows.shape[0]:
-            torch.linalg.vector_norm(self.rows, dim=1, dtype=torch.float32, out=self.row_norms)
+            row_norms(self.rows, self.row_norms)
         return self.total()
 
 
