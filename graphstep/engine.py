@@ -63,7 +63,7 @@ class StepResult:
 
 def get_optimizer(config: OptimizerConfig, model_chunks, config_overrides=None, process_group=None,
                   model_parallel_group=None, expert_data_parallel_group=None,
-                  tensor_parallel_group=None) -> "GraphstepOptimizer":
+                  tensor_parallel_group=None, expert_tensor_parallel_group=None) -> "GraphstepOptimizer":
     """Build the engine over ``model_chunks`` (an nn.Module or a list of them).
 
     ``config_overrides``: None applies the standard overrides (no weight decay on biases and 1-D params,
@@ -75,9 +75,11 @@ def get_optimizer(config: OptimizerConfig, model_chunks, config_overrides=None, 
     ``process_group``; see graphstep/build/experts.py for the rules. ``tensor_parallel_group``: the
     tensor-parallel group, whose rank 0 alone counts the params replicated across it in the grad norm
     (graphstep/build/model_parallel.py); it is the model-parallel group too when that is not given.
+    ``expert_tensor_parallel_group``: the same for the expert params (Megatron-Core's expert tensor-parallel
+    group); needed with expert params and a tensor-parallel group of several ranks.
     """
     return GraphstepOptimizer(config, model_chunks, config_overrides, process_group, model_parallel_group,
-                              expert_data_parallel_group, tensor_parallel_group)
+                              expert_data_parallel_group, tensor_parallel_group, expert_tensor_parallel_group)
 
 
 def _static_inputs(domains: tuple[domains_mod.Domain, ...], hyper: HyperParams, tensors: StepTensors):
@@ -105,7 +107,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
     (graphstep/step/torch_amp.py)."""
 
     def __init__(self, config: OptimizerConfig, model_chunks, config_overrides=None, process_group=None,
-                 model_parallel_group=None, expert_data_parallel_group=None, tensor_parallel_group=None):
+                 model_parallel_group=None, expert_data_parallel_group=None, tensor_parallel_group=None,
+                 expert_tensor_parallel_group=None):
         if not isinstance(config, OptimizerConfig):
             raise TypeError(f"get_optimizer: config must be an OptimizerConfig, got {type(config).__name__}")
         self.config = config
@@ -128,15 +131,15 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         warn_dtype_conversion(config, named)
         fp8_support.check_against_config(config, named)
         self._families = families = families_of(self.param_groups, config.optimizer)
-        model_parallel_group, tp_rank = model_parallel.resolve(named, model_parallel_group, tensor_parallel_group)
+        model_parallel_group, counting = model_parallel.resolve(named, model_parallel_group, tensor_parallel_group,
+                                                                expert_tensor_parallel_group)
         specs = [param_spec(config, name, p, group_of[id(p)], families[group_of[id(p)]].batch_by_shape,
-                            model_parallel.counted_in_norm(p, tp_rank)) for name, p in named]
+                            counting.counts(p)) for name, p in named]
 
         dp_group, rank, dp_size = data_parallel_group(config, process_group)
         # MoE expert params: a further domain over the expert data-parallel group (experts.py), or none.
         dense_indices, further = domains_mod.plan(config, named, expert_data_parallel_group, dp_group, dp_size,
-                                                  model_parallel_group)
-        model_parallel.check_experts(bool(further), tensor_parallel_group)
+                                                  model_parallel_group, expert_tensor_parallel_group)
         layout = plan_layout([specs[i] for i in dense_indices], dp_size, config.bucket_size)
         self.rank = rank
         self.device = device
@@ -166,6 +169,9 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         """Norm above which a step is skipped, refreshed like ``clip_grad``."""
         self.comm = Collectives(dp_group, dp_size, model_parallel_group, timeout_s=config.distributed_timeout_s,
                                 tp_group=tensor_parallel_group)
+        # Expert params that joined the dense layout keep their own TP group, which Muon cannot gather over here.
+        self.comm.experts_split_elsewhere = not further and expert_tensor_parallel_group is not None and \
+            not model_parallel.same_ranks(tensor_parallel_group, expert_tensor_parallel_group)
         # The one build-time exchange with other ranks: all agree on the layout and config before any stage
         # pairs up buffers (and the model-parallel group gets its timeout). No stage factory talks to peers.
         self.comm.setup(layout, config, device)

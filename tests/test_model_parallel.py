@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import graphstep as gs
-from graphstep.build.model_parallel import check_marks, counted_in_norm
+from graphstep.build.model_parallel import NormCounting, check_marks
 
 V, D = 12, 8
 
@@ -51,8 +51,12 @@ def test_the_marks_are_read_as_megatron_core_reads_them():
     split, replicated, shared = (torch.nn.Parameter(torch.zeros(4, 2)) for _ in range(3))
     split.tensor_model_parallel, split.partition_dim = True, 1
     shared.shared = True
-    assert [counted_in_norm(p, 0) for p in (split, replicated, shared)] == [True, True, False]
-    assert [counted_in_norm(p, 1) for p in (split, replicated, shared)] == [True, False, False]
+    assert [NormCounting(tp_rank=0).counts(p) for p in (split, replicated, shared)] == [True, True, False]
+    assert [NormCounting(tp_rank=1).counts(p) for p in (split, replicated, shared)] == [True, False, False]
+    # an expert param's copies are counted by its rank in the expert tensor-parallel group, not the dense one
+    replicated.allreduce = False
+    assert NormCounting(tp_rank=1, expert_tp_rank=0).counts(replicated)
+    assert not NormCounting(tp_rank=0, expert_tp_rank=1).counts(replicated)
     check_marks("split", split)
     split.partition_dim = 2
     with pytest.raises(ValueError, match="partition_dim=2, not a dimension of its shape"):

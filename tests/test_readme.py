@@ -11,7 +11,8 @@ nothing):
 - ```` ```python lightning ````: the token model and ``data`` as a DataLoader of its batches;
 - ```` ```python torchrun ````: a script under torchrun, run here as one gloo rank in a fresh process
   (``sys.argv`` = a checkpoint path and a step count); a block that does not start the process group
-  itself gets one, and ``edp_group``.
+  itself gets one, and WORLD as each group it names (``dp_group``, ``edp_group``, ``tp_group``, ``etp_group``,
+  ``mp_group``).
 
 Only the sizes a block names for a real job are shrunk (``SHRINK``), and a GPU's device name becomes the
 CPU's; each replacement must still match something, so the list cannot go stale. Blocks run in a
@@ -195,7 +196,8 @@ for where, code in {blocks!r}:
                   "my_slice_of_each_global_batch": [(b[:, :-1], b[:, 1:]) for b in token_batches()]}}
     if "init_process_group" not in code:
         dist.init_process_group("gloo")
-        namespace["edp_group"] = namespace["tp_group"] = namespace["mp_group"] = dist.group.WORLD
+        for name in ("dp_group", "edp_group", "tp_group", "etp_group", "mp_group"):
+            namespace[name] = dist.group.WORLD
         model.blocks[1].attn.o.weight.allreduce = False  # an expert param (Megatron-Core's mark)
     exec(compile(code, f"README.md, block at line {{where}}", "exec"), namespace)
     dist.destroy_process_group()

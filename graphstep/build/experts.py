@@ -42,12 +42,15 @@ Three rules, each with its reason:
    experts (silently wrong); pass the expert data-parallel group (``process_group`` itself when the
    expert-parallel size is 1).
 
-Checkpoints: ``opt.state_dict()`` (exact, per rank, same layout) holds the expert domain under
-``"experts"``; the reshardable format refuses it (``domains.refuse_checkpoint``). ``overlap_grad_reduce`` and
-``overlap_param_gather`` hook the expert collectives as well (graphstep.overlap.Overlaps). Not yet
-tested: Muon on experts (their layout is planned like the dense one, layer-wise for Muon's groups), fp8
-expert weights (the requantize stage runs per domain; the flat checkpoint's fp8 entry covers the dense
-domain only). Not supported: QK-clip on expert weights (its registered weights must be dense).
+Checkpoints: ``opt.state_dict()`` (exact, per rank, same layout) holds the expert domain under ``"experts"``;
+the reshardable format refuses it (``domains.refuse_checkpoint``). ``overlap_grad_reduce`` and
+``overlap_param_gather`` hook the expert collectives as well (graphstep.overlap.Overlaps). Muon on experts
+(their layout is planned like the dense one, layer-wise for Muon's groups) is tested under tensor parallelism
+(tests/distributed/test_tensor_parallel_experts.py). Not yet tested: fp8 expert weights (the requantize stage
+runs per domain; the flat checkpoint's fp8 entry covers the dense domain only). Not supported: QK-clip on
+expert weights (its registered weights must be dense). Under tensor parallelism the expert params are split
+over their own expert tensor-parallel group, which decides which rank counts their copies
+(graphstep/build/model_parallel.py) and which group Muon's split expert matrices use.
 """
 
 from __future__ import annotations
@@ -69,17 +72,20 @@ def is_expert_param(p: torch.Tensor) -> bool:
 @dataclass(frozen=True)
 class ExpertGroup:
     """The expert data-parallel group the expert domain is sharded over (graphstep's own copy with the
-    configured timeout when it has several ranks), this rank's place in it, and the full data-parallel
-    size the expert grads are averaged by (rule 1)."""
+    configured timeout when it has several ranks), this rank's place in it, the full data-parallel size the
+    expert grads are averaged by (rule 1), and the expert tensor-parallel group Muon's split expert matrices
+    are gathered over (graphstep/build/model_parallel.py)."""
 
     group: Optional[dist.ProcessGroup]
     rank: int
     size: int
     average_over: int
+    tensor_parallel_group: Optional[dist.ProcessGroup] = None
 
 
 def expert_group(config, named, expert_indices: list[int], expert_data_parallel_group,
-                 dp_group: Optional[dist.ProcessGroup], dp_size: int, model_parallel_group) -> Optional[ExpertGroup]:
+                 dp_group: Optional[dist.ProcessGroup], dp_size: int, model_parallel_group,
+                 expert_tensor_parallel_group: Optional[dist.ProcessGroup] = None) -> Optional[ExpertGroup]:
     """The expert domain's group, or None when the expert params (if any) join the dense layout.
 
     Validates the combination and raises ValueError saying what to pass instead. Creating graphstep's copy
@@ -121,7 +127,7 @@ def expert_group(config, named, expert_indices: list[int], expert_data_parallel_
                              f"the data-parallel group (global ranks {sorted(dense_ranks)}): the global grad norm "
                              "sums every expert shard over the data-parallel group, so each expert data-parallel "
                              "group must lie inside it (or pass the model_parallel_group that spans the rest)")
-    if size == 1 and dp_size == 1:
+    if size == 1 and dp_size == 1 and expert_tensor_parallel_group is None:
         return None  # one rank holds all of its experts and averages over nobody: the dense layout is exact
     group = derive_group(expert_data_parallel_group, config.distributed_timeout_s) if size > 1 else None
-    return ExpertGroup(group, rank if size > 1 else 0, size, dp_size)
+    return ExpertGroup(group, rank if size > 1 else 0, size, dp_size, expert_tensor_parallel_group)

@@ -12,6 +12,13 @@ on exactly one rank, as Megatron-Core's ``_get_grads_for_norm`` does (``param_is
 - a TP-sharded param is counted on every TP rank (each holds a different slice);
 - any other param is counted on TP rank 0 only.
 
+MoE expert params (graphstep/build/experts.py) are split over their own *expert* tensor-parallel group
+(Megatron-Core's ``expert_tensor_parallel_size``, which may differ from the dense one: with 1, the dense TP
+ranks hold different experts rather than slices of one). The same rule then applies with the rank in that
+group: an unmarked expert param counts on expert-TP rank 0. Megatron-Core reads the dense TP rank for expert
+params too, which agrees when the two groups coincide (its default) and leaves some experts' replicated
+params out when they do not; graphstep asks for the expert group whenever it cannot tell.
+
 A param left out still takes part in the non-finite check (graphstep/step/stages/norm.py): a NaN in it skips
 the step on every rank. The same rule leaves it out of ``num_zeros``. On plain ``nn.Module``s set the marks
 the same way: ``p.tensor_model_parallel = True; p.partition_dim = 0`` (or 1), ``p.shared = True``.
@@ -19,21 +26,45 @@ the same way: ``p.tensor_model_parallel = True; p.partition_dim = 0`` (or 1), ``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from .experts import is_expert_param
+
+
+@dataclass(frozen=True)
+class NormCounting:
+    """This process's rank in the tensor-parallel group of the dense params and in that of the expert
+    params (0 without the group): which of its params' grads count in the grad norm and ``num_zeros``."""
+
+    tp_rank: int = 0
+    expert_tp_rank: int = 0
+
+    def counts(self, p: torch.Tensor) -> bool:
+        if getattr(p, "shared", False):
+            return False
+        if getattr(p, "tensor_model_parallel", False):
+            return True
+        return (self.expert_tp_rank if is_expert_param(p) else self.tp_rank) == 0
+
 
 def resolve(named, model_parallel_group: Optional[dist.ProcessGroup],
-            tensor_parallel_group: Optional[dist.ProcessGroup]) -> tuple[Optional[dist.ProcessGroup], int]:
-    """(the group the grad statistics are summed over besides the data-parallel one, this rank's TP rank),
-    after refusing marks and groups that cannot describe the model (``named``: its (name, param) pairs)."""
+            tensor_parallel_group: Optional[dist.ProcessGroup],
+            expert_tensor_parallel_group: Optional[dist.ProcessGroup] = None
+            ) -> tuple[Optional[dist.ProcessGroup], NormCounting]:
+    """(the group the grad statistics are summed over besides the data-parallel one, which params count on
+    this rank), after refusing marks and groups that cannot describe the model (``named``: its (name, param)
+    pairs)."""
     check_groups(named, model_parallel_group, tensor_parallel_group)
+    check_expert_groups(named, model_parallel_group, tensor_parallel_group, expert_tensor_parallel_group)
     for name, p in named:
         check_marks(name, p)
-    return model_parallel_group_of(model_parallel_group, tensor_parallel_group), tensor_parallel_rank(
-        tensor_parallel_group)
+    counting = NormCounting(tensor_parallel_rank(tensor_parallel_group),
+                            tensor_parallel_rank(expert_tensor_parallel_group, "expert_tensor_parallel_group"))
+    return model_parallel_group_of(model_parallel_group, tensor_parallel_group), counting
 
 
 def model_parallel_group_of(model_parallel_group: Optional[dist.ProcessGroup],
@@ -53,13 +84,13 @@ def model_parallel_group_of(model_parallel_group: Optional[dist.ProcessGroup],
     return model_parallel_group
 
 
-def tensor_parallel_rank(tensor_parallel_group: Optional[dist.ProcessGroup]) -> int:
-    """This process's rank in the TP group (0 without one: every param is this rank's to count)."""
-    if tensor_parallel_group is None:
+def tensor_parallel_rank(group: Optional[dist.ProcessGroup], what: str = "tensor_parallel_group") -> int:
+    """This process's rank in a TP group (0 without one: every param is this rank's to count)."""
+    if group is None:
         return 0
-    rank = dist.get_rank(tensor_parallel_group)
+    rank = dist.get_rank(group)
     if rank < 0:
-        raise ValueError("get_optimizer: this process is not a member of tensor_parallel_group")
+        raise ValueError(f"get_optimizer: this process is not a member of {what}")
     return rank
 
 
@@ -90,18 +121,37 @@ def check_groups(named, model_parallel_group: Optional[dist.ProcessGroup],
                          "its parallel layers at any TP size)")
 
 
-def check_experts(has_expert_domain: bool, tensor_parallel_group: Optional[dist.ProcessGroup]) -> None:
-    """Refuse expert params together with a tensor-parallel group of several ranks: which TP rank counts an
-    expert's grads (with expert tensor parallelism or without) is not settled here yet, and a guess could
-    count them twice or not at all."""
-    if has_expert_domain and tensor_parallel_group is not None and dist.get_world_size(tensor_parallel_group) > 1:
-        raise ValueError("get_optimizer: expert params (an expert_data_parallel_group domain) together with a "
-                         "tensor_parallel_group of several ranks are not supported yet: their grads could be "
-                         "counted in the norm once per tensor-parallel rank")
+def _size(group: Optional[dist.ProcessGroup]) -> int:
+    return 1 if group is None else dist.get_world_size(group)
 
 
-def counted_in_norm(p: torch.Tensor, tp_rank: int) -> bool:
-    """Whether ``p``'s grad counts in the grad norm (and ``num_zeros``) on TP rank ``tp_rank``."""
-    if getattr(p, "shared", False):
-        return False
-    return bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0
+def check_expert_groups(named, model_parallel_group: Optional[dist.ProcessGroup],
+                        tensor_parallel_group: Optional[dist.ProcessGroup],
+                        expert_tensor_parallel_group: Optional[dist.ProcessGroup]) -> None:
+    """Refuse expert params under a TP group of several ranks without their own TP group (which TP rank
+    counts an unmarked expert param depends on it, and a guess counts it twice or not at all), an expert TP
+    group without expert params, and one of several ranks with no group for the norm to be summed over."""
+    experts = [name for name, p in named if is_expert_param(p)]
+    if expert_tensor_parallel_group is None:
+        if experts and _size(tensor_parallel_group) > 1:
+            raise ValueError(f"get_optimizer: params {', '.join(experts[:3])}{', ...' if len(experts) > 3 else ''} "
+                             "are expert params and tensor_parallel_group has several ranks, but no "
+                             "expert_tensor_parallel_group was given: pass it (tensor_parallel_group itself when the "
+                             "expert tensor-parallel size equals the tensor-parallel size, Megatron-Core's default; a "
+                             "group of this rank alone when it is 1), so that each expert param counts once in the "
+                             "grad norm")
+        return
+    if not experts:
+        raise ValueError("get_optimizer: expert_tensor_parallel_group was given but no trainable param is marked "
+                         "as an expert param (allreduce=False or is_expert_parallel=True)")
+    if _size(expert_tensor_parallel_group) > 1 and model_parallel_group is None and tensor_parallel_group is None:
+        raise ValueError("get_optimizer: expert_tensor_parallel_group has several ranks but neither "
+                         "model_parallel_group nor tensor_parallel_group was given: the grad norm must be summed "
+                         "over the ranks the experts are split across; pass the model-parallel group")
+
+
+def same_ranks(a: Optional[dist.ProcessGroup], b: Optional[dist.ProcessGroup]) -> bool:
+    """Whether two TP groups (None: this rank alone) hold the same ranks."""
+    def ranks(group):
+        return [dist.get_rank()] if group is None or _size(group) == 1 else dist.get_process_group_ranks(group)
+    return (a is None and b is None) or ranks(a) == ranks(b)

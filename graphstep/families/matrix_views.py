@@ -30,6 +30,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
+from ..build.experts import is_expert_param
 from ..kernels.muon import QKVSplit, TensorParallelSplit
 
 MEGATRON_QKV_SUFFIX = "linear_qkv.weight"
@@ -91,7 +92,15 @@ def qkv_split_of(param: torch.Tensor, name: str, shape: tuple, config) -> Option
 def tensor_parallel_dim(param: torch.Tensor, name: str, comm) -> Optional[int]:
     """The dimension (0 or 1) ``param`` is split along over the tensor-parallel group, or None: not marked
     ``tensor_model_parallel``, or no such group (the param is then the whole matrix)."""
-    if comm.tp_group is None or not getattr(param, "tensor_model_parallel", False):
+    if not getattr(param, "tensor_model_parallel", False):
+        return None
+    if comm.experts_split_elsewhere and is_expert_param(param):
+        raise ValueError(f"param '{name}' is an expert param split over expert_tensor_parallel_group, which differs "
+                         "from tensor_parallel_group, and it shares the dense layout (one data-parallel rank): Muon "
+                         "would gather its slices over the wrong group. Pass expert_data_parallel_group (a group of "
+                         "this rank alone) with use_distributed_optimizer=True to give the experts a domain of their "
+                         "own")
+    if comm.tp_group is None:
         return None
     dim = getattr(param, "partition_dim", None)  # a dimension of the param when set (checked at build)
     if dim is None:

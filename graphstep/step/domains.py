@@ -97,12 +97,12 @@ class Further:
 
 
 def plan(config, named: Sequence[tuple[str, torch.nn.Parameter]], expert_data_parallel_group, dp_group,
-         dp_size: int, model_parallel_group) -> tuple[list[int], list[Further]]:
+         dp_size: int, model_parallel_group, expert_tensor_parallel_group=None) -> tuple[list[int], list[Further]]:
     """(the dense params' indices into ``named``, the further domains). Without an expert domain every param
     is dense and there is no further domain. Validates as ``experts.expert_group`` does."""
     experts = [i for i, (_, p) in enumerate(named) if expert_rules.is_expert_param(p)]
     group = expert_rules.expert_group(config, named, experts, expert_data_parallel_group, dp_group, dp_size,
-                                      model_parallel_group)
+                                      model_parallel_group, expert_tensor_parallel_group)
     if group is None:  # the expert params (if any) join the dense layout: the math is the same
         return list(range(len(named))), []
     expert_set = set(experts)
@@ -123,7 +123,8 @@ def build_further(dense: Domain, further: Further, specs, params, *, device, sta
     buffers = allocate(layout, [params[i] for i in further.indices], rank=group.rank, device=device,
                        main_dtype=config.main_params_dtype, state_names=state_names,
                        group_states=[family.state_names(config) for family in dense.ctx.families])
-    comm = Collectives(group.group, group.size, None, timeout_s=config.distributed_timeout_s)
+    comm = Collectives(group.group, group.size, None, timeout_s=config.distributed_timeout_s,
+                       tp_group=group.tensor_parallel_group)
     comm.setup(layout, config, device)
     # Its grads become final in the step (its reduce-scatter or local average), which folds their norm.
     folded = folded_sums.plan(config, layout, buffers, hooked=False)

@@ -137,6 +137,17 @@ def refusals(rank: int, world: int) -> dict:
         found["experts"] = "built"
     except ValueError as error:
         found["experts"] = str(error)
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    for key, optimizer, model in (("muon_experts", "muon", experts),
+                                  ("expert_group_without_experts", "adam", tp_slice(whole_model(), rank, world))):
+        try:  # one data-parallel rank: the experts join the dense layout, whose TP group is not theirs
+            opt = gs.get_optimizer(gs.OptimizerConfig(capture="eager", optimizer=optimizer), model,
+                                   tensor_parallel_group=dist.group.WORLD, expert_tensor_parallel_group=alone)
+            model(batch(0)).square().mean().backward()
+            opt.step()
+            found[key] = "stepped"
+        except ValueError as error:
+            found[key] = str(error)
     opt = gs.get_optimizer(gs.OptimizerConfig(capture="eager"), tp_slice(whole_model(), rank, world),
                            tensor_parallel_group=dist.group.WORLD)
     try:

@@ -31,7 +31,9 @@ def test_norm_clip_zero_count_and_skip_equal_the_unsplit_model(extra):
 def test_what_tensor_parallelism_cannot_do_is_refused():
     for found in values(spawn(_tp_workers.refusals, 2, timeout=60)):
         assert "no tensor_parallel_group was given" in found["marks"] and "up.weight" in found["marks"], found
-        assert "are not supported yet" in found["experts"], found
+        assert "no expert_tensor_parallel_group was given" in found["experts"], found
+        assert "Muon would gather its slices over the wrong group" in found["muon_experts"], found
+        assert "no trainable param is marked as an expert param" in found["expert_group_without_experts"], found
         # the TP slices share param names: one checkpoint would keep one rank's entries (nothing is written)
         assert "share param names" in found["checkpoint"], found
 
