@@ -19,6 +19,7 @@ from capture.profile import Ranges
 from . import families as families_mod
 from . import offload
 from .build import model_parallel
+from .build.experts import is_expert_param
 from .build.layout import plan_layout
 from .build.model_params import as_chunks, named_trainable_params, param_spec, warn_dtype_conversion
 from .build.routing import build_family_param_groups
@@ -170,8 +171,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self.comm = Collectives(dp_group, dp_size, model_parallel_group, timeout_s=config.distributed_timeout_s,
                                 tp_group=tensor_parallel_group)
         # Expert params that joined the dense layout keep their own TP group, which Muon cannot gather over here.
-        self.comm.experts_split_elsewhere = not further and expert_tensor_parallel_group is not None and \
-            not model_parallel.same_ranks(tensor_parallel_group, expert_tensor_parallel_group)
+        if not further and not model_parallel.same_ranks(tensor_parallel_group, expert_tensor_parallel_group):
+            self.comm.experts_split_elsewhere = frozenset(name for name, p in named if is_expert_param(p))
         # The one build-time exchange with other ranks: all agree on the layout and config before any stage
         # pairs up buffers (and the model-parallel group gets its timeout). No stage factory talks to peers.
         self.comm.setup(layout, config, device)

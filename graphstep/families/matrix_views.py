@@ -30,7 +30,6 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from ..build.experts import is_expert_param
 from ..kernels.muon import QKVSplit, TensorParallelSplit
 
 MEGATRON_QKV_SUFFIX = "linear_qkv.weight"
@@ -94,7 +93,7 @@ def tensor_parallel_dim(param: torch.Tensor, name: str, comm) -> Optional[int]:
     ``tensor_model_parallel``, or no such group (the param is then the whole matrix)."""
     if not getattr(param, "tensor_model_parallel", False):
         return None
-    if comm.experts_split_elsewhere and is_expert_param(param):
+    if name in comm.experts_split_elsewhere:
         raise ValueError(f"param '{name}' is an expert param split over expert_tensor_parallel_group, which differs "
                          "from tensor_parallel_group, and it shares the dense layout (one data-parallel rank): Muon "
                          "would gather its slices over the wrong group. Pass expert_data_parallel_group (a group of "

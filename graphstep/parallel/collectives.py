@@ -143,9 +143,9 @@ class Collectives:
         """The tensor-parallel group (Muon's split matrices: ``tp_all_gather``, ``tp_all_reduce_sum``), or None."""
         self.tp_size = 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
         self.tp_rank = 0 if self.tp_group is None else dist.get_rank(self.tp_group)
-        self.experts_split_elsewhere = False
-        """True where expert params share this domain but are split over another TP group (they joined the
-        dense layout): Muon refuses their split matrices rather than gather them over ``tp_group``."""
+        self.experts_split_elsewhere: frozenset[str] = frozenset()
+        """The names of expert params that share this domain but are split over another TP group (they joined
+        the dense layout): Muon refuses their split matrices rather than gather them over ``tp_group``."""
         self.timeout_s = timeout_s
         self.overlap_enabled = False
         self.defer_param_gather = False
