@@ -235,6 +235,18 @@ def test_state_dict_round_trip_copies_in_place():
     assert (other.scale.data_ptr(), other.scale.item(), other.inv_scale.item()) == (address, 8.0, 0.125)
 
 
+@pytest.mark.parametrize("make", [lambda: ConstantLossScaler(0.001, device="cpu"),
+                                  lambda: DynamicLossScaler(1000.0, 1.0, 3, 2, device="cpu")])
+def test_inverse_scale_is_the_fp32_reciprocal_before_and_after_a_resume(make):
+    # Megatron-Core's inv_scale: the fp32 scale's reciprocal rounded to fp32 (999.99994 for 0.001). Built from
+    # the Python float instead (1000.0), a run resumed from its own state_dict unscaled by another number.
+    scaler = make()
+    expected = scaler.scale.double().reciprocal().float()
+    assert torch.equal(scaler.inv_scale, expected)
+    scaler.load_state_dict(scaler.state_dict())
+    assert torch.equal(scaler.inv_scale, expected)
+
+
 @pytest.mark.parametrize("make, state_dict, message", [
     (lambda: DynamicLossScaler(8.0, 1.0, 2, 2, device="cpu"), {"scale": torch.tensor(4.0)},
      r"DynamicLossScaler.load_state_dict: missing \['growth_tracker', 'hysteresis_tracker'\]"),

@@ -95,7 +95,7 @@ class ConstantLossScaler:
             raise ValueError(f"ConstantLossScaler: scale={scale!r}: must be a number in [2**-126, 2**127] "
                              "(scale and 1 / scale finite in float32)")
         self.scale = _scalar(scale, device)
-        self.inv_scale = _scalar(1.0 / scale, device)
+        self.inv_scale = torch.reciprocal(self.scale)  # what load_state_dict and the rule compute: fp32
 
     def update(self, found_inf: torch.Tensor, *, compiled: bool = False) -> None:
         """Nothing changes: a constant scale (the step still skips a non-finite update by itself)."""
@@ -146,7 +146,7 @@ class DynamicLossScaler:
         self.growth_factor = float(growth_factor)
         self.backoff_factor = float(backoff_factor)
         self.scale = _scalar(initial_scale, device)
-        self.inv_scale = _scalar(1.0 / initial_scale, device)
+        self.inv_scale = torch.reciprocal(self.scale)
         self.growth_tracker = _scalar(0, device)
         self.hysteresis_tracker = _scalar(hysteresis, device)
         # The rule's constants as fp32 device values (each a float32 either way: a Python float in an op with
