@@ -12,14 +12,14 @@ nothing in the step changes, and the bytes are those of DDP's all-reduce plus th
 Everything here is pure (shapes and integers in, integers out), deterministic on every rank:
 
 - ``ns_cost(shape)``: Newton–Schulz cost ``max(r, c)·min(r, c)²`` of a 2-D matrix (numel otherwise), the
-  weight Megatron-Core balances;
+  weight graphstep balances (Megatron-Core 0.16.1 deals params out by increasing numel, back and forth over
+  the ranks: README, "Differences from Megatron-Core");
 - ``assign_owners(costs, dp_size, loads)``: greedy longest-processing-time (LPT): matrices by decreasing
   cost (ties: lower index first) each go to the least-loaded rank (ties: lower rank). Graham's bound holds:
   the most-loaded rank carries at most (4/3 − 1/(3·dp)) times the optimum, and at most the mean plus the
-  largest cost;
-  graphstep.layout carries the loads from one buffer's layer-wise bucket to the next (as Megatron-Core
-  carries them across buckets), so matrices of several dtypes are balanced together, at the price of
-  padding where a rank's share of one buffer is smaller than another rank's;
+  largest cost; graphstep.layout carries the loads from one buffer's layer-wise bucket to the next, so
+  matrices of several dtypes are balanced together, at the price of padding where a rank's share of one
+  buffer is smaller than another rank's;
 - ``plan_sections(...)``: each rank's matrices in section order (param group, then shape, then the order
   given, so same-shape matrices of a group are contiguous and evenly spaced for the batched update) with
   their offsets, and the common section size.
