@@ -16,7 +16,7 @@ as is) counts as 0:
 - ``n <= W`` (when W > 0): linear warmup, ``init_lr + (max_lr - init_lr) * n / W``;
 - "constant": ``max_lr`` for ever (no floor, as in Megatron-Core);
 - ``n > D``: ``min_lr`` for every other style;
-- "inverse-square-root": ``max(min_lr, max_lr * sqrt(max(W, 1)) / sqrt(max(n, 1)))``;
+- "inverse-square-root": ``max(min_lr, max_lr * max(W, 1)**0.5 / max(n, 1)**0.5)``;
 - "linear" / "cosine": ``min_lr + coeff * (max_lr - min_lr)`` with r = (n - W) / (D - W) and
   coeff = 1 - r, or 0.5 * (cos(pi * r) + 1);
 - "WSD" (warmup-stable-decay): coeff = 1 until ``D - wsd_decay_steps``, then with
@@ -144,7 +144,8 @@ class ParamScheduler:
         if n > decay:
             return min_lr
         if self.lr_decay_style == "inverse-square-root":
-            return max(min_lr, max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(n, 1)))
+            # Megatron-Core's expression, pow and all: math.sqrt rounds otherwise at a few steps.
+            return max(min_lr, max_lr * max(warmup, 1) ** 0.5 / max(n, 1) ** 0.5)
         if self.lr_decay_style == "WSD":
             coeff = self._wsd_coeff(n)
         else:

@@ -67,6 +67,18 @@ def test_inverse_square_root_is_floored_at_min_lr_before_the_end():
     assert opt.param_groups[0]["lr"] == 0.4  # 0.2 is below the floor
 
 
+def test_inverse_square_root_is_megatron_cores_expression_to_the_last_bit():
+    # Megatron-Core: max_lr * warmup**0.5 / n**0.5 (Python's pow). math.sqrt rounds otherwise at some steps
+    # (58 of 80,000 here: n = 2921 with warmup 1, for one).
+    for warmup in (1, 7, 100, 2000):
+        opt = Groups({**BASE, "max_lr": 3e-4, "min_lr": 0.0})
+        sched = ParamScheduler(opt, lr_warmup_steps=warmup, lr_decay_steps=20_000, lr_decay_style="inverse-square-root")
+        sched.step(warmup)
+        for n in range(warmup + 1, 20_001):
+            sched.step()
+            assert opt.param_groups[0]["lr"] == 3e-4 * warmup**0.5 / n**0.5, (warmup, n)
+
+
 @pytest.mark.parametrize("wsd_style, r_coeff", [
     ("linear", lambda r: 1 - r), ("cosine", lambda r: 0.5 * (math.cos(math.pi * r) + 1)),
     ("exponential", lambda r: 2 * 0.5**r - 1), ("minus_sqrt", lambda r: 1 - math.sqrt(r)),
