@@ -107,6 +107,11 @@ def _nan_into_first_expert_bias(model: MoEMLP) -> None:
     model.experts[0].down.bias.grad[0] = float("nan")
 
 
+def cases(rank: int, world: int, which: tuple) -> dict:
+    """Every case of ``which`` ((expert TP size, optimizer) pairs) in one set of ranks: {case: report}."""
+    return {case: tensor_parallel_with_experts(rank, world, *case) for case in which}
+
+
 def tensor_parallel_with_experts(rank: int, world: int, expert_tp: int, optimizer: str) -> dict:
     """Eager and captured runs of LONG_STEPS steps against the whole model in this process (over both data-
     parallel ranks' batches). At NAN_STEP rank 3 alone writes a NaN into its first expert's ``down`` bias grad

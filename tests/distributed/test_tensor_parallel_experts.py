@@ -11,14 +11,22 @@ from _tp_workers import LONG_STEPS, NAN_STEP
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("expert_tp, optimizer", [(2, "adam"), (1, "adam"), (2, "muon")])
-def test_experts_under_tensor_times_data_parallel_equal_the_whole_model(expert_tp, optimizer):
+CASES = ((2, "adam"), (1, "adam"), (2, "muon"))
+
+
+@pytest.fixture(scope="module")
+def reports():
+    """Every case on one set of 4 ranks: [{case: report}] per rank."""
+    return values(spawn(_tp_expert_workers.cases, 4, CASES, timeout=150))
+
+
+@pytest.mark.parametrize("expert_tp, optimizer", CASES)
+def test_experts_under_tensor_times_data_parallel_equal_the_whole_model(reports, expert_tp, optimizer):
     # With expert TP = 2 each expert's down bias is replicated over the TP pair and must count once; with
     # expert TP = 1 the TP pair holds different experts and both must count theirs. The NaN on rank 3 sits in a
     # param that rank does not count (expert TP = 2) and still skips the step on all four ranks.
     skipped = [step == NAN_STEP for step in range(LONG_STEPS)]
-    for report in values(spawn(_tp_expert_workers.tensor_parallel_with_experts, 4, expert_tp, optimizer,
-                               timeout=120)):
+    for report in (by_case[(expert_tp, optimizer)] for by_case in reports):
         expected = report["expected"]
         assert [not applied for applied, _, _ in expected] == skipped
         for capture, run in report["runs"].items():
