@@ -22,7 +22,8 @@ as is) counts as 0:
 - "WSD" (warmup-stable-decay): coeff = 1 until ``D - wsd_decay_steps``, then with
   r = (n - (D - wsd_decay_steps)) / wsd_decay_steps it anneals by ``lr_wsd_decay_style``:
   "linear" 1 - r, "cosine" 0.5 * (cos(pi * r) + 1), "exponential" 2 * 0.5**r - 1, "minus_sqrt"
-  1 - sqrt(r). Note r counts from the anneal start, not from the end of warmup.
+  1 - sqrt(r). Note r counts from the anneal start, not from the end of warmup. ``wsd_decay_steps`` 0
+  means no anneal: ``max_lr`` through step D, ``min_lr`` after (the stable phase alone, as in Megatron-Core).
 
 Weight decay of a group, times its ``wd_mult``: ``end_wd`` once ``n > wd_incr_steps`` (and always for
 "constant", which requires start_wd == end_wd); before that ``start_wd + coeff * (end_wd - start_wd)`` with
@@ -32,7 +33,12 @@ Source of the formulas: Megatron-Core's ``OptimizerParamScheduler.get_lr`` / ``g
 (megatron/core/optimizer_param_scheduler.py in NVIDIA/Megatron-LM; API page
 https://docs.nvidia.com/megatron-core/developer-guide/latest/api-guide/optimizer_param_scheduler.html).
 The order of the checks matters and is theirs: the ``n > D`` floor comes before the inverse-square-root
-branch, so that style also ends at ``min_lr`` after D. The code below is graphstep's own.
+branch, so that style also ends at ``min_lr`` after D. The code below is graphstep's own, equal to theirs
+to the last bit (tests/test_scheduler.py runs both) except where it differs on purpose (README,
+"Differences from Megatron-Core"): it applies ``lr_mult`` (theirs carries it in the groups but ignores it),
+refuses a group ``min_lr`` above its ``max_lr`` and a WSD anneal longer than the steps after warmup (both
+typos: the lr would climb, or fall at once after warmup), and ``load_state_dict`` restores the saved schedule
+exactly instead of adding the saved step count to its own.
 """
 
 from __future__ import annotations
@@ -88,10 +94,12 @@ def validate_settings(settings: dict) -> None:
     if isinstance(init_lr, bool) or not isinstance(init_lr, (int, float)) or not 0 <= init_lr < math.inf:
         _fail(f"init_lr={init_lr!r}: must be a finite number >= 0")
     if settings["lr_decay_style"] == "WSD":
+        # An anneal longer than the steps after warmup would start inside the warmup, which Megatron-Core
+        # then skips: the lr falls at once after warmup. 0 is no anneal at all (the stable phase alone).
         wsd = settings["wsd_decay_steps"]
         room = settings["lr_decay_steps"] - settings["lr_warmup_steps"]
-        if isinstance(wsd, bool) or not isinstance(wsd, int) or not 0 < wsd <= room:
-            _fail(f"lr_decay_style='WSD' needs an integer 0 < wsd_decay_steps <= lr_decay_steps - lr_warmup_steps "
+        if isinstance(wsd, bool) or not isinstance(wsd, int) or not 0 <= wsd <= room:
+            _fail(f"lr_decay_style='WSD' needs an integer 0 <= wsd_decay_steps <= lr_decay_steps - lr_warmup_steps "
                   f"({room}), got wsd_decay_steps={wsd!r}")
 
 
@@ -102,7 +110,8 @@ class ParamScheduler:
     groups carry ``max_lr`` and ``min_lr``; ``min_lr`` None means 0). A group without ``start_wd`` /
     ``end_wd`` keeps its current ``weight_decay`` as both (written into the group, so a state-dict round
     trip sees it); ``lr_mult`` and ``wd_mult`` default to 1. The constructor applies step 0 at once, like
-    Megatron-Core's ``step(0)``.
+    Megatron-Core's ``step(0)``. A group whose ``min_lr`` exceeds its ``max_lr`` is refused (Megatron-Core
+    would raise its lr towards the floor).
     """
 
     def __init__(self, optimizer, *, lr_warmup_steps: int, lr_decay_steps: int, lr_decay_style: str = "cosine",
@@ -155,7 +164,7 @@ class ParamScheduler:
 
     def _wsd_coeff(self, n: int) -> float:
         anneal_start = self.lr_decay_steps - self.wsd_decay_steps
-        if n <= anneal_start:
+        if n <= anneal_start:  # n <= lr_decay_steps here, so wsd_decay_steps 0 never reaches the division
             return 1.0  # the stable phase
         r = (n - anneal_start) / self.wsd_decay_steps
         style = self.lr_wsd_decay_style
@@ -177,6 +186,7 @@ class ParamScheduler:
         return start + coeff * (end - start)
 
     def _apply(self) -> None:
+        # lr_mult applies: an override that sets it means it (Megatron-Core's scheduler ignores the field).
         for group in self.optimizer.param_groups:
             group["lr"] = float(self.get_lr(group) * group.get("lr_mult", 1.0))
             group["weight_decay"] = float(self.get_wd(group) * group.get("wd_mult", 1.0))
@@ -195,7 +205,11 @@ class ParamScheduler:
         """Take over a saved schedule (settings and position) and write the groups at once.
 
         The saved settings win over the constructor's, as with Megatron-Core's default
-        ``use_checkpoint_opt_param_scheduler=True``; they are validated like the constructor's.
+        ``use_checkpoint_opt_param_scheduler=True``; they are validated like the constructor's. Unlike
+        Megatron-Core, which adds the saved ``num_steps`` to its own, keeps its constructor's ``init_lr`` and
+        WSD settings (it saves none of them) and writes the groups with its constructor's weight-decay ramp,
+        the schedule resumes exactly as saved whatever the scheduler did before; on the usual resume (a fresh
+        scheduler with the run's settings) both give the same lr and weight decay.
         """
         unknown = set(state_dict) - set(SETTINGS) - {"num_steps"}
         if unknown:

@@ -111,6 +111,25 @@ def test_group_order_follows_the_overrides_not_the_model_order():
     assert build_param_groups(named[::-1], config, overrides)[0]["param_names"] == ["extra"]
 
 
+def test_an_empty_override_gets_a_group_of_its_own_right_after_the_no_override_group():
+    """Megatron-Core keys a param's group by its merged override, None when no key matches it: a key with an
+    empty override gives its params the key () and so a group of their own, sorted right after the
+    no-override group (None first, then the override tuples, () before any other). graphstep merged them
+    into the no-override group. Checked against megatron-core 0.16.1 in test_megatron_parity_groups.py."""
+    overrides = {ParamKey(name="*.bias"): {}, ParamKey(name="embed.*"): {"wd_mult": 0.5},
+                 ParamKey(name="norm.*"): {"lr_mult": 0.5}}
+    _, groups = groups_of(gs.OptimizerConfig(lr=1e-3, weight_decay=0.1), overrides)
+    assert summary(groups, "overrides", "lr", "weight_decay") == [
+        (["proj.weight", "head.weight"], {}, 1e-3, 0.1),  # no key matches them
+        (["proj.bias"], {}, 1e-3, 0.1),  # only the empty override matches it
+        (["norm.weight", "norm.bias"], {"lr_mult": 0.5}, 1e-3 * 0.5, 0.1),  # {} merged into lr_mult's
+        (["embed.weight"], {"wd_mult": 0.5}, 1e-3, 0.1 * 0.5),
+    ]
+    # Every param under an empty override: one group, as with no overrides at all.
+    _, groups = groups_of(gs.OptimizerConfig(), {ParamKey(name="*"): {}})
+    assert len(groups) == 1 and len(groups[0]["params"]) == 6
+
+
 def test_min_lr_none_stays_none_in_the_groups():
     """Issue 11.10: Megatron-Core's groups carry ``min_lr = config.min_lr`` even when it is None (its
     scheduler reads that as 0); graphstep wrote 0.0 into the group."""
@@ -192,6 +211,38 @@ def test_standard_overrides_drop_weight_decay_on_biases_and_1d():
     assert key.matches(torch.nn.Parameter(torch.zeros(2, 2)), "odd.bias")
     assert key.matches(torch.nn.Parameter(torch.zeros(3)), "scale")
     assert not key.matches(torch.nn.Parameter(torch.zeros(2, 2)), "w")
+
+
+class QKNormNet(torch.nn.Module):
+    """An attention block named as Megatron-Core's: linear_qkv (with bias), q_layernorm and k_layernorm (1-D
+    weight and bias each), linear_proj, and a final layernorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.self_attention = torch.nn.Module()
+        self.self_attention.linear_qkv = torch.nn.Linear(8, 24)
+        self.self_attention.q_layernorm = torch.nn.LayerNorm(4)
+        self.self_attention.k_layernorm = torch.nn.LayerNorm(4)
+        self.self_attention.linear_proj = torch.nn.Linear(8, 8, bias=False)
+        self.final_layernorm = torch.nn.LayerNorm(8)
+
+
+@pytest.mark.parametrize("apply_wd_to_qk_layernorm", [False, True])
+def test_standard_overrides_apply_wd_to_qk_layernorm(apply_wd_to_qk_layernorm):
+    """Megatron-Core's ``apply_wd_to_qk_layernorm`` (Qwen3-Next's rule): True keeps weight decay on the
+    params of q_layernorm / k_layernorm modules, biases included, though they are 1-D; other 1-D params
+    and biases still get none. graphstep ignored the field."""
+    config = gs.OptimizerConfig(lr=1e-3, weight_decay=0.1, apply_wd_to_qk_layernorm=apply_wd_to_qk_layernorm)
+    groups = build_param_groups(list(QKNormNet().named_parameters()), config)
+    qk_norms = ["self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+                "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias"]
+    decayed = ["self_attention.linear_qkv.weight", "self_attention.linear_proj.weight"]
+    not_decayed = ["self_attention.linear_qkv.bias", "final_layernorm.weight", "final_layernorm.bias"]
+    if apply_wd_to_qk_layernorm:
+        decayed = decayed[:1] + qk_norms + decayed[1:]  # model order
+    else:
+        not_decayed = not_decayed[:1] + qk_norms + not_decayed[1:]
+    assert summary(groups, "wd_mult", "weight_decay") == [(decayed, 1.0, 0.1), (not_decayed, 0.0, 0.0)]
 
 
 @pytest.mark.parametrize("decoupled_min_lr, min_lr, expected_floor", [(1e-5, 2e-5, 1e-5), (None, 2e-5, 2e-5),

@@ -1,6 +1,7 @@
 """ParamScheduler: Megatron-Core's LR and weight-decay curves at hand-computed points."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -98,6 +99,14 @@ def test_wsd_ends_at_min_lr_for_every_style():
     for style in ("linear", "cosine", "exponential", "minus_sqrt"):
         assert lr_at(100, lr_decay_style="WSD", wsd_decay_steps=20, lr_wsd_decay_style=style) == \
             pytest.approx(0.1, abs=1e-15)
+
+
+def test_wsd_without_decay_steps_holds_max_lr_until_lr_decay_steps():
+    """Megatron-Core accepts ``wsd_decay_steps=0``: no anneal, max_lr through ``lr_decay_steps``, min_lr after
+    (its ``n > lr_decay_steps`` floor comes first, so the anneal's division by 0 is never reached). A WSD
+    run's stable phase, kept to branch anneals off later. graphstep refused it."""
+    kwargs = dict(lr_decay_style="WSD", wsd_decay_steps=0)
+    assert [lr_at(n, **kwargs) for n in (5, 11, 50, 100, 101, 500)] == [0.5, 1.0, 1.0, 1.0, 0.1, 0.1]
 
 
 @pytest.mark.parametrize("style, expected", [("linear", 0.05 + 0.25 * 0.1),
@@ -234,7 +243,8 @@ def test_drives_the_engine_built_without_min_lr():
     (dict(lr_warmup_steps=-1), "lr_warmup_steps"),
     (dict(lr_warmup_steps=1.5), "lr_warmup_steps"),
     (dict(lr_decay_style="WSD"), "wsd_decay_steps"),
-    (dict(lr_decay_style="WSD", wsd_decay_steps=91), "wsd_decay_steps"),
+    (dict(lr_decay_style="WSD", wsd_decay_steps=91), "wsd_decay_steps"),  # past the warmup end: README
+    (dict(lr_decay_style="WSD", wsd_decay_steps=-1), "wsd_decay_steps"),
     (dict(lr_warmup_steps=0, lr_decay_steps=0), "lr_decay_steps"),
     (dict(wd_incr_style="linear"), "wd_incr_steps"),  # a ramp over 0 steps
     (dict(init_lr=-1.0), "init_lr"),
@@ -252,3 +262,156 @@ def test_bad_settings_are_named(kwargs, message):
 def test_bad_groups_are_named(group, message):
     with pytest.raises(ValueError, match=message):
         ParamScheduler(Groups(group), **SCHEDULE)
+
+
+# ---- against Megatron-Core's own OptimizerParamScheduler (megatron-core 0.16.1; its newest source is the same)
+
+def megatron_scheduler(opt, *, lr_warmup_steps, lr_decay_steps, lr_decay_style="cosine", wd_incr_steps=0,
+                       wd_incr_style="constant", init_lr=0.0, wsd_decay_steps=None, lr_wsd_decay_style=None):
+    """Megatron-Core's scheduler over ``opt`` with ParamScheduler's keywords (skips without megatron-core).
+
+    Its scheduler-wide ``max_lr`` / ``min_lr`` / ``start_wd`` / ``end_wd`` are fallbacks only: every group here
+    carries its own, as graphstep's and Megatron-Core's groups do."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # megatron.core warns that Transformer Engine and Apex are missing
+        module = pytest.importorskip("megatron.core.optimizer_param_scheduler",
+                                     reason="megatron-core is not installed")
+    return module.OptimizerParamScheduler(
+        opt, init_lr=init_lr, max_lr=1.0, min_lr=0.0, lr_warmup_steps=lr_warmup_steps, lr_decay_steps=lr_decay_steps,
+        lr_decay_style=lr_decay_style, start_wd=0.0, end_wd=0.0, wd_incr_steps=wd_incr_steps,
+        wd_incr_style=wd_incr_style, wsd_decay_steps=wsd_decay_steps, lr_wsd_decay_style=lr_wsd_decay_style)
+
+
+def lr_and_wd(opt):
+    return [(group["lr"], group["weight_decay"]) for group in opt.param_groups]
+
+
+PARITY_GROUPS = (BASE, {**BASE, "max_lr": 3e-4, "min_lr": 3e-5, "start_wd": 0.01, "end_wd": 0.1, "wd_mult": 0.5})
+CURVES = ([dict(lr_decay_style=style) for style in ("constant", "linear", "cosine", "inverse-square-root")]
+          + [dict(lr_decay_style="WSD", wsd_decay_steps=wsd, lr_wsd_decay_style=wsd_style)
+             for wsd in (0, 1, 20, 90) for wsd_style in ("linear", "cosine", "exponential", "minus_sqrt")])
+
+
+@pytest.mark.parametrize("curve", CURVES, ids=lambda c: "-".join(map(str, c.values())))
+def test_every_curve_is_megatron_cores_to_the_last_bit(curve):
+    schedule = dict(SCHEDULE, init_lr=1e-5, wd_incr_steps=50, wd_incr_style="cosine", **curve)
+    ours, theirs = Groups(*PARITY_GROUPS), Groups(*PARITY_GROUPS)
+    sched, reference = ParamScheduler(ours, **schedule), megatron_scheduler(theirs, **schedule)
+    for _ in range(130):
+        assert lr_and_wd(ours) == lr_and_wd(theirs), sched.num_steps
+        sched.step()
+        reference.step(1)
+
+
+@pytest.mark.parametrize("saved_at", [0, 5, 43, 120])
+def test_a_normal_resume_is_megatron_cores(saved_at):
+    """Resume as a training script does: a fresh scheduler built with the run's settings loads the saved
+    state. Megatron-Core adds the saved ``num_steps`` to its 0 and keeps the constructor's ``init_lr`` and
+    WSD settings, which are the saved ones here: the same lr and weight decay at every step after."""
+    schedule = dict(SCHEDULE, init_lr=1e-5, wd_incr_steps=50, wd_incr_style="linear", lr_decay_style="WSD",
+                    wsd_decay_steps=30, lr_wsd_decay_style="cosine")
+    their_run = Groups(*PARITY_GROUPS)
+    run, reference = ParamScheduler(Groups(*PARITY_GROUPS), **schedule), megatron_scheduler(their_run, **schedule)
+    run.step(saved_at)
+    reference.step(saved_at)
+    ours, theirs = Groups(*PARITY_GROUPS), Groups(*PARITY_GROUPS)
+    resumed, their_resumed = ParamScheduler(ours, **schedule), megatron_scheduler(theirs, **schedule)
+    resumed.load_state_dict(run.state_dict())
+    their_resumed.load_state_dict(reference.state_dict())
+    for _ in range(40):  # the lr and weight decay each next optimizer step uses
+        assert lr_and_wd(ours) == lr_and_wd(theirs) == lr_and_wd(their_run)
+        resumed.step()
+        their_resumed.step(1)
+        reference.step(1)
+
+
+def saved_run(steps: int, **schedule) -> dict:
+    run = ParamScheduler(Groups(BASE), **{**SCHEDULE, **schedule})
+    run.step(steps)
+    return run.state_dict()
+
+
+def megatron_state(steps: int, **schedule) -> dict:
+    reference = megatron_scheduler(Groups(BASE), **{**SCHEDULE, **schedule})
+    reference.step(steps)
+    return reference.state_dict()
+
+
+def test_load_state_dict_restores_the_saved_position_even_after_steps():
+    """README, Differences from Megatron-Core: loading a state saved at step 43 into a scheduler that has
+    stepped 5 times puts it at step 43; Megatron-Core's ``load_state_dict`` adds 43 to its 5 (step 48)."""
+    opt = Groups(BASE)
+    sched = ParamScheduler(opt, **SCHEDULE)
+    sched.step(5)
+    sched.load_state_dict(saved_run(43))
+    assert sched.num_steps == 43 and opt.param_groups[0]["lr"] == lr_at(43)
+    theirs = Groups(BASE)
+    reference = megatron_scheduler(theirs, **SCHEDULE)
+    reference.step(5)
+    reference.load_state_dict(megatron_state(43))
+    assert reference.num_steps == 48 and theirs.param_groups[0]["lr"] == lr_at(48) != lr_at(43)
+
+
+def test_load_state_dict_restores_init_lr_and_the_wd_ramp_megatron_core_keeps_from_its_constructor():
+    """README, Differences from Megatron-Core: Megatron-Core saves neither ``init_lr`` nor the WSD settings
+    (its constructor's stay) and writes the groups at load with the constructor's weight-decay ramp (the
+    saved one applies from the next step). graphstep resumes the saved schedule exactly."""
+    # Saved at step 4 of a warmup from init_lr=0.5 (lr 0.7); loaded into a scheduler built with init_lr=0.
+    opt, theirs = Groups(BASE), Groups(BASE)
+    ParamScheduler(opt, **SCHEDULE).load_state_dict(saved_run(4, init_lr=0.5))
+    megatron_scheduler(theirs, **SCHEDULE).load_state_dict(megatron_state(4, init_lr=0.5))
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.7) and theirs.param_groups[0]["lr"] == pytest.approx(0.4)
+    # Saved at step 20 of a linear 0 -> 0.1 ramp over 50 steps (0.04); built with a ramp over 100 steps.
+    ramp = {**BASE, "start_wd": 0.0, "end_wd": 0.1}
+    opt, theirs = Groups(ramp), Groups(ramp)
+    saved = ParamScheduler(Groups(ramp), **SCHEDULE, wd_incr_steps=50, wd_incr_style="linear")
+    saved.step(20)
+    ParamScheduler(opt, **SCHEDULE, wd_incr_steps=100, wd_incr_style="linear").load_state_dict(saved.state_dict())
+    reference = megatron_scheduler(Groups(ramp), **SCHEDULE, wd_incr_steps=50, wd_incr_style="linear")
+    reference.step(20)
+    megatron_scheduler(theirs, **SCHEDULE, wd_incr_steps=100,
+                       wd_incr_style="linear").load_state_dict(reference.state_dict())
+    assert opt.param_groups[0]["weight_decay"] == pytest.approx(0.04)
+    assert theirs.param_groups[0]["weight_decay"] == pytest.approx(0.02)
+
+
+def test_lr_mult_is_applied_where_megatron_core_ignores_it():
+    """README, Differences from Megatron-Core: its groups carry ``lr_mult`` (1.0, or an override's value)
+    but its scheduler writes ``get_lr(group)`` alone (0.16.1 and the newest source)."""
+    group = {**BASE, "max_lr": 1e-3, "min_lr": 0.0, "lr_mult": 0.5}
+    ours, theirs = Groups(group), Groups(group)
+    ParamScheduler(ours, lr_warmup_steps=0, lr_decay_steps=100, lr_decay_style="constant")
+    assert ours.param_groups[0]["lr"] == 5e-4
+    megatron_scheduler(theirs, lr_warmup_steps=0, lr_decay_steps=100, lr_decay_style="constant")
+    assert theirs.param_groups[0]["lr"] == 1e-3
+
+
+def test_min_lr_above_max_lr_is_refused_where_megatron_core_climbs_to_it():
+    """README, Differences from Megatron-Core: a group with max_lr 1e-5 and min_lr 1e-4 (cosine, no warmup,
+    100 steps) runs in Megatron-Core, its lr climbing from 1e-5 to 1e-4: a floor above the peak is a typo."""
+    group = {**BASE, "max_lr": 1e-5, "min_lr": 1e-4}
+    with pytest.raises(ValueError, match="min_lr=0.0001 exceeds max_lr=1e-05"):
+        ParamScheduler(Groups(group), lr_warmup_steps=0, lr_decay_steps=100)
+    theirs = Groups(group)
+    reference = megatron_scheduler(theirs, lr_warmup_steps=0, lr_decay_steps=100)
+    lrs = []
+    for _ in range(3):
+        lrs.append(theirs.param_groups[0]["lr"])
+        reference.step(50)
+    assert lrs == pytest.approx([1e-5, 5.5e-5, 1e-4], rel=1e-12)
+
+
+def test_wsd_decay_steps_past_the_warmup_end_is_refused_where_megatron_core_drops_the_lr_at_once():
+    """README, Differences from Megatron-Core: with 10 warmup steps, 100 decay steps and
+    ``wsd_decay_steps=180`` the anneal would start at step -80; Megatron-Core skips the part under the warmup,
+    and its lr falls from 1.0 at step 10 to 0.468 at step 11 (exponential)."""
+    schedule = dict(SCHEDULE, lr_decay_style="WSD", wsd_decay_steps=180, lr_wsd_decay_style="exponential")
+    with pytest.raises(ValueError, match="wsd_decay_steps <= lr_decay_steps - lr_warmup_steps \\(90\\)"):
+        ParamScheduler(Groups(BASE), **schedule)
+    theirs = Groups(BASE)
+    reference = megatron_scheduler(theirs, **schedule)
+    reference.step(10)
+    assert theirs.param_groups[0]["lr"] == 1.0
+    reference.step(1)
+    assert theirs.param_groups[0]["lr"] == pytest.approx(0.1 + 0.9 * (2 * 0.5 ** (91 / 180) - 1))
+    assert theirs.param_groups[0]["lr"] == pytest.approx(0.468, abs=5e-4)

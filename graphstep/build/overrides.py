@@ -3,9 +3,10 @@
 A ``ParamKey`` selects params by name glob, by a truthy attribute, or by a named predicate (any listed
 item matching is a match). Every override whose key matches a param is merged into one override for it;
 two that set one key to different values are an error. Params with equal merged overrides share a param
-group; the group without overrides comes first, then the others sorted by their sorted (key, value)
-pairs, the order of Megatron-Core's ``_get_param_groups`` (megatron/core/optimizer/__init__.py). So the
-order of groups depends on the overrides only, never on the order of the model's params.
+group, as in Megatron-Core's ``_get_param_groups`` (megatron/core/optimizer/__init__.py), whose order the
+groups follow: first the params no key matches, then the others sorted by their sorted (key, value) pairs,
+so params matched only by empty overrides (``{ParamKey(name="*.bias"): {}}``) come second, in a group of
+their own. The order of groups depends on the overrides only, never on the order of the model's params.
 ``build_param_groups`` turns that into the ``param_groups`` the engine (and torch's LR schedulers) use.
 """
 
@@ -175,11 +176,25 @@ def _is_vector_like(param: torch.nn.Parameter, name: str) -> bool:
     return param.ndim <= 1 or _is_embedding_class(param, name)
 
 
+def _is_qk_layernorm(name: str) -> bool:
+    # Megatron-Core's test, a substring of the name: its attention modules name them so.
+    return "q_layernorm." in name or "k_layernorm." in name
+
+
+def _no_weight_decay_key(config) -> ParamKey:
+    """Biases and 1-D params; with ``apply_wd_to_qk_layernorm`` less those of q_layernorm / k_layernorm
+    (Megatron-Core's two rules: the classic one, and Qwen3-Next's, which decays the QK norms' scales)."""
+    if config.apply_wd_to_qk_layernorm:
+        return ParamKey(predicate=NamedPredicate(
+            "ndim_1_or_bias_not_qk_layernorm",
+            lambda p, name: (p.ndim == 1 or name.endswith(".bias")) and not _is_qk_layernorm(name)))
+    return ParamKey(name="*.bias", predicate=NamedPredicate("ndim_1", lambda p, _: p.ndim == 1))
+
+
 def get_standard_config_overrides(config) -> dict[ParamKey, ParamGroupOverride]:
-    """No weight decay for biases and 1-D params; ``decoupled_lr`` for embedding/output params."""
-    overrides: dict[ParamKey, ParamGroupOverride] = {
-        ParamKey(name="*.bias", predicate=NamedPredicate("ndim_1", lambda p, _: p.ndim == 1)): {"wd_mult": 0.0},
-    }
+    """No weight decay for biases and 1-D params (but for q/k layernorms' with ``apply_wd_to_qk_layernorm``);
+    ``decoupled_lr`` for embedding/output params."""
+    overrides: dict[ParamKey, ParamGroupOverride] = {_no_weight_decay_key(config): {"wd_mult": 0.0}}
     if config.decoupled_lr is not None:
         # Without decoupled_min_lr the group keeps the config's min_lr, as in Megatron-Core (which sets
         # min_lr here only when decoupled_min_lr is given).
@@ -263,12 +278,15 @@ def _mup_overrides(config, m: float, rule) -> dict[ParamKey, ParamGroupOverride]
     return {lr_key: scaled_lr(1.0 / m), ParamKey(predicate=NamedPredicate("mup_matrix_like_eps", matrix_like)): eps}
 
 
-def _merged_override(name: str, param, config_overrides: dict) -> dict:
-    merged: dict = {}
+def _merged_override(name: str, param, config_overrides: dict) -> Optional[dict]:
+    """The merge of every override whose key matches the param; None when no key matches (an empty
+    override that matches still gives {}: Megatron-Core groups those params apart)."""
+    merged: Optional[dict] = None
     source: dict = {}
     for key, override in config_overrides.items():
         if not key.matches(param, name):
             continue
+        merged = {} if merged is None else merged
         for field, value in override.items():  # (already stripped of repeated whole-optimizer settings)
             if field in merged and merged[field] != value:
                 raise ValueError(f"param '{name}': {source[field]} sets {field}={merged[field]!r} but {key} sets "
@@ -291,21 +309,37 @@ def build_param_groups(named_params: Sequence[tuple[str, torch.nn.Parameter]], c
     if config_overrides is None:
         config_overrides = get_standard_config_overrides(config)
     check_config_overrides_consistency(config, config_overrides)
-    config_overrides = {key: _effective_override(config, override) for key, override in config_overrides.items()}
+    config_overrides = _effective_overrides(config, config_overrides)
 
-    groups: dict[tuple, dict] = {}
+    groups: dict[Optional[tuple], dict] = {}
     seen_names: set[str] = set()
     seen_params: dict[int, str] = {}
     for entry in named_params:
         name, param = _checked_entry(entry, seen_names, seen_params)
         merged = _merged_override(name, param, config_overrides)
-        signature = tuple(sorted(merged.items()))
+        signature = None if merged is None else tuple(sorted(merged.items()))
         if signature not in groups:
-            groups[signature] = _new_group(config, merged, name)
+            groups[signature] = _new_group(config, merged or {}, name)
         groups[signature]["params"].append(param)
         groups[signature]["param_names"].append(name)
-    # The no-override group (signature ()) sorts first: a shorter tuple that is a prefix of every other.
-    return [groups[signature] for signature in sorted(groups)]
+    return [groups[signature] for signature in sorted(groups, key=_group_order)]
+
+
+def _effective_overrides(config, config_overrides: dict) -> dict:
+    """The overrides without the whole-optimizer settings they repeat; a key left with nothing by that is
+    dropped (it changes nothing, so it must not split a group), while a key given ``{}`` stays."""
+    effective = {}
+    for key, override in config_overrides.items():
+        kept = _effective_override(config, override)
+        if kept or not override:
+            effective[key] = kept
+    return effective
+
+
+def _group_order(signature: Optional[tuple]) -> tuple:
+    """Megatron-Core's sort key: the no-override group (None) first, then the sorted override tuples, the
+    empty one before any other."""
+    return (signature is not None, signature or ())
 
 
 def _checked_entry(entry, seen_names: set, seen_params: dict) -> tuple[str, torch.nn.Parameter]:

@@ -97,6 +97,8 @@ def build_family_param_groups(named_params: Sequence[tuple[str, torch.nn.Paramet
                                  f"{', '.join(map(repr, FAMILIES))}")
             chosen[key] = family
             override = {k: v for k, v in override.items() if k != "optimizer"}
+            if not override:
+                continue  # it only picks the family: no group of its own (an empty override would make one)
         stripped[key] = override
     groups = build_param_groups(named_params, config, stripped if isinstance(config_overrides, dict)
                                 else config_overrides)
