@@ -42,6 +42,7 @@ from .run.memory import memory_stats
 from .run.runner import StepRunner
 from .state.buffers import StaticBuffers, allocate
 from .state.hyperparams import HyperParams
+from .state.precision import storage_by_state
 from .step import domains as domains_mod
 from .step import folded_sums, scalar_graph
 from .step.scaler import scaler_from_config
@@ -150,7 +151,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                                     len(self.param_groups), experts=bool(further))  # offload: dense only
         buffers = allocate(layout, [params[i] for i in dense_indices], rank=rank, device=device,
                            main_dtype=config.main_params_dtype, state_names=state_names(families, config), host=host,
-                           group_states=[family.state_names(config) for family in families])
+                           group_states=[family.state_names(config) for family in families],
+                           state_storage=storage_by_state(config, state_names(families, config)))
         self.hyper = HyperParams(len(self.param_groups), device)
         self.scaler = scaler_from_config(config, device)
         scaled = self.scaler is not None

@@ -135,11 +135,3 @@ def test_numbers_of_the_right_kind_still_pass():
     c = OptimizerConfig(lr=1, min_lr=0, weight_decay=0, bucket_size=4096, loss_scale=2.0**127, fp16=True,
                         params_dtype=torch.float16, initial_loss_scale=2**20)
     assert (c.lr, c.bucket_size, c.loss_scale, c.initial_loss_scale) == (1, 4096, 2.0**127, 2**20)
-
-
-def test_the_unused_state_dtype_fields_are_gone():
-    # exp_avg_dtype / exp_avg_sq_dtype were validated but never used (state lives in main_params_dtype).
-    names = {f.name for f in dataclasses.fields(OptimizerConfig)}
-    assert not names & {"exp_avg_dtype", "exp_avg_sq_dtype"}
-    with pytest.raises(TypeError, match="exp_avg_dtype"):
-        OptimizerConfig(exp_avg_dtype=torch.float32)

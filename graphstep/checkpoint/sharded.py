@@ -30,6 +30,8 @@ buffers and runs ``opt.publish_params()`` (the post-load all-gather: a resume th
 
 from __future__ import annotations
 
+import functools
+
 import json
 import warnings
 from typing import Any, Callable
@@ -60,9 +62,19 @@ def state_kinds(opt) -> tuple[str, ...]:
     return (MAIN_PARAM,) + tuple(opt.buffers.state)
 
 
+def _buffer_kind(kind: str) -> str:
+    return "main" if kind == MAIN_PARAM else kind
+
+
 def _kind_part(opt, kind: str, buffer: int, start: int, size: int) -> torch.Tensor:
-    """This rank's shard elements [start, start + size) of ``kind``, on the device or (CPU offload) host."""
-    return opt.buffers.shard_part("main" if kind == MAIN_PARAM else kind, buffer, start, size)
+    """The values of this rank's shard elements [start, start + size) of ``kind``, on the device or (CPU
+    offload) host: a view, or a copy for a state stored below fp32 (graphstep/state/precision.py)."""
+    return opt.buffers.read_part(_buffer_kind(kind), buffer, start, size)
+
+
+def _kind_dtype(opt, kind: str, buffer: int) -> torch.dtype:
+    """The dtype ``kind`` is saved in: its buffer's, fp32 for a state stored below it."""
+    return opt.buffers.shard_like(_buffer_kind(kind), buffer).dtype
 
 
 def _kept(opt, kind: str, buffer: int, start: int, size: int) -> bool:
@@ -75,7 +87,7 @@ def _kept(opt, kind: str, buffer: int, start: int, size: int) -> bool:
 def _saved_part(opt, kind: str, buffer: int, start: int, size: int) -> torch.Tensor:
     if _kept(opt, kind, buffer, start, size):
         return _kind_part(opt, kind, buffer, start, size)
-    return torch.zeros(size, dtype=opt.buffers.state[kind][buffer].dtype, device=opt.buffers.state[kind][buffer].device)
+    return torch.zeros(size, dtype=_kind_dtype(opt, kind, buffer), device=opt.buffers.state[kind][buffer].device)
 
 
 def encode_json(value: Any) -> torch.Tensor:
@@ -136,7 +148,7 @@ def _build(opt, slice_fn: Callable[[torch.Tensor], torch.Tensor]) -> dict:
             if mine:
                 o = mine[0]
                 local = slice_fn(_saved_part(opt, kind, place.buffer, o.shard_start, o.param_end - o.param_start))
-            dtype = (opt.buffers.main_shard if kind == MAIN_PARAM else opt.buffers.state[kind])[place.buffer].dtype
+            dtype = _kind_dtype(opt, kind, place.buffer)
             out[state_key(kind, place.name)] = (
                 _sharded(local, place, owners[place.index], global_ranks, rank, dtype) if sharded else local)
     return out
@@ -281,7 +293,8 @@ def validate(opt, sd: Any) -> dict:
             nonnegative = kind != MAIN_PARAM and state_spec(kind).nonnegative  # as its family declares
             source = _check_entry(opt, sd[key], key, place, mine, nonnegative=nonnegative)
             if source is not None and _kept(opt, kind, place.buffer, mine.shard_start, source.numel()):
-                copies.append((_kind_part(opt, kind, place.buffer, mine.shard_start, source.numel()), source))
+                copies.append(functools.partial(opt.buffers.write_part, _buffer_kind(kind), place.buffer,
+                                                mine.shard_start, source.numel(), source))
     flat.check_step(sd[STEP_KEY], f"[{STEP_KEY!r}]", opt.tensors.step)
     scaler = None
     if meta["scaler"] is not None:
@@ -307,8 +320,8 @@ def validate(opt, sd: Any) -> dict:
 @torch.no_grad()
 def apply_validated(opt, plan: dict) -> None:
     """Copy what ``validate`` accepted into the static buffers, then publish the params (collective)."""
-    for target, source in plan["copies"]:
-        target.copy_(source)
+    for write in plan["copies"]:
+        write()
     flat.apply_common(opt, plan["step"], plan["groups"], plan["scaler"], plan["clip_grad"],
                       plan["grad_norm_skip_threshold"])
     opt.publish_params()

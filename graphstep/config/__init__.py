@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -27,7 +27,9 @@ class OptimizerConfig:
     registered family, graphstep/families/."""
 
     lr: float = 1e-3
-    """Peak learning rate; the initial ``lr`` of every param group without an override."""
+    """Peak learning rate; the initial ``lr`` of every param group without an override. (Megatron-Core's
+    default is None, which its training scripts always replace; graphstep's is torch.optim's, so a config
+    without one builds.)"""
 
     min_lr: Optional[float] = None
     """Floor of graphstep's LR schedules (``graphstep.scheduler``); None means 0."""
@@ -40,6 +42,10 @@ class OptimizerConfig:
 
     weight_decay: float = 0.01
     """Weight-decay coefficient; per group it is multiplied by the group's ``wd_mult``."""
+
+    apply_wd_to_qk_layernorm: bool = False
+    """Standard overrides: True gives the params of ``q_layernorm`` / ``k_layernorm`` modules weight decay
+    although they are 1-D (Megatron-Core's rule)."""
 
     decoupled_weight_decay: bool = True
     """Adam only: True applies decay to the params directly (AdamW), False adds it to the gradient (L2)."""
@@ -69,15 +75,36 @@ class OptimizerConfig:
 
     params_dtype: Optional[torch.dtype] = None
     """dtype of the model params in ``param_flat``. None: bfloat16 with ``bf16``, float16 with ``fp16``,
-    else the model's own dtype. A model built in fp32 is cast once at build; its fp32 values seed the
-    main params, so nothing is lost to the cast."""
+    else the model's own dtype. float32 with ``bf16`` / ``fp16`` is Megatron-Core's reading (its default:
+    the weights are initialised in fp32 and trained in the half dtype): the half dtype. A model built in
+    fp32 is cast once at build; its fp32 values seed the main params, so nothing is lost to the cast."""
 
     main_params_dtype: torch.dtype = torch.float32
-    """dtype of the main params the update runs on (float32 or float64)."""
+    """dtype of the main params the update runs on: float32 or float64 (graphstep's own). Megatron-Core's
+    precision-aware float16 is not offered yet (refused)."""
 
     main_grads_dtype: torch.dtype = torch.float32
-    """dtype grads accumulate in. float32 with half params accumulates every backward into an fp32
-    main-grad buffer; the params' dtype accumulates into ``grad_flat`` directly."""
+    """dtype grads of half params accumulate and are reduced in: float32 (a main-grad buffer beside the
+    params) or the params' own half dtype (``grad_flat`` directly; the update reads them cast to fp32).
+    Megatron-Core allows the half dtype only with ``use_precision_aware_optimizer``; graphstep with or
+    without it."""
+
+    use_precision_aware_optimizer: bool = False
+    """Allow Adam's moments below fp32 (``exp_avg_dtype``, ``exp_avg_sq_dtype``; Adam only, as in
+    Megatron-Core; graphstep/state/precision.py). Unlike Megatron-Core it needs no distributed optimizer."""
+
+    store_param_remainders: bool = True
+    """Megatron-Core's: with ``use_precision_aware_optimizer`` and bf16 params, keep only the low 16 bits of
+    each fp32 main param (the bf16 param holds the rest), 2 B per param less. Not offered yet: graphstep
+    keeps the main params whole and warns at build when this (the default) would have applied."""
+
+    exp_avg_dtype: torch.dtype = torch.float32
+    """Storage dtype of Adam's ``exp_avg`` with ``use_precision_aware_optimizer``: float32, bfloat16,
+    float16 or fp8 (``torch.uint8``, Megatron-Core's spelling, or ``torch.float8_e4m3fn``); float16 and
+    fp8 are stored scaled per param (graphstep/state/precision.py). The update reads and writes it in fp32."""
+
+    exp_avg_sq_dtype: torch.dtype = torch.float32
+    """Storage dtype of Adam's ``exp_avg_sq``, as ``exp_avg_dtype``."""
 
     # ---- loss scaling --------------------------------------------------------------------------------
     loss_scale: Optional[float] = None
@@ -121,6 +148,16 @@ class OptimizerConfig:
     use_distributed_optimizer: bool = False
     """Shard fp32 main params and optimizer state across the data-parallel ranks (ZeRO-1/2 style)."""
 
+    use_layer_wise_distributed_optimizer: bool = False
+    """Megatron-Core's switch for sharding Muon layer-wise (whole matrices per rank): graphstep does that
+    for Muon's matrices whenever ``use_distributed_optimizer`` is on, so True means the same as
+    ``use_distributed_optimizer=True`` (and needs ``optimizer="muon"``)."""
+
+    overlap_param_gather_with_optimizer_step: bool = False
+    """Megatron-Core's: start the first bucket's param all-gather inside its optimizer step. graphstep's
+    gathers are part of the captured step (or deferred to forward pre-hooks with ``overlap_param_gather``):
+    True is refused."""
+
     bucket_size: Optional[int] = None
     """Elements per communication bucket; None means max(40M, 1M x data-parallel size)."""
 
@@ -156,6 +193,14 @@ class OptimizerConfig:
     False needs ``capture="eager"``: the grads' D2H copy is inside the device step, and a capture cannot
     contain a blocking copy into pageable memory."""
 
+    use_torch_optimizer_for_cpu_offload: bool = False
+    """Megatron-Core's choice of host optimizer: graphstep's host update always runs torch's fused CPU
+    kernels, so both values do the same."""
+
+    offload_optimizer_states: bool = False
+    """Megatron-Core's: move all optimizer state to the host between steps. Not offered (keep part of it
+    there for good with ``optimizer_cpu_offload``): True is refused."""
+
     pin_cpu_params: bool = True
     """Page-lock the host main-param and staging buffers (asynchronous H2D copies); ignored where torch
     has no accelerator."""
@@ -173,6 +218,10 @@ class OptimizerConfig:
     """What a replay does when the captured step went stale (params replaced, group added, state loaded by
     replacing tensors, a baked hyperparameter changed): "recapture" it, or "raise"."""
 
+    optimizer_cuda_graph: bool = False
+    """Megatron-Core's switch for capturing the step: True means ``capture="graph"`` (an explicit
+    ``capture="eager"`` with it is refused); False leaves ``capture`` to decide."""
+
     kernel: str = "auto"
     """graphstep's own: update math. "auto" (default): "compiled" where ``torch.compile`` works on the device
     (found out once per process at build, compile time logged), else "fused" with a one-line warning; see
@@ -189,7 +238,11 @@ class OptimizerConfig:
     (live: a schedule may change it every step)."""
 
     muon_nesterov: bool = False
-    """Muon: update with ``(1 − μ)·g + μ·m`` instead of ``m``."""
+    """Muon: update with ``(1 − μ)·g + μ·m`` instead of ``m`` (the canonical name: Megatron-Core's newest)."""
+
+    muon_use_nesterov: Optional[bool] = None
+    """Megatron-Core 0.16.1's name of ``muon_nesterov``: given, it sets ``muon_nesterov`` (and reads None
+    afterwards, so ``replace`` and equality see one field)."""
 
     muon_num_ns_steps: int = 5
     """Newton–Schulz iterations per step (a multiple of 5 for "quintic", at least 8 for "polar_express")."""
@@ -214,11 +267,31 @@ class OptimizerConfig:
     """With ``optimizer="muon"``: the family of the params Muon does not take (not 2-D, embedding/output,
     ``use_muon=False``): "adam" or "lion"."""
 
-    muon_tp_mode: str = "duplicated"
+    muon_tp_mode: str = "blockwise"
     """Muon on a matrix split over the tensor-parallel group (``tensor_model_parallel``, ``partition_dim``):
-    "duplicated" all-gathers it and orthogonalises the whole matrix on every TP rank, "distributed" runs
-    Newton–Schulz on the slices with its Gram matrices all-reduced over the group, "blockwise"
-    orthogonalises each slice alone. The update scale uses the whole matrix's shape in every mode."""
+    "blockwise" (Megatron-Core's default) orthogonalises each slice alone, "duplicated" all-gathers it and
+    orthogonalises the whole matrix on every TP rank, "distributed" runs Newton–Schulz on the slices with
+    its Gram matrices all-reduced over the group. The update scale uses the whole matrix's shape in every
+    mode."""
+
+    soap_shampoo_beta: float = 0.95
+    """Megatron-Core's, for its "soap" optimizer, which graphstep does not offer: accepted, no effect."""
+
+    soap_precondition_frequency: int = 1
+    """As ``soap_shampoo_beta``: accepted, no effect."""
+
+    soap_use_kl_shampoo: bool = True
+    """As ``soap_shampoo_beta``: accepted, no effect."""
+
+    adaptive_muon_moment2_method: str = "adamuon"
+    """Megatron-Core's, for its "adaptive_muon" optimizer, which graphstep does not offer: accepted, no
+    effect."""
+
+    adaptive_muon_beta2: float = 0.95
+    """As ``adaptive_muon_moment2_method``: accepted, no effect."""
+
+    adaptive_muon_eps: float = 1e-8
+    """As ``adaptive_muon_moment2_method``: accepted, no effect."""
 
     lion_beta1: float = 0.95
     """Lion's interpolation β1 in [0, 1) (the sign of ``β1·m + (1 − β1)·g`` is the update)."""
@@ -244,6 +317,9 @@ class OptimizerConfig:
     """QK-clip's α in (0, 1): W_q rows scale by η^α, W_k rows by η^(1−α)."""
 
     # ---- fp8 primary weights (graphstep.fp8) ---------------------------------------------------------
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    """Megatron-Core's, for mxfp8 weights, which graphstep does not offer: True is refused."""
+
     fp8_recipe: Optional[str] = None
     """How the step requantizes fp8 weights (made by ``graphstep.fp8.convert``) after the update: None (the
     model has no fp8 weights), "tensorwise" (current scaling: the scale from the new values' amax) or
@@ -258,7 +334,28 @@ class OptimizerConfig:
     fp8_amax_compute_algo: str = "most_recent"
     """Delayed recipe: the next scale from the history's "max" or its "most_recent" amax."""
 
+    # ---- Megatron-Core's logging, accepted and without effect here ----------------------------------
+    barrier_with_L1_time: bool = False
+    """Megatron-Core's timers: no effect (graphstep's step reports through ``StepResult`` and NVTX ranges)."""
+
+    timers: Optional[Callable] = None
+    """Megatron-Core's timers: no effect."""
+
+    config_logger_dir: str = ""
+    """Megatron-Core's config dump directory: no effect."""
+
     def __post_init__(self) -> None:
+        # Megatron-Core's spellings of graphstep fields, folded into them so one field holds each setting.
+        if self.muon_use_nesterov is not None:
+            if not isinstance(self.muon_use_nesterov, bool):
+                raise ValueError(f"OptimizerConfig.muon_use_nesterov={self.muon_use_nesterov!r}: must be a bool "
+                                 "(True or False) or None")
+            object.__setattr__(self, "muon_nesterov", self.muon_use_nesterov)
+            object.__setattr__(self, "muon_use_nesterov", None)
+        if self.optimizer_cuda_graph is True and self.capture == "auto":
+            object.__setattr__(self, "capture", "graph")
+        if self.use_layer_wise_distributed_optimizer is True:
+            object.__setattr__(self, "use_distributed_optimizer", True)
         validate(self)
 
     def replace(self, **changes) -> "OptimizerConfig":
@@ -268,7 +365,7 @@ class OptimizerConfig:
     @property
     def model_dtype(self) -> Optional[torch.dtype]:
         """The dtype params are cast to at build, or None to keep the model's own."""
-        if self.params_dtype is not None:
+        if self.params_dtype is not None and not (self.params_dtype == torch.float32 and (self.bf16 or self.fp16)):
             return self.params_dtype
         if self.bf16:
             return torch.bfloat16

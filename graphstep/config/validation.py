@@ -5,6 +5,7 @@ checks every other field gets."""
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import math
 import typing
@@ -65,6 +66,7 @@ _TYPE_RULES = {
     float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number (int or float)"),
     str: (lambda v: isinstance(v, str), "a str"),
     torch.dtype: (lambda v: isinstance(v, torch.dtype), "a torch.dtype"),
+    collections.abc.Callable: (callable, "callable"),
 }
 
 
@@ -80,6 +82,7 @@ def _check_types(config: OptimizerConfig) -> None:
         args = typing.get_args(hint)
         optional = typing.get_origin(hint) is typing.Union and type(None) in args
         base = next(a for a in args if a is not type(None)) if optional else hint
+        base = typing.get_origin(base) or base  # Callable[...] -> collections.abc.Callable
         if value is None and optional:
             continue
         accepts, what = _TYPE_RULES[base]
@@ -112,13 +115,11 @@ def validate(config: OptimizerConfig) -> None:
             continue
         if value not in _FLOAT_DTYPES:
             _fail(field, value, "must be a torch floating dtype (float32, bfloat16, float16, float64)")
-    if config.main_params_dtype not in (torch.float32, torch.float64):
-        _fail("main_params_dtype", config.main_params_dtype, "must be torch.float32 or torch.float64")
     half = (torch.float16, torch.bfloat16)
-    if config.fp16 and config.params_dtype not in (None, torch.float16):
-        _fail("params_dtype", config.params_dtype, "must be torch.float16 (or None) with fp16=True")
-    if config.bf16 and config.params_dtype not in (None, torch.bfloat16):
-        _fail("params_dtype", config.params_dtype, "must be torch.bfloat16 (or None) with bf16=True")
+    if config.fp16 and config.params_dtype not in (None, torch.float32, torch.float16):
+        _fail("params_dtype", config.params_dtype, "must be torch.float16, torch.float32 or None with fp16=True")
+    if config.bf16 and config.params_dtype not in (None, torch.float32, torch.bfloat16):
+        _fail("params_dtype", config.params_dtype, "must be torch.bfloat16, torch.float32 or None with bf16=True")
     if config.params_dtype in half and not (config.fp16 or config.bf16):
         _fail("params_dtype", config.params_dtype, "half params need fp16=True or bf16=True")
 
@@ -150,9 +151,62 @@ def validate(config: OptimizerConfig) -> None:
         _fail(field, True, "needs use_distributed_optimizer=True")
     _check_number(config, "distributed_timeout_s", low=0.0, low_open=True)
     _validate_qk_clip(config)
+    _validate_precision_aware(config)
+    _validate_megatron_only(config)
     _validate_for_family(config)
     _validate_fp8(config)
     _validate_offload(config)
+
+
+# Storage dtypes of Adam's moments: torch.uint8 is Megatron-Core's spelling of fp8 (its --exp-avg-dtype fp8).
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.float8_e4m3fn)
+
+
+def _validate_precision_aware(config: OptimizerConfig) -> None:
+    """Megatron-Core's rules: state and main params below fp32 only with ``use_precision_aware_optimizer``,
+    which only Adam has."""
+    for field in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        value = getattr(config, field)
+        if value not in STATE_DTYPES:
+            _fail(field, value, "must be torch.float32, torch.bfloat16, torch.float16 or fp8 (torch.uint8 or "
+                  "torch.float8_e4m3fn)")
+        if value != torch.float32 and not config.use_precision_aware_optimizer:
+            _fail(field, value, "below fp32 needs use_precision_aware_optimizer=True")
+    allowed = (torch.float32, torch.float64, torch.float16)
+    if config.main_params_dtype not in allowed:
+        _fail("main_params_dtype", config.main_params_dtype, "must be torch.float32, torch.float64 or torch.float16")
+    if config.main_params_dtype == torch.float16:
+        _fail("main_params_dtype", config.main_params_dtype, "fp16 main params are not offered yet (Megatron-Core's "
+              "precision-aware option): keep torch.float32 and store the moments below it (exp_avg_dtype)")
+    if config.use_precision_aware_optimizer and not get_family(config.optimizer).precision_aware:
+        aware = [family.name for family in FAMILIES.values() if family.precision_aware]
+        _fail("use_precision_aware_optimizer", True, f"stores the state of optimizer={' or '.join(map(repr, aware))} "
+              f"below fp32 (as Megatron-Core's), not of optimizer={config.optimizer!r}")
+    low = [f for f in ("exp_avg_dtype", "exp_avg_sq_dtype") if getattr(config, f) != torch.float32]
+    if low and config.optimizer_cpu_offload:
+        _fail(low[0], getattr(config, low[0]), "state below fp32 stays on the device: not with optimizer_cpu_offload")
+
+
+def _validate_megatron_only(config: OptimizerConfig) -> None:
+    """Megatron-Core fields for features graphstep does not offer: their default is accepted, anything that
+    would ask for the feature is refused."""
+    refused = {
+        "reuse_grad_buf_for_mxfp8_param_ag": "mxfp8 weights are not offered (fp8_recipe 'tensorwise' or 'delayed')",
+        "overlap_param_gather_with_optimizer_step": "the param all-gather is part of the (captured) step; "
+        "overlap_param_gather defers it to the next forward instead",
+        "offload_optimizer_states": "optimizer state does not move between steps; optimizer_cpu_offload keeps "
+        "a fraction of it on the host for good",
+    }
+    for field, why in refused.items():
+        if getattr(config, field):
+            _fail(field, True, f"not offered by graphstep: {why}")
+    if config.use_layer_wise_distributed_optimizer and not get_family(config.optimizer).batch_by_shape:
+        whole = [family.name for family in FAMILIES.values() if family.batch_by_shape]
+        _fail("use_layer_wise_distributed_optimizer", True, f"shards whole matrices (optimizer="
+              f"{' or '.join(map(repr, whole))}); optimizer={config.optimizer!r} shards with "
+              "use_distributed_optimizer=True")
+    if config.optimizer_cuda_graph and config.capture == "eager":
+        _fail("optimizer_cuda_graph", True, "asks for a captured step, capture='eager' for none: set one")
 
 
 def _validate_qk_clip(config: OptimizerConfig) -> None:

@@ -47,4 +47,5 @@ FAMILY = Family(
     offload=True,
     plain_groups=True,
     aliases=("adamw",),
+    precision_aware=True,
 )

@@ -185,6 +185,9 @@ class Family:
     aliases: tuple[str, ...] = ()
     """Other names MuP's ``optimizer_type`` may give it (lower case): "adamw" for Adam."""
     trains_fp16: bool = True  # False: refuse fp16 params as the config's family (Megatron-Core does)
+    precision_aware: bool = False
+    """Whether its state may be stored below fp32 (``use_precision_aware_optimizer``: Adam's moments, as in
+    Megatron-Core; graphstep/state/precision.py)."""
     main_params_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
     takes: Optional[Callable[[torch.Tensor], bool]] = None
     """As the config's family: which params it updates itself; None: all. The rest go to

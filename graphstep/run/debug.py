@@ -321,7 +321,7 @@ def _first_in_domain(buffers, layout, rank: int, stage: str, grads_only: bool) -
                     views.append(("main_param", buffers.shard_part("main", place.buffer, r.shard_start, size)))
                 for name in buffers.state:  # only the states its family keeps (graphstep/state/state_ranges.py)
                     if buffers.keeps_state(name, place.buffer, r.shard_start, size):
-                        views.append((name, buffers.shard_part(name, place.buffer, r.shard_start, size)))
+                        views.append((name, buffers.read_part(name, place.buffer, r.shard_start, size)))
         for tensor_name, view in views:
             if not _finite(view):
                 return NanOrigin(stage, place.name, tensor_name)

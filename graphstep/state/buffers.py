@@ -44,6 +44,7 @@ import torch
 from ..build.layout import Layout
 from ..fp8 import is_fp8
 from ..fp8.engine_support import main_values
+from .precision import Storage, StoredState
 from .state_ranges import plan_state_ranges
 
 _GRAD = operator.attrgetter("grad")
@@ -69,6 +70,9 @@ class StaticBuffers:
     _originals: dict = field(default_factory=dict)
     host: Optional[Any] = None  # graphstep.offload.HostShards: the shard's host part, or None
     state_ranges: dict = field(default_factory=dict)  # name -> StateRanges: where each state buffer keeps its elements
+    stored: dict = field(default_factory=dict)
+    """name -> per buffer, the ``StoredState`` of a state kept below fp32 (graphstep/state/precision.py):
+    read and write its values through ``read_part`` / ``write_part``, never its raw bytes."""
 
     def _device_part(self, kind: str, buffer: int) -> torch.Tensor:
         return self.main_shard[buffer] if kind == "main" else self.state[kind][buffer]
@@ -96,6 +100,23 @@ class StaticBuffers:
                              f"split at {split}")
         return self.host.part(kind, buffer)[start - split:start - split + size]
 
+    def read_part(self, kind: str, buffer: int, start: int, size: int) -> torch.Tensor:
+        """The values of ``shard_part(kind, ...)``: that view itself, or for a state stored below fp32 a copy of
+        its fp32 values (a range of whole pieces: one param's part, as checkpoints address it)."""
+        if kind in self.stored:
+            offset = self.state_ranges[kind].offset(buffer, start, size)
+            return self.stored[kind][buffer].read(offset, offset + size)
+        return self.shard_part(kind, buffer, start, size)
+
+    def write_part(self, kind: str, buffer: int, start: int, size: int, source: torch.Tensor) -> None:
+        """Set the values of ``shard_part(kind, ...)`` to ``source`` (stored below fp32: encoded, its scale
+        recomputed)."""
+        if kind in self.stored:
+            offset = self.state_ranges[kind].offset(buffer, start, size)
+            self.stored[kind][buffer].write(offset, offset + size, source.to(torch.float32))
+        else:
+            self.shard_part(kind, buffer, start, size).copy_(source)
+
     def keeps_state(self, name: str, buffer: int, start: int, size: int) -> bool:
         """Whether state ``name`` has elements for shard range ``[start, start + size)`` of ``buffer``: only
         where the group's family declares it (graphstep/state/state_ranges.py)."""
@@ -104,6 +125,9 @@ class StaticBuffers:
     def full_shard(self, kind: str, buffer: int) -> torch.Tensor:
         """A copy of this rank's whole shard of ``kind`` in ``buffer`` (on the host when part of it is); for
         a state, only the elements it keeps (``shard_like``'s shape)."""
+        if kind in self.stored:  # never offloaded (config validation)
+            stored = self.stored[kind][buffer]
+            return stored.read(0, stored.data.numel())
         split = self.device_numel(buffer)
         device = (self.main_shard_values(buffer) if kind == "main" else self.state[kind][buffer])[:split]
         if self.host is None or self.host.part(kind, buffer).numel() == 0:
@@ -111,8 +135,9 @@ class StaticBuffers:
         return torch.cat([device.cpu(), self.host.part(kind, buffer)])
 
     def shard_like(self, kind: str, buffer: int) -> torch.Tensor:
-        """A storage-less tensor with the whole shard's dtype and shape (what a checkpoint must match)."""
-        dtype = self._device_part(kind, buffer).dtype
+        """A storage-less tensor with the whole shard's dtype and shape (what a checkpoint must match): a state
+        stored below fp32 is saved and loaded as its fp32 values."""
+        dtype = torch.float32 if kind in self.stored else self._device_part(kind, buffer).dtype
         numel = self.layout.buffers[buffer].shard_numel if kind == "main" else self.state_ranges[kind].numel[buffer]
         return torch.empty(numel, dtype=dtype, device="meta")
 
@@ -129,6 +154,9 @@ class StaticBuffers:
         split = self.device_numel(buffer)
         if kind != "main":
             source = self.compact_state(kind, buffer, source)
+        if kind in self.stored:
+            self.stored[kind][buffer].write(0, source.numel(), source.to(torch.float32))
+            return
         if kind == "main" and self.main_is_param[buffer]:
             # All of it: past the split these are the model params, equal to the host main params (fp32).
             self.load_main_shard(buffer, source)
@@ -338,7 +366,8 @@ class StaticBuffers:
 
 def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int, device: torch.device,
              main_dtype: torch.dtype, state_names: Sequence[str], host: Optional[Any] = None,
-             group_states: Optional[Sequence[Sequence[str]]] = None) -> StaticBuffers:
+             group_states: Optional[Sequence[Sequence[str]]] = None,
+             state_storage: Optional[dict[str, Storage]] = None) -> StaticBuffers:
     """Allocate ``layout`` and make ``params`` (in layout order) views of it, values preserved.
 
     ``host`` (graphstep.offload.HostShards): the device keeps main params and state for the prefix
@@ -347,6 +376,9 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
     ``group_states`` (per param group, the state names its family keeps): each state buffer then holds only
     the elements of those groups (graphstep/state/state_ranges.py); without it, or with ``host``, every state
     buffer spans the whole shard.
+
+    ``state_storage`` (name -> graphstep/state/precision.py ``Storage``): states kept below fp32, each piece of
+    them (one param's part of the shard) with a scale of its own where the dtype is scaled.
 
     The main params are seeded from the params' values *before* any cast to the model dtype, so a model
     built in fp32 and trained in bf16 keeps its fp32 initialisation in the main params. An fp8 weight
@@ -375,11 +407,19 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
         grad_shard = [grad_flat[b.buffer][slice(*b.shard_range(rank))] for b in layout.buckets]
     kept_by = [state_names] * layout.num_groups if group_states is None else group_states
     ranges = plan_state_ranges(layout, rank, kept_by, state_names, whole=host is not None)
-    state = {name: [torch.zeros(n if ranges[name].whole(b) else ranges[name].numel[b], dtype=main_dtype,
-                                device=device) for b, n in enumerate(device_numel)] for name in state_names}
+    low = {name: s for name, s in (state_storage or {}).items() if name in state_names and s.dtype != main_dtype}
+    state = {name: [torch.zeros(n if ranges[name].whole(b) else ranges[name].numel[b],
+                                dtype=low[name].dtype if name in low else main_dtype, device=device)
+                    for b, n in enumerate(device_numel)] for name in state_names}
+    stored = {}
+    for name, storage in low.items():
+        if host is not None or not all(ranges[name].whole(b) for b in range(len(layout.buffers))):
+            raise ValueError(f"state {name!r} below fp32 needs every param group to keep it on the device")
+        stored[name] = [StoredState(storage, data, _piece_starts(layout, rank, b, data.numel()))
+                        for b, data in enumerate(state[name])]
 
     buffers = StaticBuffers(layout, rank, param_flat, grad_flat, main_shard, grad_shard, state, list(params),
-                            host=host, state_ranges=ranges)
+                            host=host, state_ranges=ranges, stored=stored)
     for i, p in enumerate(params):
         place = layout.params[i]
         if tuple(p.shape) != place.shape:
@@ -405,6 +445,16 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
     buffers.record_bindings()
     buffers.bind_grads()
     return buffers
+
+
+def _piece_starts(layout: Layout, rank: int, buffer: int, numel: int) -> list[int]:
+    """Where each piece of this rank's shard of ``buffer`` starts: a piece is one param's part of the shard
+    (what checkpoints address) or a run of padding, so every segment (the update's unit) is whole pieces."""
+    owned = [o for o in layout.owned_ranges(rank) if layout.params[o.param].buffer == buffer]
+    segments = [s for s in layout.segments(rank) if s.buffer == buffer]
+    starts = {0} | {o.shard_start for o in owned} | {o.shard_start + o.param_end - o.param_start for o in owned}
+    starts |= {s.shard_start for s in segments} | {s.shard_end for s in segments}
+    return sorted(x for x in starts if x < numel)
 
 
 def _rebind_grad(param: torch.nn.Parameter, view: torch.Tensor) -> None:

@@ -124,7 +124,8 @@ def tensor_parallel_with_experts(rank: int, world: int, expert_tp: int, optimize
     tp_group, dp_group = tp_groups[dp_rank], dp_groups[tp_rank]
     expert_tp_group = tp_group if expert_tp == 2 else singletons[rank]
     config = dict(lr=1e-2, clip_grad=0.05, weight_decay=0.0, capture_warmup_steps=1, log_num_zeros_in_grad=True,
-                  kernel="fused", optimizer=optimizer, muon_fp32_matmul_prec="highest")
+                  kernel="fused", optimizer=optimizer, muon_fp32_matmul_prec="highest",
+                  muon_tp_mode="duplicated")
 
     def loss(model, step, dp):
         # Not _tp_workers' batches: with those, one expert grad element of step 19 sums two data-parallel halves

@@ -165,7 +165,7 @@ def tensor_and_data_parallel(rank: int, world: int, capture: str, overlap: bool 
     this process over both batches' mean loss (what the data-parallel average of the grads computes).
     ``overlap``: the reduce-scatters start from backward hooks (``overlap_grad_reduce``, eager steps).
     ``optimizer="muon"``: the two matrices split over TP are also sharded layer-wise over DP (whole slices per
-    data-parallel rank), Muon in its default tensor-parallel mode ("duplicated")."""
+    data-parallel rank), Muon on the whole matrices (``muon_tp_mode="duplicated"``)."""
     tp_size = 2
     tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -176,7 +176,8 @@ def tensor_and_data_parallel(rank: int, world: int, capture: str, overlap: bool 
         return model(batch(10 * step + dp)).square().mean()
 
     config = dict(lr=1e-2, clip_grad=0.05, weight_decay=0.0, capture_warmup_steps=1, log_num_zeros_in_grad=True,
-                  kernel="fused", optimizer=optimizer, muon_fp32_matmul_prec="highest")
+                  kernel="fused", optimizer=optimizer, muon_fp32_matmul_prec="highest",
+                  muon_tp_mode="duplicated")
     whole = whole_model()
     reference = gs.get_optimizer(gs.OptimizerConfig(capture="eager", **config), whole)
     part = tp_slice(whole_model(), tp_rank, tp_size)

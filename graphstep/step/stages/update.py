@@ -20,10 +20,12 @@ host choice a capture bakes in; a flip recaptures.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 
-from ...families import StepScalars, ViewSources
+from ...families import GroupViews, StepScalars, ViewSources
+from ...state import precision
 from . import Stage
 from .requantize import is_fp8_buffer
 
@@ -44,6 +46,7 @@ def build(ctx, *, advance_step: bool = True) -> Stage:
     calls = []
     baked_sources = []  # (group, field, row, column), for the baked report
     segments = device_segments(ctx)
+    decode_scratch = _decode_scratch(ctx, segments)
     for group, family in enumerate(ctx.families):
         if family.check is not None:
             family.check(ctx, group)
@@ -51,6 +54,7 @@ def build(ctx, *, advance_step: bool = True) -> Stage:
         if not mine:
             continue  # this rank owns nothing of the group
         views = family.views(ctx, group, mine, sources.only(family.state_names(config)))
+        stored_chunks = _stored_chunks(ctx, views, mine, decode_scratch)
         live = family.live_fields(kernels)
         live_kwargs, baked = {}, []
         for keyword, field in family.hyperparameters:
@@ -65,7 +69,7 @@ def build(ctx, *, advance_step: bool = True) -> Stage:
         if call is None:
             call = (family, family_kernels, [])
             calls.append(call)
-        call[2].append((views, live_kwargs, tuple(baked)))
+        call[2].append((views, live_kwargs, tuple(baked), stored_chunks))
 
     clip_row, clip_column = hyper.position("clip_grad")
     scaled, torch_amp = ctx.scaler is not None, ctx.torch_amp
@@ -80,16 +84,65 @@ def build(ctx, *, advance_step: bool = True) -> Stage:
         if advance_step:
             t.step.add_(1.0 - t.found_inf)
         grad_scale = t.grad_scale if uses_grad_scale() else None
+        keep = None
         for family, family_kernels, groups in calls:
-            resolved = [(views, {**live_kwargs, **{keyword: host[row][column] for keyword, row, column in baked}})
-                        for views, live_kwargs, baked in groups]
-            family.run(family_kernels, resolved, scalars, config, grad_scale)
+            resolved, chunked = [], []
+            for views, live_kwargs, baked, stored_chunks in groups:
+                kwargs = {**live_kwargs, **{keyword: host[row][column] for keyword, row, column in baked}}
+                (resolved if stored_chunks is None else chunked).append((views, kwargs, stored_chunks))
+            if resolved:
+                family.run(family_kernels, [(views, kwargs) for views, kwargs, _ in resolved], scalars, config,
+                           grad_scale)
+            for _, kwargs, stored_chunks in chunked:
+                keep = t.found_inf == 0 if keep is None else keep
+                for chunk_views, windows in stored_chunks:
+                    for state, start, end, scratch in windows:
+                        state.read(start, end, out=scratch)
+                    family.run(family_kernels, [(chunk_views, kwargs)], scalars, config, grad_scale)
+                    for state, start, end, scratch in windows:
+                        state.write(start, end, scratch, keep=keep)
 
     def baked_values() -> tuple:
         values = tuple((f"group {group}", field, host[row][column]) for group, field, row, column in baked_sources)
         return values + (("step", "grad scale passed to the kernel", uses_grad_scale()),)
 
     return Stage("update", apply, baked_values)
+
+
+def _decode_scratch(ctx, segments) -> dict[str, torch.Tensor]:
+    """Per state kept below fp32 (graphstep/state/precision.py), the one fp32 scratch its chunks are read into:
+    as long as the longest chunk of any segment."""
+    stored, longest = ctx.buffers.stored, 0
+    for name, per_buffer in stored.items():
+        for segment in segments:
+            offset = ctx.buffers.state_ranges[name].offset(segment.buffer, segment.shard_start, segment.numel)
+            runs = precision.chunks(per_buffer[segment.buffer], offset, offset + segment.numel)
+            longest = max([longest] + [end - start for start, end in runs])
+    scratch = {name: torch.empty(longest, dtype=torch.float32, device=ctx.buffers.grad_flat[0].device)
+               for name in stored}
+    if scratch:
+        ctx.buffers.scratch["state_fp32"] = list(scratch.values())
+    return scratch
+
+
+def _stored_chunks(ctx, views: GroupViews, segments, scratch: dict[str, torch.Tensor]) -> Optional[list]:
+    """For a group whose family keeps a state below fp32: its update cut into chunks of whole pieces, each
+    ``(views over the chunk, [(StoredState, start, end, fp32 window)])``, the stored states' views replaced
+    by windows onto their scratch. None for a group with every state in the main params' dtype."""
+    stored = ctx.buffers.stored
+    low = [name for name in views.state if name in stored]
+    if not low:
+        return None
+    chunks = []
+    for k, segment in enumerate(segments):
+        offset = ctx.buffers.state_ranges[low[0]].offset(segment.buffer, segment.shard_start, segment.numel)
+        for start, end in precision.chunks(stored[low[0]][segment.buffer], offset, offset + segment.numel):
+            lo, numel = start - offset, end - start
+            state = {name: [scratch[name][:numel] if name in stored else views.state[name][k][lo:lo + numel]]
+                     for name in views.state}
+            chunks.append((GroupViews([views.params[k][lo:lo + numel]], [views.grads[k][lo:lo + numel]], state),
+                           [(stored[name][segment.buffer], start, end, scratch[name][:numel]) for name in low]))
+    return chunks
 
 
 def device_segments(ctx) -> list:

@@ -1,0 +1,140 @@
+"""Optimizer state stored below fp32 (``use_precision_aware_optimizer`` with ``exp_avg_dtype`` /
+``exp_avg_sq_dtype``): how each storage dtype holds fp32 values, and the update's fp32 window onto them.
+
+The rule is Transformer Engine's FusedAdam (transformer_engine/pytorch/optimizers/fused_adam.py:
+``get_unscaled_state``, ``_apply_scale``), which Megatron-Core's precision-aware optimizer runs:
+
+- bfloat16: a plain cast, rounded to nearest even; no scale.
+- float16 and fp8 (E4M3): one fp32 scale per tensor, ``scale = amax / range`` with range 32752 (float16's
+  largest value / 2) and 448 (E4M3's largest); stored ``cast(value / scale)``, all zeros where amax is 0;
+  read back as ``stored * scale``. The scale is recomputed from the updated values after every update.
+
+A "tensor" here is a piece: one param's elements in this rank's shard, what Megatron-Core's distributed
+optimizer hands TE's FusedAdam as a param. The update reads a chunk of whole pieces into an fp32 scratch,
+runs the family's kernel on it (the math in fp32, as TE's kernel) and writes it back (``StoredState``),
+so the scratch is the one fp32 copy there is: at most ``CHUNK_NUMEL`` elements, or one larger piece.
+
+A skipped step (``found_inf``) leaves every stored byte and scale as it was: the kernel leaves the scratch
+unchanged, the old scale is kept, and ``cast(stored * scale / scale)`` is ``stored`` again (the product is
+within an fp32 rounding of a value of the storage grid, whose spacing is far coarser).
+"""
+
+from __future__ import annotations
+
+import bisect
+import warnings
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+CHUNK_NUMEL = 1 << 22
+"""Elements the update decodes at once (whole pieces; a larger piece alone): 16 MiB of fp32 per state."""
+
+
+@dataclass(frozen=True)
+class Storage:
+    dtype: torch.dtype  # what the state tensor holds
+    range: Optional[float]  # the largest stored magnitude of a scaled dtype; None: stored unscaled
+
+    @property
+    def scaled(self) -> bool:
+        return self.range is not None
+
+
+_FP8 = Storage(torch.float8_e4m3fn, 448.0)
+STORAGE = {
+    torch.float32: Storage(torch.float32, None),
+    torch.bfloat16: Storage(torch.bfloat16, None),
+    torch.float16: Storage(torch.float16, torch.finfo(torch.float16).max / 2),
+    torch.uint8: _FP8,  # Megatron-Core's spelling of fp8 (--exp-avg-dtype fp8)
+    torch.float8_e4m3fn: _FP8,
+}
+
+
+def state_storage(config, name: str) -> Storage:
+    """How state ``name`` is stored under ``config``: below fp32 only with the precision-aware optimizer."""
+    dtypes = {"exp_avg": config.exp_avg_dtype, "exp_avg_sq": config.exp_avg_sq_dtype}
+    if not config.use_precision_aware_optimizer or name not in dtypes:
+        return Storage(config.main_params_dtype, None)
+    return STORAGE[dtypes[name]]
+
+
+def storage_by_state(config, names) -> dict[str, Storage]:
+    """``state_storage`` of every state in ``names`` (what ``allocate`` takes)."""
+    if config.use_precision_aware_optimizer and config.store_param_remainders and config.model_dtype == torch.bfloat16:
+        warnings.warn("graphstep: store_param_remainders=True (Megatron-Core's default) is not offered yet: the "
+                      "fp32 main params are kept whole, 2 bytes per param more than Megatron-Core's precision-aware "
+                      "optimizer with bf16 params. Set store_param_remainders=False to silence this", UserWarning,
+                      stacklevel=3)
+    return {name: state_storage(config, name) for name in names}
+
+
+class StoredState:
+    """One state buffer stored below fp32: its data, its pieces (contiguous runs that share a scale) and,
+    for a scaled dtype, one fp32 scale per piece. Coordinates are the state buffer's own."""
+
+    def __init__(self, storage: Storage, data: torch.Tensor, piece_starts: Sequence[int]):
+        self.storage = storage
+        self.data = data
+        self.starts = list(piece_starts) + [data.numel()]  # piece i is [starts[i], starts[i + 1])
+        lengths = [b - a for a, b in zip(self.starts, self.starts[1:])]
+        if (lengths and self.starts[0] != 0) or any(n <= 0 for n in lengths):
+            raise ValueError(f"StoredState: pieces must tile [0, {data.numel()}) without empty ones")
+        self.lengths = torch.tensor(lengths, dtype=torch.int64, device=data.device)
+        self.positions = torch.tensor(self.starts[:-1], dtype=torch.int64, device=data.device)
+        self.scales = torch.zeros(len(lengths), dtype=torch.float32, device=data.device) if storage.scaled else None
+
+    def pieces(self, start: int, end: int) -> tuple[int, int]:
+        """The pieces [i, j) that make up [start, end), which must begin and end at piece boundaries."""
+        i, j = bisect.bisect_left(self.starts, start), bisect.bisect_left(self.starts, end)
+        if self.starts[i] != start or self.starts[j] != end:
+            raise ValueError(f"StoredState: [{start}, {end}) does not begin and end at piece boundaries")
+        return i, j
+
+    def _per_element(self, values: torch.Tensor, i: int, j: int, start: int, end: int) -> torch.Tensor:
+        """``values`` (one per piece i..j-1) repeated over each piece's elements. The piece of each element is
+        counted on device (a mark at each piece start, summed up), so nothing is read on the host and the
+        only per-element temporaries are those of this chunk."""
+        marks = torch.zeros(end - start, dtype=torch.int32, device=values.device)
+        marks.index_fill_(0, self.positions[i + 1:j] - start, 1)
+        return values.index_select(0, marks.cumsum(0, dtype=torch.int32))
+
+    def read(self, start: int, end: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The fp32 values of [start, end) (into ``out`` when given)."""
+        out = torch.empty(end - start, dtype=torch.float32, device=self.data.device) if out is None else out
+        out.copy_(self.data[start:end])
+        if self.storage.scaled:
+            i, j = self.pieces(start, end)
+            out.mul_(self._per_element(self.scales[i:j], i, j, start, end))
+        return out
+
+    def write(self, start: int, end: int, values: torch.Tensor, keep: Optional[torch.Tensor] = None) -> None:
+        """Store fp32 ``values`` as [start, end), each piece's scale from its new amax; ``keep`` (0-d bool):
+        where False, the old scales stay (a skipped step, whose values are the stored ones)."""
+        if not self.storage.scaled:
+            self.data[start:end].copy_(values)
+            return
+        i, j = self.pieces(start, end)
+        amax = torch.segment_reduce(values.abs(), "max", lengths=self.lengths[i:j], unsafe=True)
+        scales = amax / self.storage.range
+        if keep is not None:
+            scales = torch.where(keep, scales, self.scales[i:j])
+        self.scales[i:j].copy_(scales)
+        inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+        scaled = values * self._per_element(inverse, i, j, start, end)
+        # Past the range only by an fp32 rounding; clamped so that no cast can turn it into inf or NaN.
+        self.data[start:end].copy_(scaled.clamp_(-self.storage.range, self.storage.range))
+
+
+def chunks(state: StoredState, start: int, end: int) -> list[tuple[int, int]]:
+    """[start, end) (whole pieces) cut into runs of whole pieces of at most ``CHUNK_NUMEL`` elements, a larger
+    piece alone."""
+    i, j = state.pieces(start, end)
+    runs, run_start = [], start
+    for k in range(i + 1, j + 1):
+        if state.starts[k] - run_start > CHUNK_NUMEL and state.starts[k - 1] > run_start:
+            runs.append((run_start, state.starts[k - 1]))
+            run_start = state.starts[k - 1]
+    runs.append((run_start, end))
+    return runs
