@@ -42,7 +42,7 @@ from .run.memory import memory_stats
 from .run.runner import StepRunner
 from .state.buffers import StaticBuffers, allocate
 from .state.hyperparams import HyperParams
-from .state.precision import storage_by_state
+from .state.precision import main_compute_dtype, main_storage, storage_by_state
 from .step import domains as domains_mod
 from .step import folded_sums, scalar_graph
 from .step.scaler import scaler_from_config
@@ -150,9 +150,10 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         host = offload.prepare_host(config, layout, rank, device, state_names(families, config),
                                     len(self.param_groups), experts=bool(further))  # offload: dense only
         buffers = allocate(layout, [params[i] for i in dense_indices], rank=rank, device=device,
-                           main_dtype=config.main_params_dtype, state_names=state_names(families, config), host=host,
+                           main_dtype=main_compute_dtype(config), state_names=state_names(families, config), host=host,
                            group_states=[family.state_names(config) for family in families],
-                           state_storage=storage_by_state(config, state_names(families, config)))
+                           state_storage=storage_by_state(config, state_names(families, config)),
+                           main_storage=main_storage(config))
         self.hyper = HyperParams(len(self.param_groups), device)
         self.scaler = scaler_from_config(config, device)
         scaled = self.scaler is not None

@@ -91,6 +91,14 @@ def test_demo_fp16_reports_the_loss_scale(capsys, tmp_path):
     assert "scale 65536" in out and "final losses equal, bitwise" in out
 
 
+def test_demo_with_fp8_moments_stores_them_so_and_captures_bitwise(capsys, tmp_path):
+    from graphstep.app.demo import DemoSettings, optimizer_config
+    config = optimizer_config(DemoSettings(moments="fp8"), "eager")
+    assert config.use_precision_aware_optimizer and config.exp_avg_dtype == config.exp_avg_sq_dtype == torch.uint8
+    rows, out = run(capsys, tmp_path, "--steps", "4", "--moments", "fp8", "--batch-size", "2")
+    assert "final losses equal, bitwise" in out and all(math.isfinite(r["final"]) for r in rows.values())
+
+
 def test_demo_world_size_2_is_bounded_and_summarized(capsys, tmp_path):
     # Bounded by the demo's own --timeout (it raises past it), not by a wall-clock assertion here.
     rows, out = run(capsys, tmp_path, "--steps", "6", "--batch-size", "4", "--world-size", "2",
@@ -150,6 +158,7 @@ def test_profile_writes_a_trace_and_prints_the_nvml_line(capsys, tmp_path):
     ["profile", "--capture", "both"],
     ["profile", "--steps", "0"],
     ["demo", "--lr", "fast"],
+    ["demo", "--moments", "fp4"],
     ["demo", "--timeout", "-3"],
     ["demo", "--device", "gpu"],
     ["profile", "--device", "no-such-device:0"],

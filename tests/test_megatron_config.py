@@ -108,7 +108,6 @@ REFUSED = [
     (dict(exp_avg_dtype=torch.bfloat16), "exp_avg_dtype", "use_precision_aware_optimizer"),
     (dict(exp_avg_sq_dtype=torch.float16), "exp_avg_sq_dtype", "use_precision_aware_optimizer"),
     (dict(exp_avg_dtype=torch.int8, use_precision_aware_optimizer=True), "exp_avg_dtype", "fp8"),
-    (dict(main_params_dtype=torch.float16, use_precision_aware_optimizer=True), "main_params_dtype", "not offered"),
     (dict(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16, optimizer_cpu_offload=True),
      "exp_avg_dtype", "optimizer_cpu_offload"),
     (dict(main_params_dtype=torch.bfloat16, use_precision_aware_optimizer=True), "main_params_dtype", "float16"),

@@ -219,7 +219,159 @@ def test_fp8_moments_saturate_nowhere_and_zero_pieces_stay_zero():
             assert not stored.data[stored.starts[k]:stored.starts[k + 1]].float().any()
 
 
-def test_remainders_warn_that_main_params_stay_whole():
-    with pytest.warns(UserWarning, match="store_param_remainders"):
-        opt = gs.get_optimizer(_config(torch.bfloat16, bf16=True, capture="eager"), _model())
-    opt.close()
+# ---- main params below fp32: bf16 params + remainders, fp16 main params -------------------------------------
+
+MAIN_SETTINGS = {
+    "remainders": dict(store_param_remainders=True),
+    "fp16-main": dict(main_params_dtype=torch.float16, store_param_remainders=False),
+}
+
+
+def _bf16_model():
+    return _model().to(torch.bfloat16)
+
+
+def _bf16_loss(model, step):
+    torch.manual_seed(100 + step)
+    return model(torch.randn(8, 16, dtype=torch.bfloat16)).float().square().mean()
+
+
+def _bf16_train(model, opt, steps, first=0):
+    for step in range(first, first + steps):
+        opt.zero_grad()
+        _bf16_loss(model, step).backward()
+        opt.step()
+
+
+def _main_config(setting, **extra):
+    return gs.OptimizerConfig(lr=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS, weight_decay=WD,
+                              clip_grad=0.0, bf16=True, use_precision_aware_optimizer=True, **MAIN_SETTINGS[setting],
+                              **extra)
+
+
+def _main_values(opt):
+    return torch.cat([opt.buffers.full_shard("main", b) for b in range(len(opt.layout.buffers))])
+
+
+def test_remainders_keep_the_fp32_main_params_exactly_in_2_bytes():
+    """The fp32 main params, rebuilt from the bf16 params and their remainders, equal the plain run's fp32 main
+    params bitwise at every step; the bf16 params are those values rounded to nearest (ties away from zero:
+    TE's rule, where torch's cast rounds ties to even)."""
+    plain_model, model = _bf16_model(), _bf16_model()
+    plain = gs.get_optimizer(gs.OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=0.0, bf16=True, capture="eager"),
+                             plain_model)
+    opt = gs.get_optimizer(_main_config("remainders", capture="eager"), model)
+    assert all(t.dtype == torch.int16 for t in opt.buffers.main_shard)
+    for step in range(6):
+        _bf16_train(plain_model, plain, 1, first=step)
+        _bf16_train(model, opt, 1, first=step)
+        main = _main_values(opt)
+        assert torch.equal(main, _main_values(plain)), f"step {step}"
+    low = main.view(torch.int32) & 0xFFFF
+    params = torch.cat([opt.buffers.param_flat[b] for b in range(len(opt.layout.buffers))]).float()
+    tie = low == 0x8000
+    assert torch.equal(params[~tie], main[~tie].to(torch.bfloat16).float())
+    assert (params[tie].abs() >= main[tie].abs()).all()
+
+
+def test_fp16_main_params_follow_te_fused_adams_fp16_master_weights_bitwise():
+    """TE's fp16 master weights: per param, scale = amax / 32752, the update in fp32, stored scaled; the bf16
+    param is the stored main param's value, rounded."""
+    model, reference_model = _bf16_model(), _bf16_model()
+    opt = gs.get_optimizer(_main_config("fp16-main", capture="eager"), model)
+    params = list(reference_model.parameters())
+    masters = []
+    for p in params:  # seeded from the bf16 values, as graphstep seeds its main params
+        value = p.detach().float().reshape(-1)
+        scale = value.abs().max() / 32752.0
+        masters.append([(value * (1 / scale)).to(torch.float16), scale])
+    states = [[torch.zeros(_padded(p.detach().reshape(-1)).numel()) for _ in range(2)] for p in params]
+    step_count = torch.zeros(())
+    for step in range(6):
+        _bf16_train(model, opt, 1, first=step)
+        for p in params:
+            p.grad = None
+        _bf16_loss(reference_model, step).backward()
+        step_count += 1
+        for i, p in enumerate(params):
+            stored, scale = masters[i]
+            main = _padded(stored.float() * scale)
+            grad = _padded(p.grad.float().reshape(-1))
+            decay = WD if p.dim() > 1 else 0.0
+            torch._fused_adamw_([main], [grad], states[i][:1], states[i][1:], [], [step_count], lr=LR,
+                                beta1=BETAS[0], beta2=BETAS[1], weight_decay=decay, eps=EPS, amsgrad=False,
+                                maximize=False)
+            value = main[:p.numel()]
+            scale = value.abs().max() / 32752.0
+            masters[i] = [(value * (1 / scale)).clamp(-32752, 32752).to(torch.float16), scale]
+            p.data.copy_((masters[i][0].float() * scale).reshape(p.shape))
+        for ours, theirs in zip(model.parameters(), reference_model.parameters()):
+            assert torch.equal(ours, theirs), f"step {step}"
+
+
+@pytest.mark.parametrize("capture", ["eager", "graph"])
+@pytest.mark.parametrize("setting", MAIN_SETTINGS)
+def test_stored_main_params_skip_bitwise_and_capture_equals_eager(setting, capture):
+    model, eager_model = _bf16_model(), _bf16_model()
+    opt = gs.get_optimizer(_main_config(setting, capture=capture, capture_warmup_steps=1), model)
+    eager = gs.get_optimizer(_main_config(setting, capture="eager"), eager_model)
+    _bf16_train(model, opt, 4)
+    _bf16_train(eager_model, eager, 4)
+    assert opt.captured == (capture == "graph")
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), eager_model.parameters()))
+    main, params = [t.view(torch.uint8).clone() for t in opt.buffers.main_shard], [p.clone() for p in model.parameters()]
+    opt.zero_grad()
+    _bf16_loss(model, 4).backward()
+    model[0].weight.main_grad[0, 0] = float("inf")  # bf16 params: backward accumulates into the fp32 main grad
+    assert not bool(opt.step().update_successful)
+    assert all(torch.equal(a, b.view(torch.uint8)) for a, b in zip(main, opt.buffers.main_shard))
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+
+
+@pytest.mark.parametrize("setting", MAIN_SETTINGS)
+def test_stored_main_params_checkpoint_as_fp32_values_and_resume_bitwise(setting):
+    model = _bf16_model()
+    opt = gs.get_optimizer(_main_config(setting, capture="eager"), model)
+    _bf16_train(model, opt, 4)
+    saved = opt.state_dict()
+    assert all(t.dtype == torch.float32 for t in saved["main_params"])
+    resumed_model = _bf16_model()
+    resumed = gs.get_optimizer(_main_config(setting, capture="eager"), resumed_model)
+    resumed.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(opt.buffers.main_shard, resumed.buffers.main_shard))
+    sharded = checkpoint.sharded_state_dict(opt)
+    other_model = _bf16_model()
+    other = gs.get_optimizer(_main_config(setting, capture="eager", bucket_size=256), other_model)
+    checkpoint.load_sharded_state_dict(other, sharded)
+    assert torch.equal(checkpoint.sharded_state_dict(other)["optimizer.state.fp32_param.0.weight"],
+                       sharded["optimizer.state.fp32_param.0.weight"])
+    _bf16_train(model, opt, 3, first=4)
+    _bf16_train(resumed_model, resumed, 3, first=4)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
+
+
+@pytest.mark.parametrize("setting", MAIN_SETTINGS)
+def test_stored_main_params_take_2_bytes_per_param(setting):
+    model = torch.nn.Linear(256, 256).to(torch.bfloat16)
+    opt = gs.get_optimizer(_main_config(setting, capture="eager"), model)
+    numel = sum(p.numel() for p in model.parameters())
+    assert 2 * numel <= opt.memory_stats()["device"]["main_params"] <= 2 * numel + 64 * 3 * 8 + 256
+
+
+MAIN_REFUSED = [
+    (dict(main_params_dtype=torch.float16, use_precision_aware_optimizer=True), "main_params_dtype", "bf16=True"),
+    (dict(main_params_dtype=torch.float16), "main_params_dtype", "use_precision_aware_optimizer"),
+    (dict(bf16=True, use_precision_aware_optimizer=True, qk_clip=True), "store_param_remainders", "qk_clip"),
+    (dict(bf16=True, use_precision_aware_optimizer=True, fp8_recipe="tensorwise"), "store_param_remainders",
+     "fp8_recipe"),
+    (dict(bf16=True, use_precision_aware_optimizer=True, main_params_dtype=torch.float16, optimizer_cpu_offload=True,
+          optimizer_offload_fraction=0.5, capture="eager"), "main_params_dtype", "optimizer_cpu_offload"),
+]
+
+
+@pytest.mark.parametrize("kwargs, field, why", MAIN_REFUSED, ids=[w for _, _, w in MAIN_REFUSED])
+def test_what_stored_main_params_cannot_do_is_refused(kwargs, field, why):
+    with pytest.raises(ValueError, match=rf"OptimizerConfig\.{field}=.*{why}"):
+        gs.OptimizerConfig(**kwargs)

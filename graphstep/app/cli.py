@@ -1,7 +1,8 @@
 """``graphstep`` on the command line: one function per subcommand.
 
     graphstep --version
-    graphstep demo    [--steps 200] [--preset tiny] [--precision fp32|bf16|fp16|fp8] [--capture both|eager|graph|auto]
+    graphstep demo    [--steps 200] [--preset tiny] [--precision fp32|bf16|fp16|fp8] [--moments fp32|bf16|fp16|fp8]
+                      [--capture both|eager|graph|auto]
                       [--optimizer adam|sgd|muon] [--qk-clip] [--world-size 1] [--batch-size 16] [--seed 0] [--lr ...]
                       [--log-every ...] [--out DIR] [--threads N] [--device cpu]
     graphstep profile [--steps 10] [--preset tiny] [--capture eager|graph] [--precision ...] [--out DIR]
@@ -32,7 +33,8 @@ import torch
 import graphstep as gs
 
 from . import models
-from .demo import DEMO_QK_CLIP_THRESHOLD, DemoSettings, ProgressBar, estimate_seconds, log_interval, optimizer_config, train
+from .demo import (DEMO_QK_CLIP_THRESHOLD, MOMENT_DTYPES, DemoSettings, ProgressBar, estimate_seconds, log_interval,
+                   optimizer_config, train)
 from .options import default_out_dir, package_version, positive_float, positive_int, torch_device
 from .precision import PRECISIONS
 
@@ -47,6 +49,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model params: fp32, or bf16/fp16 with fp32 main params (fp16 adds dynamic loss "
                              "scaling), or fp8 (the hidden Linear weights in fp8 with per-tensor scales, "
                              "requantized in the step; the rest bf16); default fp32")
+    parser.add_argument("--moments", choices=tuple(MOMENT_DTYPES), default="fp32",
+                        help="Adam's moments stored in fp32 (default) or, with the precision-aware optimizer, "
+                             "bf16, fp16 or fp8 (OptimizerConfig.exp_avg_dtype / exp_avg_sq_dtype)")
     parser.add_argument("--capture", choices=CAPTURES, default="both",
                         help="how the optimizer step runs (OptimizerConfig.capture); 'both' (default) trains "
                              "twice, eager then graph, and checks that the two are bitwise equal")
@@ -78,7 +83,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from(args: argparse.Namespace) -> DemoSettings:
-    return DemoSettings(steps=args.steps, preset=args.preset, precision=args.precision, optimizer=args.optimizer,
+    return DemoSettings(steps=args.steps, preset=args.preset, precision=args.precision, moments=args.moments,
+                        optimizer=args.optimizer,
                         qk_clip=args.qk_clip, batch_size=args.batch_size, seed=args.seed, lr=args.lr, log_every=args.log_every,
                         device=args.device)
 
@@ -134,7 +140,8 @@ def cmd_demo(args: argparse.Namespace, out=None) -> int:
         print(message, file=out)
         status = status if equal else 1
     if _has_matplotlib():
-        title = (f"graphstep demo: GPT {settings.preset}, {settings.optimizer}, {settings.precision}"
+        moments = f", {settings.moments} moments" if settings.moments != "fp32" else ""
+        title = (f"graphstep demo: GPT {settings.preset}, {settings.optimizer}{moments}, {settings.precision}"
                  f"{f', {world} ranks' if world > 1 else ''}, {settings.steps} steps")
         png = plot_losses(results, out_dir / "loss.png", title, floor)
         print(f"loss curve: {png}", file=out, flush=True)

@@ -26,6 +26,8 @@ from .precision import cast_by_the_optimizer, config_flags, prepare
 # Muon: 3e-3 reached a lower loss than 1e-3 on the tiny preset (2.25 against 2.69 after 60 steps; Adam at
 # 1e-3: 2.75), measured when Muon was added. Its other params train with Adam at the same lr.
 DEFAULT_LR = {"adam": 1e-3, "sgd": 0.1, "muon": 3e-3}
+# --moments: Megatron-Core's --exp-avg-dtype spellings (fp8 is torch.uint8 there).
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}
 # SGD's weight decay is an L2 term added to the grads (not scaled by lr as AdamW's is): keep it small.
 DEFAULT_WEIGHT_DECAY = {"adam": 0.1, "sgd": 1e-4, "muon": 0.1}
 # QK-clip's threshold for the demo: low enough that the tiny model's logits reach it (Megatron's default,
@@ -39,6 +41,7 @@ class DemoSettings:
     steps: int = 200
     preset: str = "tiny"
     precision: str = "fp32"
+    moments: str = "fp32"  # Adam's exp_avg / exp_avg_sq storage: fp32, or bf16/fp16/fp8 (precision-aware)
     optimizer: str = "adam"
     qk_clip: bool = False
     batch_size: int = 16  # global: split over the data-parallel ranks
@@ -93,10 +96,14 @@ def optimizer_config(settings: DemoSettings, capture: str, distributed: bool = F
     dist_flags = ({"use_distributed_optimizer": True, "distributed_timeout_s": settings.timeout_s}
                   if distributed else {})
     qk_clip = {"qk_clip": True, "qk_clip_threshold": DEMO_QK_CLIP_THRESHOLD} if settings.qk_clip else {}
+    moments = {}
+    if settings.moments != "fp32":
+        dtype = MOMENT_DTYPES[settings.moments]
+        moments = {"use_precision_aware_optimizer": True, "exp_avg_dtype": dtype, "exp_avg_sq_dtype": dtype}
     return gs.OptimizerConfig(optimizer=settings.optimizer, lr=lr,
                               weight_decay=DEFAULT_WEIGHT_DECAY[settings.optimizer], adam_beta1=0.9,
                               adam_beta2=0.95, sgd_momentum=0.9, clip_grad=1.0, capture=capture,
-                              **precision, **dist_flags, **qk_clip)
+                              **precision, **dist_flags, **qk_clip, **moments)
 
 
 def warmup_cosine(steps: int, warmup: int, floor: float = 0.1):

@@ -241,7 +241,7 @@ def check_meta(opt, meta: Any) -> None:
 def _check_entry(opt, value: Any, key: str, place, owned, nonnegative: bool) -> torch.Tensor | None:
     """This rank's slice of one per-param entry, validated; None where this rank owns none of it."""
     size = 0 if owned is None else owned.param_end - owned.param_start
-    like = torch.empty(size, dtype=opt.buffers.main_shard[place.buffer].dtype)
+    like = torch.empty(size, dtype=opt.buffers.shard_like("main", place.buffer).dtype)
     if value is None and owned is None:
         return None
     if hasattr(value, "local_shards"):  # a ShardedTensor: exactly this rank's range

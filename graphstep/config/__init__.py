@@ -80,8 +80,9 @@ class OptimizerConfig:
     fp32 is cast once at build; its fp32 values seed the main params, so nothing is lost to the cast."""
 
     main_params_dtype: torch.dtype = torch.float32
-    """dtype of the main params the update runs on: float32 or float64 (graphstep's own). Megatron-Core's
-    precision-aware float16 is not offered yet (refused)."""
+    """dtype of the main params: float32, float64 (graphstep's own), or with ``use_precision_aware_optimizer``
+    and half params float16 (stored scaled per param as TE's FusedAdam stores fp16 master weights; the update
+    computes in fp32: graphstep/state/precision.py)."""
 
     main_grads_dtype: torch.dtype = torch.float32
     """dtype grads of half params accumulate and are reduced in: float32 (a main-grad buffer beside the
@@ -90,13 +91,14 @@ class OptimizerConfig:
     without it."""
 
     use_precision_aware_optimizer: bool = False
-    """Allow Adam's moments below fp32 (``exp_avg_dtype``, ``exp_avg_sq_dtype``; Adam only, as in
+    """Allow Adam's state and main params below fp32: ``exp_avg_dtype``, ``exp_avg_sq_dtype``,
+    ``main_params_dtype=float16`` and ``store_param_remainders`` take effect only with it (Adam only, as in
     Megatron-Core; graphstep/state/precision.py). Unlike Megatron-Core it needs no distributed optimizer."""
 
     store_param_remainders: bool = True
-    """Megatron-Core's: with ``use_precision_aware_optimizer`` and bf16 params, keep only the low 16 bits of
-    each fp32 main param (the bf16 param holds the rest), 2 B per param less. Not offered yet: graphstep
-    keeps the main params whole and warns at build when this (the default) would have applied."""
+    """With ``use_precision_aware_optimizer``, bf16 params and fp32 main params: keep only the low 16 bits of
+    each fp32 main param (the bf16 param holds the rest, rounded as TE rounds it), exactly, in 2 B per param
+    instead of 4."""
 
     exp_avg_dtype: torch.dtype = torch.float32
     """Storage dtype of Adam's ``exp_avg`` with ``use_precision_aware_optimizer``: float32, bfloat16,

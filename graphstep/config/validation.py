@@ -176,8 +176,21 @@ def _validate_precision_aware(config: OptimizerConfig) -> None:
     if config.main_params_dtype not in allowed:
         _fail("main_params_dtype", config.main_params_dtype, "must be torch.float32, torch.float64 or torch.float16")
     if config.main_params_dtype == torch.float16:
-        _fail("main_params_dtype", config.main_params_dtype, "fp16 main params are not offered yet (Megatron-Core's "
-              "precision-aware option): keep torch.float32 and store the moments below it (exp_avg_dtype)")
+        if not config.use_precision_aware_optimizer:
+            _fail("main_params_dtype", config.main_params_dtype, "torch.float16 needs use_precision_aware_optimizer=True")
+        if not (config.bf16 or config.fp16):
+            _fail("main_params_dtype", config.main_params_dtype, "torch.float16 stores the main params of half params: "
+                  "set bf16=True or fp16=True (fp32 params are their own main params)")
+    stored_main = config.use_precision_aware_optimizer and (
+        config.main_params_dtype == torch.float16 or (config.store_param_remainders and config.bf16))
+    if stored_main:
+        field = "main_params_dtype" if config.main_params_dtype == torch.float16 else "store_param_remainders"
+        for other, why in (("fp8_recipe", "fp8 weights requantize from fp32 main params"),
+                           ("qk_clip", "QK-clip rescales fp32 main params"),
+                           ("optimizer_cpu_offload", "the host update runs on fp32 main params")):
+            if getattr(config, other):
+                _fail(field, getattr(config, field), f"keeps the main params below fp32, and {why}: set {other} off "
+                      f"(or store_param_remainders=False / main_params_dtype=torch.float32)")
     if config.use_precision_aware_optimizer and not get_family(config.optimizer).precision_aware:
         aware = [family.name for family in FAMILIES.values() if family.precision_aware]
         _fail("use_precision_aware_optimizer", True, f"stores the state of optimizer={' or '.join(map(repr, aware))} "
@@ -221,7 +234,7 @@ def _validate_for_family(config: OptimizerConfig) -> None:
     if config.fp16 and not family.trains_fp16:
         _fail("fp16", True, f"optimizer={config.optimizer!r} does not train fp16 params (Megatron-Core rejects "
               "it too): use bf16=True")
-    if config.main_params_dtype not in family.main_params_dtypes:
+    if config.main_params_dtype not in family.main_params_dtypes + ((torch.float16,) if family.precision_aware else ()):
         _fail("main_params_dtype", config.main_params_dtype,
               f"optimizer={config.optimizer!r} runs on fp32 main params: use torch.float32")
 

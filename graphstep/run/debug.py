@@ -318,7 +318,7 @@ def _first_in_domain(buffers, layout, rank: int, stage: str, grads_only: bool) -
             if r is not None:
                 size = r.param_end - r.param_start
                 if not buffers.main_is_param[place.buffer] or buffers.host is not None:
-                    views.append(("main_param", buffers.shard_part("main", place.buffer, r.shard_start, size)))
+                    views.append(("main_param", buffers.read_part("main", place.buffer, r.shard_start, size)))
                 for name in buffers.state:  # only the states its family keeps (graphstep/state/state_ranges.py)
                     if buffers.keeps_state(name, place.buffer, r.shard_start, size):
                         views.append((name, buffers.read_part(name, place.buffer, r.shard_start, size)))

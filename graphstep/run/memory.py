@@ -87,8 +87,10 @@ def memory_stats(domains, host_tensors: dict, scalars: list, graph_pool_bytes: O
         device.add("main_params", buffers.main_shard)
         for name, tensors in buffers.state.items():
             device.add(name, tensors)
-        for name, per_buffer in buffers.stored.items():  # state below fp32: its scales and piece lengths
-            device.add(name, [t for s in per_buffer for t in (s.scales, s.lengths, s.positions) if t is not None])
+        for kind, per_buffer in buffers.stored.items():  # kept below fp32: the scales and piece bounds
+            device.add("main_params" if kind == "main" else kind,
+                       [t for s in per_buffer if s is not None for t in (s.scales, s.lengths, s.positions)
+                        if t is not None])
         for name, tensors in buffers.scratch.items():
             device.add(name, tensors)
     device.add("comm_scratch", [])

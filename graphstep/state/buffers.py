@@ -15,6 +15,9 @@ Per buffer key (param dtype, grad dtype) of the layout:
 - ``state[name]`` optimizer state shards (``exp_avg``, ``exp_avg_sq`` or ``momentum_buffer``), each over only
   the groups whose family keeps it (``state_ranges``, graphstep/state/state_ranges.py): address a range of it
   with ``shard_part`` (shard coordinates) after asking ``keeps_state``;
+- ``stored`` the kinds kept below fp32 with the precision-aware optimizer (graphstep/state/precision.py): their
+  tensors hold encoded bytes (a scaled fp16/fp8 moment, an int16 remainder in ``main_shard``), so read and
+  write their values with ``read_part`` / ``write_part``, ``full_shard`` / ``load_shard``;
 - ``grad_shard``  the grads of this rank's shard, reduced (what the norm and the update read): with one
   rank ``grad_flat`` itself, one entry per buffer; with several, one entry per *bucket*: the view
   ``grad_flat[bucket.shard_range(rank)]`` that the bucket's reduce-scatter writes in place (its output is
@@ -44,7 +47,7 @@ import torch
 from ..build.layout import Layout
 from ..fp8 import is_fp8
 from ..fp8.engine_support import main_values
-from .precision import Storage, StoredState
+from .precision import RemainderMain, Storage, StoredState
 from .state_ranges import plan_state_ranges
 
 _GRAD = operator.attrgetter("grad")
@@ -71,8 +74,31 @@ class StaticBuffers:
     host: Optional[Any] = None  # graphstep.offload.HostShards: the shard's host part, or None
     state_ranges: dict = field(default_factory=dict)  # name -> StateRanges: where each state buffer keeps its elements
     stored: dict = field(default_factory=dict)
-    """name -> per buffer, the ``StoredState`` of a state kept below fp32 (graphstep/state/precision.py):
-    read and write its values through ``read_part`` / ``write_part``, never its raw bytes."""
+    """kind -> per buffer, the ``StoredState`` of a state, or of the main params ("main"; None for a buffer
+    whose main params are not), kept below fp32 (graphstep/state/precision.py): read and write its values
+    through ``read_part`` / ``write_part``, never its raw bytes."""
+
+    def stored_kind(self, kind: str, buffer: int) -> Optional[StoredState]:
+        """The ``StoredState`` of ``kind`` in ``buffer``, or None where it is kept in full precision."""
+        per_buffer = self.stored.get(kind)
+        return None if per_buffer is None else per_buffer[buffer]
+
+    def _stored_offset(self, kind: str, buffer: int, start: int, size: int) -> int:
+        return start if kind == "main" else self.state_ranges[kind].offset(buffer, start, size)
+
+    def _read_stored(self, stored: StoredState, buffer: int) -> torch.Tensor:
+        """All of ``stored`` as fp32, a bucket's shard at a time (the main params' remainders pair with bf16
+        params that lie a bucket at a time in ``param_flat``)."""
+        return torch.cat([stored.read(b.shard_offset, b.shard_offset + b.shard_numel)
+                          for b in self._buckets(buffer) if b.shard_numel]
+                         or [torch.zeros(0, dtype=torch.float32, device=stored.data.device)])
+
+    def _write_stored(self, stored: StoredState, buffer: int, values: torch.Tensor) -> None:
+        values = values.to(torch.float32)
+        for b in self._buckets(buffer):
+            if b.shard_numel:
+                stored.write(b.shard_offset, b.shard_offset + b.shard_numel,
+                             values[b.shard_offset:b.shard_offset + b.shard_numel])
 
     def _device_part(self, kind: str, buffer: int) -> torch.Tensor:
         return self.main_shard[buffer] if kind == "main" else self.state[kind][buffer]
@@ -103,17 +129,19 @@ class StaticBuffers:
     def read_part(self, kind: str, buffer: int, start: int, size: int) -> torch.Tensor:
         """The values of ``shard_part(kind, ...)``: that view itself, or for a state stored below fp32 a copy of
         its fp32 values (a range of whole pieces: one param's part, as checkpoints address it)."""
-        if kind in self.stored:
-            offset = self.state_ranges[kind].offset(buffer, start, size)
-            return self.stored[kind][buffer].read(offset, offset + size)
+        stored = self.stored_kind(kind, buffer)
+        if stored is not None:
+            offset = self._stored_offset(kind, buffer, start, size)
+            return stored.read(offset, offset + size)
         return self.shard_part(kind, buffer, start, size)
 
     def write_part(self, kind: str, buffer: int, start: int, size: int, source: torch.Tensor) -> None:
         """Set the values of ``shard_part(kind, ...)`` to ``source`` (stored below fp32: encoded, its scale
         recomputed)."""
-        if kind in self.stored:
-            offset = self.state_ranges[kind].offset(buffer, start, size)
-            self.stored[kind][buffer].write(offset, offset + size, source.to(torch.float32))
+        stored = self.stored_kind(kind, buffer)
+        if stored is not None:
+            offset = self._stored_offset(kind, buffer, start, size)
+            stored.write(offset, offset + size, source.to(torch.float32))
         else:
             self.shard_part(kind, buffer, start, size).copy_(source)
 
@@ -125,9 +153,9 @@ class StaticBuffers:
     def full_shard(self, kind: str, buffer: int) -> torch.Tensor:
         """A copy of this rank's whole shard of ``kind`` in ``buffer`` (on the host when part of it is); for
         a state, only the elements it keeps (``shard_like``'s shape)."""
-        if kind in self.stored:  # never offloaded (config validation)
-            stored = self.stored[kind][buffer]
-            return stored.read(0, stored.data.numel())
+        stored = self.stored_kind(kind, buffer)
+        if stored is not None:  # never offloaded (config validation)
+            return self._read_stored(stored, buffer)
         split = self.device_numel(buffer)
         device = (self.main_shard_values(buffer) if kind == "main" else self.state[kind][buffer])[:split]
         if self.host is None or self.host.part(kind, buffer).numel() == 0:
@@ -137,7 +165,7 @@ class StaticBuffers:
     def shard_like(self, kind: str, buffer: int) -> torch.Tensor:
         """A storage-less tensor with the whole shard's dtype and shape (what a checkpoint must match): a state
         stored below fp32 is saved and loaded as its fp32 values."""
-        dtype = torch.float32 if kind in self.stored else self._device_part(kind, buffer).dtype
+        dtype = torch.float32 if self.stored_kind(kind, buffer) is not None else self._device_part(kind, buffer).dtype
         numel = self.layout.buffers[buffer].shard_numel if kind == "main" else self.state_ranges[kind].numel[buffer]
         return torch.empty(numel, dtype=dtype, device="meta")
 
@@ -154,8 +182,9 @@ class StaticBuffers:
         split = self.device_numel(buffer)
         if kind != "main":
             source = self.compact_state(kind, buffer, source)
-        if kind in self.stored:
-            self.stored[kind][buffer].write(0, source.numel(), source.to(torch.float32))
+        stored = self.stored_kind(kind, buffer)
+        if stored is not None:
+            self._write_stored(stored, buffer, source)
             return
         if kind == "main" and self.main_is_param[buffer]:
             # All of it: past the split these are the model params, equal to the host main params (fp32).
@@ -367,7 +396,8 @@ class StaticBuffers:
 def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int, device: torch.device,
              main_dtype: torch.dtype, state_names: Sequence[str], host: Optional[Any] = None,
              group_states: Optional[Sequence[Sequence[str]]] = None,
-             state_storage: Optional[dict[str, Storage]] = None) -> StaticBuffers:
+             state_storage: Optional[dict[str, Storage]] = None,
+             main_storage: Optional[dict[torch.dtype, Storage]] = None) -> StaticBuffers:
     """Allocate ``layout`` and make ``params`` (in layout order) views of it, values preserved.
 
     ``host`` (graphstep.offload.HostShards): the device keeps main params and state for the prefix
@@ -378,7 +408,8 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
     buffer spans the whole shard.
 
     ``state_storage`` (name -> graphstep/state/precision.py ``Storage``): states kept below fp32, each piece of
-    them (one param's part of the shard) with a scale of its own where the dtype is scaled.
+    them (one param's part of the shard) with a scale of its own where the dtype is scaled. ``main_storage``
+    (param dtype -> ``Storage``): the main params of buffers of such params, kept below ``main_dtype``.
 
     The main params are seeded from the params' values *before* any cast to the model dtype, so a model
     built in fp32 and trained in bf16 keeps its fp32 initialisation in the main params. An fp8 weight
@@ -397,10 +428,12 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
     for b, buf in enumerate(layout.buffers):
         param_flat.append(torch.zeros(buf.numel, dtype=buf.param_dtype, device=device))
         grad_flat.append(torch.zeros(buf.numel, dtype=buf.grad_dtype, device=device))
+        below = (main_storage or {}).get(buf.param_dtype)
         if buf.param_dtype == main_dtype:
             main_shard.append(param_flat[-1])  # the params are the main params: updated in place
         else:
-            main_shard.append(torch.zeros(device_numel[b], dtype=main_dtype, device=device))
+            main_shard.append(torch.zeros(device_numel[b], dtype=main_dtype if below is None else below.dtype,
+                                          device=device))
     if dp_size == 1:
         grad_shard = list(grad_flat)
     else:  # per bucket, this rank's slice of the grads: the reduce-scatter's in-place output
@@ -420,6 +453,11 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
 
     buffers = StaticBuffers(layout, rank, param_flat, grad_flat, main_shard, grad_shard, state, list(params),
                             host=host, state_ranges=ranges, stored=stored)
+    if any((main_storage or {}).get(buf.param_dtype) for buf in layout.buffers):
+        if host is not None:
+            raise ValueError("main params below fp32 stay on the device: not with CPU offload")
+        buffers.stored["main"] = [_stored_main(buffers, b, (main_storage or {}).get(buf.param_dtype))
+                                  for b, buf in enumerate(layout.buffers)]
     for i, p in enumerate(params):
         place = layout.params[i]
         if tuple(p.shape) != place.shape:
@@ -437,7 +475,7 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
             continue  # fp32 params: the main params are the params
         source = main_values(params[owned.param], originals[owned.param]).reshape(-1)
         source = source[owned.param_start:owned.param_end]
-        buffers.shard_part("main", buf, owned.shard_start, size).copy_(source)
+        buffers.write_part("main", buf, owned.shard_start, size, source)
 
     for i, p in enumerate(params):
         p.main_grad = buffers.grad_view(i)  # also what marks the param as owned by these buffers (owns)
@@ -447,13 +485,30 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
     return buffers
 
 
+def _stored_main(buffers: StaticBuffers, buffer: int, storage: Optional[Storage]) -> Optional[StoredState]:
+    if storage is None:
+        return None
+    data, starts = buffers.main_shard[buffer], _piece_starts(buffers.layout, buffers.rank, buffer,
+                                                              buffers.main_shard[buffer].numel())
+    if not storage.remainder:
+        return StoredState(storage, data, starts)
+
+    def high(start: int, end: int) -> torch.Tensor:
+        flat = buffers._flat_offset(buffer, start, end - start)
+        return buffers.param_flat[buffer][flat:flat + end - start]
+
+    return RemainderMain(data, starts, high)
+
+
 def _piece_starts(layout: Layout, rank: int, buffer: int, numel: int) -> list[int]:
     """Where each piece of this rank's shard of ``buffer`` starts: a piece is one param's part of the shard
-    (what checkpoints address) or a run of padding, so every segment (the update's unit) is whole pieces."""
+    (what checkpoints address) or a run of padding, so every segment (the update's unit) and every bucket's
+    shard is whole pieces."""
     owned = [o for o in layout.owned_ranges(rank) if layout.params[o.param].buffer == buffer]
     segments = [s for s in layout.segments(rank) if s.buffer == buffer]
     starts = {0} | {o.shard_start for o in owned} | {o.shard_start + o.param_end - o.param_start for o in owned}
     starts |= {s.shard_start for s in segments} | {s.shard_end for s in segments}
+    starts |= {layout.buckets[i].shard_offset for i in layout.buffers[buffer].buckets}
     return sorted(x for x in starts if x < numel)
 
 

@@ -22,7 +22,6 @@ within an fp32 rounding of a value of the storage grid, whose spacing is far coa
 from __future__ import annotations
 
 import bisect
-import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -36,6 +35,7 @@ CHUNK_NUMEL = 1 << 22
 class Storage:
     dtype: torch.dtype  # what the state tensor holds
     range: Optional[float]  # the largest stored magnitude of a scaled dtype; None: stored unscaled
+    remainder: bool = False  # fp32 main params as the bf16 params' bits plus this int16 low half
 
     @property
     def scaled(self) -> bool:
@@ -56,18 +56,36 @@ def state_storage(config, name: str) -> Storage:
     """How state ``name`` is stored under ``config``: below fp32 only with the precision-aware optimizer."""
     dtypes = {"exp_avg": config.exp_avg_dtype, "exp_avg_sq": config.exp_avg_sq_dtype}
     if not config.use_precision_aware_optimizer or name not in dtypes:
-        return Storage(config.main_params_dtype, None)
+        return Storage(main_compute_dtype(config), None)
     return STORAGE[dtypes[name]]
+
+
+REMAINDER = Storage(torch.int16, None, remainder=True)
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def storage_by_state(config, names) -> dict[str, Storage]:
     """``state_storage`` of every state in ``names`` (what ``allocate`` takes)."""
-    if config.use_precision_aware_optimizer and config.store_param_remainders and config.model_dtype == torch.bfloat16:
-        warnings.warn("graphstep: store_param_remainders=True (Megatron-Core's default) is not offered yet: the "
-                      "fp32 main params are kept whole, 2 bytes per param more than Megatron-Core's precision-aware "
-                      "optimizer with bf16 params. Set store_param_remainders=False to silence this", UserWarning,
-                      stacklevel=3)
     return {name: state_storage(config, name) for name in names}
+
+
+def main_storage(config) -> dict[torch.dtype, Storage]:
+    """Per param dtype, how the main params of a buffer of such params are stored, where not in
+    ``main_compute_dtype``: bf16 params with ``store_param_remainders`` keep the fp32 main params' low 16
+    bits (``RemainderMain``); half params with ``main_params_dtype=float16`` keep them in fp16, scaled per
+    piece as TE's FusedAdam does its fp16 master weights (range 32752)."""
+    if not config.use_precision_aware_optimizer:
+        return {}
+    if config.main_params_dtype == torch.float16:
+        return {dtype: STORAGE[torch.float16] for dtype in _HALF}
+    if config.store_param_remainders and config.main_params_dtype == torch.float32:
+        return {torch.bfloat16: REMAINDER}
+    return {}
+
+
+def main_compute_dtype(config) -> torch.dtype:
+    """The dtype the update computes the main params in: fp32 where they are stored in fp16."""
+    return torch.float32 if config.main_params_dtype == torch.float16 else config.main_params_dtype
 
 
 class StoredState:
@@ -125,6 +143,42 @@ class StoredState:
         scaled = values * self._per_element(inverse, i, j, start, end)
         # Past the range only by an fp32 rounding; clamped so that no cast can turn it into inf or NaN.
         self.data[start:end].copy_(scaled.clamp_(-self.storage.range, self.storage.range))
+
+
+class RemainderMain(StoredState):
+    """fp32 main params kept as two halves: the bf16 param holds the high 16 bits, rounded, and ``data``
+    (int16) the low 16, exactly. TE's rule (transformer_engine/common/multi_tensor/adam.cu,
+    ``AdamFunctorMasterParamRemainder``): the high half is rounded up (its bit pattern incremented) where the
+    low half's top bit is set, which makes the bf16 param the fp32 value rounded to nearest (ties away from
+    zero); reading undoes that increment. The round trip is exact, so no fp32 copy is kept.
+
+    ``high(start, end)``: the bf16 params of main params [start, end) (this rank's shard of them in
+    ``param_flat``), which ``write`` rewrites."""
+
+    def __init__(self, data: torch.Tensor, piece_starts: Sequence[int], high):
+        super().__init__(REMAINDER, data, piece_starts)
+        self.high = high
+
+    def read(self, start: int, end: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        out = torch.empty(end - start, dtype=torch.float32, device=self.data.device) if out is None else out
+        low = self.data[start:end].to(torch.int64) & 0xFFFF
+        high = (self.high(start, end).view(torch.int16).to(torch.int64) - (low >> 15)) & 0xFFFF
+        bits = (high << 16) | low  # the fp32 bit pattern, unsigned, in int64: no overflow
+        out.copy_((bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32))
+        return out
+
+    def write(self, start: int, end: int, values: torch.Tensor, keep: Optional[torch.Tensor] = None) -> None:
+        # ``keep`` is not needed: a skipped step hands back the values read, whose halves are the stored ones.
+        bits = values.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        low = bits & 0xFFFF
+        high = ((bits >> 16) + (low >> 15)) & 0xFFFF
+        self.high(start, end).view(torch.int16).copy_(_as_int16(high))
+        self.data[start:end].copy_(_as_int16(low))
+
+
+def _as_int16(unsigned: torch.Tensor) -> torch.Tensor:
+    """16-bit patterns held as 0..65535 (int64) as the int16 values with those bits."""
+    return (unsigned - ((unsigned >> 15) << 16)).to(torch.int16)
 
 
 def chunks(state: StoredState, start: int, end: int) -> list[tuple[int, int]]:

@@ -115,16 +115,16 @@ def build_further(dense: Domain, further: Further, specs, params, *, device, sta
     from ..build.layout import plan_layout
     from ..parallel.collectives import Collectives
     from ..state.buffers import allocate
-    from ..state.precision import storage_by_state
+    from ..state.precision import main_compute_dtype, main_storage, storage_by_state
     from . import folded_sums
 
     config, group = dense.ctx.config, further.group
     specs = [specs[i] for i in further.indices]
     layout = plan_layout(specs, group.size, config.bucket_size)
     buffers = allocate(layout, [params[i] for i in further.indices], rank=group.rank, device=device,
-                       main_dtype=config.main_params_dtype, state_names=state_names,
+                       main_dtype=main_compute_dtype(config), state_names=state_names,
                        group_states=[family.state_names(config) for family in dense.ctx.families],
-                       state_storage=storage_by_state(config, state_names))
+                       state_storage=storage_by_state(config, state_names), main_storage=main_storage(config))
     comm = Collectives(group.group, group.size, None, timeout_s=config.distributed_timeout_s,
                        tp_group=group.tensor_parallel_group)
     comm.setup(layout, config, device)

@@ -32,7 +32,16 @@ CONFIGS = {
     # fp16's dynamic loss scale starts at 2^12 so that no step of the short run is skipped for overflow.
     "adam_bf16": dict(ADAM, bf16=True),
     "adam_fp16": dict(ADAM, fp16=True, initial_loss_scale=2.0**12),
+    # The precision-aware optimizer: moments stored in bf16, fp32 main params as bf16 params + 16-bit remainders.
+    # Checkpoints hold fp32 values, which both store exactly again on any layout.
+    "adam_bf16_moments": dict(ADAM, bf16=True, use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16,
+                              exp_avg_sq_dtype=torch.bfloat16, store_param_remainders=True),
+    # fp8 moments, scaled per piece (a param's part of a rank's shard): a load on another layout re-encodes them
+    # with the new pieces' scales, so they come back within fp8's rounding (SCALED_STATES).
+    "adam_fp8_moments": dict(ADAM, bf16=True, use_precision_aware_optimizer=True, exp_avg_dtype=torch.uint8,
+                             exp_avg_sq_dtype=torch.uint8, store_param_remainders=False),
 }
+SCALED_STATES = {"adam_fp8_moments"}
 
 
 def make_model(name: str, seed: int = 0):
@@ -62,10 +71,10 @@ def owned_state(opt) -> dict:
         place = opt.layout.params[owned.param]
         size = owned.param_end - owned.param_start
         for kind in sharded.state_kinds(opt):
-            if kind == sharded.MAIN_PARAM:  # fp32 main params live in the param buffer: main_range maps there
-                view = opt.buffers.main_range(place.buffer, owned.shard_start, size)
-            else:
-                view = opt.buffers.state[kind][place.buffer][owned.shard_start:owned.shard_start + size]
+            # The values (main params or state kept below fp32 read back as fp32; fp32 main params that live in
+            # the param buffer are read there).
+            view = opt.buffers.read_part("main" if kind == sharded.MAIN_PARAM else kind, place.buffer,
+                                         owned.shard_start, size)
             out[f"{kind}|{place.name}"] = (owned.param_start, view.clone())
     out["step"] = (0, opt.tensors.step.clone())
     return out

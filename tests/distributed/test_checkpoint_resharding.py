@@ -1,6 +1,7 @@
 """Distributed checkpoints (issue 13): save on 2 gloo ranks, resume on 1, 2, 3 and 4 and with another
 bucket size, continue, and compare against the uninterrupted 2-rank run; SGD fp32 and Adam in fp32, bf16
-and fp16 (issue 27: a bound per precision).
+and fp16 (a bound per precision), and with the precision-aware optimizer (bf16 moments with remainders, fp8
+moments).
 
 The loaded state equals the saved state element-exactly on every rank, read back through the per-param
 views, in every precision. Same data-parallel size and layout: the continuation is bitwise. Otherwise the
@@ -25,7 +26,14 @@ SGD_RELATIVE_ERROR = 1e-5
 # checkpoint's: the same two dp sizes without any checkpoint (4 steps from init, 2 ranks vs 1 process) drift
 # 4.3e-2 (bf16), 3.4e-2 (fp16), 6.4e-4 (fp32). A 2 -> 1 resume that loses the Adam moments or the step
 # count drifts 0.5-0.9 in every precision, far above every bound.
-ADAM_DRIFT = {"adam": 1e-3, "adam_bf16": 1e-1, "adam_fp16": 1e-1}
+# fp8 moments: None, no drift bound. Re-encoded with other pieces' scales, their second moments flush other small
+# entries to zero, and 4 steps later the run has drifted 0.50-0.72 of the motion (measured on 1, 2, 3 and 4 ranks),
+# as far as a resume that lost its moments: the loaded state itself is what tells them apart (FP8_REENCODE),
+# and the same layout's continuation is bitwise.
+ADAM_DRIFT = {"adam": 1e-3, "adam_bf16": 1e-1, "adam_fp16": 1e-1, "adam_bf16_moments": 1e-1, "adam_fp8_moments": None}
+# fp8 (E4M3) moments re-encoded on another layout: within half a step of E4M3's coarsest spacing (32 at 448) of
+# the piece's amax, amax / 28; a lost or misplaced state is off by about the amax itself.
+FP8_REENCODE = 1 / 16
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +65,11 @@ def check_loaded_state(full, ranks_results, key):
         for rank, result in enumerate(ranks_results):
             for k, (start, tensor) in result[(key, name)]["loaded"].items():
                 expected = full[name][k] if k == "step" else full[name][k][start:start + tensor.numel()]
-                assert torch.equal(tensor, expected), f"{name} rank {rank}: {k} differs after the load"
+                if name in W.SCALED_STATES and k.startswith("exp_avg") and tensor.numel():
+                    error = float((tensor - expected).abs().max())
+                    assert error <= FP8_REENCODE * float(expected.abs().max()), f"{name} rank {rank}: {k} off by {error}"
+                else:
+                    assert torch.equal(tensor, expected), f"{name} rank {rank}: {k} differs after the load"
                 covered[k] += tensor.numel()
         for k, n in covered.items():
             if k != "step":
@@ -77,7 +89,7 @@ def check_continuation(saved_results, resumed, key, bitwise):
             elif name == "sgd":
                 err = relative_error(run["final"], ref["final"])
                 assert err < SGD_RELATIVE_ERROR, f"sgd rank {rank}: relative error {err:.2e}"
-            else:
+            elif ADAM_DRIFT[name] is not None:
                 drift = relative_drift(run["final"], ref["final"], ref["at_save"])
                 assert drift < ADAM_DRIFT[name], \
                     f"{name} rank {rank}: drift {drift:.2e} of the motion after the load (bound {ADAM_DRIFT[name]})"

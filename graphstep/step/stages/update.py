@@ -4,7 +4,8 @@ One kernel call per param group (Adam: one for all its groups, which the compile
 loop), over that group's segments of this rank's shard (a few large views: one per bucket, see
 layout.py; Muon's groups: one (n, r, c) view per run of same-shape matrices, see matrix_views.py),
 through the group's optimizer family (graphstep/families/), whose view builder cuts the views once,
-here, at build. The step count advances by ``1 - found_inf`` before the kernels, so a skipped step
+here, at build (for main params or state kept below fp32, chunk by chunk through fp32 windows:
+stored_windows.py). The step count advances by ``1 - found_inf`` before the kernels, so a skipped step
 leaves it, like the params and the state, bitwise unchanged.
 
 Hyperparameters: each group's kernel arguments are resolved here once, at build: a live field is the
@@ -20,13 +21,12 @@ host choice a capture bakes in; a flip recaptures.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import torch
 
-from ...families import GroupViews, StepScalars, ViewSources
+from ...families import StepScalars, ViewSources
 from ...state import precision
-from . import Stage
+from . import Stage, stored_windows
 from .requantize import is_fp8_buffer
 
 
@@ -46,7 +46,7 @@ def build(ctx, *, advance_step: bool = True) -> Stage:
     calls = []
     baked_sources = []  # (group, field, row, column), for the baked report
     segments = device_segments(ctx)
-    decode_scratch = _decode_scratch(ctx, segments)
+    decode_scratch = stored_windows.scratch(ctx, segments)
     for group, family in enumerate(ctx.families):
         if family.check is not None:
             family.check(ctx, group)
@@ -54,7 +54,7 @@ def build(ctx, *, advance_step: bool = True) -> Stage:
         if not mine:
             continue  # this rank owns nothing of the group
         views = family.views(ctx, group, mine, sources.only(family.state_names(config)))
-        stored_chunks = _stored_chunks(ctx, views, mine, decode_scratch)
+        stored_chunks = stored_windows.chunks(ctx, views, mine, decode_scratch)
         live = family.live_fields(kernels)
         live_kwargs, baked = {}, []
         for keyword, field in family.hyperparameters:
@@ -95,54 +95,13 @@ def build(ctx, *, advance_step: bool = True) -> Stage:
                            grad_scale)
             for _, kwargs, stored_chunks in chunked:
                 keep = t.found_inf == 0 if keep is None else keep
-                for chunk_views, windows in stored_chunks:
-                    for state, start, end, scratch in windows:
-                        state.read(start, end, out=scratch)
-                    family.run(family_kernels, [(chunk_views, kwargs)], scalars, config, grad_scale)
-                    for state, start, end, scratch in windows:
-                        state.write(start, end, scratch, keep=keep)
+                stored_windows.run(family, family_kernels, stored_chunks, kwargs, scalars, config, grad_scale, keep)
 
     def baked_values() -> tuple:
         values = tuple((f"group {group}", field, host[row][column]) for group, field, row, column in baked_sources)
         return values + (("step", "grad scale passed to the kernel", uses_grad_scale()),)
 
     return Stage("update", apply, baked_values)
-
-
-def _decode_scratch(ctx, segments) -> dict[str, torch.Tensor]:
-    """Per state kept below fp32 (graphstep/state/precision.py), the one fp32 scratch its chunks are read into:
-    as long as the longest chunk of any segment."""
-    stored, longest = ctx.buffers.stored, 0
-    for name, per_buffer in stored.items():
-        for segment in segments:
-            offset = ctx.buffers.state_ranges[name].offset(segment.buffer, segment.shard_start, segment.numel)
-            runs = precision.chunks(per_buffer[segment.buffer], offset, offset + segment.numel)
-            longest = max([longest] + [end - start for start, end in runs])
-    scratch = {name: torch.empty(longest, dtype=torch.float32, device=ctx.buffers.grad_flat[0].device)
-               for name in stored}
-    if scratch:
-        ctx.buffers.scratch["state_fp32"] = list(scratch.values())
-    return scratch
-
-
-def _stored_chunks(ctx, views: GroupViews, segments, scratch: dict[str, torch.Tensor]) -> Optional[list]:
-    """For a group whose family keeps a state below fp32: its update cut into chunks of whole pieces, each
-    ``(views over the chunk, [(StoredState, start, end, fp32 window)])``, the stored states' views replaced
-    by windows onto their scratch. None for a group with every state in the main params' dtype."""
-    stored = ctx.buffers.stored
-    low = [name for name in views.state if name in stored]
-    if not low:
-        return None
-    chunks = []
-    for k, segment in enumerate(segments):
-        offset = ctx.buffers.state_ranges[low[0]].offset(segment.buffer, segment.shard_start, segment.numel)
-        for start, end in precision.chunks(stored[low[0]][segment.buffer], offset, offset + segment.numel):
-            lo, numel = start - offset, end - start
-            state = {name: [scratch[name][:numel] if name in stored else views.state[name][k][lo:lo + numel]]
-                     for name in views.state}
-            chunks.append((GroupViews([views.params[k][lo:lo + numel]], [views.grads[k][lo:lo + numel]], state),
-                           [(stored[name][segment.buffer], start, end, scratch[name][:numel]) for name in low]))
-    return chunks
 
 
 def device_segments(ctx) -> list:
@@ -174,7 +133,7 @@ def _kernel_grads(ctx) -> tuple[list, list, tuple[bool, ...]]:
     piece) copies, and the scratch is registered as "grad_cast".
     """
     buffers, layout = ctx.buffers, ctx.layout
-    main_dtype = ctx.config.main_params_dtype
+    main_dtype = precision.main_compute_dtype(ctx.config)
     casts, grads, in_flat, scratches = [], [], [], []
     for b, flat in enumerate(buffers.grad_flat):
         if flat.dtype == main_dtype:
@@ -195,10 +154,13 @@ def _kernel_grads(ctx) -> tuple[list, list, tuple[bool, ...]]:
 def build_copy_back(ctx) -> Stage:
     """Copy the updated main params into the model dtype (a skipped step copies unchanged values)."""
     pairs = _copy_back_pairs(ctx)
+    decoded = _decoded_copy_back(ctx)
 
     def apply() -> None:
         for param_part, main_part in pairs:
             param_part.copy_(main_part)
+        for param_part, state, start, end in decoded:
+            param_part.copy_(state.read(start, end))
 
     return Stage("copy_back", apply)
 
@@ -216,9 +178,24 @@ def _copy_back_pairs(ctx) -> list:
     for b, buf in enumerate(ctx.layout.buffers):
         if buffers.main_is_param[b] or is_fp8_buffer(buf):  # fp8: the requantize stage writes those bytes
             continue
+        if buffers.stored_kind("main", b) is not None:  # _decoded_copy_back's
+            continue
         pairs += [(buffers.param_flat[b][lo:lo + size], buffers.main_shard[b][start:start + size])
                   for lo, start, size in _device_pieces(ctx, b)]
     return pairs
+
+
+def _decoded_copy_back(ctx) -> list:
+    """(model-param view, StoredState, start, end) of the main params kept in fp16 (graphstep/state/precision.py):
+    copied back from their fp32 values. None for remainders: there the params are the main params' high half,
+    which the update wrote."""
+    buffers, copies = ctx.buffers, []
+    for b in range(len(ctx.layout.buffers)):
+        stored = buffers.stored_kind("main", b)
+        if stored is not None and not stored.storage.remainder:
+            copies += [(buffers.param_flat[b][lo:lo + size], stored, start, start + size)
+                       for lo, start, size in _device_pieces(ctx, b)]
+    return copies
 
 
 def _device_pieces(ctx, b: int) -> list[tuple[int, int, int]]:
