@@ -31,7 +31,6 @@ buffers and runs ``opt.publish_params()`` (the post-load all-gather: a resume th
 from __future__ import annotations
 
 import functools
-
 import json
 import warnings
 from typing import Any, Callable
@@ -68,12 +67,12 @@ def _buffer_kind(kind: str) -> str:
 
 def _kind_part(opt, kind: str, buffer: int, start: int, size: int) -> torch.Tensor:
     """The values of this rank's shard elements [start, start + size) of ``kind``, on the device or (CPU
-    offload) host: a view, or a copy for a state stored below fp32 (graphstep/state/precision.py)."""
+    offload) host: a view, or a copy of the fp32 values of a kind kept below fp32 (graphstep/state/precision.py)."""
     return opt.buffers.read_part(_buffer_kind(kind), buffer, start, size)
 
 
 def _kind_dtype(opt, kind: str, buffer: int) -> torch.dtype:
-    """The dtype ``kind`` is saved in: its buffer's, fp32 for a state stored below it."""
+    """The dtype ``kind`` is saved in: its buffer's, fp32 for a kind kept below it."""
     return opt.buffers.shard_like(_buffer_kind(kind), buffer).dtype
 
 
@@ -169,8 +168,8 @@ def _groups(opt) -> list[dict]:
 def sharded_state_dict(opt, *, snapshot: bool = False) -> dict:
     """This rank's part of the reshardable checkpoint (see the module docstring).
 
-    The per-param entries are views of the live buffers (no copy) unless ``snapshot``: then they are
-    copies, so the dict keeps the state of this call while training goes on (what an async save needs).
+    The per-param entries are views of the live buffers (no copy; a kind kept below fp32 is a copy of its
+    values) unless ``snapshot``: then they are copies, so the dict keeps the state of this call while training goes on (what an async save needs).
     """
     refuse_checkpoint(opt, "sharded_state_dict")
     opt.finish_param_gather()

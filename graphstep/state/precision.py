@@ -1,18 +1,22 @@
-"""Optimizer state stored below fp32 (``use_precision_aware_optimizer`` with ``exp_avg_dtype`` /
-``exp_avg_sq_dtype``): how each storage dtype holds fp32 values, and the update's fp32 window onto them.
+"""Optimizer state and main params stored below fp32 (``use_precision_aware_optimizer``): how each storage
+holds fp32 values, read and written a range of whole pieces at a time.
 
-The rule is Transformer Engine's FusedAdam (transformer_engine/pytorch/optimizers/fused_adam.py:
-``get_unscaled_state``, ``_apply_scale``), which Megatron-Core's precision-aware optimizer runs:
+The rules are Transformer Engine FusedAdam's (transformer_engine/pytorch/optimizers/fused_adam.py:
+``get_unscaled_state``, ``_apply_scale``; the remainder kernel in transformer_engine/common/multi_tensor/
+adam.cu), which Megatron-Core's precision-aware optimizer runs:
 
-- bfloat16: a plain cast, rounded to nearest even; no scale.
-- float16 and fp8 (E4M3): one fp32 scale per tensor, ``scale = amax / range`` with range 32752 (float16's
-  largest value / 2) and 448 (E4M3's largest); stored ``cast(value / scale)``, all zeros where amax is 0;
-  read back as ``stored * scale``. The scale is recomputed from the updated values after every update.
+- bfloat16 (moments): a plain cast, rounded to nearest even; no scale.
+- float16 and fp8 (E4M3) (moments; fp16 also main params): one fp32 scale per tensor, ``scale = amax /
+  range`` with range 32752 (float16's largest value / 2) and 448 (E4M3's largest); stored
+  ``cast(value / scale)``, all zeros where amax is 0; read back as ``stored * scale``. The scale is
+  recomputed from the updated values after every update.
+- remainders (fp32 main params of bf16 params): ``RemainderMain``.
 
 A "tensor" here is a piece: one param's elements in this rank's shard, what Megatron-Core's distributed
 optimizer hands TE's FusedAdam as a param. The update reads a chunk of whole pieces into an fp32 scratch,
-runs the family's kernel on it (the math in fp32, as TE's kernel) and writes it back (``StoredState``),
-so the scratch is the one fp32 copy there is: at most ``CHUNK_NUMEL`` elements, or one larger piece.
+runs the family's kernel on it (the math in fp32, as TE's kernel) and writes it back
+(graphstep/step/stages/stored_windows.py), so the scratch is the one fp32 copy there is: at most
+``CHUNK_NUMEL`` elements, or one larger piece.
 
 A skipped step (``found_inf``) leaves every stored byte and scale as it was: the kernel leaves the scratch
 unchanged, the old scale is kept, and ``cast(stored * scale / scale)`` is ``stored`` again (the product is

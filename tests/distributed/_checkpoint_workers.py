@@ -36,12 +36,18 @@ CONFIGS = {
     # Checkpoints hold fp32 values, which both store exactly again on any layout.
     "adam_bf16_moments": dict(ADAM, bf16=True, use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16,
                               exp_avg_sq_dtype=torch.bfloat16, store_param_remainders=True),
-    # fp8 moments, scaled per piece (a param's part of a rank's shard): a load on another layout re-encodes them
-    # with the new pieces' scales, so they come back within fp8's rounding (SCALED_STATES).
+    # Kinds scaled per piece (a param's part of a rank's shard): a load on another layout re-encodes them with
+    # the new pieces' scales, so they come back within their rounding (SCALED).
     "adam_fp8_moments": dict(ADAM, bf16=True, use_precision_aware_optimizer=True, exp_avg_dtype=torch.uint8,
                              exp_avg_sq_dtype=torch.uint8, store_param_remainders=False),
+    "adam_fp16_main": dict(ADAM, bf16=True, use_precision_aware_optimizer=True, main_params_dtype=torch.float16,
+                           exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16),
 }
-SCALED_STATES = {"adam_fp8_moments"}
+# name -> the kinds it scales, and how far a re-encoded element may move, as a fraction of its piece's amax:
+# half a step of the storage's coarsest spacing (E4M3: 32 at 448, so 1/28; fp16 at 32752: 2^-11), with margin.
+# A lost or misplaced value is off by about the amax itself.
+SCALED = {"adam_fp8_moments": (("exp_avg", "exp_avg_sq"), 1 / 16),
+          "adam_fp16_main": (("exp_avg", "exp_avg_sq", "fp32_param"), 1e-3)}
 
 
 def make_model(name: str, seed: int = 0):

@@ -28,12 +28,13 @@ SGD_RELATIVE_ERROR = 1e-5
 # count drifts 0.5-0.9 in every precision, far above every bound.
 # fp8 moments: None, no drift bound. Re-encoded with other pieces' scales, their second moments flush other small
 # entries to zero, and 4 steps later the run has drifted 0.50-0.72 of the motion (measured on 1, 2, 3 and 4 ranks),
-# as far as a resume that lost its moments: the loaded state itself is what tells them apart (FP8_REENCODE),
+# as far as a resume that lost its moments: the loaded state itself is what tells them apart (W.SCALED),
 # and the same layout's continuation is bitwise.
-ADAM_DRIFT = {"adam": 1e-3, "adam_bf16": 1e-1, "adam_fp16": 1e-1, "adam_bf16_moments": 1e-1, "adam_fp8_moments": None}
-# fp8 (E4M3) moments re-encoded on another layout: within half a step of E4M3's coarsest spacing (32 at 448) of
-# the piece's amax, amax / 28; a lost or misplaced state is off by about the amax itself.
-FP8_REENCODE = 1 / 16
+# fp16 main params (and moments), re-encoded with other pieces' scales: 0.107-0.121 measured on 1, 3 and 4 ranks
+# and another bucket size; bound 0.25, still half what a lost state drifts.
+ADAM_DRIFT = {"adam": 1e-3, "adam_bf16": 1e-1, "adam_fp16": 1e-1, "adam_bf16_moments": 1e-1, "adam_fp8_moments": None,
+              "adam_fp16_main": 0.25}
+
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +66,10 @@ def check_loaded_state(full, ranks_results, key):
         for rank, result in enumerate(ranks_results):
             for k, (start, tensor) in result[(key, name)]["loaded"].items():
                 expected = full[name][k] if k == "step" else full[name][k][start:start + tensor.numel()]
-                if name in W.SCALED_STATES and k.startswith("exp_avg") and tensor.numel():
+                kinds, bound = W.SCALED.get(name, ((), 0.0))
+                if k.split("|")[0] in kinds and tensor.numel():
                     error = float((tensor - expected).abs().max())
-                    assert error <= FP8_REENCODE * float(expected.abs().max()), f"{name} rank {rank}: {k} off by {error}"
+                    assert error <= bound * float(expected.abs().max()), f"{name} rank {rank}: {k} off by {error}"
                 else:
                     assert torch.equal(tensor, expected), f"{name} rank {rank}: {k} differs after the load"
                 covered[k] += tensor.numel()
@@ -81,8 +83,12 @@ def check_continuation(saved_results, resumed, key, bitwise):
         ref = saved_results[0][name]
         for rank, result in enumerate(resumed):
             run = result[(key, name)]
+            rescaled_main = "fp32_param" in W.SCALED.get(name, ((), 0.0))[0] and not bitwise
             for a, b in zip(run["at_load"], ref["at_save"]):
-                assert torch.equal(a, b), f"{name} rank {rank}: params after the load are not the saved ones"
+                if rescaled_main:  # the params are the re-encoded main params, rounded: within a bf16 step
+                    assert float((a - b).abs().max()) <= 2.0**-7 * float(b.abs().max()), f"{name} rank {rank}"
+                else:
+                    assert torch.equal(a, b), f"{name} rank {rank}: params after the load are not the saved ones"
             if bitwise:
                 for a, b in zip(run["final"], ref["final"]):
                     assert torch.equal(a, b), f"{name} rank {rank}: not bitwise equal to the uninterrupted run"
