@@ -311,11 +311,16 @@ def _fp8_first_layer(model: torch.nn.Module) -> None:
 # row runs only where the config accepts its fields.
 FAMILIES = {"muon": ({"optimizer": "muon"}, None),
             "fp8": ({"bf16": True, "fp8_recipe": "tensorwise"}, _fp8_first_layer),
-            "offload": ({"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5}, None)}
+            "offload": ({"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5}, None),
+            # The precision-aware optimizer: fp8 / bf16 moments and bf16 params with 16-bit remainders, whose
+            # encode and decode (segment_reduce, index_fill, cumsum, integer bit ops) must capture on CUDA.
+            "precision-aware": ({"bf16": True, "use_precision_aware_optimizer": True, "exp_avg_dtype": torch.uint8,
+                                 "exp_avg_sq_dtype": torch.bfloat16}, None)}
 
 
 def part_families(device, small: bool) -> list[dict]:
-    """Muon, fp8 params and CPU offload, eager vs captured, where ``OptimizerConfig`` accepts them."""
+    """Muon, fp8 params, CPU offload and the precision-aware optimizer, eager vs captured, where
+    ``OptimizerConfig`` accepts them."""
     out = []
     for family, (fields, prepare) in FAMILIES.items():
         name = f"family-{family}"

@@ -25,7 +25,7 @@ CPU_RUNNABLE = {f"bitwise-{p}-{k}" for p in ("fp32", "bf16", "fp16") for k in ("
     "kernels-per-replay-independent-of-tensor-count", "offload-eager-vs-captured", "offload-vs-device-only",
     "offload-overlap"}
 # Rows for features later issues add: they run where OptimizerConfig accepts them, else skip saying so.
-FEATURE_ROWS = {"family-muon", "family-fp8", "family-offload"}
+FEATURE_ROWS = {"family-muon", "family-fp8", "family-offload", "family-precision-aware"}
 # Two or more ranks: listed as skipped in the default run; ``--multi`` runs them (two gloo ranks with --cpu).
 MULTI = {"multi-captured-step-matches-eager", "multi-teardown-after-capture", "multi-dead-peer-bounded"}
 BUDGET_S = 470  # perf/gpu_check.py's BUDGET_S: the dry run must finish well inside it
