@@ -89,8 +89,7 @@ def memory_stats(domains, host_tensors: dict, scalars: list, graph_pool_bytes: O
             device.add(name, tensors)
         for kind, per_buffer in buffers.stored.items():  # kept below fp32: the scales and piece bounds
             device.add("main_params" if kind == "main" else kind,
-                       [t for s in per_buffer if s is not None for t in (s.scales, s.lengths, s.positions)
-                        if t is not None])
+                       [t for s in per_buffer if s is not None for t in (s.scales, s.positions) if t is not None])
         for name, tensors in buffers.scratch.items():
             device.add(name, tensors)
     device.add("comm_scratch", [])

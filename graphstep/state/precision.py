@@ -103,7 +103,7 @@ class StoredState:
         lengths = [b - a for a, b in zip(self.starts, self.starts[1:])]
         if (lengths and self.starts[0] != 0) or any(n <= 0 for n in lengths):
             raise ValueError(f"StoredState: pieces must tile [0, {data.numel()}) without empty ones")
-        self.lengths = torch.tensor(lengths, dtype=torch.int64, device=data.device)
+        self.lengths = lengths
         self.positions = torch.tensor(self.starts[:-1], dtype=torch.int64, device=data.device)
         self.scales = torch.zeros(len(lengths), dtype=torch.float32, device=data.device) if storage.scaled else None
 
@@ -114,37 +114,44 @@ class StoredState:
             raise ValueError(f"StoredState: [{start}, {end}) does not begin and end at piece boundaries")
         return i, j
 
-    def _per_element(self, values: torch.Tensor, i: int, j: int, start: int, end: int) -> torch.Tensor:
-        """``values`` (one per piece i..j-1) repeated over each piece's elements. The piece of each element is
-        counted on device (a mark at each piece start, summed up), so nothing is read on the host and the
-        only per-element temporaries are those of this chunk."""
-        marks = torch.zeros(end - start, dtype=torch.int32, device=values.device)
+    def piece_index(self, start: int, end: int) -> torch.Tensor:
+        """For each element of [start, end) (whole pieces i..j-1), its piece's number counted from i: what
+        spreads one value per piece over the elements. Counted on device (a mark at each piece start, summed
+        up), so nothing is read on the host and the only per-element temporaries are this range's. Every
+        stored kind of a buffer has the same pieces, so one index serves them all."""
+        i, j = self.pieces(start, end)
+        marks = torch.zeros(end - start, dtype=torch.int32, device=self.data.device)
         marks.index_fill_(0, self.positions[i + 1:j] - start, 1)
-        return values.index_select(0, marks.cumsum(0, dtype=torch.int32))
+        return marks.cumsum(0, dtype=torch.int32)
 
-    def read(self, start: int, end: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The fp32 values of [start, end) (into ``out`` when given)."""
+    def read(self, start: int, end: int, out: Optional[torch.Tensor] = None,
+             index: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The fp32 values of [start, end) (into ``out`` when given; ``index``: ``piece_index(start, end)``)."""
         out = torch.empty(end - start, dtype=torch.float32, device=self.data.device) if out is None else out
         out.copy_(self.data[start:end])
         if self.storage.scaled:
             i, j = self.pieces(start, end)
-            out.mul_(self._per_element(self.scales[i:j], i, j, start, end))
+            index = self.piece_index(start, end) if index is None else index
+            out.mul_(self.scales[i:j].index_select(0, index))
         return out
 
-    def write(self, start: int, end: int, values: torch.Tensor, keep: Optional[torch.Tensor] = None) -> None:
+    def write(self, start: int, end: int, values: torch.Tensor, keep: Optional[torch.Tensor] = None,
+              index: Optional[torch.Tensor] = None) -> None:
         """Store fp32 ``values`` as [start, end), each piece's scale from its new amax; ``keep`` (0-d bool):
         where False, the old scales stay (a skipped step, whose values are the stored ones)."""
         if not self.storage.scaled:
             self.data[start:end].copy_(values)
             return
         i, j = self.pieces(start, end)
-        amax = torch.segment_reduce(values.abs(), "max", lengths=self.lengths[i:j], unsafe=True)
+        # One multi-tensor max over the pieces (torch's segment_reduce is several times slower on the CPU).
+        amax = torch.stack(torch._foreach_max(torch.split(values.abs(), self.lengths[i:j])))
         scales = amax / self.storage.range
         if keep is not None:
             scales = torch.where(keep, scales, self.scales[i:j])
         self.scales[i:j].copy_(scales)
         inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
-        scaled = values * self._per_element(inverse, i, j, start, end)
+        index = self.piece_index(start, end) if index is None else index
+        scaled = values * inverse.index_select(0, index)
         # Past the range only by an fp32 rounding; clamped so that no cast can turn it into inf or NaN.
         self.data[start:end].copy_(scaled.clamp_(-self.storage.range, self.storage.range))
 
@@ -163,7 +170,8 @@ class RemainderMain(StoredState):
         super().__init__(REMAINDER, data, piece_starts)
         self.high = high
 
-    def read(self, start: int, end: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def read(self, start: int, end: int, out: Optional[torch.Tensor] = None,
+             index: Optional[torch.Tensor] = None) -> torch.Tensor:
         out = torch.empty(end - start, dtype=torch.float32, device=self.data.device) if out is None else out
         low = self.data[start:end].to(torch.int64) & 0xFFFF
         high = (self.high(start, end).view(torch.int16).to(torch.int64) - (low >> 15)) & 0xFFFF
@@ -171,8 +179,9 @@ class RemainderMain(StoredState):
         out.copy_((bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32))
         return out
 
-    def write(self, start: int, end: int, values: torch.Tensor, keep: Optional[torch.Tensor] = None) -> None:
-        # ``keep`` is not needed: a skipped step hands back the values read, whose halves are the stored ones.
+    def write(self, start: int, end: int, values: torch.Tensor, keep: Optional[torch.Tensor] = None,
+              index: Optional[torch.Tensor] = None) -> None:
+        # ``keep`` and ``index`` are not needed: a skipped step hands back the values read, whose halves are the stored ones.
         bits = values.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
         low = bits & 0xFFFF
         high = ((bits >> 16) + (low >> 15)) & 0xFFFF

@@ -82,8 +82,10 @@ def run(family, kernels, chunks: list, kwargs: dict, scalars, config, grad_scale
     """One group's update over ``chunks``: read each chunk's windows, run the family's kernel, write them back
     (``keep``, 0-d bool: False on a skipped step, which keeps the stored scales)."""
     for chunk_views, windows in chunks:
+        scaled = next((w for w in windows if w[0].storage.scaled), None)
+        index = None if scaled is None else scaled[0].piece_index(scaled[1], scaled[2])  # the chunk's kinds share it
         for state, start, end, window in windows:
-            state.read(start, end, out=window)
+            state.read(start, end, out=window, index=index)
         family.run(kernels, [(chunk_views, kwargs)], scalars, config, grad_scale)
         for state, start, end, window in windows:
-            state.write(start, end, window, keep=keep)
+            state.write(start, end, window, keep=keep, index=index)
