@@ -40,7 +40,8 @@ from .parallel.collectives import Collectives, data_parallel_group
 from .run.debug import StepReport, run_debug_step, trace_closure
 from .run.memory import memory_stats
 from .run.runner import StepRunner
-from .state.buffers import StaticBuffers, allocate
+from .state.allocation import allocate
+from .state.buffers import StaticBuffers
 from .state.hyperparams import HyperParams
 from .state.precision import main_compute_dtype, main_storage, storage_by_state
 from .step import domains as domains_mod

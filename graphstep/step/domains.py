@@ -114,7 +114,7 @@ def build_further(dense: Domain, further: Further, specs, params, *, device, sta
     dense context with its own layout, buffers, collectives, rank, averaging size and folded sums."""
     from ..build.layout import plan_layout
     from ..parallel.collectives import Collectives
-    from ..state.buffers import allocate
+    from ..state.allocation import allocate
     from ..state.precision import main_compute_dtype, main_storage, storage_by_state
     from . import folded_sums
 
