@@ -52,13 +52,14 @@ def scenarios(rank: int, world_size: int) -> dict:
     rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
     out = {"reference": single_process(), "start": [p.detach().clone() for p in model().parameters()]}
 
-    # DDP around the model, then the optimizer over it; and the optimizer first, DDP wrapped after it.
-    for order in ("ddp_first", "optimizer_first"):
+    # DDP around the model, then the optimizer over it; and the optimizer first, DDP wrapped after it; and DDP
+    # with gradient_as_bucket_view=True, which points every .grad at its own buckets after each all-reduce.
+    for order in ("ddp_first", "optimizer_first", "bucket_view"):
         net = model()
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            if order == "ddp_first":
-                wrapped = DDP(net)
+            if order in ("ddp_first", "bucket_view"):
+                wrapped = DDP(net, gradient_as_bucket_view=order == "bucket_view")
                 opt = gs.get_optimizer(config(), wrapped, config_overrides={})
             else:
                 opt = gs.get_optimizer(config(), net, config_overrides={})

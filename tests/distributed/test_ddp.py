@@ -4,6 +4,7 @@ again after DDP rewrote the grads); ranks with neither DDP nor the distributed o
 the distributed optimizer (grads averaged twice) is refused. One spawn runs every scenario."""
 
 import pytest
+import torch
 
 from _harness import relative_drift, spawn, values
 import _ddp_workers
@@ -35,6 +36,15 @@ def test_under_ddp_each_grad_is_folded_once_per_step(ranks, order):
         run = report[order]
         assert run["units"] > 0
         assert run["folds"] == {"in_backward": 0, "before_step": run["units"] * _ddp_workers.STEPS}
+
+
+def test_ddp_with_grads_as_bucket_views_trains_bitwise_like_the_default(ranks):
+    # DDP re-points each .grad at its bucket after the all-reduce; the step adopts the values back into
+    # graphstep's grad buffer (StaticBuffers.bind_grads) before it reads them: nothing is lost or stale.
+    for report in ranks:
+        assert report["bucket_view"]["captured"] and not report["bucket_view"]["warnings"]
+        for a, b in zip(report["bucket_view"]["params"], report["ddp_first"]["params"]):
+            assert torch.equal(a, b)
 
 
 def test_ranks_without_ddp_or_the_distributed_optimizer_are_warned_once(ranks):
