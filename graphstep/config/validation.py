@@ -21,6 +21,8 @@ from ..families import FAMILIES, get_family
 KERNELS = ("auto", "fused", "compiled", "reference")
 INVALIDATION_POLICIES = ("recapture", "raise")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# Storage dtypes of Adam's moments: torch.uint8 is Megatron-Core's spelling of fp8 (its --exp-avg-dtype fp8).
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.float8_e4m3fn)
 MAX_LOSS_SCALE = 2.0**127
 """The largest power of two a float32 holds: the dynamic scale never grows past it (and so stays finite)."""
 MIN_LOSS_SCALE = 2.0**-126
@@ -156,10 +158,6 @@ def validate(config: OptimizerConfig) -> None:
     _validate_for_family(config)
     _validate_fp8(config)
     _validate_offload(config)
-
-
-# Storage dtypes of Adam's moments: torch.uint8 is Megatron-Core's spelling of fp8 (its --exp-avg-dtype fp8).
-STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.float8_e4m3fn)
 
 
 def _validate_precision_aware(config: OptimizerConfig) -> None:
