@@ -92,6 +92,13 @@ def test_the_0_16_1_nesterov_spelling_sets_the_canonical_field_and_replace_keeps
     assert config.replace(muon_nesterov=False).muon_nesterov is False
 
 
+def test_a_float_loss_scale_window_as_megatron_parses_it_is_the_integer():
+    assert OptimizerConfig(loss_scale_window=1000.0).loss_scale_window == 1000
+    assert type(OptimizerConfig(loss_scale_window=1000.0).loss_scale_window) is int
+    with pytest.raises(ValueError, match=r"OptimizerConfig\.loss_scale_window="):
+        OptimizerConfig(loss_scale_window=1000.5)
+
+
 def test_megatron_switches_map_onto_graphsteps_own():
     assert OptimizerConfig(optimizer_cuda_graph=True).capture == "graph"
     assert OptimizerConfig(optimizer_cuda_graph=False).capture == "auto"

@@ -119,7 +119,8 @@ class OptimizerConfig:
     """Dynamic scaling: the scale never backs off below this."""
 
     loss_scale_window: int = 1000
-    """Dynamic scaling: clean steps in a row before the scale doubles (the growth interval)."""
+    """Dynamic scaling: clean steps in a row before the scale doubles (the growth interval). An integral float
+    (Megatron-Core's command line gives 1000.0) is taken as that integer."""
 
     hysteresis: int = 2
     """Dynamic scaling: non-finite steps tolerated before the scale backs off."""
@@ -354,6 +355,9 @@ class OptimizerConfig:
                                  "(True or False) or None")
             object.__setattr__(self, "muon_nesterov", self.muon_use_nesterov)
             object.__setattr__(self, "muon_use_nesterov", None)
+        # Megatron-Core annotates loss_scale_window as a float and its command line parses it so (1000.0).
+        if isinstance(self.loss_scale_window, float) and self.loss_scale_window.is_integer():
+            object.__setattr__(self, "loss_scale_window", int(self.loss_scale_window))
         if self.optimizer_cuda_graph is True and self.capture == "auto":
             object.__setattr__(self, "capture", "graph")
         if self.use_layer_wise_distributed_optimizer is True:
