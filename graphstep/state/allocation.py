@@ -42,6 +42,7 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
     """
     if len(params) != len(layout.params):
         raise ValueError(f"allocate: {len(params)} params for a layout of {len(layout.params)}")
+    main_storage = main_storage or {}
     originals = [p.detach().clone() for p in params]
     dp_size = layout.dp_size
 
@@ -50,7 +51,7 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
     for b, buf in enumerate(layout.buffers):
         param_flat.append(torch.zeros(buf.numel, dtype=buf.param_dtype, device=device))
         grad_flat.append(torch.zeros(buf.numel, dtype=buf.grad_dtype, device=device))
-        below = (main_storage or {}).get(buf.param_dtype)
+        below = main_storage.get(buf.param_dtype)
         if buf.param_dtype == main_dtype:
             main_shard.append(param_flat[-1])  # the params are the main params: updated in place
         else:
@@ -75,10 +76,10 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
 
     buffers = StaticBuffers(layout, rank, param_flat, grad_flat, main_shard, grad_shard, state, list(params),
                             host=host, state_ranges=ranges, stored=stored)
-    if any((main_storage or {}).get(buf.param_dtype) for buf in layout.buffers):
+    if any(main_storage.get(buf.param_dtype) for buf in layout.buffers):
         if host is not None:
             raise ValueError("main params below fp32 stay on the device: not with CPU offload")
-        buffers.stored["main"] = [_stored_main(buffers, b, (main_storage or {}).get(buf.param_dtype))
+        buffers.stored["main"] = [_stored_main(buffers, b, main_storage.get(buf.param_dtype))
                                   for b, buf in enumerate(layout.buffers)]
     for i, p in enumerate(params):
         place = layout.params[i]

@@ -62,18 +62,18 @@ def chunks(ctx, views: GroupViews, segments, scratch: dict[str, torch.Tensor]) -
             chunks.append((GroupViews([views.params[k]], [views.grads[k]],
                                       {name: [tensors[k]] for name, tensors in views.state.items()}), []))
             continue
-        kind, state = next(iter(stored.items()))
-        offset = _offset(buffers, kind, segment)
-        for start, end in precision.chunks(state, offset, offset + segment.numel):
-            lo, numel = start - offset, end - start
+        offsets = {kind: _offset(buffers, kind, segment) for kind in stored}
+        first = next(iter(stored))  # every stored kind of a buffer has the same pieces: chunk by any
+        for start, end in precision.chunks(stored[first], offsets[first], offsets[first] + segment.numel):
+            lo, numel = start - offsets[first], end - start
 
             def window(kind, tensors):
                 return scratch[kind][:numel] if kind in stored else tensors[k][lo:lo + numel]
 
             chunk_views = GroupViews([window("main", views.params)], [views.grads[k][lo:lo + numel]],
                                      {name: [window(name, tensors)] for name, tensors in views.state.items()})
-            windows = [(state, _offset(buffers, kind, segment) + lo, _offset(buffers, kind, segment) + lo + numel,
-                        scratch[kind][:numel]) for kind, state in stored.items()]
+            windows = [(state, offsets[kind] + lo, offsets[kind] + lo + numel, scratch[kind][:numel])
+                       for kind, state in stored.items()]
             chunks.append((chunk_views, windows))
     return chunks
 

@@ -187,14 +187,17 @@ def _copy_back_pairs(ctx) -> list:
 
 def _decoded_copy_back(ctx) -> list:
     """(model-param view, StoredState, start, end) of the main params kept in fp16 (graphstep/state/precision.py):
-    copied back from their fp32 values. None for remainders: there the params are the main params' high half,
-    which the update wrote."""
+    copied back from their fp32 values, a chunk at a time (``precision.chunks``: the fp32 temporary stays a
+    chunk's, as in the update). None for remainders: there the params are the main params' high half, which
+    the update wrote."""
     buffers, copies = ctx.buffers, []
     for b in range(len(ctx.layout.buffers)):
         stored = buffers.stored_kind("main", b)
-        if stored is not None and not stored.storage.remainder:
-            copies += [(buffers.param_flat[b][lo:lo + size], stored, start, start + size)
-                       for lo, start, size in _device_pieces(ctx, b)]
+        if stored is None or stored.storage.remainder:
+            continue
+        for lo, start, size in _device_pieces(ctx, b):
+            copies += [(buffers.param_flat[b][lo + first - start:lo + last - start], stored, first, last)
+                       for first, last in precision.chunks(stored, start, start + size)]
     return copies
 
 
