@@ -9,7 +9,8 @@ from .build.overrides import (NamedPredicate, ParamGroupOverride, ParamKey, chec
                               get_mup_config_overrides, get_standard_config_overrides)
 from .checkpoint import CheckpointError
 from .config import OptimizerConfig
-from .engine import GraphstepOptimizer, StepResult, get_optimizer
+from .engine import GraphstepOptimizer, StepResult
+from .factory import get_optimizer
 from .kernels.muon import QKVSplit
 from .parallel.collectives import CollectiveError
 from .qk_clip import HeadLayout

@@ -1,4 +1,5 @@
-"""The optimizer object users hold: ``get_optimizer`` builds it, ``step`` runs the chain of stages.
+"""The optimizer object users hold: ``get_optimizer`` (graphstep/factory.py) builds it, ``step`` runs the chain of
+stages.
 
 It is a ``torch.optim.Optimizer`` as far as torch's LR schedulers, ``param_groups`` and ``state_dict``
 are concerned. Everything else about it is static: the layout is planned once, the buffers are allocated
@@ -64,27 +65,6 @@ class StepResult:
     loss_scale: torch.Tensor  # fp32, the scale the next backward uses
 
 
-def get_optimizer(config: OptimizerConfig, model_chunks, config_overrides=None, process_group=None,
-                  model_parallel_group=None, expert_data_parallel_group=None,
-                  tensor_parallel_group=None, expert_tensor_parallel_group=None) -> "GraphstepOptimizer":
-    """Build the engine over ``model_chunks`` (an nn.Module or a list of them).
-
-    ``config_overrides``: None applies the standard overrides (no weight decay on biases and 1-D params,
-    ``decoupled_lr`` for embedding/output params); ``{}`` applies none. ``process_group``: the
-    data-parallel group (default WORLD when torch.distributed is initialised and the distributed optimizer
-    is on). ``model_parallel_group``: summed over as well for the grad norm and the non-finite check (the
-    tensor- and pipeline-parallel ranks together). ``expert_data_parallel_group``: the group MoE expert params
-    (marked ``allreduce=False`` or ``is_expert_parallel=True``) are sharded and reduced over instead of
-    ``process_group``; see graphstep/build/experts.py for the rules. ``tensor_parallel_group``: the
-    tensor-parallel group, whose rank 0 alone counts the params replicated across it in the grad norm
-    (graphstep/build/model_parallel.py); it is the model-parallel group too when that is not given.
-    ``expert_tensor_parallel_group``: the same for the expert params (Megatron-Core's expert tensor-parallel
-    group); needed with expert params and a tensor-parallel group of several ranks.
-    """
-    return GraphstepOptimizer(config, model_chunks, config_overrides, process_group, model_parallel_group,
-                              expert_data_parallel_group, tensor_parallel_group, expert_tensor_parallel_group)
-
-
 def _static_inputs(domains: tuple[domains_mod.Domain, ...], hyper: HyperParams, tensors: StepTensors):
     """What a capture guards before each replay: every domain's static buffers (named by its role), the
     hyperparameters, the scalars."""
@@ -115,14 +95,17 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         if not isinstance(config, OptimizerConfig):
             raise TypeError(f"get_optimizer: config must be an OptimizerConfig, got {type(config).__name__}")
         self.config = config
-        named = named_trainable_params(model_chunks)
+        model_named = named_trainable_params(model_chunks, dtensors=self.local_shards is not None)
         chunks = as_chunks(model_chunks)
         ddp.check_at_build(chunks, config.use_distributed_optimizer)
         # Validates the overrides; routes each param to its optimizer family (the groups' "optimizer" key).
-        groups = build_family_param_groups(named, config, config_overrides, model_chunks=model_chunks)
+        groups = build_family_param_groups(model_named, config, config_overrides, model_chunks=model_chunks)
         self._building = True
         super().__init__(groups, families_mod.torch_defaults(config))  # what schedulers see
         self._building = False
+        group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
+        group_index = [group_of[id(p)] for _, p in model_named]
+        named = self._laid_out(model_named)  # what the flat buffers hold, in the same order
 
         params = [p for _, p in named]
         device = params[0].device
@@ -130,14 +113,13 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             if p.device != device:
                 raise ValueError(f"param '{name}' is on {p.device}, others on {device}: put the model on one "
                                  "device before get_optimizer")
-        group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
         warn_dtype_conversion(config, named)
         fp8_support.check_against_config(config, named)
         self._families = families = families_of(self.param_groups, config.optimizer)
         model_parallel_group, counting = model_parallel.resolve(named, model_parallel_group, tensor_parallel_group,
                                                                 expert_tensor_parallel_group)
-        specs = [param_spec(config, name, p, group_of[id(p)], families[group_of[id(p)]].batch_by_shape,
-                            counting.counts(p)) for name, p in named]
+        specs = [param_spec(config, name, p, g, families[g].batch_by_shape, counting.counts(p))
+                 for (name, p), g in zip(named, group_index)]
 
         dp_group, rank, dp_size = data_parallel_group(config, process_group)
         # MoE expert params: a further domain over the expert data-parallel group (experts.py), or none.
@@ -164,8 +146,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         # buffers (``opt.state_dict()``, ``gs.checkpoint``); each param's entry names the one step count they
         # share. torch.distributed.checkpoint's get/set_state_dict, which cannot read or write that, are
         # refused by the mapping with the way that works (graphstep/checkpoint/torch_api.py).
-        self.state = ParamState(dict)
-        for p in params:
+        self.state = self._param_state()
+        for _, p in model_named:
             self.state[p]["step"] = self.tensors.step
         self._torch_amp = TorchGradScaler(self.tensors, own_scaler=scaled)
         self.clip_grad = config.clip_grad
@@ -238,6 +220,19 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                                  explicit_groups=explicit_groups, on_ddp=self._fold.fold_before_step)
         self.result = StepResult(self.tensors.update_successful, self.tensors.grad_norm, self.tensors.num_zeros,
                                  self.tensors.loss_scale)
+
+    # ---- what the subclass for FSDP2 models changes (graphstep/fsdp2/optimizer.py) -------------------------
+    local_shards = None
+    """An FSDP2 model's optimizer (graphstep/fsdp2/optimizer.py): each DTensor param's local shard, what the flat
+    buffers hold (graphstep/fsdp2/shards.py). None for other models, whose DTensor params are refused."""
+
+    def _laid_out(self, named: list) -> list:
+        """(name, tensor) per trainable param, in order: what the flat buffers hold. The params themselves."""
+        return named
+
+    def _param_state(self) -> dict:
+        """The empty ``Optimizer.state`` mapping: one that refuses torch's get/set_state_dict (torch_api.py)."""
+        return ParamState(dict)
 
     def add_param_group(self, param_group: dict) -> None:
         if not self._building:

@@ -117,7 +117,7 @@ def _numel(model) -> int:
 
 def run_graphstep(rank, world, args, data, overlap=False, optimizer="adam") -> Row:
     from graphstep.config import OptimizerConfig
-    from graphstep.engine import get_optimizer
+    from graphstep import get_optimizer
 
     model = make_model(args.width, args.layers)
     config = OptimizerConfig(optimizer=optimizer, lr=1e-3, weight_decay=0.1, clip_grad=1.0, capture="eager",

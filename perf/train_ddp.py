@@ -28,7 +28,7 @@ if ROOT not in sys.path:
 
 from graphstep.app import models  # noqa: E402
 from graphstep.config import OptimizerConfig  # noqa: E402
-from graphstep.engine import get_optimizer  # noqa: E402
+from graphstep import get_optimizer  # noqa: E402
 
 
 def main(argv=None) -> None:

@@ -60,3 +60,19 @@ def _fold_units_of_one_row_unless_marked(request, monkeypatch):
 
         monkeypatch.setattr(folded_sums, "UNIT_ROWS", 1)
         monkeypatch.setattr(folded_sums, "HOOK_MIN_ELEMENTS", 1)
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A one-process gloo group for a module's tests: what FSDP2's fully_shard and torch's checkpoint API need to
+    run at all. Destroyed after the module (left alone if something else made one)."""
+    import torch.distributed as dist
+
+    from _ports import free_port
+    if dist.is_initialized():
+        yield
+        return
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

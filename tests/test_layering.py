@@ -91,6 +91,8 @@ ALLOWED = {
     "run": _BUILD_INPUTS | {"build", "state", "step", "hooks"},
     "offload": _BUILD_INPUTS | {"build", "state", "step", "hooks", "run"},
     "checkpoint": _BUILD_INPUTS | {"build", "state", "step", "hooks", "run"},
+    # The engine for FSDP2 models subclasses the engine's: the one folder above it (graphstep/factory.py picks).
+    "fsdp2": _BUILD_INPUTS | {"build", "state", "step", "hooks", "run", "checkpoint", "engine"},
 }
 
 

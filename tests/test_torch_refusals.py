@@ -1,16 +1,13 @@
-"""What graphstep does not take yet is refused up front, with the way that works: DTensor params (FSDP2) at
-get_optimizer, torch's get_state_dict / set_state_dict on a graphstep optimizer; and a cast of the user's
-model (bf16 / fp16 / params_dtype) is said once at build, never silent."""
+"""What graphstep does not take is refused up front, with the way that works: torch's get_state_dict /
+set_state_dict on a graphstep optimizer of a plain model (FSDP2 models' take them: tests/test_fsdp2_local.py);
+and a cast of the user's model (bf16 / fp16 / params_dtype) is said once at build, never silent."""
 
-import os
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import graphstep as gs
-from _ports import free_port
 
 
 def tensors_of(tree) -> list:
@@ -24,18 +21,6 @@ def tensors_of(tree) -> list:
     return []
 
 
-@pytest.fixture(scope="module")
-def one_rank_group():
-    # A one-process gloo group: what FSDP2's fully_shard and torch's checkpoint API need to run at all.
-    if dist.is_initialized():
-        yield
-        return
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def trained_engine():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
@@ -43,15 +28,6 @@ def trained_engine():
     model(torch.randn(2, 8)).sum().backward()
     opt.step()
     return model, opt
-
-
-def test_fsdp2_params_are_refused_naming_the_param_and_what_works(one_rank_group):
-    from torch.distributed.fsdp import fully_shard
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
-    fully_shard(model)
-    with pytest.raises(TypeError, match=r"param '0.weight' is a DTensor.*gs.wrap\(torch.optim.AdamW"):
-        gs.get_optimizer(gs.OptimizerConfig(capture="eager"), model)
-    assert all(type(p).__name__ == "DTensor" for p in model.parameters())  # nothing was laid out
 
 
 def test_torchs_get_state_dict_names_graphsteps_own(one_rank_group):

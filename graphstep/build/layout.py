@@ -62,6 +62,8 @@ class ParamSpec:
     # shape, and with several ranks shard layer-wise (whole matrices per rank)
     counted_in_norm: bool = True  # False: a copy another rank counts (graphstep/build/model_parallel.py); its
     # grads still take part in the non-finite check. Such params get buffers of their own.
+    zero_tail: int = 0  # its last elements are padding outside the model (an FSDP2 model's uneven shards,
+    # graphstep/fsdp2/shards.py): always zero, left out of num_zeros like the layout's own padding
 
     @property
     def numel(self) -> int:
@@ -79,6 +81,7 @@ class ParamPlacement:
     buffer: int
     bucket: int  # index into Layout.buckets
     start: int
+    zero_tail: int = 0  # ParamSpec.zero_tail
 
     @property
     def numel(self) -> int:
@@ -200,14 +203,18 @@ class Layout:
         return tuple(segments)
 
     def padding_numel(self, rank: Optional[int] = None, buffers: Optional[Sequence[int]] = None) -> int:
-        """Elements that belong to no param: in the whole buffers, or in ``rank``'s shards; of every buffer,
-        or of ``buffers`` only."""
+        """Elements that belong to no param, or to a param's ``zero_tail``: in the whole buffers, or in
+        ``rank``'s shards; of every buffer, or of ``buffers`` only."""
         chosen = set(range(len(self.buffers)) if buffers is None else buffers)
         if rank is None:
             return (sum(self.buffers[b].numel for b in chosen)
-                    - sum(p.numel for p in self.params if p.buffer in chosen))
-        owned = sum(r.param_end - r.param_start for r in self.owned_ranges(rank)
-                    if self.params[r.param].buffer in chosen)
+                    - sum(p.numel - p.zero_tail for p in self.params if p.buffer in chosen))
+        owned = 0
+        for r in self.owned_ranges(rank):
+            place = self.params[r.param]
+            if place.buffer in chosen:
+                tail = max(0, r.param_end - max(r.param_start, place.numel - place.zero_tail))
+                owned += r.param_end - r.param_start - tail
         return sum(self.buffers[b].shard_numel for b in chosen) - owned
 
     def shard_entries_counted(self) -> list[bool]:
@@ -298,7 +305,7 @@ def plan_layout(specs: Sequence[ParamSpec], dp_size: int = 1, bucket_size: Optio
             for i in ordered:
                 spec = specs[i]
                 placements[i] = ParamPlacement(i, spec.name, tuple(spec.shape), spec.group, buffer_index,
-                                               len(buckets), offset)
+                                               len(buckets), offset, spec.zero_tail)
                 offset = _round_up(offset + spec.numel, PARAM_ALIGNMENT)
             end = start + _round_up(offset - start, bucket_multiple)
             bucket = Bucket(len(buckets), buffer_index, start, end, tuple(ordered), dp_size, shard_offset)
@@ -324,7 +331,8 @@ def plan_layout(specs: Sequence[ParamSpec], dp_size: int = 1, bucket_size: Optio
                     i = whole[item]
                     placements[i] = ParamPlacement(i, specs[i].name, tuple(specs[i].shape), specs[i].group,
                                                    buffer_index, len(buckets),
-                                                   offset + rank * sections.section_numel + section_offset)
+                                                   offset + rank * sections.section_numel + section_offset,
+                                                   specs[i].zero_tail)
                     ordered.append(i)
             bucket = Bucket(len(buckets), buffer_index, offset, offset + sections.numel, tuple(ordered), dp_size,
                             shard_offset, whole_matrices=True)

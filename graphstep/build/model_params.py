@@ -21,9 +21,10 @@ def as_chunks(model_chunks) -> list[torch.nn.Module]:
     return chunks
 
 
-def named_trainable_params(model_chunks) -> list[tuple[str, torch.nn.Parameter]]:
+def named_trainable_params(model_chunks, dtensors: bool = False) -> list[tuple[str, torch.nn.Parameter]]:
     """``(name, param)`` of every trainable leaf param, each once (tied params are one); several chunks'
-    names are prefixed with the chunk's index."""
+    names are prefixed with the chunk's index. DTensor params are refused unless ``dtensors`` (the engine
+    for FSDP2 models, graphstep/fsdp2/, takes them)."""
     chunks = as_chunks(model_chunks)
     named, seen = [], set()
     for c, chunk in enumerate(chunks):
@@ -32,12 +33,10 @@ def named_trainable_params(model_chunks) -> list[tuple[str, torch.nn.Parameter]]
                 continue
             seen.add(id(p))
             name = name if len(chunks) == 1 else f"{c}.{name}"
-            if _is_dtensor(p):
+            if is_dtensor(p) and not dtensors:
                 raise TypeError(
                     f"param '{name}' is a DTensor (FSDP2's fully_shard, or another torch.distributed.tensor "
-                    "parallelism): get_optimizer lays params out in its own flat buffers and does not take DTensor "
-                    "params yet. What works today: gs.wrap(torch.optim.AdamW(model.parameters(), fused=True)) "
-                    "captures torch's fused step over the sharded params")
+                    "parallelism): build the optimizer with gs.get_optimizer, which takes FSDP2 models")
             if not p.is_leaf:
                 raise ValueError(f"param '{name}' is not a leaf tensor (it was computed from other tensors): "
                                  "register an nn.Parameter, or freeze it with requires_grad_(False)")
@@ -47,11 +46,17 @@ def named_trainable_params(model_chunks) -> list[tuple[str, torch.nn.Parameter]]
     return named
 
 
-def _is_dtensor(p: torch.Tensor) -> bool:
+def is_dtensor(p: torch.Tensor) -> bool:
     if not torch.distributed.is_available():
         return False
     from torch.distributed.tensor import DTensor
     return isinstance(p, DTensor)
+
+
+def _keeps_dtype(p: torch.Tensor) -> bool:
+    """Params no config casts: fp8 weights, and an FSDP2 model's local shards (graphstep/fsdp2/shards.py), whose
+    compute dtype is FSDP2's ``MixedPrecisionPolicy``'s."""
+    return is_fp8(p) or getattr(p, "fsdp2_local_shard", False)
 
 
 def warn_dtype_conversion(config: OptimizerConfig, named) -> None:
@@ -60,7 +65,7 @@ def warn_dtype_conversion(config: OptimizerConfig, named) -> None:
     target = config.model_dtype
     cast: dict = {}
     for name, p in named:
-        if target is not None and p.dtype != target and not is_fp8(p):
+        if target is not None and p.dtype != target and not _keeps_dtype(p):
             cast.setdefault(p.dtype, []).append(name)
     if not cast:
         return
@@ -78,7 +83,7 @@ def param_spec(config: OptimizerConfig, name: str, p: torch.nn.Parameter, group:
     if p.is_complex():
         raise ValueError(f"param '{name}' is complex ({p.dtype}): graphstep trains real floating-point params "
                          "only (store a complex weight as torch.view_as_real of a real parameter)")
-    dtype = p.dtype if is_fp8(p) else (config.model_dtype or p.dtype)  # fp8 weights stay fp8
+    dtype = p.dtype if _keeps_dtype(p) else (config.model_dtype or p.dtype)
     if not dtype.is_floating_point:
         raise ValueError(f"param '{name}' has dtype {dtype}: only floating-point params can be trained")
     if dtype == torch.float64:
@@ -86,4 +91,5 @@ def param_spec(config: OptimizerConfig, name: str, p: torch.nn.Parameter, group:
         raise ValueError(f"{source}: graphstep trains float32, bfloat16 and float16 params (its norm and update "
                          "kernels run in fp32 over fp32 main params); cast the model with model.float()")
     grad_dtype = config.main_grads_dtype if dtype in _HALF or is_fp8(p) else dtype
-    return ParamSpec(name, tuple(p.shape), dtype, grad_dtype, group, batch_by_shape, counted_in_norm)
+    return ParamSpec(name, tuple(p.shape), dtype, grad_dtype, group, batch_by_shape, counted_in_norm,
+                     getattr(p, "fsdp2_padding", 0))

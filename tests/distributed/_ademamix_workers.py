@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from graphstep.config import OptimizerConfig
-from graphstep.engine import get_optimizer
+from graphstep import get_optimizer
 from graphstep.families.ademamix import alpha_warmup, beta3_warmup
 from _harness import local_loss, tiny_transformer
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import graphstep as gs
 from graphstep.checkpoint import sharded
 from graphstep.config import OptimizerConfig
-from graphstep.engine import get_optimizer
+from graphstep import get_optimizer
 from _harness import local_loss, tiny_transformer
 
 GLOBAL_BATCH = 12

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import graphstep as gs
 from graphstep.config import OptimizerConfig
-from graphstep.engine import get_optimizer
+from graphstep import get_optimizer
 
 IN, WIDTH, LOCAL, BATCH = 12, 16, 2, 4
 STEPS = 16

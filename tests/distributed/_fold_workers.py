@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from graphstep.config import OptimizerConfig
-from graphstep.engine import get_optimizer
+from graphstep import get_optimizer
 from _harness import local_loss, tiny_transformer
 
 STEPS = 6

@@ -8,7 +8,7 @@ import torch
 
 from graphstep import fp8
 from graphstep.config import OptimizerConfig
-from graphstep.engine import get_optimizer
+from graphstep import get_optimizer
 from _harness import local_loss, tiny_transformer
 
 STEPS = 12

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from graphstep.config import OptimizerConfig
-from graphstep.engine import get_optimizer
+from graphstep import get_optimizer
 
 # fp32/bf16 params x Adam/SGD with momentum; one captured on the replay backend (it keeps no graph pool).
 CONFIGS = {

@@ -11,7 +11,7 @@ import torch
 from _harness import local_loss, tiny_transformer
 
 from graphstep.config import OptimizerConfig
-from graphstep.engine import get_optimizer
+from graphstep import get_optimizer
 from graphstep.parallel.collectives import CollectiveError
 
 # The settings the parity runs share: clipping on and active (the toy's grad norm is ~1-3), several buckets

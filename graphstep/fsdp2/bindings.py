@@ -1,0 +1,79 @@
+"""FSDP2's tensors pointed at graphstep's flat buffers, and kept there (docs/fsdp2-notes.md §1–2).
+
+After ``allocate`` each ``LocalShard.local`` is a view of the flat param buffer holding this rank's padded chunk.
+``bind`` makes FSDP2 read and write there:
+
+- ``FSDPParam._sharded_param_data`` (what its all-gather reads) is that view, flat, and the DTensor param's local
+  tensor its real rows: an in-place update of the flat buffer is what the next forward gathers;
+- the DTensor param's ``.grad`` is set ahead of backward, over the real rows of the param's flat grad view:
+  FSDP2 then accumulates its reduce-scattered grad into it in place (``grad._local_tensor += ...``) instead of
+  handing out a fresh tensor, so the step reads the grads where they landed.
+
+``check`` runs before every step, one pass over the params: a grad FSDP2 or the user replaced (``set_to_none``
+zeroing, a ``p.grad = ...``) is copied in (None: zeros) and the prepared one set back; a param whose sharded
+data FSDP2 moved (``model.to(...)``, a ``load_state_dict`` into another storage) has its values copied in and is
+bound again. The buffers' addresses never change, so a captured step stays valid.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .shards import LocalShard
+
+
+class FsdpBindings:
+    def __init__(self, shards: list[LocalShard], buffers):
+        """``buffers``: the engine's ``StaticBuffers`` laid out over ``[s.local for s in shards]``, in order."""
+        if [id(p) for p in buffers.params] != [id(s.local) for s in shards]:
+            raise ValueError("graphstep: the FSDP2 local shards and the flat buffers disagree on the params")
+        self.shards = shards
+        self._views = [buffers.param_view(i) for i in range(len(shards))]
+        self._grad_views = [buffers.grad_view(i) for i in range(len(shards))]
+        self._grads = [s.fsdp_param.to_sharded_dtensor(g.narrow(0, 0, s.rows) if g.dim() else g)
+                       for s, g in zip(shards, self._grad_views)]
+        self._data_ptrs = [view.data_ptr() for view in self._views]
+        for i in range(len(shards)):
+            self._bind_param(i)
+            shards[i].param.grad = self._grads[i]
+
+    def _real_rows(self, tensor: torch.Tensor, shard: LocalShard) -> torch.Tensor:
+        return tensor.narrow(0, 0, shard.rows) if tensor.dim() else tensor
+
+    def _bind_param(self, i: int) -> None:
+        shard, view = self.shards[i], self._views[i]
+        shard.fsdp_param._sharded_param_data = view.view(-1)
+        shard.param._local_tensor = self._real_rows(view, shard)
+
+    def _param_moved(self, i: int) -> bool:
+        shard = self.shards[i]
+        return (shard.fsdp_param._sharded_param_data.data_ptr() != self._data_ptrs[i]
+                or shard.param._local_tensor.data_ptr() != self._data_ptrs[i])
+
+    def check(self) -> list[str]:
+        """Copy in and re-bind what was replaced since the last step; the names of params whose data moved."""
+        moved = []
+        for i, shard in enumerate(self.shards):
+            if self._param_moved(i):
+                values = shard.param._local_tensor  # FSDP2's own: the real rows
+                self._real_rows(self._views[i], shard).copy_(values)
+                self._bind_param(i)
+                moved.append(shard.name)
+            grad = shard.param.grad
+            if grad is not self._grads[i]:
+                self.restore_grad(i, grad)
+        return moved
+
+    def restore_grad(self, i: int, grad) -> None:
+        view = self._real_rows(self._grad_views[i], self.shards[i])
+        if grad is None:
+            view.zero_()
+        else:
+            view.copy_(grad._local_tensor if hasattr(grad, "_local_tensor") else grad)
+        self.shards[i].param.grad = self._grads[i]
+
+    def rebind_grads(self) -> None:
+        """After ``zero_grad``: grads a user set to None point at the (zeroed) flat grads again."""
+        for i, shard in enumerate(self.shards):
+            if shard.param.grad is not self._grads[i]:
+                self.restore_grad(i, None)

@@ -1,0 +1,102 @@
+"""The engine over an FSDP2 (``fully_shard``) model: what ``gs.get_optimizer`` (graphstep/factory.py) builds when the
+params are DTensors.
+
+It is the plain engine laid out over each param's padded local shard (graphstep/fsdp2/shards.py) with no
+data-parallel sharding of its own (FSDP2 reduce-scatters the grads in backward and all-gathers the params in
+forward), the grad statistics summed over the device mesh, FSDP2's tensors bound to the flat buffers
+(bindings.py), and torch's state-dict format for torch.distributed.checkpoint (state_dict.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from ..build.model_params import as_chunks, named_trainable_params
+from ..config import OptimizerConfig
+from ..engine import GraphstepOptimizer
+from ..families import families_of
+from ..hooks import weak_hooks
+from . import state_dict as fsdp_state_dict
+from .bindings import FsdpBindings
+from .shards import local_shards, statistics_group
+
+# What FSDP2 does itself, or what needs whole matrices a rank does not hold: refused with the reason.
+_REFUSED = {
+    # (and with it overlap_grad_reduce / overlap_param_gather, which need it)
+    "use_distributed_optimizer": "FSDP2 shards the params and reduce-scatters the grads itself",
+    "optimizer_cpu_offload": "CPU offload is not supported with FSDP2 models",
+    "use_precision_aware_optimizer": "optimizer state below fp32 is not supported with FSDP2 models yet",
+    "qk_clip": "QK-clip rescales whole attention heads, which FSDP2 splits across ranks",
+}
+
+
+def _check_config(config: OptimizerConfig) -> None:
+    for field, why in _REFUSED.items():
+        if getattr(config, field):
+            raise ValueError(f"graphstep: {field}=True with an FSDP2 model: {why}")
+    if config.params_dtype is not None:
+        raise ValueError("graphstep: params_dtype with an FSDP2 model: the sharded params stay fp32; set the compute "
+                         "dtype with fully_shard's mp_policy=MixedPrecisionPolicy(param_dtype=...)")
+
+
+class Fsdp2Optimizer(GraphstepOptimizer):
+    """``GraphstepOptimizer`` for a model whose trainable params are all ``fully_shard``-ed DTensors.
+
+    ``bf16`` / ``fp16`` in the config name the compute dtype FSDP2's ``MixedPrecisionPolicy`` runs in: nothing is
+    cast (the sharded params stay fp32, and so are their grads), and ``fp16`` scales the loss dynamically as
+    usual. ``fold_grad_norm`` is off: no param hook of the engine's sees FSDP2's grads.
+    """
+
+    def __init__(self, config: OptimizerConfig, model_chunks, config_overrides=None):
+        if not isinstance(config, OptimizerConfig):
+            raise TypeError(f"get_optimizer: config must be an OptimizerConfig, got {type(config).__name__}")
+        _check_config(config)
+        chunks = as_chunks(model_chunks)
+        self.local_shards = local_shards(named_trainable_params(model_chunks, dtensors=True), chunks)
+        super().__init__(dataclasses.replace(config, fold_grad_norm=False), model_chunks, config_overrides,
+                         model_parallel_group=statistics_group(self.local_shards))
+        self._fsdp = FsdpBindings(self.local_shards, self.buffers)
+        self._arrival_hooks = [s.param.register_post_accumulate_grad_hook(weak_hooks.calling(self, "_grads_arrived"))
+                               for s in self.local_shards]
+
+    def _laid_out(self, named: list) -> list:
+        if [name for name, _ in named] != [s.name for s in self.local_shards]:
+            raise ValueError("graphstep: the FSDP2 model's params changed while the optimizer was being built")
+        for family in families_of(self.param_groups, self.config.optimizer):
+            if family.batch_by_shape:
+                raise ValueError(f"graphstep: optimizer {family.name!r} orthogonalises whole matrices, which FSDP2 "
+                                 "splits across ranks: not supported with FSDP2 models yet")
+        return [(s.name, s.local) for s in self.local_shards]
+
+    def _param_state(self) -> dict:
+        return collections.defaultdict(dict)  # torch's plain mapping: torch.distributed.checkpoint reads this optimizer (state_dict.py)
+
+    def _grads_arrived(self, _param) -> None:
+        self._grads_seen.seen = True
+        for handle in self._arrival_hooks:
+            handle.remove()
+        self._arrival_hooks = []
+
+    def _prepare(self) -> None:
+        self._fsdp.check()  # before the engine's own checks: FSDP2's grads and params back in the flat buffers
+        super()._prepare()
+
+    def recapture(self) -> None:
+        self._fsdp.check()
+        super().recapture()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._fsdp.rebind_grads()
+
+    def close(self) -> None:
+        self._grads_arrived(None)
+        super().close()
+
+    def state_dict(self) -> dict:
+        """torch's optimizer format, state as DTensors over the live buffers (graphstep/fsdp2/state_dict.py)."""
+        return fsdp_state_dict.state_dict(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        fsdp_state_dict.load_state_dict(self, state_dict)

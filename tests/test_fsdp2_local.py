@@ -1,0 +1,209 @@
+"""An FSDP2 model's optimizer in one process (a one-rank gloo group; the multi-rank runs are
+tests/distributed/test_fsdp2.py): FSDP2's tensors stay bound to the flat buffers whatever the user does to the
+grads and params, torch's state-dict format round-trips, and what graphstep does not take is refused by name."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import graphstep as gs
+
+pytestmark = pytest.mark.usefixtures("one_rank_group")
+
+
+def model(seed: int = 0, dtype=torch.float32, mp_dtype=None):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3)).to(dtype)
+    policy = MixedPrecisionPolicy(param_dtype=mp_dtype) if mp_dtype is not None else MixedPrecisionPolicy()
+    for layer in (m[0], m[2]):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(m, mp_policy=policy)
+    return m
+
+
+def config(**fields) -> gs.OptimizerConfig:
+    return gs.OptimizerConfig(**{"lr": 1e-2, "weight_decay": 0.1, "clip_grad": 0.0, "capture": "eager",
+                                 "kernel": "fused", **fields})
+
+
+def backward(m, step: int) -> None:
+    generator = torch.Generator().manual_seed(step)
+    x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 3, generator=generator)
+    F.mse_loss(m(x).float(), y).backward()
+
+
+def local(m) -> list:
+    return [p._local_tensor.detach().clone() for p in m.parameters()]
+
+
+def pair():
+    """The same FSDP2 model twice: one for graphstep, one for torch's fused AdamW (the bitwise oracle)."""
+    ours, theirs = model(), model()
+    opt = gs.get_optimizer(config(), ours, config_overrides={})
+    reference = torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    return ours, opt, theirs, reference
+
+
+def test_params_and_grads_are_views_of_the_flat_buffers():
+    m = model()
+    opt = gs.get_optimizer(config(), m)
+    base = opt.buffers.param_flat[0].untyped_storage().data_ptr()
+    grads = opt.buffers.grad_flat[0].untyped_storage().data_ptr()
+    for p in m.parameters():
+        assert p._local_tensor.untyped_storage().data_ptr() == base
+        assert p.grad._local_tensor.untyped_storage().data_ptr() == grads
+    backward(m, 0)
+    assert all(p.grad._local_tensor.untyped_storage().data_ptr() == grads for p in m.parameters())
+    assert opt.buffers.grad_flat[0].abs().sum() > 0  # FSDP2 accumulated into them
+
+
+@pytest.mark.parametrize("user_zeroing", ["opt.zero_grad", "model.zero_grad", "p.grad = None"])
+def test_grads_the_user_set_to_none_are_taken_back_and_steps_stay_bitwise_torchs(user_zeroing):
+    ours, opt, theirs, reference = pair()
+    for step in range(4):
+        backward(ours, step)
+        backward(theirs, step)
+        opt.step()
+        reference.step()
+        reference.zero_grad()
+        if user_zeroing == "opt.zero_grad":
+            opt.zero_grad()
+        elif user_zeroing == "model.zero_grad":
+            ours.zero_grad()  # set_to_none: FSDP2 hands out fresh grads at the next backward
+        else:
+            for p in ours.parameters():
+                p.grad = None
+        assert all(torch.equal(a, b) for a, b in zip(local(ours), local(theirs))), step
+
+
+def test_a_step_without_backward_after_the_grads_were_dropped_applies_zero_grads():
+    ours, opt, theirs, reference = pair()
+    backward(ours, 0)
+    ours.zero_grad()  # every grad None
+    opt.step()
+    for p in theirs.parameters():
+        p.grad = torch.zeros_like(p)
+    reference.step()
+    assert all(torch.equal(a, b) for a, b in zip(local(ours), local(theirs)))
+
+
+def test_params_moved_by_model_to_are_taken_back_without_a_recapture():
+    m = model()
+    opt = gs.get_optimizer(config(capture="graph", capture_warmup_steps=1), m)
+    for step in range(3):
+        backward(m, step)
+        opt.step()
+        opt.zero_grad()
+    assert opt.captured
+    before = local(m)
+    m.to(torch.float64).to(torch.float32)  # a new storage for every param (FSDP2 re-pads its shards)
+    moved = [p._local_tensor.untyped_storage().data_ptr() for p in m.parameters()]
+    assert all(ptr != opt.buffers.param_flat[0].untyped_storage().data_ptr() for ptr in moved)
+    backward(m, 3)
+    opt.step()
+    base = opt.buffers.param_flat[0].untyped_storage().data_ptr()
+    assert all(p._local_tensor.untyped_storage().data_ptr() == base for p in m.parameters())
+    assert opt.recaptures == 0 and opt.captured
+    assert not all(torch.equal(a, b) for a, b in zip(local(m), before))  # the step reached the model
+
+
+def test_torch_format_state_dict_round_trips_bitwise_into_another_optimizer():
+    ours, opt, _, _ = pair()
+    for step in range(3):
+        backward(ours, step)
+        opt.step()
+        opt.zero_grad()
+    saved = opt.state_dict()
+    assert set(saved) == {"state", "param_groups"}
+    assert set(saved["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert type(saved["state"][0]["exp_avg"]).__name__ == "DTensor"
+    copy = {"state": {k: {n: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for n, v in e.items()}
+                      for k, e in saved["state"].items()},
+            "param_groups": saved["param_groups"]}
+    other = model(seed=3)
+    other.load_state_dict(ours.state_dict())
+    opt2 = gs.get_optimizer(config(), other, config_overrides={})
+    opt2.load_state_dict(copy)
+    for step in range(3, 5):
+        for m, o in ((ours, opt), (other, opt2)):
+            backward(m, step)
+            o.step()
+            o.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(local(other), local(ours)))
+    assert float(opt2.tensors.step) == float(opt.tensors.step) == 5
+
+
+def test_a_mismatched_state_dict_is_refused_and_changes_nothing():
+    ours, opt, _, _ = pair()
+    backward(ours, 0)
+    opt.step()
+    saved = opt.state_dict()
+    saved["state"][0]["exp_avg"] = torch.zeros(2, 2)
+    before = [t.clone() for t in opt.buffers.state["exp_avg"]]
+    with pytest.raises(ValueError, match=r"state\[0\]\['exp_avg'\] has local shape \(2, 2\)"):
+        opt.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(opt.buffers.state["exp_avg"], before))
+
+
+def test_graphsteps_own_reshardable_format_points_at_torchs_api():
+    _, opt, _, _ = pair()
+    with pytest.raises(TypeError, match="torch.distributed.checkpoint: get_state_dict"):
+        opt.sharded_state_dict()
+    with pytest.raises(TypeError, match="get_state_dict"):
+        gs.checkpoint.get_optimizer_state_dict(None, opt)
+
+
+def test_fp16_config_scales_the_loss_dynamically_and_casts_nothing():
+    m = model(mp_dtype=torch.float16)
+    opt = gs.get_optimizer(config(fp16=True, initial_loss_scale=2.0 ** 10, hysteresis=1), m)
+    assert all(p.dtype == torch.float32 for p in m.parameters())
+    backward(m, 0)
+    next(m.parameters()).grad._local_tensor.view(-1)[0] = float("inf")
+    result = opt.step()
+    assert not bool(result.update_successful) and float(opt.loss_scale) == 2.0 ** 9
+
+
+def test_step_before_any_backward_warns_and_after_one_does_not():
+    m = model()
+    opt = gs.get_optimizer(config(), m)
+    with pytest.warns(RuntimeWarning, match="before any backward"):
+        opt.step()
+    m2 = model()
+    opt2 = gs.get_optimizer(config(), m2)
+    backward(m2, 0)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt2.step()
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(optimizer="muon"), "orthogonalises whole matrices"),
+    (dict(use_distributed_optimizer=True), "FSDP2 shards the params"),
+    (dict(optimizer_cpu_offload=True), "CPU offload"),
+    (dict(use_precision_aware_optimizer=True), "below fp32"),
+    (dict(params_dtype=torch.bfloat16, bf16=True), "MixedPrecisionPolicy"),
+])
+def test_what_fsdp2_models_do_not_take_is_refused_by_name(fields, message):
+    m = model()
+    before = local(m)
+    with pytest.raises(ValueError, match=message):
+        gs.get_optimizer(config(**fields), m)
+    assert all(torch.equal(a, b) for a, b in zip(local(m), before))
+
+
+def test_sharded_params_below_fp32_and_params_outside_fully_shard_are_refused():
+    with pytest.raises(ValueError, match="sharded in torch.bfloat16"):
+        gs.get_optimizer(config(), model(dtype=torch.bfloat16))
+    from torch.distributed.fsdp import fully_shard
+    m = torch.nn.Sequential(torch.nn.Linear(8, 5), torch.nn.Linear(5, 3))
+    fully_shard(m[0])  # the root's own params stay plain
+    with pytest.raises(ValueError, match="param '1.weight' is a plain tensor that fully_shard does not manage"):
+        gs.get_optimizer(config(), m)
+
+
+def test_process_groups_given_with_an_fsdp2_model_are_refused():
+    import torch.distributed as dist
+    with pytest.raises(ValueError, match="process_group given with an FSDP2 model"):
+        gs.get_optimizer(config(), model(), process_group=dist.group.WORLD)
