@@ -179,7 +179,7 @@ def test_step_before_any_backward_warns_and_after_one_does_not():
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(optimizer="muon"), "orthogonalises whole matrices"),
+    (dict(optimizer="muon"), "muon_tp_mode='blockwise' would orthogonalise each rank's rows alone"),
     (dict(use_distributed_optimizer=True), "FSDP2 shards the params"),
     (dict(optimizer_cpu_offload=True), "CPU offload"),
     (dict(use_precision_aware_optimizer=True), "below fp32"),
@@ -207,3 +207,20 @@ def test_process_groups_given_with_an_fsdp2_model_are_refused():
     import torch.distributed as dist
     with pytest.raises(ValueError, match="process_group given with an FSDP2 model"):
         gs.get_optimizer(config(), model(), process_group=dist.group.WORLD)
+
+
+def test_a_changed_lr_reaches_the_captured_step_without_a_recapture():
+    ours, theirs = model(), model()
+    opt = gs.get_optimizer(config(capture="graph", capture_warmup_steps=1), ours, config_overrides={})
+    reference = torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(6):
+        for group in (*opt.param_groups, *reference.param_groups):
+            group["lr"] = 1e-2 / (1 + step)  # a schedule: the hyperparameters are device tensors
+        backward(ours, step)
+        backward(theirs, step)
+        opt.step()
+        opt.zero_grad()
+        reference.step()
+        reference.zero_grad()
+    assert opt.captured and opt.recaptures == 0
+    assert all(torch.equal(a, b) for a, b in zip(local(ours), local(theirs)))

@@ -195,6 +195,10 @@ class Family:
     scalar_family: Optional[Callable[[object], str]] = None
     splits_fused_qkv: Callable[[object], bool] = lambda config: False
     """config -> whether its fused QKV weights are updated as separate Q, K and V matrices (Muon)."""
+    updates_split_matrices_by_slice: Callable[[object], bool] = lambda config: False
+    """config -> whether a matrix split across ranks is updated slice by slice, each rank's alone, which differs
+    from the update of the whole matrix (Muon's ``muon_tp_mode="blockwise"``); False where the update is the
+    whole matrix's."""
 
     def __post_init__(self) -> None:
         if (self.takes is None) != (self.scalar_family is None):

@@ -77,4 +77,5 @@ FAMILY = Family(
     takes=takes,
     scalar_family=lambda config: config.muon_scalar_optimizer,
     splits_fused_qkv=lambda config: config.muon_split_qkv,
+    updates_split_matrices_by_slice=lambda config: config.muon_tp_mode == "blockwise",
 )

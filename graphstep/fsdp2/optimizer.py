@@ -54,8 +54,15 @@ class Fsdp2Optimizer(GraphstepOptimizer):
         _check_config(config)
         chunks = as_chunks(model_chunks)
         self.local_shards = local_shards(named_trainable_params(model_chunks, dtensors=True), chunks)
+        group = statistics_group(self.local_shards)
+        self._one_dim_mesh = all(s.param.device_mesh.ndim == 1 for s in self.local_shards)
+        if self._one_dim_mesh:
+            # Each rank holds other rows of every param: Megatron's mark for a split param, with the mesh's group
+            # as the tensor-parallel one, so that Muon gathers (or orthogonalises across) a matrix's rows.
+            for shard in self.local_shards:
+                shard.local.tensor_model_parallel, shard.local.partition_dim = True, 0
         super().__init__(dataclasses.replace(config, fold_grad_norm=False), model_chunks, config_overrides,
-                         model_parallel_group=statistics_group(self.local_shards))
+                         model_parallel_group=group, tensor_parallel_group=group if self._one_dim_mesh else None)
         self._fsdp = FsdpBindings(self.local_shards, self.buffers)
         self._arrival_hooks = [s.param.register_post_accumulate_grad_hook(weak_hooks.calling(self, "_grads_arrived"))
                                for s in self.local_shards]
@@ -63,10 +70,24 @@ class Fsdp2Optimizer(GraphstepOptimizer):
     def _laid_out(self, named: list) -> list:
         if [name for name, _ in named] != [s.name for s in self.local_shards]:
             raise ValueError("graphstep: the FSDP2 model's params changed while the optimizer was being built")
-        for family in families_of(self.param_groups, self.config.optimizer):
-            if family.batch_by_shape:
-                raise ValueError(f"graphstep: optimizer {family.name!r} orthogonalises whole matrices, which FSDP2 "
-                                 "splits across ranks: not supported with FSDP2 models yet")
+        group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
+        families = families_of(self.param_groups, self.config.optimizer)
+        for shard in self.local_shards:
+            family = families[group_of[id(shard.param)]]
+            if not family.batch_by_shape:
+                continue
+            if not self._one_dim_mesh:
+                raise ValueError(f"graphstep: param '{shard.name}': {family.title} updates whole matrices, gathered "
+                                 "over one mesh dimension: not on a mesh of several dimensions")
+            if family.updates_split_matrices_by_slice(self.config):
+                raise ValueError(f"graphstep: param '{shard.name}': {family.title} with muon_tp_mode='blockwise' "
+                                 "would orthogonalise each rank's rows alone; with FSDP2 set muon_tp_mode="
+                                 "'duplicated' (each rank gathers the matrix) or 'distributed' (Newton-Schulz on "
+                                 "the rows, Gram matrices summed over the ranks)")
+            rows, world = shard.fsdp_param._orig_size[0], shard.param.device_mesh.size()
+            if rows % world:
+                raise ValueError(f"graphstep: param '{shard.name}' has {rows} rows over {world} ranks: {family.title} "
+                                 "needs matrices FSDP2 splits evenly")
         return [(s.name, s.local) for s in self.local_shards]
 
     def _param_state(self) -> dict:

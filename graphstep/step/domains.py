@@ -145,7 +145,7 @@ def refuse_checkpoint(opt, what: str) -> None:
     an optimizer, and one whose model is split over model-parallel ranks: it names state by param, and the
     tensor-parallel slices and pipeline stages of one param name share the name, so their entries would
     overwrite each other in one checkpoint."""
-    if opt.local_shards is not None:
+    if getattr(opt, "local_shards", None) is not None:  # an FSDP2 model's optimizer
         raise TypeError(f"{what}: an FSDP2 model's optimizer checkpoints through torch.distributed.checkpoint: "
                         "get_state_dict(model, opt) / set_state_dict(model, opt, ...) with dcp.save / dcp.load, or "
                         "opt.state_dict() (torch's format)")

@@ -15,23 +15,25 @@ import graphstep as gs
 
 D_IN, HIDDEN, D_OUT, GLOBAL_BATCH = 8, 5, 6, 8
 STEPS, NAN_STEP = 5, 2
-TP_HIDDEN = 8  # DTensor's matmuls need an even tensor-parallel split
+EVEN_HIDDEN = 8  # DTensor's tensor-parallel matmuls and Muon need matrices split evenly
 
 
 class Net(torch.nn.Module):
-    def __init__(self, hidden: int = HIDDEN):
+    def __init__(self, hidden: int = HIDDEN, out: int = D_OUT):
         super().__init__()
         self.up = torch.nn.Linear(D_IN, hidden)
-        self.down = torch.nn.Linear(hidden, D_OUT)
-        self.norm = torch.nn.LayerNorm(D_OUT)
+        self.down = torch.nn.Linear(hidden, out)
+        self.norm = torch.nn.LayerNorm(out)
+        self.out = out
 
     def forward(self, x):
         return self.norm(self.down(torch.relu(self.up(x))))
 
 
 def net(seed: int = 0, hidden: int = HIDDEN) -> Net:
+    """The 5-row (uneven) model; with ``hidden=EVEN_HIDDEN`` every matrix is 8 x 8 (even on 2 and 4 ranks)."""
     torch.manual_seed(seed)
-    return Net(hidden)
+    return Net(hidden, D_OUT if hidden == HIDDEN else hidden)
 
 
 def sharded(model: torch.nn.Module, mesh=None, reshard: bool = True, mp: bool = False) -> torch.nn.Module:
@@ -48,7 +50,7 @@ def sharded(model: torch.nn.Module, mesh=None, reshard: bool = True, mp: bool = 
 
 def data(step: int):
     generator = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(GLOBAL_BATCH, D_IN, generator=generator), torch.randn(GLOBAL_BATCH, D_OUT, generator=generator)
+    return torch.randn(GLOBAL_BATCH, D_IN, generator=generator), torch.randn(GLOBAL_BATCH, 8, generator=generator)
 
 
 def local_batch(step: int, rank: int, world: int):
@@ -66,7 +68,7 @@ def train(model, opt, steps: range, rank: int, world: int, nan_at=None) -> list:
     records = []
     for step in steps:
         x, y = local_batch(step, rank, world)
-        opt.scale_loss(F.mse_loss(model(x).float(), y)).backward()  # bf16 inputs: FSDP2's policy casts them
+        opt.scale_loss(F.mse_loss(model(x).float(), y[:, :model.out])).backward()  # bf16 inputs: FSDP2's policy casts them
         if step == nan_at and rank == 1:
             for p in model.parameters():  # rank 1's first non-empty shard
                 if p.grad._local_tensor.numel():
@@ -82,7 +84,7 @@ def train(model, opt, steps: range, rank: int, world: int, nan_at=None) -> list:
 def train_torch(model, opt, steps: range, rank: int, world: int) -> None:
     for step in steps:
         x, y = local_batch(step, rank, world)
-        F.mse_loss(model(x).float(), y).backward()
+        F.mse_loss(model(x).float(), y[:, :model.out]).backward()
         opt.step()
         opt.zero_grad()
 
@@ -99,41 +101,97 @@ def config(**fields) -> gs.OptimizerConfig:
     return gs.OptimizerConfig(**{**base, **fields})
 
 
+def relative_drift(found: list, expected: list, start: list) -> float:
+    """‖found − expected‖ / ‖expected − start‖: drift relative to how far the params moved (docs/design.md §8)."""
+    num = sum(float(((a.double() - b.double()) ** 2).sum()) for a, b in zip(found, expected))
+    return (num / sum(float(((b.double() - s.double()) ** 2).sum()) for b, s in zip(expected, start))) ** 0.5
+
+
 def relative_error(found: list, expected: list) -> float:
     return max(float((a - b).norm() / b.norm().clamp_min(1e-12)) for a, b in zip(found, expected))
 
 
 def run_fsdp(cfg: gs.OptimizerConfig, rank: int, world: int, steps=range(STEPS), nan_at=None, reshard=True,
-             mp=False, mesh=None):
-    model = sharded(net(), mesh=mesh, reshard=reshard, mp=mp)
+             mp=False, mesh=None, hidden=HIDDEN):
+    model = sharded(net(hidden=hidden), mesh=mesh, reshard=reshard, mp=mp)
     opt = gs.get_optimizer(cfg, model, config_overrides={})
     records = train(model, opt, steps, rank, world, nan_at=nan_at)
     return records, full_params(model), opt
 
 
+class Aligned(torch.nn.Module):
+    """Two 5 x 16 weights (uneven row shards, every shard a multiple of 16 elements): torch's fused AdamW then
+    runs each shard in whole vector lanes, as graphstep's run over its 64-aligned flat buffer does, so both
+    round every element alike (a tensor's tail past the last full lane takes torch's scalar path)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = torch.nn.Parameter(torch.randn(HIDDEN, 16) / 4)
+        self.down = torch.nn.Parameter(torch.randn(HIDDEN, 16) / 4)
+        self.out = 8
+
+    def forward(self, x):
+        return (torch.relu(torch.cat([x, x], dim=1) @ self.up.T) @ self.down)[:, :8]
+
+
+def _torch_pair(model_fn, rank: int, world: int, reshard: bool, mp: bool) -> tuple[list, list, list, list]:
+    """(graphstep's records, its final params, torch's final params, the initial params) on one FSDP2 model kind."""
+    start = full_params(model_fn())
+    ours_model = sharded_root(model_fn(), reshard=reshard, mp=mp)
+    opt = gs.get_optimizer(config(clip_grad=0.0, kernel="fused"), ours_model, config_overrides={})
+    records = train(ours_model, opt, range(STEPS), rank, world)
+    theirs_model = sharded_root(model_fn(), reshard=reshard, mp=mp)
+    reference = torch.optim.AdamW(theirs_model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    train_torch(theirs_model, reference, range(STEPS), rank, world)
+    return records, full_params(ours_model), full_params(theirs_model), start
+
+
+def sharded_root(model: torch.nn.Module, reshard: bool = True, mp: bool = False) -> torch.nn.Module:
+    return sharded(model, reshard=reshard, mp=mp) if isinstance(model, Net) else _fully_shard_root(model, reshard, mp)
+
+
+def _fully_shard_root(model: torch.nn.Module, reshard: bool, mp: bool) -> torch.nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp \
+        else MixedPrecisionPolicy()
+    fully_shard(model, reshard_after_forward=reshard, mp_policy=policy)
+    return model
+
+
 def torch_parity(rank: int, world: int) -> dict:
-    """graphstep's fused Adam against torch's fused AdamW on the same FSDP2 model, no clipping: bitwise."""
+    """graphstep's fused Adam against torch's fused AdamW on the same FSDP2 model, no clipping: bitwise where
+    both kernels round alike (``Aligned``), within drift relative to the motion on the model with biases."""
     out = {}
     for reshard in (True, False):
         for mp in (False, True):
-            records, ours, _ = run_fsdp(config(clip_grad=0.0, kernel="fused"), rank, world, reshard=reshard, mp=mp)
-            model = sharded(net(), reshard=reshard, mp=mp)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-            train_torch(model, opt, range(STEPS), rank, world)
-            theirs = full_params(model)
+            records, ours, theirs, _ = _torch_pair(Aligned, rank, world, reshard, mp)
+            _, ours_net, theirs_net, start = _torch_pair(net, rank, world, reshard, mp)
             out[(reshard, mp)] = {"bitwise": all(torch.equal(a, b) for a, b in zip(ours, theirs)),
-                                  "error": relative_error(ours, theirs), "applied": [r[0] for r in records]}
+                                  "error": relative_error(ours, theirs), "applied": [r[0] for r in records],
+                                  "drift": relative_drift(ours_net, theirs_net, start)}
     return out
+
+
+# Muon on the whole model in one process is the oracle of both ways FSDP2's row shards are orthogonalised whole
+# (fp32 matmuls: in bf16 the distributed Newton-Schulz's other association of the same products differs by bf16's
+# rounding).
+_MUON = {"muon_fp32_matmul_prec": "highest"}
+FAMILY_CASES = {"adam": {}, "sgd": {"sgd_momentum": 0.9, "lr": 0.1}, "lion": {"lr": 1e-3},
+                "muon-duplicated": {"muon_tp_mode": "duplicated", **_MUON},
+                "muon-distributed": {"muon_tp_mode": "distributed", **_MUON}}
 
 
 def single_process_parity(rank: int, world: int) -> dict:
     """Every family, clipped, with num_zeros: graphstep on FSDP2 against graphstep on the whole model."""
     out = {}
-    for optimizer, extra in (("adam", {}), ("sgd", {"sgd_momentum": 0.9, "lr": 0.1}), ("lion", {"lr": 1e-3})):
+    for case, extra in FAMILY_CASES.items():
+        optimizer = case.split("-")[0]
+        hidden = EVEN_HIDDEN if optimizer == "muon" else HIDDEN
         cfg = config(optimizer=optimizer, log_num_zeros_in_grad=True, **extra)
-        records, params, _ = run_fsdp(cfg, rank, world)
-        expected, expected_params = single_process(cfg, range(STEPS))
-        out[optimizer] = {"records": records, "expected": expected, "error": relative_error(params, expected_params)}
+        records, params, _ = run_fsdp(cfg, rank, world, hidden=hidden)
+        expected, expected_params = single_process(cfg, range(STEPS), hidden=hidden)
+        out[case] = {"records": records, "expected": expected, "error": relative_error(params, expected_params)}
     return out
 
 
@@ -202,13 +260,13 @@ def two_dimensional(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = parallelize_module(net(hidden=TP_HIDDEN), mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    model = parallelize_module(net(hidden=EVEN_HIDDEN), mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     model = sharded(model, mesh=mesh["dp"])
     cfg = config(log_num_zeros_in_grad=True)
     opt = gs.get_optimizer(cfg, model, config_overrides={})
     dp_rank = mesh.get_local_rank("dp")
     records = train(model, opt, range(STEPS), dp_rank, 2)
-    expected, expected_params = single_process(cfg, range(STEPS), hidden=TP_HIDDEN)
+    expected, expected_params = single_process(cfg, range(STEPS), hidden=EVEN_HIDDEN)
     return {"records": records, "expected": expected, "error": relative_error(full_params(model), expected_params)}
 
 
@@ -223,6 +281,24 @@ def hybrid(rank: int, world: int) -> dict:
     return {"records": records, "expected": expected, "error": relative_error(params, expected_params)}
 
 
+def muon_refusals(rank: int, world: int) -> dict:
+    """What Muon cannot do on FSDP2 shards, as the messages the builds raised (None: built)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def message(model) -> str:
+        try:
+            gs.get_optimizer(config(optimizer="muon", muon_tp_mode="duplicated"), model, config_overrides={})
+        except ValueError as error:
+            return str(error)
+        return None
+
+    out = {"uneven": message(sharded(net()))}
+    if world == 4:
+        out["two_dimensional"] = message(sharded(net(hidden=EVEN_HIDDEN), mesh=init_device_mesh(
+            "cpu", (2, 2), mesh_dim_names=("replicate", "shard"))))
+    return out
+
+
 def cases(rank: int, world: int, load_from, save_to) -> dict:
     """Every case of this world size on one set of ranks; checkpoints loaded from and saved to directories."""
     warnings.filterwarnings("ignore", message=".*without DistributedDataParallel")  # the one-process oracle
@@ -233,6 +309,7 @@ def cases(rank: int, world: int, load_from, save_to) -> dict:
         report["torch"] = torch_parity(rank, world)
         report["single"] = single_process_parity(rank, world)
         report["capture"] = capture_and_skip(rank, world)
+        report["muon_refusals"] = muon_refusals(rank, world)
     if world == 4:
         report["2d"] = two_dimensional(rank, world)
         report["hsdp"] = hybrid(rank, world)
