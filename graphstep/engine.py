@@ -145,7 +145,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         # torch's ``Optimizer.state`` stays a per-param mapping, but graphstep's state lives in the flat
         # buffers (``opt.state_dict()``, ``gs.checkpoint``); each param's entry names the one step count they
         # share. torch.distributed.checkpoint's get/set_state_dict, which cannot read or write that, are
-        # refused by the mapping with the way that works (graphstep/checkpoint/torch_api.py).
+        # refused by the mapping with the way that works (graphstep/checkpoint/torch_api.py); an FSDP2 model's
+        # optimizer keeps torch's plain mapping and torch's format (graphstep/fsdp2/state_dict.py).
         self.state = self._param_state()
         for _, p in model_named:
             self.state[p]["step"] = self.tensors.step

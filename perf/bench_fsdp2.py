@@ -1,8 +1,9 @@
 """graphstep against torch's ``clip_grad_norm_`` + ``AdamW(fused=True)`` as the optimizer step of the same FSDP2
 (``fully_shard``) model on 2 gloo ranks: ms and aten ops per step at 150 and 10,000 params of 16 x 16, timed in
 interleaved rounds (one step of each per round; the grads of one backward, kept), with the ratio's 95% bootstrap
-interval. Both clip at 1.0 and update every param; graphstep runs its default (eager on a CPU, captured where the
-device has CUDA graphs).
+interval, and the first step of each, timed apart (torch's fills DTensor's dispatch caches: minutes at 10,000
+params on this CPU). Both clip at 1.0 and update every param; graphstep runs its default (eager on a CPU,
+captured where the device has CUDA graphs).
 
     python perf/bench_fsdp2.py [--rounds 60] [--counts 150,10000] [--json out.json]
 """
@@ -16,6 +17,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's graphstep, not an installed one
@@ -46,7 +48,6 @@ def _sharded(count: int):
     from torch.distributed.fsdp import fully_shard
     model = Params(count)
     fully_shard(model)
-    model().backward()  # one backward: the grads every timed step reads
     return model
 
 
@@ -54,6 +55,8 @@ def _steps(count: int) -> dict:
     ours, theirs = _sharded(count), _sharded(count)
     opt = gs.get_optimizer(gs.OptimizerConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0), ours, config_overrides={})
     reference = torch.optim.AdamW(theirs.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+    for model in (ours, theirs):
+        model().backward()  # one backward each, after the build: the grads every timed step reads
 
     def torch_step():
         torch.nn.utils.clip_grad_norm_(theirs.parameters(), 1.0)
@@ -75,11 +78,16 @@ def _rank(rank: int, port: int, counts: list[int], rounds: int, out: str) -> Non
     rows = []
     for count in counts:
         steps = _steps(count)
+        first = {}
+        for key, step in steps.items():  # the first step of each: its build-time caches (torch: DTensor dispatch)
+            start = time.perf_counter()
+            step()
+            first[key] = time.perf_counter() - start
         ops = {key: _count_ops(step) for key, step in steps.items()}
         times = core.time_interleaved(steps, torch.device("cpu"), warmup=5, rounds=rounds)
         ratio, low, high = ratio_interval(times["graphstep"], times["torch"])
         rows.append({"params": count, "ops": ops, "ms": {k: statistics.median(v) for k, v in times.items()},
-                     "ratio": ratio, "interval": [low, high]})
+                     "ratio": ratio, "interval": [low, high], "first_step_s": first})
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.barrier()
@@ -103,12 +111,14 @@ def main() -> int:
     print(f"torch {torch.__version__}, {WORLD} gloo ranks, 1 thread each, {args.rounds} interleaved rounds, "
           f"params of {SHAPE[0]} x {SHAPE[1]} sharded by fully_shard")
     print("| params | graphstep ms/step | torch clip_grad_norm_ + AdamW(fused) ms/step | ratio (95% interval) | "
-          "graphstep ops/step | torch ops/step |")
-    print("|---:|---:|---:|---:|---:|---:|")
+          "graphstep ops/step | torch ops/step | first step, graphstep / torch (s) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         low, high = row["interval"]
+        first = row["first_step_s"]
         print(f"| {row['params']:,} | {row['ms']['graphstep']:.2f} | {row['ms']['torch']:.2f} | "
-              f"{row['ratio']:.3f} ({low:.3f}–{high:.3f}) | {row['ops']['graphstep']} | {row['ops']['torch']} |")
+              f"{row['ratio']:.3f} ({low:.3f}–{high:.3f}) | {row['ops']['graphstep']} | {row['ops']['torch']} | "
+              f"{first['graphstep']:.2f} / {first['torch']:.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

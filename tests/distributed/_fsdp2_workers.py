@@ -281,6 +281,24 @@ def hybrid(rank: int, world: int) -> dict:
     return {"records": records, "expected": expected, "error": relative_error(params, expected_params)}
 
 
+def full_state_dict_round_trip(rank: int, world: int) -> dict:
+    """torch's full (unsharded) state dict of a trained model and optimizer, set into a fresh pair: equal?"""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    full = StateDictOptions(full_state_dict=True)
+    model = sharded(net())
+    opt = gs.get_optimizer(config(), model, config_overrides={})
+    train(model, opt, range(3), rank, world)
+    msd, osd = get_state_dict(model, opt, options=full)
+    fresh = sharded(net(seed=7))
+    fresh_opt = gs.get_optimizer(config(), fresh, config_overrides={})
+    train(fresh, fresh_opt, range(100, 102), rank, world)
+    set_state_dict(fresh, fresh_opt, model_state_dict=msd, optim_state_dict=osd, options=full)
+    expected, found = state_full(opt), state_full(fresh_opt)
+    return {"full_tensors": all(not hasattr(v, "_local_tensor") for e in osd["state"].values() for v in e.values()),
+            "state_equal": expected.keys() == found.keys() and all(torch.equal(found[k], expected[k]) for k in expected),
+            "params_equal": all(torch.equal(a, b) for a, b in zip(full_params(fresh), full_params(model)))}
+
+
 def muon_refusals(rank: int, world: int) -> dict:
     """What Muon cannot do on FSDP2 shards, as the messages the builds raised (None: built)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -310,6 +328,7 @@ def cases(rank: int, world: int, load_from, save_to) -> dict:
         report["single"] = single_process_parity(rank, world)
         report["capture"] = capture_and_skip(rank, world)
         report["muon_refusals"] = muon_refusals(rank, world)
+        report["full_state_dict"] = full_state_dict_round_trip(rank, world)
     if world == 4:
         report["2d"] = two_dimensional(rank, world)
         report["hsdp"] = hybrid(rank, world)

@@ -126,3 +126,11 @@ def test_muon_refuses_matrices_split_unevenly_and_meshes_of_several_dimensions(r
         assert "param 'up.weight' has 5 rows over" in refused["uneven"] and "splits evenly" in refused["uneven"]
         if world == 4:
             assert "not on a mesh of several dimensions" in refused["two_dimensional"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_torchs_full_state_dict_round_trips_into_a_fresh_optimizer(reports, world):
+    # StateDictOptions(full_state_dict=True): torch gathers graphstep's DTensor state into whole tensors, and
+    # set_state_dict scatters them back into another optimizer's buffers.
+    for report in reports[world]:
+        assert report["full_state_dict"] == {"full_tensors": True, "state_equal": True, "params_equal": True}
