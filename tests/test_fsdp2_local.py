@@ -182,7 +182,6 @@ def test_step_before_any_backward_warns_and_after_one_does_not():
     (dict(optimizer="muon"), "muon_tp_mode='blockwise' would orthogonalise each rank's rows alone"),
     (dict(use_distributed_optimizer=True), "FSDP2 shards the params"),
     (dict(optimizer_cpu_offload=True), "CPU offload"),
-    (dict(use_precision_aware_optimizer=True), "below fp32"),
     (dict(params_dtype=torch.bfloat16, bf16=True), "MixedPrecisionPolicy"),
 ])
 def test_what_fsdp2_models_do_not_take_is_refused_by_name(fields, message):
@@ -224,3 +223,32 @@ def test_a_changed_lr_reaches_the_captured_step_without_a_recapture():
         reference.zero_grad()
     assert opt.captured and opt.recaptures == 0
     assert all(torch.equal(a, b) for a, b in zip(local(ours), local(theirs)))
+
+
+@pytest.mark.parametrize("moments", [torch.bfloat16, torch.float8_e4m3fn])
+def test_moments_below_fp32_round_trip_through_torchs_format_as_fp32_values(moments):
+    fields = dict(use_precision_aware_optimizer=True, exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
+    ours = model()
+    opt = gs.get_optimizer(config(**fields), ours, config_overrides={})
+    assert opt.buffers.state["exp_avg"][0].dtype != torch.float32  # stored below fp32
+    for step in range(3):
+        backward(ours, step)
+        opt.step()
+        opt.zero_grad()
+    saved = opt.state_dict()
+    values = {k: {n: v.full_tensor().clone() for n, v in e.items() if n != "step"} for k, e in saved["state"].items()}
+    assert all(v.dtype == torch.float32 for e in values.values() for v in e.values())
+    assert any(float(v.abs().max()) > 0 for e in values.values() for v in e.values())
+    other = model(seed=3)
+    other.load_state_dict(ours.state_dict())
+    opt2 = gs.get_optimizer(config(**fields), other, config_overrides={})
+    opt2.load_state_dict(saved)
+    again = {k: {n: v.full_tensor() for n, v in e.items() if n != "step"} for k, e in opt2.state_dict()["state"].items()}
+    assert all(torch.equal(again[k][n], values[k][n]) for k in values for n in values[k])  # encoded the same
+    assert all(torch.equal(a, b) for a, b in zip(opt2.buffers.state["exp_avg"], opt.buffers.state["exp_avg"]))
+    for step in range(3, 5):
+        for m, o in ((ours, opt), (other, opt2)):
+            backward(m, step)
+            o.step()
+            o.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(local(other), local(ours)))

@@ -26,7 +26,6 @@ _REFUSED = {
     # (and with it overlap_grad_reduce / overlap_param_gather, which need it)
     "use_distributed_optimizer": "FSDP2 shards the params and reduce-scatters the grads itself",
     "optimizer_cpu_offload": "CPU offload is not supported with FSDP2 models",
-    "use_precision_aware_optimizer": "optimizer state below fp32 is not supported with FSDP2 models yet",
     "qk_clip": "QK-clip rescales whole attention heads, which FSDP2 splits across ranks",
 }
 

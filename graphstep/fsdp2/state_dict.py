@@ -4,7 +4,8 @@
 ``state_dict()`` is ``torch.optim.Optimizer``'s shape: ``{"state": {index: {"step", <state name>: DTensor}},
 "param_groups": [{..., "params": [index, ...]}]}``, indices numbering the params in ``param_groups`` order. Each
 state tensor is a DTensor placed like its param whose local tensor is a *view* of graphstep's flat state buffer
-(the real rows of the padded chunk), so DCP's in-place load writes straight into the buffers. The step count is
+(the real rows of the padded chunk), so DCP's in-place load writes straight into the buffers; a state stored
+below fp32 (``use_precision_aware_optimizer``) is an fp32 copy of its values instead, encoded again at load. The step count is
 graphstep's one shared tensor. Step-wide values torch has no place for (the loss scaler's tensors) ride along in
 every group under ``"graphstep"``, as does ``clip_grad`` and ``grad_norm_skip_threshold``.
 
@@ -24,16 +25,23 @@ from .shards import LocalShard
 _EXTRA = "graphstep"
 
 
-def _state_views(opt, index: int, shard: LocalShard) -> dict[str, torch.Tensor]:
-    """The local state tensors of param ``index`` (layout order): views over its real rows."""
+def _state_places(opt, index: int) -> dict[str, tuple[int, int, int]]:
+    """(buffer, start, size) of each state param ``index`` (layout order) keeps, in shard coordinates."""
     buffers, place = opt.buffers, opt.layout.params[index]
-    views = {}
-    for name in buffers.state:
-        if not buffers.keeps_state(name, place.buffer, place.start, place.numel):
-            continue
-        flat = buffers.shard_part(name, place.buffer, place.start, place.numel).view(place.shape)
-        views[name] = flat.narrow(0, 0, shard.rows) if flat.dim() else flat
-    return views
+    return {name: (place.buffer, place.start, place.numel) for name in buffers.state
+            if buffers.keeps_state(name, place.buffer, place.start, place.numel)}
+
+
+def _real_rows(values: torch.Tensor, shard: LocalShard) -> torch.Tensor:
+    values = values.view(shard.local.shape)
+    return values.narrow(0, 0, shard.rows) if values.dim() else values
+
+
+def _state_values(opt, index: int, shard: LocalShard) -> dict[str, torch.Tensor]:
+    """The local state tensors of param ``index``, its real rows: views of the buffers, or fp32 copies of a state
+    stored below fp32 (``use_precision_aware_optimizer``)."""
+    return {name: _real_rows(opt.buffers.read_part(name, *where), shard)
+            for name, where in _state_places(opt, index).items()}
 
 
 def _as_dtensor(local: torch.Tensor, shard: LocalShard):
@@ -47,7 +55,7 @@ def state_dict(opt) -> dict:
     for key, index in enumerate(order):
         shard = opt.local_shards[index]
         entry = {"step": opt.tensors.step}
-        entry.update({name: _as_dtensor(view, shard) for name, view in _state_views(opt, index, shard).items()})
+        entry.update({name: _as_dtensor(values, shard) for name, values in _state_values(opt, index, shard).items()})
         state[key] = entry
     extra = {"clip_grad": opt.clip_grad, "grad_norm_skip_threshold": opt.grad_norm_skip_threshold,
              "loss_scaler": None if opt.scaler is None else opt.scaler.state_dict()}
@@ -87,14 +95,15 @@ def load_state_dict(opt, state_dict: dict) -> None:
             entry = state_dict["state"].get(key)
             if entry is None:
                 raise StateDictError(f"FSDP2 optimizer state dict: no state for param {key!r}")
-            for name, view in _state_views(opt, index, shard).items():
+            for name, where in _state_places(opt, index).items():
                 if name not in entry:
                     raise StateDictError(f"FSDP2 optimizer state dict: state[{key!r}] has no {name!r}")
                 source = _local(entry[name], f"state[{key!r}][{name!r}]")
-                if source.shape != view.shape:
+                shape = (shard.rows, *shard.local.shape[1:]) if shard.local.dim() else ()
+                if tuple(source.shape) != tuple(shape):
                     raise StateDictError(f"FSDP2 optimizer state dict: state[{key!r}][{name!r}] has local shape "
-                                         f"{tuple(source.shape)}, this rank's shard is {tuple(view.shape)}")
-                copies.append((view, source))
+                                         f"{tuple(source.shape)}, this rank's shard is {tuple(shape)}")
+                copies.append((name, where, shard, source))
     steps = [e["step"] for e in state_dict["state"].values() if "step" in e]
     if not steps:
         raise StateDictError("FSDP2 optimizer state dict: no 'step' in its state")
@@ -104,9 +113,11 @@ def load_state_dict(opt, state_dict: dict) -> None:
                              "loss scaler state")
     if opt.scaler is not None:
         opt.scaler.validate_state_dict(extra["loss_scaler"])
-    for view, source in copies:
-        if view.data_ptr() != source.data_ptr():
-            view.copy_(source)
+    for name, (buffer, start, size), shard, source in copies:
+        values = opt.buffers.read_part(name, buffer, start, size)  # the buffer's own view where full precision
+        if values.data_ptr() != source.data_ptr():  # DCP may have loaded into that very view
+            _real_rows(values, shard).copy_(source)
+            opt.buffers.write_part(name, buffer, start, size, values)
     opt.tensors.step.copy_(_local(steps[0], "step").reshape(opt.tensors.step.shape))
     for saved_group, group in zip(saved_groups, opt.param_groups):
         group.update({k: copy.deepcopy(v) for k, v in saved_group.items() if k not in ("params", _EXTRA)})

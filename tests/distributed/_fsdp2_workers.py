@@ -177,9 +177,11 @@ def torch_parity(rank: int, world: int) -> dict:
 # (fp32 matmuls: in bf16 the distributed Newton-Schulz's other association of the same products differs by bf16's
 # rounding).
 _MUON = {"muon_fp32_matmul_prec": "highest"}
-FAMILY_CASES = {"adam": {}, "sgd": {"sgd_momentum": 0.9, "lr": 0.1}, "lion": {"lr": 1e-3},
+FAMILY_CASES = {"adam": {}, "sgd": {"sgd_momentum": 0.9, "lr": 0.1}, "lion": {"lr": 1e-3}, "ademamix": {},
                 "muon-duplicated": {"muon_tp_mode": "duplicated", **_MUON},
-                "muon-distributed": {"muon_tp_mode": "distributed", **_MUON}}
+                "muon-distributed": {"muon_tp_mode": "distributed", **_MUON},
+                "adam-bf16-moments": {"use_precision_aware_optimizer": True, "exp_avg_dtype": torch.bfloat16,
+                                      "exp_avg_sq_dtype": torch.bfloat16}}
 
 
 def single_process_parity(rank: int, world: int) -> dict:
