@@ -30,20 +30,16 @@ class FsdpBindings:
         self.shards = shards
         self._views = [buffers.param_view(i) for i in range(len(shards))]
         self._grad_views = [buffers.grad_view(i) for i in range(len(shards))]
-        self._grads = [s.fsdp_param.to_sharded_dtensor(g.narrow(0, 0, s.rows) if g.dim() else g)
-                       for s, g in zip(shards, self._grad_views)]
+        self._grads = [s.fsdp_param.to_sharded_dtensor(s.real_rows(g)) for s, g in zip(shards, self._grad_views)]
         self._data_ptrs = [view.data_ptr() for view in self._views]
         for i in range(len(shards)):
             self._bind_param(i)
             shards[i].param.grad = self._grads[i]
 
-    def _real_rows(self, tensor: torch.Tensor, shard: LocalShard) -> torch.Tensor:
-        return tensor.narrow(0, 0, shard.rows) if tensor.dim() else tensor
-
     def _bind_param(self, i: int) -> None:
         shard, view = self.shards[i], self._views[i]
         shard.fsdp_param._sharded_param_data = view.view(-1)
-        shard.param._local_tensor = self._real_rows(view, shard)
+        shard.param._local_tensor = shard.real_rows(view)
 
     def _param_moved(self, i: int) -> bool:
         shard = self.shards[i]
@@ -56,7 +52,7 @@ class FsdpBindings:
         for i, shard in enumerate(self.shards):
             if self._param_moved(i):
                 values = shard.param._local_tensor  # FSDP2's own: the real rows
-                self._real_rows(self._views[i], shard).copy_(values)
+                shard.real_rows(self._views[i]).copy_(values)
                 self._bind_param(i)
                 moved.append(shard.name)
             grad = shard.param.grad
@@ -65,7 +61,7 @@ class FsdpBindings:
         return moved
 
     def restore_grad(self, i: int, grad) -> None:
-        view = self._real_rows(self._grad_views[i], self.shards[i])
+        view = self.shards[i].real_rows(self._grad_views[i])
         if grad is None:
             view.zero_()
         else:

@@ -33,6 +33,11 @@ class LocalShard:
     local: torch.nn.Parameter  # a plain param over the padded local chunk: what graphstep lays out
     rows: int  # this rank's real rows of dim 0; the chunk's rows past them are FSDP2's padding
 
+    def real_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (the padded chunk's elements, any shape) as the real rows, a view."""
+        tensor = tensor.view(self.local.shape)
+        return tensor.narrow(0, 0, self.rows) if tensor.dim() else tensor
+
     @property
     def padding(self) -> int:
         """Elements of the padded chunk past the real rows (always zero)."""

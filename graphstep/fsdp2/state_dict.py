@@ -26,21 +26,17 @@ _EXTRA = "graphstep"
 
 
 def _state_places(opt, index: int) -> dict[str, tuple[int, int, int]]:
-    """(buffer, start, size) of each state param ``index`` (layout order) keeps, in shard coordinates."""
+    """(buffer, start, size) of each state param ``index`` (layout order) keeps, in shard coordinates: the flat
+    buffer's, as graphstep shards nothing itself here (one data-parallel rank)."""
     buffers, place = opt.buffers, opt.layout.params[index]
     return {name: (place.buffer, place.start, place.numel) for name in buffers.state
             if buffers.keeps_state(name, place.buffer, place.start, place.numel)}
 
 
-def _real_rows(values: torch.Tensor, shard: LocalShard) -> torch.Tensor:
-    values = values.view(shard.local.shape)
-    return values.narrow(0, 0, shard.rows) if values.dim() else values
-
-
 def _state_values(opt, index: int, shard: LocalShard) -> dict[str, torch.Tensor]:
     """The local state tensors of param ``index``, its real rows: views of the buffers, or fp32 copies of a state
     stored below fp32 (``use_precision_aware_optimizer``)."""
-    return {name: _real_rows(opt.buffers.read_part(name, *where), shard)
+    return {name: shard.real_rows(opt.buffers.read_part(name, *where))
             for name, where in _state_places(opt, index).items()}
 
 
@@ -116,7 +112,7 @@ def load_state_dict(opt, state_dict: dict) -> None:
     for name, (buffer, start, size), shard, source in copies:
         values = opt.buffers.read_part(name, buffer, start, size)  # the buffer's own view where full precision
         if values.data_ptr() != source.data_ptr():  # DCP may have loaded into that very view
-            _real_rows(values, shard).copy_(source)
+            shard.real_rows(values).copy_(source)
             opt.buffers.write_part(name, buffer, start, size, values)
     opt.tensors.step.copy_(_local(steps[0], "step").reshape(opt.tensors.step.shape))
     for saved_group, group in zip(saved_groups, opt.param_groups):
