@@ -33,6 +33,15 @@ def backward(m, step: int) -> None:
     F.mse_loss(m(x).float(), y).backward()
 
 
+def train(pairs, steps) -> None:
+    """(model, graphstep optimizer) pairs, stepped together on the same data."""
+    for step in steps:
+        for m, opt in pairs:
+            backward(m, step)
+            opt.step()
+            opt.zero_grad()
+
+
 def local(m) -> list:
     return [p._local_tensor.detach().clone() for p in m.parameters()]
 
@@ -110,10 +119,7 @@ def test_params_moved_by_model_to_are_taken_back_without_a_recapture():
 
 def test_torch_format_state_dict_round_trips_bitwise_into_another_optimizer():
     ours, opt, _, _ = pair()
-    for step in range(3):
-        backward(ours, step)
-        opt.step()
-        opt.zero_grad()
+    train([(ours, opt)], range(3))
     saved = opt.state_dict()
     assert set(saved) == {"state", "param_groups"}
     assert set(saved["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
@@ -125,11 +131,7 @@ def test_torch_format_state_dict_round_trips_bitwise_into_another_optimizer():
     other.load_state_dict(ours.state_dict())
     opt2 = gs.get_optimizer(config(), other, config_overrides={})
     opt2.load_state_dict(copy)
-    for step in range(3, 5):
-        for m, o in ((ours, opt), (other, opt2)):
-            backward(m, step)
-            o.step()
-            o.zero_grad()
+    train([(ours, opt), (other, opt2)], range(3, 5))
     assert all(torch.equal(a, b) for a, b in zip(local(other), local(ours)))
     assert float(opt2.tensors.step) == float(opt.tensors.step) == 5
 
@@ -231,10 +233,7 @@ def test_moments_below_fp32_round_trip_through_torchs_format_as_fp32_values(mome
     ours = model()
     opt = gs.get_optimizer(config(**fields), ours, config_overrides={})
     assert opt.buffers.state["exp_avg"][0].dtype != torch.float32  # stored below fp32
-    for step in range(3):
-        backward(ours, step)
-        opt.step()
-        opt.zero_grad()
+    train([(ours, opt)], range(3))
     saved = opt.state_dict()
     values = {k: {n: v.full_tensor().clone() for n, v in e.items() if n != "step"} for k, e in saved["state"].items()}
     assert all(v.dtype == torch.float32 for e in values.values() for v in e.values())
@@ -243,12 +242,9 @@ def test_moments_below_fp32_round_trip_through_torchs_format_as_fp32_values(mome
     other.load_state_dict(ours.state_dict())
     opt2 = gs.get_optimizer(config(**fields), other, config_overrides={})
     opt2.load_state_dict(saved)
-    again = {k: {n: v.full_tensor() for n, v in e.items() if n != "step"} for k, e in opt2.state_dict()["state"].items()}
+    again = {k: {n: v.full_tensor() for n, v in e.items() if n != "step"}
+             for k, e in opt2.state_dict()["state"].items()}
     assert all(torch.equal(again[k][n], values[k][n]) for k in values for n in values[k])  # encoded the same
     assert all(torch.equal(a, b) for a, b in zip(opt2.buffers.state["exp_avg"], opt.buffers.state["exp_avg"]))
-    for step in range(3, 5):
-        for m, o in ((ours, opt), (other, opt2)):
-            backward(m, step)
-            o.step()
-            o.zero_grad()
+    train([(ours, opt), (other, opt2)], range(3, 5))
     assert all(torch.equal(a, b) for a, b in zip(local(other), local(ours)))

@@ -21,9 +21,9 @@ from . import state_dict as fsdp_state_dict
 from .bindings import FsdpBindings
 from .shards import local_shards, statistics_group
 
-# What FSDP2 does itself, or what needs whole matrices a rank does not hold: refused with the reason.
+# What FSDP2 does itself, or what needs whole heads a rank does not hold: refused with the reason (the config
+# already refuses overlap_grad_reduce / overlap_param_gather without use_distributed_optimizer).
 _REFUSED = {
-    # (and with it overlap_grad_reduce / overlap_param_gather, which need it)
     "use_distributed_optimizer": "FSDP2 shards the params and reduce-scatters the grads itself",
     "optimizer_cpu_offload": "CPU offload is not supported with FSDP2 models",
     "qk_clip": "QK-clip rescales whole attention heads, which FSDP2 splits across ranks",
@@ -90,10 +90,16 @@ class Fsdp2Optimizer(GraphstepOptimizer):
         return [(s.name, s.local) for s in self.local_shards]
 
     def _param_state(self) -> dict:
-        return collections.defaultdict(dict)  # torch's plain mapping: torch.distributed.checkpoint reads this optimizer (state_dict.py)
+        """torch's plain mapping: torch.distributed.checkpoint reads this optimizer (state_dict.py)."""
+        return collections.defaultdict(dict)
 
     def _grads_arrived(self, _param) -> None:
+        """FSDP2 handed over a grad (its post-accumulate-grad hooks): a backward ran, as the engine's own hooks on
+        the local shards, which FSDP2 never calls, would have told."""
         self._grads_seen.seen = True
+        self._remove_arrival_hooks()
+
+    def _remove_arrival_hooks(self) -> None:
         for handle in self._arrival_hooks:
             handle.remove()
         self._arrival_hooks = []
@@ -111,7 +117,7 @@ class Fsdp2Optimizer(GraphstepOptimizer):
         self._fsdp.rebind_grads()
 
     def close(self) -> None:
-        self._grads_arrived(None)
+        self._remove_arrival_hooks()
         super().close()
 
     def state_dict(self) -> dict:
@@ -119,4 +125,5 @@ class Fsdp2Optimizer(GraphstepOptimizer):
         return fsdp_state_dict.state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """torch's optimizer format, int or FQN keys: checked whole, then copied into the buffers in place."""
         fsdp_state_dict.load_state_dict(self, state_dict)

@@ -3,11 +3,11 @@
 
 ``state_dict()`` is ``torch.optim.Optimizer``'s shape: ``{"state": {index: {"step", <state name>: DTensor}},
 "param_groups": [{..., "params": [index, ...]}]}``, indices numbering the params in ``param_groups`` order. Each
-state tensor is a DTensor placed like its param whose local tensor is a *view* of graphstep's flat state buffer
-(the real rows of the padded chunk), so DCP's in-place load writes straight into the buffers; a state stored
-below fp32 (``use_precision_aware_optimizer``) is an fp32 copy of its values instead, encoded again at load. The step count is
+state tensor is a DTensor placed like its param whose local tensor is a *view* of graphstep's flat state buffer (the
+real rows of the padded chunk), so DCP's in-place load writes straight into the buffers; a state stored below fp32
+(``use_precision_aware_optimizer``) is an fp32 copy of its values instead, encoded again at load. The step count is
 graphstep's one shared tensor. Step-wide values torch has no place for (the loss scaler's tensors) ride along in
-every group under ``"graphstep"``, as does ``clip_grad`` and ``grad_norm_skip_threshold``.
+every group under ``"graphstep"``, as do ``clip_grad`` and ``grad_norm_skip_threshold``.
 
 ``load_state_dict`` takes that shape with int or FQN keys (DCP renames them), pairing saved params with live ones
 by position as torch does, checks every shape first and copies in place (nothing is replaced, nothing recaptured).

@@ -68,7 +68,8 @@ def train(model, opt, steps: range, rank: int, world: int, nan_at=None) -> list:
     records = []
     for step in steps:
         x, y = local_batch(step, rank, world)
-        opt.scale_loss(F.mse_loss(model(x).float(), y[:, :model.out])).backward()  # bf16 inputs: FSDP2's policy casts them
+        # Under a bf16 MixedPrecisionPolicy FSDP2 casts the inputs itself.
+        opt.scale_loss(F.mse_loss(model(x).float(), y[:, :model.out])).backward()
         if step == nan_at and rank == 1:
             for p in model.parameters():  # rank 1's first non-empty shard
                 if p.grad._local_tensor.numel():
@@ -102,7 +103,7 @@ def config(**fields) -> gs.OptimizerConfig:
 
 
 def relative_drift(found: list, expected: list, start: list) -> float:
-    """‖found − expected‖ / ‖expected − start‖: drift relative to how far the params moved (docs/design.md §8)."""
+    """‖found − expected‖ / ‖expected − start‖: drift relative to the params' motion (docs/design.md §8)."""
     num = sum(float(((a.double() - b.double()) ** 2).sum()) for a, b in zip(found, expected))
     return (num / sum(float(((b.double() - s.double()) ** 2).sum()) for b, s in zip(expected, start))) ** 0.5
 
@@ -262,7 +263,8 @@ def two_dimensional(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = parallelize_module(net(hidden=EVEN_HIDDEN), mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    model = parallelize_module(net(hidden=EVEN_HIDDEN), mesh["tp"], plan)
     model = sharded(model, mesh=mesh["dp"])
     cfg = config(log_num_zeros_in_grad=True)
     opt = gs.get_optimizer(cfg, model, config_overrides={})
@@ -297,7 +299,8 @@ def full_state_dict_round_trip(rank: int, world: int) -> dict:
     set_state_dict(fresh, fresh_opt, model_state_dict=msd, optim_state_dict=osd, options=full)
     expected, found = state_full(opt), state_full(fresh_opt)
     return {"full_tensors": all(not hasattr(v, "_local_tensor") for e in osd["state"].values() for v in e.values()),
-            "state_equal": expected.keys() == found.keys() and all(torch.equal(found[k], expected[k]) for k in expected),
+            "state_equal": expected.keys() == found.keys() and all(torch.equal(found[k], expected[k])
+                                                                   for k in expected),
             "params_equal": all(torch.equal(a, b) for a, b in zip(full_params(fresh), full_params(model)))}
 
 
