@@ -105,7 +105,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self._building = False
         group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
         group_index = [group_of[id(p)] for _, p in model_named]
-        named = self._laid_out(model_named)  # what the flat buffers hold, in the same order
+        self._families = families = families_of(self.param_groups, config.optimizer)
+        named = self._laid_out(model_named, group_index)  # what the flat buffers hold, in the same order
 
         params = [p for _, p in named]
         device = params[0].device
@@ -115,7 +116,6 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                                  "device before get_optimizer")
         warn_dtype_conversion(config, named)
         fp8_support.check_against_config(config, named)
-        self._families = families = families_of(self.param_groups, config.optimizer)
         model_parallel_group, counting = model_parallel.resolve(named, model_parallel_group, tensor_parallel_group,
                                                                 expert_tensor_parallel_group)
         specs = [param_spec(config, name, p, g, families[g].batch_by_shape, counting.counts(p))
@@ -227,8 +227,9 @@ class GraphstepOptimizer(torch.optim.Optimizer):
     """An FSDP2 model's optimizer (graphstep/fsdp2/optimizer.py): each DTensor param's local shard, what the flat
     buffers hold (graphstep/fsdp2/shards.py). None for other models, whose DTensor params are refused."""
 
-    def _laid_out(self, named: list) -> list:
-        """(name, tensor) per trainable param, in order: what the flat buffers hold. The params themselves."""
+    def _laid_out(self, named: list, group_index: list[int]) -> list:
+        """(name, tensor) per trainable param of ``named`` (each in param group ``group_index[i]``, whose family is
+        ``self._families[...]``), in order: what the flat buffers hold. The params themselves."""
         return named
 
     def _param_state(self) -> dict:

@@ -46,19 +46,16 @@ class FsdpBindings:
         return (shard.fsdp_param._sharded_param_data.data_ptr() != self._data_ptrs[i]
                 or shard.param._local_tensor.data_ptr() != self._data_ptrs[i])
 
-    def check(self) -> list[str]:
-        """Copy in and re-bind what was replaced since the last step; the names of params whose data moved."""
-        moved = []
+    def check(self) -> None:
+        """Copy in and re-bind what was replaced since the last step."""
         for i, shard in enumerate(self.shards):
             if self._param_moved(i):
                 values = shard.param._local_tensor  # FSDP2's own: the real rows
                 shard.real_rows(self._views[i]).copy_(values)
                 self._bind_param(i)
-                moved.append(shard.name)
             grad = shard.param.grad
             if grad is not self._grads[i]:
                 self.restore_grad(i, grad)
-        return moved
 
     def restore_grad(self, i: int, grad) -> None:
         view = self.shards[i].real_rows(self._grad_views[i])

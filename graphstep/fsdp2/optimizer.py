@@ -15,7 +15,6 @@ import dataclasses
 from ..build.model_params import as_chunks, named_trainable_params
 from ..config import OptimizerConfig
 from ..engine import GraphstepOptimizer
-from ..families import families_of
 from ..hooks import weak_hooks
 from . import state_dict as fsdp_state_dict
 from .bindings import FsdpBindings
@@ -66,13 +65,11 @@ class Fsdp2Optimizer(GraphstepOptimizer):
         self._arrival_hooks = [s.param.register_post_accumulate_grad_hook(weak_hooks.calling(self, "_grads_arrived"))
                                for s in self.local_shards]
 
-    def _laid_out(self, named: list) -> list:
+    def _laid_out(self, named: list, group_index: list[int]) -> list:
         if [name for name, _ in named] != [s.name for s in self.local_shards]:
             raise ValueError("graphstep: the FSDP2 model's params changed while the optimizer was being built")
-        group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
-        families = families_of(self.param_groups, self.config.optimizer)
-        for shard in self.local_shards:
-            family = families[group_of[id(shard.param)]]
+        for shard, g in zip(self.local_shards, group_index):
+            family = self._families[g]
             if not family.batch_by_shape:
                 continue
             if not self._one_dim_mesh:

@@ -41,7 +41,7 @@ class LocalShard:
     @property
     def padding(self) -> int:
         """Elements of the padded chunk past the real rows (always zero)."""
-        return self.local.numel() - self.rows * (self.local[0].numel() if self.local.dim() else 1)
+        return self.local.numel() - self.real_rows(self.local.detach()).numel()
 
 
 def _fsdp_params(chunks) -> dict[int, Any]:
@@ -112,12 +112,12 @@ def _counted_here(p, name: str) -> bool:
 
 def statistics_group(shards: list[LocalShard]):
     """The group the grad statistics are summed over: the ranks of the params' root mesh (one for all)."""
-    roots = {id(s.param.device_mesh._get_root_mesh()): s.param.device_mesh._get_root_mesh() for s in shards}
-    meshes = {tuple(root.mesh.flatten().tolist()) for root in roots.values()}
+    roots = list({id(root): root for root in (s.param.device_mesh._get_root_mesh() for s in shards)}.values())
+    meshes = {tuple(root.mesh.flatten().tolist()) for root in roots}
     if len(meshes) != 1:
         raise ValueError(f"graphstep: the FSDP2 model's params lie on {len(meshes)} different device meshes; "
                          "graphstep takes a model sharded over one mesh")
-    root = next(iter(roots.values()))
+    root = roots[0]
     ranks = sorted(root.mesh.flatten().tolist())
     if len(ranks) == 1:
         return None
