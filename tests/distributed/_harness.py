@@ -1,8 +1,12 @@
 """Spawn gloo ranks on 127.0.0.1, bounded in time, and the small model/data helpers the tests share.
 
-``spawn(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes
-(torch.multiprocessing, "spawn"), each in a gloo process group on a free port (tests/_ports.py), and
-returns the ranks' return values (through files in a temporary directory). It never hangs: processes are
+``spawn(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes,
+each in a gloo process group on a free port (tests/_ports.py), and returns the ranks' return values
+(through files in a temporary directory). The processes are forked by multiprocessing's fork server, one per
+test session, which imported torch and graphstep once: a rank starts in ~0.05 s instead of the ~2.5 s a
+fresh interpreter takes to import them, and still shares nothing with the ranks of earlier tests. Each rank
+takes the parent's environment, working directory and ``sys.path`` as they are at the call, as a freshly
+spawned interpreter would. It never hangs: processes are
 joined against one deadline and stragglers are killed. A rank that raised has its traceback re-raised in
 the parent. tests/conftest.py puts tests/distributed on ``sys.path``: ``from _harness import spawn`` works
 from every test file.
@@ -30,7 +34,30 @@ class RankFailed(AssertionError):
     pass
 
 
-def _entry(rank: int, world_size: int, port: int, outdir: str, fn, args) -> None:
+# Imported once by the fork server; every rank is forked from it.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "graphstep", "_harness"]
+
+
+def _context():
+    """A start method that is cheap where it exists: the fork server (Linux, macOS); spawn elsewhere."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts, at the session's first spawn
+    return ctx
+
+
+def _adopt(environ: dict, cwd: str, path: list) -> None:
+    """The calling test's environment, working directory and import path (the fork server holds its own,
+    from the session's first spawn)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    sys.path[:] = path
+
+
+def _entry(rank: int, world_size: int, port: int, outdir: str, caller: tuple, fn, args) -> None:
+    _adopt(*caller)
     torch.set_num_threads(1)
     from _kernel_pin import pin_auto_to_fused  # kernel="auto" runs as "fused" in ranks too (tests/_kernel_pin.py)
     pin_auto_to_fused()
@@ -55,10 +82,11 @@ def _entry(rank: int, world_size: int, port: int, outdir: str, fn, args) -> None
 def spawn(fn, world_size: int, *args, timeout: float = 50.0, allow_missing: tuple = ()) -> list:
     """[(status, value)] per rank: status "ok" (value = fn's return) or "error" (value = traceback text);
     ``None`` for ranks in ``allow_missing`` that wrote nothing (killed on purpose)."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
+    caller = (dict(os.environ), os.getcwd(), list(sys.path))
     with tempfile.TemporaryDirectory() as outdir:
         port = free_port()
-        procs = [ctx.Process(target=_entry, args=(r, world_size, port, outdir, fn, args), daemon=True)
+        procs = [ctx.Process(target=_entry, args=(r, world_size, port, outdir, caller, fn, args), daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()
