@@ -248,3 +248,17 @@ def test_moments_below_fp32_round_trip_through_torchs_format_as_fp32_values(mome
     assert all(torch.equal(a, b) for a, b in zip(opt2.buffers.state["exp_avg"], opt.buffers.state["exp_avg"]))
     train([(ours, opt), (other, opt2)], range(3, 5))
     assert all(torch.equal(a, b) for a, b in zip(local(other), local(ours)))
+
+
+def test_grads_of_a_backward_before_the_build_are_stepped_on_as_torch_does():
+    ours, theirs = model(), model()
+    backward(ours, 0)
+    backward(theirs, 0)
+    opt = gs.get_optimizer(config(), ours, config_overrides={})  # biases decay too, as in torch's AdamW
+    reference = torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "step() ran before any backward"
+        opt.step()
+    reference.step()
+    assert [torch.equal(a, b) for a, b in zip(local(ours), local(theirs))] == [True] * 4

@@ -16,7 +16,7 @@ def _linear(seed=0, dtype=torch.float32):
 
 
 def _backward(model, scale=1.0):
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3)).to(next(model.parameters()).dtype)
     (model(x).square().sum() * scale).backward()
 
 
@@ -207,3 +207,31 @@ def test_a_per_group_nesterov_change_is_refused_not_ignored():
     _backward(model)
     with pytest.raises(ValueError, match="nesterov=True: fixed at build"):
         opt.step()
+
+
+@pytest.mark.parametrize("config", [dict(), dict(clip_grad=0.05), dict(bf16=True), dict(fp16=True,
+                                                                                        initial_loss_scale=1.0)],
+                         ids=["fp32", "clipped", "bf16", "fp16"])
+def test_grads_computed_before_the_optimizer_was_built_are_stepped_on_as_torch_does(config):
+    # torch's optimizers step on the .grad a backward left before they were built; graphstep takes those
+    # values into its grad buffers at build instead of dropping them.
+    model, reference = _linear(), _linear()
+    for m in (model, reference):
+        if config.get("bf16") or config.get("fp16"):  # graphstep's own cast, made up front for the reference
+            m.to(torch.bfloat16 if config.get("bf16") else torch.float16)
+        _backward(m)
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt = make_engine(model, lr=0.1, weight_decay=0.0, **{"clip_grad": 0.0, **config})
+    assert [torch.equal(p.main_grad, g.to(p.main_grad.dtype)) for p, g in zip(model.parameters(), grads)] == [True] * 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "step() ran before any backward"
+        opt.step()
+    main = [p.detach().float().requires_grad_() for p in reference.parameters()]
+    for p, m in zip(reference.parameters(), main):
+        m.grad = p.grad.float()
+    torch_opt = torch.optim.AdamW(main, lr=0.1, weight_decay=0.0)
+    if config.get("clip_grad"):
+        torch.nn.utils.clip_grad_norm_(main, config["clip_grad"])
+    torch_opt.step()
+    for p, m in zip(model.parameters(), main):
+        torch.testing.assert_close(p.float(), m.to(p.dtype).float(), rtol=1e-5, atol=1e-6)

@@ -32,9 +32,12 @@ class FsdpBindings:
         self._grad_views = [buffers.grad_view(i) for i in range(len(shards))]
         self._grads = [s.fsdp_param.to_sharded_dtensor(s.real_rows(g)) for s, g in zip(shards, self._grad_views)]
         self._data_ptrs = [view.data_ptr() for view in self._views]
+        self.grads_taken_at_build = 0  # grads a backward left before the build: copied into the flat grads
         for i in range(len(shards)):
             self._bind_param(i)
-            shards[i].param.grad = self._grads[i]
+            grad = shards[i].param.grad
+            self.grads_taken_at_build += grad is not None
+            self.restore_grad(i, grad)
 
     def _bind_param(self, i: int) -> None:
         shard, view = self.shards[i], self._views[i]

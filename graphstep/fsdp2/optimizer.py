@@ -62,6 +62,8 @@ class Fsdp2Optimizer(GraphstepOptimizer):
         super().__init__(dataclasses.replace(config, fold_grad_norm=False), model_chunks, config_overrides,
                          model_parallel_group=group, tensor_parallel_group=group if self._one_dim_mesh else None)
         self._fsdp = FsdpBindings(self.local_shards, self.buffers)
+        if self._fsdp.grads_taken_at_build:
+            self._grads_seen.seen = True
         self._arrival_hooks = [s.param.register_post_accumulate_grad_hook(weak_hooks.calling(self, "_grads_arrived"))
                                for s in self.local_shards]
 

@@ -6,7 +6,8 @@ import warnings
 
 
 class GradsSeen:
-    """Warns once when a step runs before any backward since build.
+    """Warns once when a step runs before any backward since build (and before any grad a backward left
+    before the build).
 
     The update then reads all-zero grads and applies weight decay (and momentum) to every param:
     graphstep steps every param it holds, like Megatron-Core's buffers, where torch's optimizers skip
@@ -17,9 +18,10 @@ class GradsSeen:
 
     def __init__(self, hooks, domains):
         """``hooks``: the optimizer's ``GradHooks``; ``domains``: its ``StaticBuffers`` (every param of each)."""
-        self.seen = False
         self._warned = False
         self._hooks = hooks
+        # Grads a backward left before the build are in the buffers already (state/allocation.py): seen.
+        self.seen = any(buffers.grads_taken_at_build for buffers in domains)
         for buffers in domains:
             for index in range(len(buffers.params)):
                 hooks.listen("grads_seen", buffers, index, self, "_arrived")

@@ -81,6 +81,7 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
             raise ValueError("main params below fp32 stay on the device: not with CPU offload")
         buffers.stored["main"] = [_stored_main(buffers, b, main_storage.get(buf.param_dtype))
                                   for b, buf in enumerate(layout.buffers)]
+    grads_before = []
     for i, p in enumerate(params):
         place = layout.params[i]
         if tuple(p.shape) != place.shape:
@@ -88,8 +89,9 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
                              f"{place.shape}")
         view = buffers.param_view(i)
         view.copy_(originals[i])
+        grads_before.append(p.grad)
+        p.grad = None  # before the (maybe dtype-changing) rebind; its values go into the grad buffer below
         p.data = view
-        p.grad = None
     for owned in layout.owned_ranges(rank):
         buf = layout.params[owned.param].buffer
         size = owned.param_end - owned.param_start
@@ -105,7 +107,17 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
         buffers._main_grads.append(p.main_grad)
     buffers.record_bindings()
     buffers.bind_grads()
+    _take_grads(buffers, grads_before)
     return buffers
+
+
+def _take_grads(buffers: StaticBuffers, grads: list) -> None:
+    """The grads a backward left before the build go into the grad buffers (as main grads: cast to their
+    dtype), so the first step applies them, as a torch optimizer built after that backward would."""
+    for i, grad in enumerate(grads):
+        if grad is not None:
+            buffers.grad_view(i).copy_(grad)
+            buffers.grads_taken_at_build += 1
 
 
 def _stored_main(buffers: StaticBuffers, buffer: int, storage: Optional[Storage]) -> Optional[StoredState]:

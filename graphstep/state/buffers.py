@@ -72,6 +72,7 @@ class StaticBuffers:
     _grad_views: list = field(default_factory=list)  # those views, one object each, kept for identity checks
     _originals: dict = field(default_factory=dict)
     host: Optional[Any] = None  # graphstep.offload.HostShards: the shard's host part, or None
+    grads_taken_at_build: int = 0  # params whose grad, left by a backward before the build, is in grad_flat
     state_ranges: dict = field(default_factory=dict)  # name -> StateRanges: where each state buffer keeps its elements
     stored: dict = field(default_factory=dict)
     """kind -> per buffer, the ``StoredState`` of a state, or of the main params ("main"; None for a buffer
