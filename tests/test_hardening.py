@@ -235,3 +235,29 @@ def test_grads_computed_before_the_optimizer_was_built_are_stepped_on_as_torch_d
     torch_opt.step()
     for p, m in zip(model.parameters(), main):
         torch.testing.assert_close(p.float(), m.to(p.dtype).float(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("replace", ["load_state_dict(assign=True)", "attribute"])
+def test_a_param_replaced_by_a_new_object_after_the_build_is_refused_by_name(replace):
+    # The model would compute with the new object while the optimizer steps the old one: training would
+    # stop without a word, so the next step refuses, naming the param.
+    model = _linear()
+    opt = make_engine(model, lr=0.1)
+    if replace == "attribute":
+        model.bias = torch.nn.Parameter(torch.zeros(8))
+    else:
+        model.load_state_dict({k: v + 1 for k, v in model.state_dict().items()}, assign=True)
+    _backward(model)
+    with pytest.raises(RuntimeError, match="'bias'.*replaced by new Parameter objects.*assign=False"):
+        opt.step()
+
+
+def test_loading_in_place_and_tying_to_a_held_param_are_let_through():
+    model = torch.nn.Sequential(_linear(), _linear(seed=1))
+    opt = make_engine(model, lr=0.1)
+    model.load_state_dict({k: v + 1 for k, v in model.state_dict().items()})  # copies into the held params
+    model[1].weight = model[0].weight  # tied to a param the optimizer holds: nothing goes untrained
+    before = model[0].weight.detach().clone()
+    _backward(model)
+    opt.step()
+    assert not torch.equal(before, model[0].weight)

@@ -6,8 +6,8 @@ import warnings
 
 
 class GradsSeen:
-    """Warns once when a step runs before any backward since build (and before any grad a backward left
-    before the build).
+    """Warns once when a step runs with no grad since the build: no backward ran since, and none had left
+    grads before it.
 
     The update then reads all-zero grads and applies weight decay (and momentum) to every param:
     graphstep steps every param it holds, like Megatron-Core's buffers, where torch's optimizers skip
