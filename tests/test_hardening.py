@@ -261,3 +261,16 @@ def test_loading_in_place_and_tying_to_a_held_param_are_let_through():
     _backward(model)
     opt.step()
     assert not torch.equal(before, model[0].weight)
+
+
+def test_a_dropped_optimizer_leaves_no_parameter_registration_hook_behind():
+    import gc
+    from torch.nn.modules import module as torch_module
+    before = len(torch_module._global_parameter_registration_hooks)
+    model = _linear()
+    opt = make_engine(model, lr=0.1)
+    assert len(torch_module._global_parameter_registration_hooks) == before + 1
+    del opt
+    gc.collect()
+    assert len(torch_module._global_parameter_registration_hooks) == before
+    model.bias = torch.nn.Parameter(torch.zeros(8))  # nothing left to notice it

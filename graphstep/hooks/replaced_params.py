@@ -22,28 +22,28 @@ from . import weak_hooks
 
 
 class ReplacedParams:
+    """The optimizer's watch: ``replaced`` lists the qualified names of held params swapped out so far."""
+
     def __init__(self, chunks, params):
         """``chunks``: the model's modules; ``params``: (qualified name, param) the optimizer holds."""
-        held = {id(p): name for name, p in params}
-        self._held = set(held)
+        self._held = {id(p): name for name, p in params}
+        # Per module (weakly: a dropped model is not kept), its held params: attribute name -> (id, qualified name).
         self._watched: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
         for chunk in chunks:
             for module in chunk.modules():
-                names = {name: id(p) for name, p in module._parameters.items() if p is not None and id(p) in held}
+                names = {name: (id(p), self._held[id(p)]) for name, p in module._parameters.items()
+                         if p is not None and id(p) in self._held}
                 if names:
                     self._watched[module] = names
-        self._qualified = {(id(module), name): held[pid] for module, names in self._watched.items()
-                           for name, pid in names.items()}
         self.replaced: list[str] = []
-        self._handles = weak_hooks.Handles(self)
+        self._handles = weak_hooks.Handles(self)  # the global hook goes when this watch (its optimizer) goes
         self._handles.append(torch.nn.modules.module.register_module_parameter_registration_hook(
             weak_hooks.calling(self, "_registered")))
 
     def _registered(self, module, name: str, param) -> None:
-        names = self._watched.get(module)
-        if names is None or names.get(name) in (None, id(param)) or id(param) in self._held:
-            return
-        self.replaced.append(self._qualified[(id(module), name)])
+        held = self._watched.get(module, {}).get(name)
+        if held is not None and held[0] != id(param) and id(param) not in self._held:
+            self.replaced.append(held[1])
 
     def check(self) -> None:
         if self.replaced:
@@ -53,6 +53,3 @@ class ReplacedParams:
                 "(model.load_state_dict(..., assign=True), or an assignment to the module attribute): the "
                 "optimizer holds the old ones and would train those, not the model's. Load with assign=False "
                 "(it copies into the params the optimizer holds), or build the optimizer after the replacement")
-
-    def remove(self) -> None:
-        self._handles.remove()

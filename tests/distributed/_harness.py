@@ -2,14 +2,15 @@
 
 ``spawn(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes,
 each in a gloo process group on a free port (tests/_ports.py), and returns the ranks' return values
-(through files in a temporary directory). The processes are forked by multiprocessing's fork server, one per
-test session, which imported torch and graphstep once: a rank starts in ~0.05 s instead of the ~2.5 s a
-fresh interpreter takes to import them, and still shares nothing with the ranks of earlier tests. Each rank
-takes the parent's environment, working directory and ``sys.path`` as they are at the call, as a freshly
-spawned interpreter would. It never hangs: processes are
-joined against one deadline and stragglers are killed. A rank that raised has its traceback re-raised in
-the parent. tests/conftest.py puts tests/distributed on ``sys.path``: ``from _harness import spawn`` works
-from every test file.
+(through files in a temporary directory). It never hangs: processes are joined against one deadline and
+stragglers are killed. A rank that raised has its traceback re-raised in the parent. tests/conftest.py puts
+tests/distributed on ``sys.path``: ``from _harness import spawn`` works from every test file.
+
+The ranks are forked by multiprocessing's fork server, one per test session, which imported torch and
+graphstep once: a rank starts in well under a second instead of the seconds a fresh interpreter takes to
+import them, and still shares nothing with the ranks of earlier tests. Each rank takes the caller's
+environment, working directory and ``sys.path`` as they are at the call, as a freshly spawned interpreter
+would.
 
 The model, data and metric helpers are tests/toy.py's, re-exported for the workers.
 """
