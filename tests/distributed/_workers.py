@@ -82,6 +82,23 @@ def parity(rank: int, world_size: int, names: tuple) -> dict:
     return {name: train(make_config(name, world_size), rank, world_size) for name in names}
 
 
+def first_backward(rank: int, world_size: int, before_the_build: bool, steps: int = 3) -> dict:
+    """Adam for ``steps``; the first backward runs before ``get_optimizer`` or after it (its grads must be
+    reduced and applied by the first step either way)."""
+    model = tiny_transformer()
+    start = [p.detach().clone().float() for p in model.parameters()]
+    if before_the_build:
+        local_loss(model, 0, rank, world_size).backward()
+    opt = get_optimizer(make_config("adam_fp32", world_size), model)
+    for step in range(steps):
+        if step or not before_the_build:
+            opt.zero_grad()
+            local_loss(model, step, rank, world_size).backward()
+        opt.step()
+    opt.finish_param_gather()
+    return {"params": [p.detach().clone() for p in model.parameters()], "start": start}
+
+
 def capture_vs_eager(rank: int, world_size: int) -> dict:
     out = {}
     for mode in ("eager", "graph"):

@@ -133,3 +133,10 @@ def test_kernel_auto_is_agreed_across_ranks():
     assert "another data-parallel rank" in results[0]["rank1_fails"]["reason"]
     assert any("another data-parallel rank" in w for w in results[0]["rank1_fails"]["warnings"])
     assert "forced failure" in results[1]["rank1_fails"]["reason"]
+
+
+def test_grads_of_a_backward_before_the_build_are_reduced_and_applied_as_after_it():
+    ref = _workers.first_backward(0, 1, before_the_build=False)
+    for rank, result in enumerate(values(spawn(_workers.first_backward, 2, True))):
+        drift = relative_drift(result["params"], ref["params"], ref["start"])
+        assert drift < 1e-3, f"rank {rank}/2: drift {drift:.2e} of the motion"
