@@ -2,6 +2,8 @@
 tests/distributed/test_fsdp2.py): FSDP2's tensors stay bound to the flat buffers whatever the user does to the
 grads and params, torch's state-dict format round-trips, and what graphstep does not take is refused by name."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -174,7 +176,6 @@ def test_step_before_any_backward_warns_and_after_one_does_not():
     m2 = model()
     opt2 = gs.get_optimizer(config(), m2)
     backward(m2, 0)
-    import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt2.step()
@@ -256,7 +257,6 @@ def test_grads_of_a_backward_before_the_build_are_stepped_on_as_torch_does():
     backward(theirs, 0)
     opt = gs.get_optimizer(config(), ours, config_overrides={})  # biases decay too, as in torch's AdamW
     reference = torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-    import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "step() ran before any backward"
         opt.step()
