@@ -48,17 +48,16 @@ def _context():
     return ctx
 
 
-def _adopt(environ: dict, cwd: str, path: list) -> None:
-    """The calling test's environment, working directory and import path (the fork server holds its own,
-    from the session's first spawn)."""
+def _adopt_environment(environ: dict) -> None:
+    """The calling test's environment: a forked rank has the fork server's, from the session's first spawn.
+    (multiprocessing itself gives a rank the caller's working directory and ``sys.path`` before it unpickles
+    the rank's function.)"""
     os.environ.clear()
     os.environ.update(environ)
-    os.chdir(cwd)
-    sys.path[:] = path
 
 
-def _entry(rank: int, world_size: int, port: int, outdir: str, caller: tuple, fn, args) -> None:
-    _adopt(*caller)
+def _entry(rank: int, world_size: int, port: int, outdir: str, environ: dict, fn, args) -> None:
+    _adopt_environment(environ)
     torch.set_num_threads(1)
     from _kernel_pin import pin_auto_to_fused  # kernel="auto" runs as "fused" in ranks too (tests/_kernel_pin.py)
     pin_auto_to_fused()
@@ -84,10 +83,10 @@ def spawn(fn, world_size: int, *args, timeout: float = 50.0, allow_missing: tupl
     """[(status, value)] per rank: status "ok" (value = fn's return) or "error" (value = traceback text);
     ``None`` for ranks in ``allow_missing`` that wrote nothing (killed on purpose)."""
     ctx = _context()
-    caller = (dict(os.environ), os.getcwd(), list(sys.path))
     with tempfile.TemporaryDirectory() as outdir:
         port = free_port()
-        procs = [ctx.Process(target=_entry, args=(r, world_size, port, outdir, caller, fn, args), daemon=True)
+        environ = dict(os.environ)
+        procs = [ctx.Process(target=_entry, args=(r, world_size, port, outdir, environ, fn, args), daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()
