@@ -40,7 +40,6 @@ import dataclasses
 import datetime
 import os
 import pickle
-import socket
 import statistics
 import sys
 import tempfile
@@ -53,6 +52,8 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from graphstep.app.demo_dist import free_port  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -203,9 +204,7 @@ def _worker(rank, world, port, outdir, args):
 
 def run(world: int, args) -> dict[str, Row]:
     """Per variant, rank 0's times and bytes sent, with the optimizer memory of the most loaded rank."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as outdir:
         mp.start_processes(_worker, args=(world, port, outdir, args), nprocs=world, start_method="spawn")
         ranks = []

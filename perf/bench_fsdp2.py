@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -28,6 +27,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import graphstep as gs  # noqa: E402
 from capture.profile import OpCounter  # noqa: E402
 from graphstep.app import bench_core as core  # noqa: E402
+from graphstep.app.demo_dist import free_port  # noqa: E402
 from graphstep.app.bench_stats import ratio_interval  # noqa: E402
 
 SHAPE = (16, 16)
@@ -100,9 +100,7 @@ def main() -> int:
     parser.add_argument("--counts", default="150,10000")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         mp.start_processes(_rank, args=(port, [int(c) for c in args.counts.split(",")], args.rounds, out),

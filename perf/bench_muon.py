@@ -34,7 +34,6 @@ import datetime
 import json
 import os
 import pickle
-import socket
 import statistics
 import sys
 import tempfile
@@ -45,6 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import graphstep as gs  # noqa: E402
+from graphstep.app.demo_dist import free_port  # noqa: E402
 
 LR, WEIGHT_DECAY, MOMENTUM, VOCAB = 0.02, 0.1, 0.95, 512
 
@@ -216,9 +216,7 @@ def layerwise_rows(worlds, layers: int, d: int, rounds: int, warmup: int) -> lis
           "| GPT-2 small NS max/mean, padding |")
     print("|---:|---:|---:|---:|---:|---:|---|")
     for world in worlds:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         with tempfile.TemporaryDirectory() as outdir:
             mp.start_processes(_layerwise_worker, args=(world, port, outdir, layers, d, rounds, warmup), nprocs=world,
                                start_method="spawn")
