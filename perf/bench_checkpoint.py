@@ -27,9 +27,9 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import shapes as shape_sets  # noqa: E402
+from graphstep.app import bench_shapes as shape_sets  # noqa: E402
+from graphstep.app.demo_dist import free_port  # noqa: E402
 
 
 class Bag(torch.nn.Module):
@@ -82,10 +82,7 @@ def measure(world_size: int, shapes_name: str) -> dict:
         if world_size == 1:
             run(0, 1, shapes_name, path, 0, out)
         else:
-            import socket
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port()
             mp.start_processes(run, args=(world_size, shapes_name, path, port, out), nprocs=world_size,
                                start_method="spawn")
         with open(out) as f:
