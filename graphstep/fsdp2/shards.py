@@ -18,6 +18,7 @@ are zero and never counted (``padding``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,9 +40,14 @@ class LocalShard:
         return tensor.narrow(0, 0, self.rows) if tensor.dim() else tensor
 
     @property
+    def real_shape(self) -> tuple[int, ...]:
+        """The shape of the real rows: what FSDP2's local tensor (and each state of torch's format) has."""
+        return tuple(self.real_rows(self.local.detach()).shape)
+
+    @property
     def padding(self) -> int:
         """Elements of the padded chunk past the real rows (always zero)."""
-        return self.local.numel() - self.real_rows(self.local.detach()).numel()
+        return self.local.numel() - math.prod(self.real_shape)
 
 
 def _fsdp_params(chunks) -> dict[int, Any]:

@@ -95,10 +95,9 @@ def load_state_dict(opt, state_dict: dict) -> None:
                 if name not in entry:
                     raise StateDictError(f"FSDP2 optimizer state dict: state[{key!r}] has no {name!r}")
                 source = _local(entry[name], f"state[{key!r}][{name!r}]")
-                shape = (shard.rows, *shard.local.shape[1:]) if shard.local.dim() else ()
-                if tuple(source.shape) != tuple(shape):
+                if tuple(source.shape) != shard.real_shape:
                     raise StateDictError(f"FSDP2 optimizer state dict: state[{key!r}][{name!r}] has local shape "
-                                         f"{tuple(source.shape)}, this rank's shard is {tuple(shape)}")
+                                         f"{tuple(source.shape)}, this rank's shard is {shard.real_shape}")
                 copies.append((name, where, shard, source))
     steps = [e["step"] for e in state_dict["state"].values() if "step" in e]
     if not steps:
