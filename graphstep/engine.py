@@ -35,6 +35,7 @@ from .hooks.grads_seen import GradsSeen
 from .hooks.micro_batches import NoSync
 from .hooks.param_hooks import GradHooks
 from .hooks.replaced_params import ReplacedParams
+from .hooks.requires_grad_watch import RequiresGradWatch
 from .kernels import choose_kernels
 from .parallel import teardown
 from .parallel.agreement import agreement_for
@@ -216,6 +217,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self._publish = chain(publish_chain(self.domains))
         self._grads_seen = GradsSeen(self._grad_hooks, self._domain_buffers())
         self._replaced_params = ReplacedParams(chunks, named)  # kept through close(): later steps still train
+        self._requires_grad = RequiresGradWatch(chunks, model_named)  # the model's params, not FSDP2's stand-ins
         self._fold = Fold([d.ctx.folded for d in self.domains], buffers, self._no_sync,
                                       self._grad_hooks)  # inert without the fold; its hooks: the dense buffers
         explicit_groups = any(g is not None for g in (process_group, model_parallel_group, expert_data_parallel_group))
@@ -257,6 +259,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         """Host-side work before the device step: keep the static bindings, refresh the hyperparameters."""
         self._offload.finish()  # an overlapped host update of the last step must be done first
         self._replaced_params.check()
+        self._requires_grad.check()
         if self._torch_amp.take(self.__dict__):  # torch's GradScaler: its scale and inf flag, on the device
             self._fold.grads_rewritten()  # scaler.unscale_(opt) rewrote the grads unseen by version counters
         self._grads_seen.check()

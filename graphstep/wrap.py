@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from .hooks.requires_grad_watch import RequiresGradWatch
 from .parallel.collectives import Collectives
 from .run.runner import StepRunner
 from .state.hyperparams import scalar_dtype
@@ -91,6 +92,11 @@ class CapturedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"graphstep.wrap: params on several devices {sorted(map(str, devices))}")
         self.device = devices.pop()
         self._params = params
+        # A grad set to None becomes a zero grad here (the captured step reads static grads), so a param
+        # frozen after wrapping would go on moving under momentum and weight decay: refused by name.
+        self._requires_grad = RequiresGradWatch([], [(f"param_groups[{g}]['params'][{i}]", p)
+                                                     for g, group in enumerate(optimizer.param_groups)
+                                                     for i, p in enumerate(group["params"])])
         _make_capturable(optimizer)
         for group in optimizer.param_groups:
             if not isinstance(group["lr"], torch.Tensor):
@@ -156,7 +162,7 @@ class CapturedOptimizer(torch.optim.Optimizer):
         if self._grads is None:
             if any(p.grad is None for p in self._params):
                 raise RuntimeError("graphstep.wrap: every param needs a grad before the first step "
-                                   "(run backward first; freeze unused params with requires_grad_(False))")
+                                   "(run backward first; leave params that get no grad out of the optimizer)")
             self._grads = [p.grad for p in self._params]
             return
         for i, p in enumerate(self._params):
@@ -215,6 +221,7 @@ class CapturedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 closure()
+        self._requires_grad.check()
         self._bind_grads()
         self._runner.run()
         return self.update_successful

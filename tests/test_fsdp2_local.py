@@ -262,3 +262,13 @@ def test_grads_of_a_backward_before_the_build_are_stepped_on_as_torch_does():
         opt.step()
     reference.step()
     assert [torch.equal(a, b) for a, b in zip(local(ours), local(theirs))] == [True] * 4
+
+
+def test_a_sharded_param_frozen_after_the_build_is_refused_by_name():
+    # The watch reads the model's DTensor params, not the local shards the buffers hold.
+    m = model()
+    opt = gs.get_optimizer(config(), m, config_overrides={})
+    m[2].weight.requires_grad_(False)
+    backward(m, 0)
+    with pytest.raises(RuntimeError, match=r"'2\.weight' do not require grad"):
+        opt.step()

@@ -274,3 +274,47 @@ def test_a_dropped_optimizer_leaves_no_parameter_registration_hook_behind():
     del opt
     gc.collect()
     assert len(torch_module._global_parameter_registration_hooks) == before
+
+
+def test_a_param_frozen_after_the_build_is_refused_by_name():
+    # graphstep steps every param it holds: a frozen one would go on moving under weight decay and momentum,
+    # where torch's optimizers leave a param without a grad alone.
+    model = torch.nn.Sequential(_linear(), _linear(seed=1))
+    opt = make_engine(model, lr=0.1, weight_decay=0.1)
+    _backward(model)
+    opt.step()
+    opt.zero_grad()
+    model[0].requires_grad_(False)
+    _backward(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"'0\.weight', '0\.bias' do not require grad.*build a new optimizer"):
+        opt.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))  # refused before anything moved
+
+
+def test_a_param_unfrozen_after_the_build_is_refused_by_name():
+    # A param frozen at the build has no place in the buffers: unfrozen, it would never be stepped.
+    model = torch.nn.Sequential(_linear(), _linear(seed=1))
+    model[0].weight.requires_grad_(False)
+    opt = make_engine(model, lr=0.1)
+    model[0].weight.requires_grad_(True)
+    _backward(model)
+    with pytest.raises(RuntimeError, match=r"'0\.weight' require grad now but were frozen when the optimizer"):
+        opt.step()
+
+
+def test_requires_grad_toggled_back_before_the_step_is_let_through():
+    # Freezing for an evaluation (or a GAN's other phase) and unfreezing before the step changes nothing.
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(_linear(), _linear(seed=1)) for _ in range(2)]
+    for m in models:
+        m[1].bias.requires_grad_(False)  # frozen at the build and through the run: simply not trained
+    opts = [make_engine(m, lr=0.1) for m in models]
+    models[0].requires_grad_(False)
+    models[0].requires_grad_(True)
+    models[0][1].bias.requires_grad_(False)
+    for m, opt in zip(models, opts):
+        _backward(m)
+        opt.step()
+    for a, b in zip(*(m.parameters() for m in models)):
+        assert torch.equal(a, b)

@@ -196,3 +196,22 @@ def test_a_baked_value_is_still_guarded_after_a_moved_input_forced_a_recapture()
     assert wrapped.recaptures == 2
     for a, b in zip(model.parameters(), reference.parameters()):
         assert torch.equal(a, b)
+
+
+def test_a_param_frozen_after_wrapping_is_refused_by_name():
+    # torch's SGD would skip the frozen param (its grad is None after zero_grad); the captured step reads a
+    # static zero grad instead, and momentum would go on moving the param.
+    model = tiny_transformer()
+    wrapped = gs.wrap(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=True))
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        loss_fn(model, step).backward()
+        wrapped.step()
+    first = next(model.parameters())
+    first.requires_grad_(False)
+    model.zero_grad(set_to_none=True)
+    loss_fn(model, 2).backward()
+    before = first.detach().clone()
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[0\]' do not require grad"):
+        wrapped.step()
+    assert torch.equal(before, first)

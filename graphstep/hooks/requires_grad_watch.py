@@ -1,0 +1,60 @@
+"""A param frozen or unfrozen after the build is refused at the next step, by name.
+
+graphstep lays out the params that require grad at ``get_optimizer`` and steps all of them every step: a grad
+buffer is never None, so a param frozen later (``requires_grad_(False)``) would go on being moved by weight
+decay and momentum, where torch's optimizers skip a param whose grad is None. A model param that was frozen
+at the build and requires grad later has no place in the buffers and would never be stepped. Either would
+train a different model than the user asked for without a word, so the step refuses.
+
+torch has no hook on ``requires_grad``: the check reads the flag of every param concerned, one C-level
+``map`` per list (a small part of the per-param binding check the step runs anyway, state/buffers.py).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+class RequiresGradWatch:
+    """The model's params whose ``requires_grad`` the step relies on: those the optimizer holds, and the frozen
+    ones it left out."""
+
+    def __init__(self, chunks: list[torch.nn.Module], held: list[tuple[str, torch.nn.Parameter]]):
+        """``chunks``: the model's modules (none where the optimizer was given params, not a model);
+        ``held``: (name, param) of the params the optimizer steps (named as ``named_trainable_params`` names
+        them)."""
+        self._held_names = [name for name, _ in held]
+        self._held = [p for _, p in held]
+        held_ids = {id(p) for p in self._held}
+        frozen, seen = [], set()
+        for c, chunk in enumerate(chunks):
+            for name, p in chunk.named_parameters():
+                if id(p) not in held_ids and id(p) not in seen:
+                    seen.add(id(p))
+                    frozen.append((name if len(chunks) == 1 else f"{c}.{name}", p))
+        self._frozen_names = [name for name, _ in frozen]
+        self._frozen = [p for _, p in frozen]
+
+    def check(self) -> None:
+        if not all(map(_REQUIRES_GRAD, self._held)):
+            names = [n for n, p in zip(self._held_names, self._held) if not p.requires_grad]
+            raise RuntimeError(
+                f"graphstep: param(s) {_listed(names)} do not require grad, but the optimizer was built with "
+                "them: it steps every param it holds, so weight decay and momentum would go on moving them "
+                "(torch's optimizers skip a param without a grad). Set requires_grad back, or build a new "
+                "optimizer over the model after freezing them")
+        if any(map(_REQUIRES_GRAD, self._frozen)):
+            names = [n for n, p in zip(self._frozen_names, self._frozen) if p.requires_grad]
+            raise RuntimeError(
+                f"graphstep: param(s) {_listed(names)} require grad now but were frozen when the optimizer was "
+                "built: its buffers have no place for them, so they would never be stepped. Build a new "
+                "optimizer over the model after unfreezing them, or freeze them again")
+
+
+def _listed(names: list[str], most: int = 8) -> str:
+    shown = ", ".join(f"'{name}'" for name in names[:most])
+    return shown if len(names) <= most else f"{shown} and {len(names) - most} more"
