@@ -272,3 +272,12 @@ def test_a_sharded_param_frozen_after_the_build_is_refused_by_name():
     backward(m, 0)
     with pytest.raises(RuntimeError, match=r"'2\.weight' do not require grad"):
         opt.step()
+
+
+def test_a_sharded_model_cast_after_the_build_is_refused_by_name():
+    m = model()
+    opt = gs.get_optimizer(config(), m, config_overrides={})
+    m.to(torch.float64)
+    with pytest.raises(ValueError, match=r"param '0\.weight' was cast to torch.float64"):
+        opt.step()
+    assert all(p.dtype == torch.float64 for p in m.parameters())

@@ -318,3 +318,14 @@ def test_requires_grad_toggled_back_before_the_step_is_let_through():
         opt.step()
     for a, b in zip(*(m.parameters() for m in models)):
         assert torch.equal(a, b)
+
+
+def test_a_model_cast_after_the_build_is_refused_by_name_and_left_as_the_user_cast_it():
+    # Taking the cast params back into the fp32 buffers would quietly cast the model back to fp32.
+    model = torch.nn.Sequential(_linear(), _linear(seed=1))
+    opt = make_engine(model, lr=0.1)
+    model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"param '0\.weight' was cast to torch.bfloat16.*keeps it in "
+                                         r"torch.float32.*before building the optimizer"):
+        opt.step()
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..state.buffers import refuse_conversion
 from .shards import LocalShard
 
 
@@ -50,12 +51,16 @@ class FsdpBindings:
                 or shard.param._local_tensor.data_ptr() != self._data_ptrs[i])
 
     def check(self) -> None:
-        """Copy in and re-bind what was replaced since the last step."""
+        """Copy in and re-bind what was replaced since the last step (a param moved to another device or cast
+        to another dtype is refused first: nothing changes then)."""
+        moved = [i for i in range(len(self.shards)) if self._param_moved(i)]
+        for i in moved:
+            refuse_conversion(self.shards[i].name, self.shards[i].param._local_tensor, self._views[i])
+        for i in moved:
+            shard = self.shards[i]
+            shard.real_rows(self._views[i]).copy_(shard.param._local_tensor)  # FSDP2's own: the real rows
+            self._bind_param(i)
         for i, shard in enumerate(self.shards):
-            if self._param_moved(i):
-                values = shard.param._local_tensor  # FSDP2's own: the real rows
-                shard.real_rows(self._views[i]).copy_(values)
-                self._bind_param(i)
             grad = shard.param.grad
             if grad is not self._grads[i]:
                 self.restore_grad(i, grad)

@@ -358,11 +358,15 @@ class StaticBuffers:
         buffer and this rank's main params, then make the param a view again. Returns their names."""
         adopted = []
         now = zip(map(torch.Tensor.data_ptr, self.params), map(_DTYPE, self.params), map(_SHAPE, self.params))
-        for i in [i for i, (key, bound) in enumerate(zip(now, self._param_keys)) if key != bound]:
-            p, view, place = self.params[i], self.param_view(i), self.layout.params[i]
+        replaced = [i for i, (key, bound) in enumerate(zip(now, self._param_keys)) if key != bound]
+        for i in replaced:  # all refusals before any copy: a refused step changes nothing
+            p, place = self.params[i], self.layout.params[i]
             if tuple(p.shape) != place.shape:
                 raise ValueError(f"param '{place.name}' was replaced by a tensor of shape {tuple(p.shape)}, "
                                  f"not {place.shape}: build a new optimizer for a new model")
+            refuse_conversion(place.name, p, self.param_view(i))
+        for i in replaced:
+            p, view, place = self.params[i], self.param_view(i), self.layout.params[i]
             values = p.detach()
             view.copy_(values)
             if not self.main_is_param[place.buffer] or self.host is not None:
@@ -392,6 +396,21 @@ class StaticBuffers:
             for b, tensor in enumerate(tensors):
                 named[f"{name}[{b}]"] = tensor
         return named
+
+
+def refuse_conversion(name: str, now: torch.Tensor, bound: torch.Tensor) -> None:
+    """Raise if a param replaced since the build (``now``) is on another device or of another dtype than its
+    flat-buffer view ``bound`` (``model.to(...)``, ``.half()`` after ``get_optimizer``): taking it back would
+    quietly move or cast the user's model back to what the buffers hold."""
+    if now.device != bound.device:
+        change = f"moved to {now.device}, but the optimizer's buffers are on {bound.device}"
+    elif now.dtype != bound.dtype:
+        change = f"cast to {now.dtype}, but the optimizer keeps it in {bound.dtype}"
+    else:
+        return
+    raise ValueError(f"param '{name}' was {change} after get_optimizer (model.to(...), .half(), ...); the step "
+                     "would put it back. Move or cast the model before building the optimizer (OptimizerConfig's "
+                     "bf16/fp16 cast the params for you)")
 
 
 def _rebind_grad(param: torch.nn.Parameter, view: torch.Tensor) -> None:
