@@ -3,7 +3,7 @@
     python perf/bench_checkpoint.py                       # GPT-2 small shapes, 1 and 2 gloo ranks
     python perf/bench_checkpoint.py --shapes gpt2-quick   # ~10M params, seconds
 
-The model is a bag of params with the shapes of ``perf/shapes.py`` (fp32, Adam: each param saves its fp32
+The model is a bag of params with the shapes of ``graphstep.app.bench_shapes`` (fp32, Adam: each param saves its fp32
 main param, exp_avg and exp_avg_sq, so 12 bytes per param plus DCP's metadata; the model's own state dict
 is not included). Save = ``gs.checkpoint.save`` (DCP write, fsync, atomic directory swap); load =
 ``gs.checkpoint.load`` (safe metadata read, validation, copy into the static buffers, publish). With 2

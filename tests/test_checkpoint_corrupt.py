@@ -18,7 +18,7 @@ from test_checkpoint import ADAM, assert_same, engine, everything, train
 from toy import tiny_transformer
 
 import graphstep as gs
-from graphstep.checkpoint import CheckpointError
+from graphstep.checkpoint import CheckpointError, checksums
 from graphstep.checkpoint.state_dict import StateDictError
 
 # A dynamic loss scale too (a refused load must leave it unchanged), starting low enough that steps apply.
@@ -158,14 +158,73 @@ def test_a_data_file_one_byte_short_is_refused_naming_it(saved, tmp_path, target
     assert f"truncated ({size - 1} bytes" in str(error) and str(size) in str(error)
 
 
-def test_a_garbage_data_file_is_refused_naming_it(saved, tmp_path, target):
+def test_a_garbage_data_file_is_refused_naming_it_by_its_checksum(saved, tmp_path, target):
     model, opt = target
     path = copy_of(saved, tmp_path)
     file = data_file(path)
-    overwrite_with_garbage(file)  # same size: the size check passes, decoding the bytes fails
+    overwrite_with_garbage(file)  # same size: the size check passes, the first item's checksum fails
+    error = refused(opt, lambda: gs.checkpoint.load(opt, path, model=model), file)
+    assert "damaged" in str(error) and "checksum the save recorded" in str(error)
+
+
+def test_a_garbage_data_file_without_checksums_is_refused_by_decoding(saved, tmp_path, target):
+    # A checkpoint saved by DCP directly has no checksums: the bytes' decoding is the last line of defence.
+    model, opt = target
+    path = copy_of(saved, tmp_path)
+    unchecked(path)
+    file = data_file(path)
+    overwrite_with_garbage(file)
     error = refused(opt, lambda: gs.checkpoint.load(opt, path, model=model), file, Exception)
     assert "damaged" in str(error) and not isinstance(error.__cause__, CheckpointError)
     assert "weights_only" not in str(error)  # torch.load's advice is the wrong cure for a damaged file
+
+
+def test_one_flipped_bit_inside_a_saved_tensor_is_refused_naming_the_file(saved, tmp_path, target):
+    # The bytes still decode (a tensor's raw bytes decode whatever they hold): only the checksum sees it.
+    model, opt = target
+    path = copy_of(saved, tmp_path)
+    file = data_file(path)
+    item = max((info for info in gs.checkpoint.read_metadata(path).storage_data.values()), key=lambda i: i.length)
+    with open(file, "r+b") as f:
+        f.seek(item.offset + item.length // 2)  # the middle of the largest item: its tensor's bytes
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x01]))
+    error = refused(opt, lambda: gs.checkpoint.load(opt, path, model=model), file)
+    assert f"bytes {item.offset}+{item.length} do not match the checksum" in str(error)
+
+
+def test_a_missing_or_damaged_checksum_file_is_refused_naming_it(saved, tmp_path, target):
+    model, opt = target
+    path = copy_of(saved, tmp_path)
+    (checksum_file,) = path.glob("__checksums_*.json")
+    checksum_file.write_text("{not json")
+    error = refused(opt, lambda: gs.checkpoint.load(opt, path, model=model), checksum_file)
+    assert "checksum file is damaged" in str(error)
+    checksum_file.unlink()
+    error = refused(opt, lambda: gs.checkpoint.load(opt, path, model=model), path)
+    assert "saved with checksum files" in str(error)
+
+
+def test_a_changed_metadata_file_is_refused_by_its_checksum(saved, tmp_path, target):
+    # Metadata that still unpickles, with one range moved: the data would be read from the wrong bytes.
+    model, opt = target
+    path = copy_of(saved, tmp_path)
+    metadata = gs.checkpoint.read_metadata(path)
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(metadata, f, protocol=2)  # the same content, other bytes
+    error = refused(opt, lambda: gs.checkpoint.load(opt, path, model=model), path / ".metadata")
+    assert "do not match the checksum" in str(error)
+
+
+def unchecked(path):
+    """Make ``path`` a checkpoint as DCP writes it directly: no checksum files, no entry asking for them."""
+    for f in path.glob("__checksums_*.json"):
+        f.unlink()
+    metadata = gs.checkpoint.read_metadata(path)
+    del metadata.state_dict_metadata[checksums.KEY]
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
 
 
 def test_a_data_file_listed_outside_the_directory_is_refused(saved, tmp_path, target):

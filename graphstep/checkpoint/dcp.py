@@ -3,7 +3,7 @@
 ``save(opt, path, model=None)``: every rank writes its slices (``sharded_state_dict``) into
 ``<path>.saving``; the files are fsynced; once every rank is done, rank 0 swaps the directory in by
 renames (the previous checkpoint moves to ``<path>.old``, the new one to ``path``, then the old one is
-deleted). A save killed at any point leaves a loadable checkpoint: ``path`` itself until the swap, or
+deleted). Before the swap each rank writes the CRC-32 of its share of the stored items (``checksums.py``). A save killed at any point leaves a loadable checkpoint: ``path`` itself until the swap, or
 ``<path>.old`` during it, which ``load`` falls back to.
 
 ``load(opt, path, model=None)``: reads DCP's metadata with an unpickler that admits DCP's own metadata
@@ -11,8 +11,8 @@ classes only, refuses checkpoints holding pickled objects (graphstep's format ha
 non-tensor is JSON in a uint8 tensor), checks the format version and the params (names, shapes) before
 reading any data, reads exactly this rank's ranges into fresh tensors, validates them, and only then
 copies into the static buffers (so a refused checkpoint changes nothing) and publishes the params.
-A damaged checkpoint (missing, empty, truncated or garbage files) raises ``CheckpointError`` naming the file
-(``integrity.py``), before anything is copied.
+A damaged checkpoint (missing, empty, truncated or garbage files, bytes that do not match their checksum)
+raises ``CheckpointError`` naming the file (``integrity.py``, ``checksums.py``), before anything is copied.
 
 ``async_save(...)`` snapshots the state (a copy, at the call) and saves it in a background thread over a
 dedicated gloo group, so training steps go on meanwhile; the returned future completes once the
@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from . import integrity, sharded
+from . import checksums, integrity, sharded
 from . import state_dict as flat
 from .integrity import CheckpointError
 
@@ -70,7 +70,9 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 class SafeFileSystemReader(dcp.FileSystemReader):
     """DCP's file reader, with the metadata read by a restricted unpickler (weights_only semantics) and a
-    damaged checkpoint reported as ``CheckpointError`` naming the file (``integrity.py``)."""
+    damaged checkpoint reported as ``CheckpointError`` naming the file (``integrity.py``, ``checksums.py``)."""
+
+    _checksums = None  # {file: {byte range: CRC-32}} once set up for a checkpoint saved with checksums
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
@@ -92,10 +94,14 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
     def set_up_storage_reader(self, metadata: Metadata, *args: Any, **kwargs: Any) -> None:
         integrity.check_data_files(metadata, os.fspath(self.path))  # missing/empty/truncated: before any read
+        self._checksums = checksums.read(os.fspath(self.path), metadata)  # None: saved without checksums
         super().set_up_storage_reader(metadata, *args, **kwargs)
 
     def _slice_file(self, file, sinfo):
         self._reading = sinfo.relative_path  # which file a decoding error comes from (read_data)
+        if self._checksums is not None:  # damaged bytes are refused before they are decoded
+            checksums.verify_item(file, os.path.join(os.fspath(self.path), sinfo.relative_path), self._checksums,
+                                  sinfo.relative_path, sinfo.offset, sinfo.length)
         return super()._slice_file(file, sinfo)
 
     def read_data(self, plan, planner):
@@ -189,6 +195,7 @@ def _commit(path: str) -> None:
 
 def _state(opt, model, snapshot: bool) -> dict:
     sd = sharded.sharded_state_dict(opt, snapshot=snapshot)
+    sd[checksums.KEY] = torch.ones(1, dtype=torch.uint8)  # a load then requires the checksum files
     if model is not None:
         for key, value in model.state_dict().items():
             sd[MODEL_PREFIX + key] = value.detach().clone() if snapshot else value
@@ -196,7 +203,7 @@ def _state(opt, model, snapshot: bool) -> dict:
 
 
 def _save_state(sd: dict, path: str, group) -> None:
-    rank, _ = _world()
+    rank, initialised = _world()
     if rank == 0:
         if os.path.exists(path + _SAVING):
             shutil.rmtree(path + _SAVING)  # a save killed earlier left it: never part of a checkpoint
@@ -204,6 +211,9 @@ def _save_state(sd: dict, path: str, group) -> None:
     _barrier(group)
     with _single_process_quiet():
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(path + _SAVING, sync_files=True), process_group=group)
+    ranks = dist.get_world_size(group) if initialised else 1
+    checksums.write(path + _SAVING, SafeFileSystemReader(path + _SAVING).read_metadata(),
+                    dist.get_rank(group) if initialised else 0, ranks)
     _barrier(group)  # every rank's files are written (and fsynced) before the swap
     if rank == 0:
         _commit(path)

@@ -139,13 +139,20 @@ def _truncated(f) -> None:
     f.truncate(f.seek(0, os.SEEK_END) // 2)
 
 
-DAMAGES = {"garbage": _garbage, "truncated": _truncated}
+def _flipped(f) -> None:
+    f.seek(f.seek(0, os.SEEK_END) // 2)
+    byte = f.read(1)[0]
+    f.seek(-1, os.SEEK_CUR)
+    f.write(bytes([byte ^ 0x01]))  # one bit: the size is right, and a tensor's bytes decode whatever they hold
+
+
+DAMAGES = {"garbage": _garbage, "truncated": _truncated, "flipped": _flipped}
 
 
 def refuse_damaged(rank: int, opt, model, checkpoint: str) -> dict:
     """Load copies of ``checkpoint`` (saved on 2 ranks) whose rank-1 data file is damaged (garbage bytes
-    of the same size; cut in half), on every rank: {damage: (error type, message, the damaged file)}, and
-    under "unchanged" whether the owned state and the params stayed as they were."""
+    of the same size; cut in half; one bit flipped), on every rank: {damage: (error type, message, the
+    damaged file)}, and under "unchanged" whether the owned state and the params stayed as they were."""
     before, out = (owned_state(opt), params(model)), {}
     data_file = "__1_0.distcp"  # what rank 1 of the saving 2 wrote
     for damage, spoil in DAMAGES.items():
