@@ -1,10 +1,11 @@
 """Save and load graphstep checkpoints with torch.distributed.checkpoint (DCP), atomically and safely.
 
 ``save(opt, path, model=None)``: every rank writes its slices (``sharded_state_dict``) into
-``<path>.saving``; the files are fsynced; once every rank is done, rank 0 swaps the directory in by
-renames (the previous checkpoint moves to ``<path>.old``, the new one to ``path``, then the old one is
-deleted). Before the swap each rank writes the CRC-32 of its share of the stored items (``checksums.py``). A save killed at any point leaves a loadable checkpoint: ``path`` itself until the swap, or
-``<path>.old`` during it, which ``load`` falls back to.
+``<path>.saving``, then the CRC-32 of its share of the stored items (``checksums.py``); the files are
+fsynced; once every rank is done, rank 0 swaps the directory in by renames (the previous checkpoint moves to
+``<path>.old``, the new one to ``path``, then the old one is deleted). A save killed at any point leaves a
+loadable checkpoint: ``path`` itself until the swap, or ``<path>.old`` during it, which ``load`` falls back
+to.
 
 ``load(opt, path, model=None)``: reads DCP's metadata with an unpickler that admits DCP's own metadata
 classes only, refuses checkpoints holding pickled objects (graphstep's format has none: everything
