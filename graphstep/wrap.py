@@ -125,10 +125,16 @@ class CapturedOptimizer(torch.optim.Optimizer):
         self._runner.close()
 
     def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
+        """torch's state dict of the wrapped optimizer, and under ``"scaler"`` the loss scaler's state (its scale
+        and trackers: a resume without them would start the loss scale over)."""
+        saved = self.optimizer.state_dict()
+        if self.scaler is not None:
+            saved["scaler"] = self.scaler.state_dict()
+        return saved
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Loads through torch, then puts this optimizer's own param-group dicts and lr tensors back.
+        """Loads through torch, then puts this optimizer's own param-group dicts and lr tensors back; the loss
+        scaler's state is validated before anything is loaded and loaded after torch's part.
 
         torch's ``load_state_dict`` replaces the wrapped optimizer's ``param_groups`` (new dicts, new lr
         tensors) and ``state``. A scheduler holds the old dicts and would keep writing lr tensors the step
@@ -136,9 +142,19 @@ class CapturedOptimizer(torch.optim.Optimizer):
         into the original tensor, in place), the wrapped optimizer is pointed back at them, and the state
         is shared again. The state tensors are new: the next step recaptures.
         """
+        scaler_state = state_dict.get("scaler")
+        if (scaler_state is None) != (self.scaler is None):
+            raise ValueError("graphstep.wrap: load_state_dict: " + (
+                "the state dict holds no loss-scaler state (saved without scaler=?), and this optimizer scales "
+                "the loss: its scale would start over" if scaler_state is None else
+                "the state dict holds a loss scaler's state, and this optimizer has no scaler= to take it"))
+        if self.scaler is not None:
+            self.scaler.validate_state_dict(scaler_state)
         groups = self.param_groups
         lr_tensors = [group["lr"] for group in groups]
-        self.optimizer.load_state_dict(state_dict)
+        self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "scaler"})
+        if self.scaler is not None:
+            self.scaler.load_state_dict(scaler_state)
         for group, loaded, lr in zip(groups, self.optimizer.param_groups, lr_tensors, strict=True):
             loaded_lr = loaded["lr"]
             group.update({k: v for k, v in loaded.items() if k not in ("params", "lr")})

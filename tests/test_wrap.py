@@ -1,5 +1,7 @@
 """graphstep.wrap: a user's torch optimizer captured on the CPU replay backend, against it unwrapped."""
 
+import io
+
 import pytest
 import torch
 from toy import decay_groups, loss_fn, tiny_transformer
@@ -215,3 +217,48 @@ def test_a_param_frozen_after_wrapping_is_refused_by_name():
     with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[0\]' do not require grad"):
         wrapped.step()
     assert torch.equal(before, first)
+
+
+def _scaled(seed):
+    model = tiny_transformer(seed=seed)
+    scaler = DynamicLossScaler(initial_scale=2.0**10, min_scale=1.0, growth_interval=2, hysteresis=2,
+                               device=torch.device("cpu"))
+    return model, gs.wrap(torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True), scaler=scaler)
+
+
+def _scaled_steps(model, wrapped, steps):
+    for step in steps:
+        wrapped.zero_grad()
+        wrapped.scale_loss(loss_fn(model, step) * (float("inf") if step in (2, 3) else 1.0)).backward()
+        wrapped.step()
+
+
+def test_a_resume_brings_the_loss_scalers_state_back_and_is_bitwise_the_uninterrupted_run():
+    # Two overflows (hysteresis 2) and growth: the scale and both trackers differ from the initial ones.
+    model, wrapped = _scaled(0)
+    _scaled_steps(model, wrapped, range(6))
+    saved = torch.load(_round_trip({"model": model.state_dict(), "opt": wrapped.state_dict()}), weights_only=True)
+    assert saved["opt"]["scaler"]["scale"].item() != 2.0**10
+    _scaled_steps(model, wrapped, range(6, 10))
+    resumed_model, resumed = _scaled(1)
+    resumed_model.load_state_dict(saved["model"])
+    resumed.load_state_dict(saved["opt"])
+    _scaled_steps(resumed_model, resumed, range(6, 10))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
+
+
+def test_a_state_dict_without_the_scalers_state_is_refused_by_a_scaled_wrap():
+    model, wrapped = _scaled(0)
+    _scaled_steps(model, wrapped, range(1))
+    plain = gs.wrap(torch.optim.AdamW(tiny_transformer().parameters(), lr=3e-3, fused=True))
+    with pytest.raises(ValueError, match="no loss-scaler state"):
+        wrapped.load_state_dict({k: v for k, v in wrapped.state_dict().items() if k != "scaler"})
+    with pytest.raises(ValueError, match="has no scaler= to take it"):
+        plain.load_state_dict(wrapped.state_dict())
+
+
+def _round_trip(value):
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return buffer
