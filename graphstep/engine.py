@@ -225,6 +225,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                                  explicit_groups=explicit_groups, on_ddp=self._fold.fold_before_step)
         self.result = StepResult(self.tensors.update_successful, self.tensors.grad_norm, self.tensors.num_zeros,
                                  self.tensors.loss_scale)
+        for buffers in self._domain_buffers():
+            buffers.watch_param_writes()  # bf16/fp16 params: a later write into them reaches the main params
 
     # ---- what the subclass for FSDP2 models changes (graphstep/fsdp2/optimizer.py) -------------------------
     local_shards = None
@@ -275,6 +277,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                 replaced += buffers.readopt_params()  # also rebinds grads a user set to None (as zeros)
         if replaced:
             self._runner.on_replaced(replaced)
+        for buffers in self._domain_buffers():
+            buffers.take_param_writes()  # bf16/fp16: what a user wrote into the params, into the main params
         self._fold.fold_stale()
         for g, (group, family) in enumerate(zip(self.param_groups, self._families)):
             problem = family.group_problem(group, self.config) if family.group_problem is not None else None
@@ -317,6 +321,13 @@ class GraphstepOptimizer(torch.optim.Optimizer):
     def recaptures(self) -> int:
         """How many times the captured step was captured again after going stale."""
         return self._runner.recaptures
+
+    def reload_model_params(self) -> None:
+        """Copy the model's params into the main params where they differ (Megatron-Core's name). The next step
+        does this by itself for every param written in place (``model.load_state_dict``, ``nn.init``, a
+        ``clamp_``); call it after a write no version counter sees, through ``p.data``."""
+        for buffers in self._domain_buffers():
+            buffers.take_param_writes(everything=True)
 
     def recapture(self) -> None:
         """Adopt replaced params and buffers back into the static buffers; capture anew at the next step."""

@@ -257,6 +257,26 @@ def test_a_checkpoint_of_another_model_is_refused_naming_it_and_the_param(saved)
     assert "'3.weight'" in str(error) and "shape" in str(error)  # the model's entries, checked first
 
 
+@pytest.mark.parametrize("saved_dtype, live_dtype", [(torch.float64, torch.float32), (torch.float32, torch.float64)])
+def test_main_params_of_another_dtype_are_refused_not_cast(tmp_path, saved_dtype, live_dtype):
+    # DCP casts into the load template's dtype while reading: the dtypes are compared before it reads.
+    model = tiny_transformer()
+    opt = engine(model, **ADAM, kernel="fused", main_params_dtype=saved_dtype)
+    train(model, opt, 2)
+    gs.checkpoint.save(opt, tmp_path / "ckpt")
+    live_model = tiny_transformer(seed=1)
+    live = engine(live_model, **ADAM, kernel="fused", main_params_dtype=live_dtype)
+    train(live_model, live, 1)
+    error = refused(live, lambda: gs.checkpoint.load(live, tmp_path / "ckpt"), "optimizer.state.fp32_param.")
+    assert f"was saved as {saved_dtype}, this optimizer keeps {live_dtype}" in str(error)
+
+
+def test_a_model_entry_of_another_dtype_is_refused_not_cast(saved, target):
+    model, opt = target
+    error = refused(opt, lambda: gs.checkpoint.load(opt, saved, model=model.float()), saved)
+    assert "was saved as torch.float16, the model's is torch.float32" in str(error)
+
+
 def test_the_undamaged_copy_loads(saved, tmp_path, target):
     """The control: the same copy, undamaged, loads into the same target (so the refusals above are the
     damage's, not the copy's or the target's)."""

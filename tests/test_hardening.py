@@ -329,3 +329,45 @@ def test_a_model_cast_after_the_build_is_refused_by_name_and_left_as_the_user_ca
                                          r"torch.float32.*before building the optimizer"):
         opt.step()
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weights_loaded_into_a_half_model_after_the_build_are_trained_on(dtype):
+    # The main params are a copy of their own: the step would publish them over the loaded weights. The
+    # oracle is the same model loaded before the optimizer was built.
+    precision = {"bf16": True} if dtype == torch.bfloat16 else {"fp16": True}
+    loaded = {k: torch.full_like(v, 0.5) for k, v in _linear(dtype=dtype).state_dict().items()}
+    models = [_linear(seed=1, dtype=dtype), _linear(seed=1, dtype=dtype)]
+    models[1].load_state_dict(loaded)
+    opts = [make_engine(m, lr=1e-3, **precision) for m in models]
+    models[0].load_state_dict(loaded)  # after the build
+    for m, opt in zip(models, opts):
+        _backward(m, scale=opt.loss_scale.item())
+        opt.step()
+    for a, b in zip(*(m.parameters() for m in models)):
+        assert torch.equal(a, b)
+    assert torch.equal(opts[0].buffers.main_shard[0], opts[1].buffers.main_shard[0])
+
+
+def test_an_in_place_write_into_a_bf16_param_reaches_the_main_params_and_nothing_else_changes():
+    model = torch.nn.Sequential(_linear(dtype=torch.bfloat16), _linear(seed=1, dtype=torch.bfloat16))
+    opt = make_engine(model, lr=0.1, bf16=True, weight_decay=0.0)
+    for _ in range(2):
+        _backward(model)
+        opt.step()
+        opt.zero_grad()
+    main_before = opt.buffers.main_shard[0].clone()
+    with torch.no_grad():
+        model[0].weight.clamp_(-0.01, 0.01)  # WGAN-style: seen by the param's version counter
+    model[1].weight.data.mul_(0.5)  # through .data: no counter sees it, reload_model_params takes it
+    opt.reload_model_params()
+    clamped, halved = model[0].weight.detach().clone(), model[1].weight.detach().clone()
+    for group in opt.param_groups:
+        group["lr"] = 0.0  # a step that moves nothing: it publishes the main params as they are
+    _backward(model)
+    opt.step()
+    assert torch.equal(model[0].weight, clamped) and torch.equal(model[1].weight, halved)
+    bias = next(i for i, place in enumerate(opt.layout.params) if place.name == "0.bias")
+    (owned,) = [o for o in opt.layout.owned_ranges(0) if o.param == bias]
+    span = slice(owned.shard_start, owned.shard_start + owned.param_end - owned.param_start)
+    assert torch.equal(opt.buffers.main_shard[0][span], main_before[span])  # untouched: every fp32 bit kept

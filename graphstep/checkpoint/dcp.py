@@ -299,10 +299,19 @@ def _check_keys(opt, metadata: Metadata, model, path: str) -> dict:
             if tuple(saved[key].size) != tuple(value.shape):
                 raise CheckpointError(f"{path}: model entry '{key}' has shape {tuple(saved[key].size)}, "
                                       f"{tuple(value.shape)} here")
+            if saved[key].properties.dtype != value.dtype:
+                raise CheckpointError(f"{path}: model entry '{key}' was saved as {saved[key].properties.dtype}, "
+                                      f"the model's is {value.dtype}: graphstep does not cast (convert the model "
+                                      "as it was at the save before loading)")
         extra = sorted(set(saved) - set(live))
         if extra:
             raise CheckpointError(f"{path}: model entry '{extra[0]}' is not in this model (another model?)")
     return sizes
+
+
+def _dtype(value) -> torch.dtype:
+    """The dtype of a plain tensor or of a ``ShardedTensor`` (whatever this rank's shards)."""
+    return value.metadata().tensor_properties.dtype if hasattr(value, "local_shards") else value.dtype
 
 
 @contextlib.contextmanager
@@ -338,6 +347,12 @@ def load(opt, path: str, model: Optional[torch.nn.Module] = None) -> None:
     missing = [k for k in template if k not in metadata.state_dict_metadata]
     if missing:
         raise CheckpointError(f"{where}: entry '{missing[0]}' is missing")
+    for key, value in template.items():  # DCP would cast while reading: another dtype is refused first
+        saved = metadata.state_dict_metadata[key].properties.dtype
+        if saved != _dtype(value):
+            raise CheckpointError(f"{where}: entry '{key}' was saved as {saved}, this optimizer keeps "
+                                  f"{_dtype(value)} (saved with another main_params_dtype?): graphstep does not "
+                                  "cast")
     _dcp_load(template, where)
     opt_sd = {k: v for k, v in template.items() if not k.startswith(MODEL_PREFIX)}
     with _naming(where):
