@@ -190,6 +190,26 @@ def test_overlapped_host_update_matches_and_the_next_forward_waits_for_its_chunk
     assert_same_run(overlapped, train(None, "adam", "bf16", steps=15))
 
 
+def test_a_model_state_dict_right_after_an_overlapped_step_holds_the_stepped_params(monkeypatch):
+    # torch.save(model.state_dict()) straight after opt.step() (a Trainer's save order) must not race the worker.
+    from graphstep.offload import Offload
+
+    slow = Offload.update_chunk
+
+    def update_chunk_slowly(self, chunk, rows):
+        import time
+        time.sleep(0.02)
+        slow(self, chunk, rows)
+
+    monkeypatch.setattr(Offload, "update_chunk", update_chunk_slowly)
+    model, opt = train(1.0, "adam", "bf16", steps=3, overlap_cpu_optimizer_d2h_h2d=True)[:2]
+    loss_fn(model, 3).backward()
+    opt.step()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    opt.finish_param_gather()
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+
+
 # ---- state, checkpoints, debugging -------------------------------------------------------------------
 def test_state_dict_moves_between_fractions_and_resumes_bitwise():
     full = train(None, "adam", "fp16", steps=30)

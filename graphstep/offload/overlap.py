@@ -7,7 +7,8 @@ stream on an accelerator, so one chunk's copy overlaps the next chunk's update),
 
 The next forward: a pre-hook on every module that owns params waits until the chunks holding its params
 (its children's included, like graphstep/hooks/grad_overlap.py) are ready and, on an accelerator, makes the current
-stream wait for their copies (a device-side wait, not a host one). ``finish`` waits for everything:
+stream wait for their copies (a device-side wait, not a host one). A state-dict pre-hook on the same modules
+waits the same way, so a model save right after the step holds the stepped params. ``finish`` waits for everything:
 the engine calls it before the next step and before anything reads the buffers (checkpoints).
 
 torch's CPU kernels and copies release the GIL, so on a CPU-only machine the worker's update really runs
@@ -114,6 +115,13 @@ class ChunkWorker:
                 if needed:
                     hook = weak_hooks.calling(self, "_before_forward", tuple(needed))
                     self._handles.append(module.register_forward_pre_hook(hook))
+                    # A model save right after the step (torch.save, safetensors, save_pretrained) must not
+                    # take params the worker has not written yet.
+                    hook = weak_hooks.calling(self, "_before_state_dict", tuple(needed))
+                    self._handles.append(module.register_state_dict_pre_hook(hook))
 
     def _before_forward(self, indices: tuple[int, ...], module, args) -> None:
+        self.wait_chunks(indices)
+
+    def _before_state_dict(self, indices: tuple[int, ...], module, prefix, keep_vars) -> None:
         self.wait_chunks(indices)
