@@ -25,6 +25,7 @@ from .build.layout import plan_layout
 from .build.model_params import as_chunks, named_trainable_params, param_spec, warn_dtype_conversion
 from .build.routing import build_family_param_groups
 from .checkpoint import state_dict as state_dict_mod
+from .checkpoint.optimizer_hooks import runs_load_state_dict_hooks, runs_state_dict_hooks
 from .checkpoint.torch_api import ParamState
 from .config import OptimizerConfig
 from .families import families_of, state_names
@@ -423,11 +424,13 @@ class GraphstepOptimizer(torch.optim.Optimizer):
     experts = property(lambda self: domains_mod.with_role(self.domains, domains_mod.EXPERTS))
 
     # ---- checkpoints -----------------------------------------------------------------------------------
+    @runs_state_dict_hooks
     def state_dict(self) -> dict:
         """This rank's flat buffers, exact, for ``torch.save`` flows at the same layout
         (graphstep.checkpoint.state_dict)."""
         return state_dict_mod.state_dict(self)
 
+    @runs_load_state_dict_hooks
     def load_state_dict(self, state_dict: dict) -> None:
         """Load by copying into the existing buffers (addresses never change), then refresh model params."""
         state_dict_mod.load_state_dict(self, state_dict)

@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from .checkpoint.optimizer_hooks import runs_load_state_dict_hooks, runs_state_dict_hooks
 from .hooks.requires_grad_watch import RequiresGradWatch
 from .parallel.collectives import Collectives
 from .run.runner import StepRunner
@@ -124,6 +125,7 @@ class CapturedOptimizer(torch.optim.Optimizer):
         """Release the captured step (graph and memory pool); later steps run eagerly."""
         self._runner.close()
 
+    @runs_state_dict_hooks
     def state_dict(self) -> dict:
         """torch's state dict of the wrapped optimizer, and under ``"scaler"`` the loss scaler's state (its scale
         and trackers: a resume without them would start the loss scale over)."""
@@ -132,6 +134,7 @@ class CapturedOptimizer(torch.optim.Optimizer):
             saved["scaler"] = self.scaler.state_dict()
         return saved
 
+    @runs_load_state_dict_hooks
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads through torch, then puts this optimizer's own param-group dicts and lr tensors back; the loss
         scaler's state is validated before anything is loaded and loaded after torch's part.

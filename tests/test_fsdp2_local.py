@@ -281,3 +281,15 @@ def test_a_sharded_model_cast_after_the_build_is_refused_by_name():
     with pytest.raises(ValueError, match=r"param '0\.weight' was cast to torch.float64"):
         opt.step()
     assert all(p.dtype == torch.float64 for p in m.parameters())
+
+
+def test_torchs_state_dict_hooks_run_around_the_fsdp2_format():
+    m = model()
+    opt = gs.get_optimizer(config(), m, config_overrides={})
+    backward(m, 0)
+    opt.step()
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 7})
+    seen = []
+    opt.register_load_state_dict_pre_hook(lambda o, sd: seen.append(sd.pop("extra")))
+    opt.load_state_dict(opt.state_dict())
+    assert seen == [7]

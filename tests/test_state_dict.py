@@ -314,3 +314,29 @@ def test_a_scale_the_scaler_refuses_is_refused_before_anything_is_copied(scale):
     after = opt.state_dict()
     assert torch.equal(before["step"], after["step"])
     assert all(torch.equal(a, b) for a, b in zip(before["main_params"], after["main_params"]))
+
+
+def _wrapped(model):
+    return gs.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), capture="eager")
+
+
+def _engine_over(model):
+    return gs.get_optimizer(gs.OptimizerConfig(lr=1e-3, capture="eager"), model)
+
+
+@pytest.mark.parametrize("build", [_engine_over, _wrapped], ids=["get_optimizer", "wrap"])
+def test_torchs_state_dict_hooks_run_around_graphsteps_formats(build):
+    # Frameworks add entries through these hooks; torch's own optimizers run all four.
+    model = torch.nn.Linear(4, 4)
+    opt = build(model)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("save pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 7})
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append(("load pre", sd.pop("extra"))))
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load post"))
+    saved = opt.state_dict()
+    assert saved["extra"] == 7
+    opt.load_state_dict(saved)  # the pre-hook takes the extra entry out of a copy: the load sees none
+    assert calls == ["save pre", ("load pre", 7), "load post"] and saved["extra"] == 7

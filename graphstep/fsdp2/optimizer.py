@@ -13,6 +13,7 @@ import collections
 import dataclasses
 
 from ..build.model_params import as_chunks, named_trainable_params
+from ..checkpoint.optimizer_hooks import runs_load_state_dict_hooks, runs_state_dict_hooks
 from ..config import OptimizerConfig
 from ..engine import GraphstepOptimizer
 from ..hooks import weak_hooks
@@ -119,10 +120,12 @@ class Fsdp2Optimizer(GraphstepOptimizer):
         self._remove_arrival_hooks()
         super().close()
 
+    @runs_state_dict_hooks
     def state_dict(self) -> dict:
         """torch's optimizer format, state as DTensors over the live buffers (graphstep/fsdp2/state_dict.py)."""
         return fsdp_state_dict.state_dict(self)
 
+    @runs_load_state_dict_hooks
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's optimizer format, int or FQN keys: checked whole, then copied into the buffers in place."""
         fsdp_state_dict.load_state_dict(self, state_dict)
