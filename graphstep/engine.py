@@ -26,7 +26,7 @@ from .build.model_params import as_chunks, named_trainable_params, param_spec, w
 from .build.routing import build_family_param_groups
 from .checkpoint import state_dict as state_dict_mod
 from .checkpoint.optimizer_hooks import runs_load_state_dict_hooks, runs_state_dict_hooks
-from .checkpoint.torch_api import ParamState
+from .checkpoint.torch_api import STATE_RESET, ParamState
 from .config import OptimizerConfig
 from .families import families_of, state_names
 from .fp8 import engine_support as fp8_support
@@ -46,6 +46,7 @@ from .run.memory import memory_stats
 from .run.runner import StepRunner
 from .state.allocation import allocate
 from .state.buffers import StaticBuffers
+from .state.group_watch import GroupWatch
 from .state.hyperparams import HyperParams
 from .state.precision import main_compute_dtype, main_storage, storage_by_state
 from .step import domains as domains_mod
@@ -151,6 +152,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         # refused by the mapping with the way that works (graphstep/checkpoint/torch_api.py); an FSDP2 model's
         # optimizer keeps torch's plain mapping and torch's format (graphstep/fsdp2/state_dict.py).
         self.state = self._param_state()
+        self._state = self.state  # an opt.state replaced later (to reset it) is refused at the step
         for _, p in model_named:
             self.state[p]["step"] = self.tensors.step
         self._torch_amp = TorchGradScaler(self.tensors, own_scaler=scaled)
@@ -219,6 +221,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self._grads_seen = GradsSeen(self._grad_hooks, self._domain_buffers())
         self._replaced_params = ReplacedParams(chunks, named)  # kept through close(): later steps still train
         self._requires_grad = RequiresGradWatch(chunks, model_named)  # the model's params, not FSDP2's stand-ins
+        self._group_watch = GroupWatch(self.param_groups)
         self._fold = Fold([d.ctx.folded for d in self.domains], buffers, self._no_sync,
                                       self._grad_hooks)  # inert without the fold; its hooks: the dense buffers
         explicit_groups = any(g is not None for g in (process_group, model_parallel_group, expert_data_parallel_group))
@@ -281,6 +284,11 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         for buffers in self._domain_buffers():
             buffers.take_param_writes()  # bf16/fp16: what a user wrote into the params, into the main params
         self._fold.fold_stale()
+        if self.state is not self._state:
+            raise TypeError(f"opt.state was replaced. {STATE_RESET}")
+        edited = self._group_watch.problem(self.param_groups)
+        if edited is not None:
+            raise ValueError(f"graphstep: {edited}")
         for g, (group, family) in enumerate(zip(self.param_groups, self._families)):
             problem = family.group_problem(group, self.config) if family.group_problem is not None else None
             if problem is not None:

@@ -267,6 +267,7 @@ def test_loading_in_place_and_tying_to_a_held_param_are_let_through():
 def test_a_dropped_optimizer_leaves_no_parameter_registration_hook_behind():
     import gc
     from torch.nn.modules import module as torch_module
+    gc.collect()  # earlier tests' optimizers, dropped but not yet collected, would be counted now and not later
     before = len(torch_module._global_parameter_registration_hooks)
     model = _linear()
     opt = make_engine(model, lr=0.1)
@@ -371,3 +372,56 @@ def test_an_in_place_write_into_a_bf16_param_reaches_the_main_params_and_nothing
     (owned,) = [o for o in opt.layout.owned_ranges(0) if o.param == bias]
     span = slice(owned.shard_start, owned.shard_start + owned.param_end - owned.param_start)
     assert torch.equal(opt.buffers.main_shard[0][span], main_before[span])  # untouched: every fp32 bit kept
+
+
+@pytest.mark.parametrize("edit", ["remove", "append", "replace", "new group"])
+def test_an_edit_of_the_param_groups_params_is_refused(edit):
+    # torch would stop stepping a removed param and start stepping an appended one; the layout cannot.
+    model = torch.nn.Sequential(_linear(), _linear(seed=1))
+    opt = make_engine(model, lr=0.1, weight_decay=0.1)
+    params = opt.param_groups[0]["params"]
+    if edit == "remove":
+        params.pop()
+    elif edit == "append":
+        params.append(torch.nn.Parameter(torch.ones(3)))
+    elif edit == "replace":
+        opt.param_groups[0]["params"] = list(params)
+    else:
+        opt.param_groups.append({**opt.param_groups[0], "params": [torch.nn.Parameter(torch.ones(3))]})
+    _backward(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"'params' list was edited|the optimizer was built with \d:"):
+        opt.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("key, value", [("maximize", True), ("amsgrad", True), ("dampening", 0.5)])
+def test_torch_only_options_set_in_a_param_group_are_refused_by_name(key, value):
+    model = _linear()
+    opt = make_engine(model, lr=0.1, **({"optimizer": "sgd", "sgd_momentum": 0.9} if key == "dampening" else {}))
+    opt.param_groups[0][key] = value
+    _backward(model)
+    with pytest.raises(ValueError, match=f"param group 0: {key}={value} is an option of torch's optimizers"):
+        opt.step()
+    opt.param_groups[0][key] = False if key != "dampening" else 0  # off again: steps
+    opt.step()
+
+
+@pytest.mark.parametrize("reset", ["clear", "del", "pop", "replace"])
+def test_resetting_the_state_through_opt_state_is_refused(reset):
+    # torch's optimizers start a param's moments over when its entry goes; graphstep's are in flat buffers.
+    model = _linear()
+    opt = make_engine(model, lr=0.1)
+    _backward(model)
+    opt.step()
+    weight = model.weight
+    with pytest.raises(TypeError, match="keeps the optimizer state in flat buffers.*build a new optimizer"):
+        if reset == "clear":
+            opt.state.clear()
+        elif reset == "del":
+            del opt.state[weight]
+        elif reset == "pop":
+            opt.state.pop(weight)
+        else:
+            opt.state = {}
+            opt.step()

@@ -68,3 +68,14 @@ class ParamState(collections.defaultdict):
                 "saves and reshards what they return), and torch's get_model_state_dict / set_model_state_dict "
                 "for the model")
         return len(self) > 0
+
+    def _refuse_reset(self, *args, **kwargs):
+        raise TypeError(STATE_RESET)
+
+    # torch's optimizers start a param's state over when its entry goes; graphstep's lives in flat buffers.
+    __delitem__ = clear = pop = popitem = _refuse_reset
+
+
+STATE_RESET = ("graphstep keeps the optimizer state in flat buffers, not in opt.state (which holds each param's "
+                "step count only): removing or replacing its entries would reset nothing. To start the state over, "
+                "build a new optimizer; to restore one, load a state dict")
