@@ -340,3 +340,25 @@ def test_torchs_state_dict_hooks_run_around_graphsteps_formats(build):
     assert saved["extra"] == 7
     opt.load_state_dict(saved)  # the pre-hook takes the extra entry out of a copy: the load sees none
     assert calls == ["save pre", ("load pre", 7), "load post"] and saved["extra"] == 7
+
+
+@pytest.mark.parametrize("fmt", ["flat", "sharded"])
+def test_a_group_setting_fixed_at_build_is_refused_at_load_not_at_the_next_step(fmt):
+    # Loaded, the next step would refuse the group ("fixed at build"): the load refuses it and changes nothing.
+    def build(nesterov):
+        model = torch.nn.Linear(4, 4)
+        return model, gs.get_optimizer(gs.OptimizerConfig(optimizer="sgd", lr=0.1, sgd_momentum=0.9,
+                                                          sgd_nesterov=nesterov, capture="eager"), model)
+    model, saved = build(True)
+    model(torch.randn(2, 4)).sum().backward()
+    saved.step()
+    _, live = build(False)
+    before = copy.deepcopy(live.state_dict())
+    with pytest.raises(ValueError, match="nesterov=True: fixed at build"):
+        if fmt == "flat":
+            live.load_state_dict(saved.state_dict())
+        else:
+            live.load_sharded_state_dict(saved.sharded_state_dict())
+    assert live.param_groups[0]["nesterov"] is False
+    after = live.state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(before["main_params"], after["main_params"]))

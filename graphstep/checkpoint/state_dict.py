@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed
 
-from ..families import state_spec
+from ..families import families_of, state_spec
 from ..fp8 import checkpoint as fp8_checkpoint
 
 STATE_DICT_FORMAT = "graphstep/1"
@@ -247,6 +247,10 @@ def check_param_groups(opt, saved: Any, where: str, *, check_indices: bool) -> l
         for key in ("lr", "eps"):
             if key in values and values[key] < 0:
                 raise _fail(f"{at}[{key!r}]", f"is {values[key]}: must be >= 0")
+        family = families_of([group], opt.config.optimizer)[0]
+        problem = None if family.group_problem is None else family.group_problem({**group, **values}, opt.config)
+        if problem is not None:  # the next step would refuse the group: refused here, with nothing loaded
+            raise _fail(at, problem)
         updates.append(values)
     return updates
 
