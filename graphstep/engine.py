@@ -266,6 +266,11 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self._offload.finish()  # an overlapped host update of the last step must be done first
         self._replaced_params.check()
         self._requires_grad.check()
+        if self.state is not self._state:
+            raise TypeError(f"opt.state was replaced. {STATE_RESET}")
+        edited = self._group_watch.problem(self.param_groups)
+        if edited is not None:
+            raise ValueError(f"graphstep: {edited}")
         if self._torch_amp.take(self.__dict__):  # torch's GradScaler: its scale and inf flag, on the device
             self._fold.grads_rewritten()  # scaler.unscale_(opt) rewrote the grads unseen by version counters
         self._grads_seen.check()
@@ -284,11 +289,6 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         for buffers in self._domain_buffers():
             buffers.take_param_writes()  # bf16/fp16: what a user wrote into the params, into the main params
         self._fold.fold_stale()
-        if self.state is not self._state:
-            raise TypeError(f"opt.state was replaced. {STATE_RESET}")
-        edited = self._group_watch.problem(self.param_groups)
-        if edited is not None:
-            raise ValueError(f"graphstep: {edited}")
         for g, (group, family) in enumerate(zip(self.param_groups, self._families)):
             problem = family.group_problem(group, self.config) if family.group_problem is not None else None
             if problem is not None:
