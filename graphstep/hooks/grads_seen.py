@@ -36,7 +36,8 @@ class GradsSeen:
     def check(self) -> None:
         if not self.seen and not self._warned:
             self._warned = True
-            warnings.warn("graphstep: step() ran before any backward: every grad is zero, so this step applies "
-                          "only weight decay (and momentum) to every param. graphstep steps all the params it "
-                          "holds (torch's optimizers skip params without grads); run backward first",
+            warnings.warn("graphstep: step() ran before any backward: unless the grads were written by hand, "
+                          "every grad is zero, so this step applies only weight decay (and momentum) to every "
+                          "param. graphstep steps all the params it holds (torch's optimizers skip params "
+                          "without grads); run backward first",
                           RuntimeWarning, stacklevel=6)
