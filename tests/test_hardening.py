@@ -335,7 +335,8 @@ def test_a_model_cast_after_the_build_is_refused_by_name_and_left_as_the_user_ca
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_weights_loaded_into_a_half_model_after_the_build_are_trained_on(dtype):
     # The main params are a copy of their own: the step would publish them over the loaded weights. The
-    # oracle is the same model loaded before the optimizer was built.
+    # oracle is the same model loaded before the optimizer was built (bitwise here: no init value rounds to
+    # 0.5, so every element counts as written; one that rounded to its loaded value would keep its fp32 bits).
     precision = {"bf16": True} if dtype == torch.bfloat16 else {"fp16": True}
     loaded = {k: torch.full_like(v, 0.5) for k, v in _linear(dtype=dtype).state_dict().items()}
     models = [_linear(seed=1, dtype=dtype), _linear(seed=1, dtype=dtype)]

@@ -140,3 +140,9 @@ def test_grads_of_a_backward_before_the_build_are_reduced_and_applied_as_after_i
     for rank, result in enumerate(values(spawn(_workers.first_backward, 2, True))):
         drift = relative_drift(result["params"], ref["params"], ref["start"])
         assert drift < 1e-3, f"rank {rank}/2: drift {drift:.2e} of the motion"
+
+
+def test_weights_loaded_after_the_build_reach_every_ranks_main_params():
+    for rank, result in enumerate(values(spawn(_workers.weights_loaded_after_the_build, 2))):
+        differ = [k for k, v in result["loaded"].items() if not torch.equal(result["params"][k], v)]
+        assert not differ, f"rank {rank}/2: the step undid the loaded {differ}"
