@@ -47,6 +47,7 @@ from .run.runner import StepRunner
 from .state.allocation import allocate
 from .state.buffers import StaticBuffers
 from .state.group_watch import GroupWatch
+from .state.param_writes import ParamWrites
 from .state.hyperparams import HyperParams
 from .state.precision import main_compute_dtype, main_storage, storage_by_state
 from .step import domains as domains_mod
@@ -229,8 +230,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                                  explicit_groups=explicit_groups, on_ddp=self._fold.fold_before_step)
         self.result = StepResult(self.tensors.update_successful, self.tensors.grad_norm, self.tensors.num_zeros,
                                  self.tensors.loss_scale)
-        for buffers in self._domain_buffers():
-            buffers.watch_param_writes()  # bf16/fp16 params: a later write into them reaches the main params
+        self._param_writes = tuple(ParamWrites(b) for b in self._domain_buffers())  # bf16/fp16 params' writes
 
     # ---- what the subclass for FSDP2 models changes (graphstep/fsdp2/optimizer.py) -------------------------
     local_shards = None
@@ -286,8 +286,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                 replaced += buffers.readopt_params()  # also rebinds grads a user set to None (as zeros)
         if replaced:
             self._runner.on_replaced(replaced)
-        for buffers in self._domain_buffers():
-            buffers.take_param_writes()  # bf16/fp16: what a user wrote into the params, into the main params
+        for writes in self._param_writes:
+            writes.take()  # bf16/fp16: what a user wrote into the params, into the main params
         self._fold.fold_stale()
         for g, (group, family) in enumerate(zip(self.param_groups, self._families)):
             problem = family.group_problem(group, self.config) if family.group_problem is not None else None
@@ -335,8 +335,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         """Copy the model's params into the main params where they differ (Megatron-Core's name). The next step
         does this by itself for every param written in place (``model.load_state_dict``, ``nn.init``, a
         ``clamp_``); call it after a write no version counter sees, through ``p.data``."""
-        for buffers in self._domain_buffers():
-            buffers.take_param_writes(everything=True)
+        for writes in self._param_writes:
+            writes.take(everything=True)
 
     def recapture(self) -> None:
         """Adopt replaced params and buffers back into the static buffers; capture anew at the next step."""

@@ -72,8 +72,9 @@ def write(directory: str, metadata, rank: int, ranks: int) -> None:
             table[name] = {_range(o, n): crc_of_range(f, o, n) for o, n in sorted(set(by_file[name]))}
     if rank == 0:
         path = os.path.join(directory, _METADATA)
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
-            table[_METADATA] = {_range(0, os.path.getsize(path)): crc_of_range(f, 0, os.path.getsize(path))}
+            table[_METADATA] = {_range(0, size): crc_of_range(f, 0, size)}
     with open(os.path.join(directory, file_name(rank, ranks)), "w") as f:
         json.dump({"algorithm": "crc32", "files": table}, f)
         f.flush()

@@ -53,7 +53,6 @@ from .precision import StoredState
 _GRAD = operator.attrgetter("grad")
 _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
-_VERSION = operator.attrgetter("_version")
 
 
 @dataclass
@@ -72,9 +71,6 @@ class StaticBuffers:
     _grad_params: list = field(default_factory=list)  # params whose .grad is a view of grad_flat
     _grad_views: list = field(default_factory=list)  # those views, one object each, kept for identity checks
     _originals: dict = field(default_factory=dict)
-    _param_versions: list = field(default_factory=list)  # the version counters of _watched, last seen
-    _separate: Optional[dict] = None  # see _separate_main
-    _watched: list = field(default_factory=list)  # the params whose main params are a copy of their own
     host: Optional[Any] = None  # graphstep.offload.HostShards: the shard's host part, or None
     grads_taken_at_build: int = 0  # params whose grad, left by a backward before the build, is in grad_flat
     state_ranges: dict = field(default_factory=dict)  # name -> StateRanges: where each state buffer keeps its elements
@@ -227,50 +223,6 @@ class StaticBuffers:
         if list(map(torch.Tensor.data_ptr, self.params)) != self._param_ptrs:
             return False
         return all(map(operator.is_, map(_GRAD, self._grad_params), self._grad_views))
-
-    def _separate_main(self) -> dict[int, list]:
-        """{param index: its owned ranges} for the params whose main params are a copy of their own (bf16/fp16
-        params, a CPU-offloaded shard), kept in full precision: those a write into the param does not reach."""
-        if self._separate is None:
-            separate = [not is_main or self.host is not None for is_main in self.main_is_param]
-            self._separate = {}
-            for owned in self.layout.owned_ranges(self.rank):
-                buffer = self.layout.params[owned.param].buffer
-                if separate[buffer] and self.stored_kind("main", buffer) is None \
-                        and not is_fp8(self.params[owned.param]):
-                    self._separate.setdefault(owned.param, []).append(owned)
-            self._watched = [self.params[i] for i in self._separate]
-        return self._separate
-
-    def watch_param_writes(self) -> None:
-        """From now on, ``take_param_writes`` takes what is written into the params (the build calls this)."""
-        self._separate_main()
-        self._param_versions = list(map(_VERSION, self._watched))
-
-    def take_param_writes(self, everything: bool = False) -> None:
-        """Copy into this rank's main params every element a user wrote into the params since the last step
-        (``model.load_state_dict``, an in-place init or clamp), where the main params are a copy of their own:
-        the step would publish them over those writes. Elements still equal to their published value keep
-        the main params' extra precision. A param's version counter tells whether it was written; only then
-        are its values compared (``everything``: compare them all, for writes no counter sees:
-        ``p.data.copy_(...)``).
-
-        Not covered: fp8 params, and main params stored as bf16 remainders (a write there changes the main
-        params' high bits already)."""
-        ranges = self._separate_main()
-        versions = list(map(_VERSION, self._watched))
-        if versions == self._param_versions and not everything:
-            return
-        for index, was, now in zip(ranges, self._param_versions, versions, strict=True):
-            if was == now and not everything:
-                continue
-            for owned in ranges[index]:
-                buffer, size = self.layout.params[index].buffer, owned.param_end - owned.param_start
-                param = self.param_flat[buffer][owned.flat_start:owned.flat_start + size]
-                main = self.shard_part("main", buffer, owned.shard_start, size)
-                current = main.to(param.device)
-                main.copy_(torch.where(param != current.to(param.dtype), param.to(current.dtype), current))
-        self._param_versions = versions
 
     def restore_replaced_buffers(self) -> list[str]:
         """Copy the values of any buffer or state tensor that was replaced in its list (e.g. a checkpoint

@@ -1,0 +1,54 @@
+"""Writes into bf16/fp16 params after the build, taken into the main params before the next step.
+
+Where the main params are a copy of their own (bf16/fp16 params, a CPU-offloaded shard), the step publishes
+them over the params: a user's ``model.load_state_dict``, ``nn.init`` call or ``clamp_`` after the build
+would be undone. Each param's version counter (its own: after ``p.data = view`` a param does not share its
+flat buffer's) tells whether it was written; only then are its values compared with the main params',
+element by element, so elements whose value did not change keep the main params' extra precision.
+
+Not covered: fp8 params, and main params stored as bf16 remainders (a write there changes the main params'
+high bits already). A write through ``p.data`` moves no counter: ``take(everything=True)`` compares all.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ..fp8 import is_fp8
+
+_VERSION = operator.attrgetter("_version")
+
+
+class ParamWrites:
+    def __init__(self, buffers):
+        """``buffers``: a domain's ``StaticBuffers``, once its main params are seeded (the end of the build)."""
+        self._buffers = buffers
+        separate = [not is_main or buffers.host is not None for is_main in buffers.main_is_param]
+        self._ranges: dict[int, list] = {}  # param index -> this rank's owned ranges of it
+        for owned in buffers.layout.owned_ranges(buffers.rank):
+            buffer = buffers.layout.params[owned.param].buffer
+            if separate[buffer] and buffers.stored_kind("main", buffer) is None \
+                    and not is_fp8(buffers.params[owned.param]):
+                self._ranges.setdefault(owned.param, []).append(owned)
+        self._watched = [buffers.params[i] for i in self._ranges]
+        self._versions = list(map(_VERSION, self._watched))
+
+    def take(self, everything: bool = False) -> None:
+        """Copy into this rank's main params every element written into the params since the last call
+        (``everything``: compare every watched param, written or not)."""
+        versions = list(map(_VERSION, self._watched))
+        if versions == self._versions and not everything:
+            return
+        buffers = self._buffers
+        for index, was, now in zip(self._ranges, self._versions, versions, strict=True):
+            if was == now and not everything:
+                continue
+            for owned in self._ranges[index]:
+                buffer, size = buffers.layout.params[index].buffer, owned.param_end - owned.param_start
+                param = buffers.param_flat[buffer][owned.flat_start:owned.flat_start + size]
+                main = buffers.shard_part("main", buffer, owned.shard_start, size)
+                current = main.to(param.device)
+                main.copy_(torch.where(param != current.to(param.dtype), param.to(current.dtype), current))
+        self._versions = versions
