@@ -22,7 +22,8 @@ from . import offload
 from .build import model_parallel
 from .build.experts import is_expert_param
 from .build.layout import plan_layout
-from .build.model_params import as_chunks, named_trainable_params, param_spec, warn_dtype_conversion
+from .build.model_params import (as_chunks, named_model_params, named_trainable_params, param_spec,
+                                 warn_dtype_conversion)
 from .build.routing import build_family_param_groups
 from .checkpoint import state_dict as state_dict_mod
 from .checkpoint.optimizer_hooks import runs_load_state_dict_hooks, runs_state_dict_hooks
@@ -221,7 +222,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self._publish = chain(publish_chain(self.domains))
         self._grads_seen = GradsSeen(self._grad_hooks, self._domain_buffers())
         self._replaced_params = ReplacedParams(chunks, named)  # kept through close(): later steps still train
-        self._requires_grad = RequiresGradWatch(chunks, model_named)  # the model's params, not FSDP2's stand-ins
+        # The model's params, not FSDP2's stand-ins.
+        self._requires_grad = RequiresGradWatch(named_model_params(chunks), model_named)
         self._group_watch = GroupWatch(self.param_groups)
         self._fold = Fold([d.ctx.folded for d in self.domains], buffers, self._no_sync,
                                       self._grad_hooks)  # inert without the fold; its hooks: the dense buffers

@@ -21,18 +21,25 @@ def as_chunks(model_chunks) -> list[torch.nn.Module]:
     return chunks
 
 
-def named_trainable_params(model_chunks, dtensors: bool = False) -> list[tuple[str, torch.nn.Parameter]]:
-    """``(name, param)`` of every trainable leaf param, each once (tied params are one); several chunks'
-    names are prefixed with the chunk's index. DTensor params are refused unless ``dtensors`` (the engine
-    for FSDP2 models, graphstep/fsdp2/, takes them)."""
+def named_model_params(model_chunks) -> list[tuple[str, torch.nn.Parameter]]:
+    """``(name, param)`` of every param of the model, each once (tied params are one); several chunks' names
+    are prefixed with the chunk's index."""
     chunks = as_chunks(model_chunks)
     named, seen = [], set()
     for c, chunk in enumerate(chunks):
         for name, p in chunk.named_parameters():
-            if not p.requires_grad or id(p) in seen:
-                continue
-            seen.add(id(p))
-            name = name if len(chunks) == 1 else f"{c}.{name}"
+            if id(p) not in seen:
+                seen.add(id(p))
+                named.append((name if len(chunks) == 1 else f"{c}.{name}", p))
+    return named
+
+
+def named_trainable_params(model_chunks, dtensors: bool = False) -> list[tuple[str, torch.nn.Parameter]]:
+    """``named_model_params``' trainable leaf params. DTensor params are refused unless ``dtensors`` (the
+    engine for FSDP2 models, graphstep/fsdp2/, takes them)."""
+    named = []
+    for name, p in named_model_params(model_chunks):
+        if p.requires_grad:
             if is_dtensor(p) and not dtensors:
                 raise TypeError(
                     f"param '{name}' is a DTensor (FSDP2's fully_shard, or another torch.distributed.tensor "

@@ -23,19 +23,13 @@ class RequiresGradWatch:
     """The model's params whose ``requires_grad`` the step relies on: those the optimizer holds, and the frozen
     ones it left out."""
 
-    def __init__(self, chunks: list[torch.nn.Module], held: list[tuple[str, torch.nn.Parameter]]):
-        """``chunks``: the model's modules (none where the optimizer was given params, not a model);
-        ``held``: (name, param) of the params the optimizer steps (named as ``named_trainable_params`` names
-        them)."""
+    def __init__(self, model: list[tuple[str, torch.nn.Parameter]], held: list[tuple[str, torch.nn.Parameter]]):
+        """``model``: (name, param) of every param of the model (``named_model_params``; none where the optimizer
+        was given params, not a model); ``held``: (name, param) of the params the optimizer steps."""
         self._held_names = [name for name, _ in held]
         self._held = [p for _, p in held]
         held_ids = {id(p) for p in self._held}
-        frozen, seen = [], set()
-        for c, chunk in enumerate(chunks):
-            for name, p in chunk.named_parameters():
-                if id(p) not in held_ids and id(p) not in seen:
-                    seen.add(id(p))
-                    frozen.append((name if len(chunks) == 1 else f"{c}.{name}", p))
+        frozen = [(name, p) for name, p in model if id(p) not in held_ids]
         self._frozen_names = [name for name, _ in frozen]
         self._frozen = [p for _, p in frozen]
 
