@@ -69,6 +69,7 @@ class StepResult:
     grad_norm: torch.Tensor  # fp32, unscaled global L2 norm before clipping
     num_zeros: Optional[torch.Tensor]  # int64 count of zero grads, or None
     loss_scale: torch.Tensor  # fp32, the scale the next backward uses
+    skipped_steps: torch.Tensor  # int64, the steps skipped (non-finite grads, skip threshold) since the build
 
 
 def _static_inputs(domains: tuple[domains_mod.Domain, ...], hyper: HyperParams, tensors: StepTensors):
@@ -231,7 +232,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self._ddp = ddp.DdpWatch(chunks, distributed_optimizer=config.use_distributed_optimizer,
                                  explicit_groups=explicit_groups, on_ddp=self._fold.fold_before_step)
         self.result = StepResult(self.tensors.update_successful, self.tensors.grad_norm, self.tensors.num_zeros,
-                                 self.tensors.loss_scale)
+                                 self.tensors.loss_scale, self.tensors.skipped_steps)
         self._param_writes = tuple(ParamWrites(b) for b in self._domain_buffers())  # bf16/fp16 params' writes
 
     # ---- what the subclass for FSDP2 models changes (graphstep/fsdp2/optimizer.py) -------------------------

@@ -59,6 +59,7 @@ class StepTensors:
     loss_scale: torch.Tensor  # fp32, the scale of the next backward (ones without a scaler)
     inv_loss_scale: torch.Tensor  # fp32, 1 / the scale of this step's backward
     reported_nonfinite: torch.Tensor  # fp64, 0, or NaN when the caller's check found non-finite grads (torch_amp.py)
+    skipped_steps: torch.Tensor  # int64, how many steps were skipped since the build
     num_zeros: Optional[torch.Tensor]  # int64, or None when not counted
 
     @staticmethod
@@ -73,12 +74,12 @@ class StepTensors:
             loss_scale=loss_scale if loss_scale is not None else scalar(1.0),
             inv_loss_scale=inv_loss_scale if inv_loss_scale is not None else scalar(1.0),
             reported_nonfinite=scalar(0.0, torch.float64),
-            num_zeros=scalar(0, torch.int64) if count_zeros else None)
+            skipped_steps=scalar(0, torch.int64), num_zeros=scalar(0, torch.int64) if count_zeros else None)
 
     def named(self) -> dict[str, torch.Tensor]:
         """Every scalar by name (what a capture guards), ``num_zeros`` when counted."""
         names = ("step", "nonfinite", "found_inf", "grad_norm", "clip_coef", "grad_scale", "update_successful",
-                 "loss_scale", "inv_loss_scale", "reported_nonfinite", "num_zeros")
+                 "loss_scale", "inv_loss_scale", "reported_nonfinite", "num_zeros", "skipped_steps")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 

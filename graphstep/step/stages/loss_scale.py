@@ -1,4 +1,5 @@
-"""The loss-scale update and the step's result flags.
+"""The loss-scale update and the step's result flags, with the run's count of skipped steps (a device counter:
+a loop reads it once, where it already syncs, instead of each step's flag).
 
 The scaler reacts to non-finite grads only (``nonfinite``), like Megatron-Core's: a step skipped by
 ``grad_norm_skip_threshold`` with finite grads leaves the dynamic loss scale as a clean step would.
@@ -17,6 +18,7 @@ def build_over(scaler: Optional[object], t: StepTensors, compiled: bool = False)
         if scaler is not None:
             scaler.update(t.nonfinite, compiled=compiled)
         t.update_successful.copy_(t.found_inf == 0)
+        t.skipped_steps.add_(t.found_inf != 0)
 
     return Stage("loss_scale", apply)
 
