@@ -198,7 +198,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self._offload = offload.install(ctx, host, model_chunks)  # inert without CPU offload
         self._model_chunks = tuple(weakref.ref(chunk) for chunk in chunks)
         """The model's modules, weakly (the optimizer never keeps a dropped model alive): for debug_step."""
-        model_state_dict.install(chunks, self._domain_buffers())  # the model's hooks: they outlive the optimizer
+        # The model's state-dict hooks: they outlive the optimizer.
+        self._model_state_dict = model_state_dict.install(chunks, self._domain_buffers())
         self.stages = self._offload.adjust_chain(default_chain(self.domains))
         # host_stages: run after the device step, never captured; host_tensors: {kind: host buffers}.
         self.host_stages, self.host_tensors = self._offload.host_stages, self._offload.host_tensors
@@ -233,7 +234,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                                  explicit_groups=explicit_groups, on_ddp=self._fold.fold_before_step)
         self.result = StepResult(self.tensors.update_successful, self.tensors.grad_norm, self.tensors.num_zeros,
                                  self.tensors.loss_scale, self.tensors.skipped_steps)
-        self._param_writes = tuple(ParamWrites(b) for b in self._domain_buffers())  # bf16/fp16 params' writes
+        # bf16/fp16 params' writes, through the params or their state-dict aliases
+        self._param_writes = tuple(ParamWrites(b, self._model_state_dict) for b in self._domain_buffers())
 
     # ---- what the subclass for FSDP2 models changes (graphstep/fsdp2/optimizer.py) -------------------------
     local_shards = None
@@ -289,6 +291,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                 replaced += buffers.readopt_params()  # also rebinds grads a user set to None (as zeros)
         if replaced:
             self._runner.on_replaced(replaced)
+            self._model_state_dict.adopt(self._domain_buffers())  # taken back from a later optimizer, say
         for writes in self._param_writes:
             writes.take()  # bf16/fp16: what a user wrote into the params, into the main params
         self._fold.fold_stale()
@@ -346,6 +349,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         for buffers in self._domain_buffers():
             buffers.restore_replaced_buffers()
             buffers.readopt_params()
+        self._model_state_dict.adopt(self._domain_buffers())
         self._runner.invalidate()
 
     def close(self) -> None:

@@ -109,6 +109,63 @@ def test_torch_distributed_checkpoint_loads_into_the_params(tmp_path):
     assert_same_weights(fresh, model)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_in_place_write_into_a_value_of_low_precision_params_reaches_the_main_params(dtype):
+    # The values are aliases with version counters of their own: the params' counters do not see a write
+    # through them (what torch.distributed.checkpoint.load does), and the step used to copy the old main
+    # params back over it.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).to(dtype)
+    config = dict(bf16=True) if dtype == torch.bfloat16 else dict(fp16=True, loss_scale=1.0)
+    opt = gs.get_optimizer(gs.OptimizerConfig(optimizer="adam", lr=0.0, capture="eager", **config), model)
+    for value in model.state_dict().values():
+        value.fill_(0.5)
+    model(torch.randn(2, 8, dtype=dtype)).sum().backward()
+    opt.step()
+    moved = [name for name, p in model.named_parameters() if not torch.equal(p, torch.full_like(p, 0.5))]
+    assert not moved, f"the step undid the write into {moved}"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_load_into_a_bf16_models_state_dict_survives_the_next_step(tmp_path):
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    model, _ = trained("adam_bf16")
+    dcp.save(model.state_dict(), checkpoint_id=tmp_path, no_dist=True)
+    fresh, opt = build(1, "adam_bf16")
+    train(fresh, opt, steps=1)  # main params and moments of the first weights
+    dcp.load(fresh.state_dict(), checkpoint_id=tmp_path, no_dist=True)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    train(fresh, opt, steps=1)
+    assert_same_weights(fresh, model)
+
+
+@pytest.mark.parametrize("first_again", ["step", "recapture"])
+def test_aliases_follow_the_optimizer_that_holds_the_params_in_any_order(tmp_path, first_again):
+    # A second optimizer over the same model takes the params over; stepping the first again takes them back:
+    # the state dict must alias the first one's buffers again (one storage per value), and a write through
+    # it must reach the first one's main params.
+    model, first = trained("adam_bf16")
+    second = gs.get_optimizer(gs.OptimizerConfig(capture="eager", **CONFIGS["adam_bf16"]), model)
+    train(model, second, steps=1)
+    if first_again == "recapture":
+        first.recapture()
+    train(model, first, steps=1)
+    state = model.state_dict()
+    assert len({storage_key(v) for v in state.values()}) == len(state)
+    safetensors_torch.save_model(model, tmp_path / "m.safetensors")
+    fresh, _ = build(1, "adam_bf16")
+    safetensors_torch.load_model(fresh, tmp_path / "m.safetensors")
+    assert_same_weights(fresh, model)
+    for value in model.state_dict().values():
+        value.fill_(0.25)
+    for group in first.param_groups:
+        group["lr"] = 0.0
+    train(model, first, steps=1)
+    moved = [name for name, p in model.named_parameters() if not torch.equal(p, torch.full_like(p, 0.25))]
+    assert not moved, f"the first optimizer undid the write into {moved}"
+
+
 def test_a_param_the_user_replaced_is_not_aliased_until_the_step_adopts_it():
     model, opt = trained()
     new = torch.randn_like(model[3].weight)

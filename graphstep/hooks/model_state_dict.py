@@ -25,12 +25,19 @@ is closed or dropped too: so the hooks belong to the model, not to the optimizer
 modules do. They hold the aliases, which keep alive only the params' own memory (the flat param buffer,
 which the params keep alive anyway), never the optimizer's grads, state or main params. A later optimizer
 over the same model takes over: it drops an earlier one's aliases of the params it lays out anew (whose
-old buffer would otherwise stay alive through them) and its hooks with no param left.
+old buffer would otherwise stay alive through them) and its hooks with no param left. When the earlier one
+takes its params back (its next step re-adopts them), it makes their aliases anew and the later one drops its
+own: the aliases follow whichever optimizer the params are views of.
+
+An alias has a version counter of its own, not the param's: a write through it moves only the alias's. The
+optimizer's watch on writes into bf16/fp16 params (graphstep/state/param_writes.py) reads both, through
+``alias_of``.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+import weakref
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -54,6 +61,11 @@ class _Alias:
         self.param, self.tensor = param, alias(view)
         self.data_ptr, self.dtype, self.shape = view.data_ptr(), view.dtype, view.shape
 
+    @staticmethod
+    def is_view(param: torch.Tensor, view: torch.Tensor) -> bool:
+        """Whether ``param`` is ``view``'s memory now (not replaced through ``p.data`` since)."""
+        return param.data_ptr() == view.data_ptr() and param.dtype == view.dtype and param.shape == view.shape
+
     def stands_for(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is the param's memory as the flat buffer lays it out (pointers are unique per
         device only, but a param never changes device while it is a view of the flat buffer)."""
@@ -66,16 +78,41 @@ class ModelStateDict:
 
     def __init__(self, modules: Iterable[torch.nn.Module], domain_buffers: Sequence):
         self._aliases: dict[int, _Alias] = {}
+        self._modules = [weakref.ref(module) for module in modules]  # weakly: the optimizer keeps no model alive
+        self._handles: dict[int, tuple] = {}  # id(module) -> (module's hook handle, ids of its managed params)
+        self.generation = 0
+        """Bumped whenever an alias is made or dropped: a reader of ``alias_of`` knows when to look again."""
+        self.adopt(domain_buffers)
+
+    def adopt(self, domain_buffers: Sequence) -> None:
+        """Alias every param of ``domain_buffers`` that is a view of its flat buffer and has no alias standing
+        for that view (all of them at the build; after a later optimizer took them over, those the step took
+        back), take them over from other optimizers' hooks, and hook the modules that hold them."""
+        taken = {}
         for buffers in domain_buffers:
             for index, param in enumerate(buffers.params):
-                # Keyed by the param's id; the entry holds the param, so the id stays its own.
-                self._aliases[id(param)] = _Alias(param, buffers.param_view(index))
-        self._handles: dict[int, tuple] = {}  # id(module) -> (module's hook handle, ids of its managed params)
-        for module in modules:
-            _take_over(module, self._aliases)
+                view = buffers.param_view(index)
+                entry = self._aliases.get(id(param))
+                if (entry is None or entry.param is not param or not entry.stands_for(view)) \
+                        and _Alias.is_view(param, view):
+                    # Keyed by the param's id; the entry holds the param, so the id stays its own.
+                    taken[id(param)] = _Alias(param, view)
+        if not taken:
+            return
+        self._aliases.update(taken)
+        self.generation += 1
+        for module in filter(None, (ref() for ref in self._modules)):
+            _take_over(module, taken, keep=self)
             mine = {id(p) for p in module._parameters.values() if p is not None and id(p) in self._aliases}
-            if mine:
+            if mine and id(module) not in self._handles:
                 self._handles[id(module)] = (module.register_state_dict_post_hook(_Hook(self)), mine)
+            elif mine:
+                self._handles[id(module)][1].update(mine)
+
+    def alias_of(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        """The alias handed out for ``param``, or None (not aliased by this optimizer now)."""
+        entry = self._aliases.get(id(param))
+        return None if entry is None or entry.param is not param else entry.tensor
 
     def replace_detached_params(self, module: torch.nn.Module, state_dict: dict, prefix: str,
                                 local_metadata: dict) -> None:
@@ -91,8 +128,10 @@ class ModelStateDict:
 
     def forget(self, param_ids: set) -> None:
         """A later optimizer laid these params out anew: drop their aliases, and every hook left with none."""
-        for key in param_ids & self._aliases.keys():
+        dropped = param_ids & self._aliases.keys()
+        for key in dropped:
             del self._aliases[key]
+        self.generation += bool(dropped)
         for module_id, (handle, mine) in list(self._handles.items()):
             if not mine & self._aliases.keys():
                 handle.remove()
@@ -110,10 +149,10 @@ class _Hook:
         self.owner.replace_detached_params(module, state_dict, prefix, local_metadata)
 
 
-def _take_over(module: torch.nn.Module, aliases: dict) -> None:
-    """Earlier optimizers' hooks on ``module`` forget the params a new one lays out (``aliases``' keys)."""
+def _take_over(module: torch.nn.Module, aliases: dict, keep: "ModelStateDict") -> None:
+    """Other optimizers' hooks on ``module`` forget the params ``keep`` aliases now (``aliases``' keys)."""
     for hook in list(getattr(module, "_state_dict_hooks", {}).values()):
-        if isinstance(hook, _Hook):
+        if isinstance(hook, _Hook) and hook.owner is not keep:
             hook.owner.forget(set(aliases))
 
 

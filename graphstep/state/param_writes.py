@@ -3,7 +3,9 @@
 Where the main params are a copy of their own (bf16/fp16 params, a CPU-offloaded shard), the step publishes
 them over the params: a user's ``model.load_state_dict``, ``nn.init`` call or ``clamp_`` after the build
 would be undone. Each param's version counter (its own: after ``p.data = view`` a param does not share its
-flat buffer's) tells whether it was written; only then are its values compared with the main params',
+flat buffer's) tells whether it was written, and so does the counter of its alias in ``model.state_dict()``
+(graphstep/hooks/model_state_dict.py: a tensor over the param's memory with a counter of its own, which
+``torch.distributed.checkpoint.load`` writes into); only then are its values compared with the main params',
 element by element, so elements whose value did not change keep the main params' extra precision.
 
 Not covered: fp8 params, and main params stored as bf16 remainders (a write there changes the main params'
@@ -22,9 +24,12 @@ _VERSION = operator.attrgetter("_version")
 
 
 class ParamWrites:
-    def __init__(self, buffers):
-        """``buffers``: a domain's ``StaticBuffers``, once its main params are seeded (the end of the build)."""
+    def __init__(self, buffers, aliases=None):
+        """``buffers``: a domain's ``StaticBuffers``, once its main params are seeded (the end of the build).
+        ``aliases``: the model's state-dict aliases (``ModelStateDict``: ``alias_of(param)`` and a ``generation``
+        that moves when they change), or None."""
         self._buffers = buffers
+        self._aliases, self._alias_generation, self._alias_tensors = aliases, None, []
         separate = [not is_main or buffers.host is not None for is_main in buffers.main_is_param]
         self._ranges: dict[int, list] = {}  # param index -> this rank's owned ranges of it
         for owned in buffers.layout.owned_ranges(buffers.rank):
@@ -33,12 +38,23 @@ class ParamWrites:
                     and not is_fp8(buffers.params[owned.param]):
                 self._ranges.setdefault(owned.param, []).append(owned)
         self._watched = [buffers.params[i] for i in self._ranges]
-        self._versions = list(map(_VERSION, self._watched))
+        self._versions = self._read_versions()
+
+    def _read_versions(self) -> list:
+        """Per watched param, its version counter and its alias's (-1 without one)."""
+        aliases = self._aliases
+        if aliases is not None and aliases.generation != self._alias_generation:
+            self._alias_generation = aliases.generation
+            self._alias_tensors = [aliases.alias_of(p) for p in self._watched]
+        if not self._alias_tensors:
+            return list(map(_VERSION, self._watched))
+        return [(p._version, -1 if alias is None else alias._version)
+                for p, alias in zip(self._watched, self._alias_tensors)]
 
     def take(self, everything: bool = False) -> None:
-        """Copy into this rank's main params every element written into the params since the last call
-        (``everything``: compare every watched param, written or not)."""
-        versions = list(map(_VERSION, self._watched))
+        """Copy into this rank's main params every element written into the params (or through their
+        state-dict aliases) since the last call (``everything``: compare every watched param, written or not)."""
+        versions = self._read_versions()
         if versions == self._versions and not everything:
             return
         buffers = self._buffers

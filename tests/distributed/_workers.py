@@ -99,16 +99,26 @@ def first_backward(rank: int, world_size: int, before_the_build: bool, steps: in
     return {"params": [p.detach().clone() for p in model.parameters()], "start": start}
 
 
-def weights_loaded_after_the_build(rank: int, world_size: int) -> dict:
+def weights_loaded_after_the_build(rank: int, world_size: int, how: str = "load_state_dict",
+                                   checkpoint_dir: str = "") -> dict:
     """bf16 Adam; weights of another seed loaded into the model after ``get_optimizer``, then one step at lr 0
     (it moves nothing, and publishes each rank's main params to every rank): the params must be the loaded
-    ones, so every rank's main params took the loaded values of the ranges it owns."""
+    ones, so every rank's main params took the loaded values of the ranges it owns. ``how``: through
+    ``model.load_state_dict``, or ``torch.distributed.checkpoint.load`` into ``model.state_dict()`` (which writes
+    in place into the state dict's values: their version counters are not the params')."""
+    import torch.distributed.checkpoint as dcp
+
     loaded = tiny_transformer(seed=1).to(torch.bfloat16).state_dict()
+    if how == "dcp":
+        dcp.save(loaded, checkpoint_id=checkpoint_dir)
     model = tiny_transformer()
     opt = get_optimizer(make_config("adam_bf16", world_size), model)
     local_loss(model, 0, rank, world_size).backward()
     opt.step()  # moments and main params of the first weights
-    model.load_state_dict(loaded)
+    if how == "dcp":
+        dcp.load(model.state_dict(), checkpoint_id=checkpoint_dir)
+    else:
+        model.load_state_dict(loaded)
     for group in opt.param_groups:
         group["lr"] = 0.0
     opt.zero_grad()

@@ -142,7 +142,9 @@ def test_grads_of_a_backward_before_the_build_are_reduced_and_applied_as_after_i
         assert drift < 1e-3, f"rank {rank}/2: drift {drift:.2e} of the motion"
 
 
-def test_weights_loaded_after_the_build_reach_every_ranks_main_params():
-    for rank, result in enumerate(values(spawn(_workers.weights_loaded_after_the_build, 2))):
+@pytest.mark.parametrize("how", ["load_state_dict", "dcp"])
+def test_weights_loaded_after_the_build_reach_every_ranks_main_params(how, tmp_path):
+    results = values(spawn(_workers.weights_loaded_after_the_build, 2, how, str(tmp_path / "weights")))
+    for rank, result in enumerate(results):
         differ = [k for k, v in result["loaded"].items() if not torch.equal(result["params"][k], v)]
-        assert not differ, f"rank {rank}/2: the step undid the loaded {differ}"
+        assert not differ, f"rank {rank}/2 ({how}): the step undid the loaded {differ}"
