@@ -257,6 +257,13 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                                "the model to add params")
         super().add_param_group(param_group)
 
+    def __deepcopy__(self, memo) -> None:
+        # A copy would hold copies of the model's params, bound to nothing the model trains, and buffers whose
+        # addresses a captured step was recorded over: refused, with the ways that work.
+        raise TypeError("graphstep: a graphstep optimizer cannot be deep-copied (its buffers are bound to the "
+                        "model's params): to fork a run, copy the model, build an optimizer over the copy with "
+                        "gs.get_optimizer and load this one's state_dict() into it")
+
     # ---- the training-loop API -------------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the current loss scale, on device; the loss itself without a scaler."""

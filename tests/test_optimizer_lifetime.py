@@ -64,3 +64,15 @@ def test_a_second_optimizer_over_the_same_model_trains_as_the_only_one(precision
     expected = train(alone, gs.get_optimizer(config(precision), alone))
     assert all(torch.equal(a, b) for a, b in zip(train(model, second), expected))
     assert first.fold_counts == {"in_backward": 0, "before_step": 0}
+
+
+def test_deepcopy_is_refused_with_the_way_that_works():
+    # A deep copy used to come back broken (AttributeError at its first step): refused at the copy instead.
+    import copy
+
+    model = torch.nn.Linear(4, 4)
+    opt = gs.get_optimizer(gs.OptimizerConfig(lr=1e-2, capture="eager"), model)
+    with pytest.raises(TypeError, match="cannot be deep-copied.*load this one's state_dict"):
+        copy.deepcopy(opt)
+    model(torch.randn(2, 4)).sum().backward()
+    assert bool(opt.step().update_successful)  # the original is untouched
