@@ -2,7 +2,8 @@
 
 What a capture would freeze in a torch optimizer, and what ``wrap`` does about it:
 - ``lr`` as a Python float: converted to a 0-d device tensor that torch's LR schedulers ``fill_`` in
-  place (fp64 on the CPU, where torch's scalar math is double, so the result stays bitwise equal).
+  place (fp64 on the CPU, where torch's scalar math is double, so the result stays bitwise equal); an lr
+  assigned into a group by hand is copied into that tensor before the next step.
 - the step count: the for-loop and foreach Adam read it on the host for the bias correction; only
   ``fused=True`` (or ``capturable=True`` on a GPU) keeps it on device. Others are refused.
 - betas, eps, weight decay, momentum: floats that torch's kernels take as floats; recorded at capture
@@ -12,8 +13,19 @@ What a capture would freeze in a torch optimizer, and what ``wrap`` does about i
 - state: created by torch on the first step, so at least one warm-up step runs eagerly.
 - torch's capture health check: Adam's and AdamW's ``step`` raise under a CUDA capture when a group has
   ``capturable=False``, ``fused=True`` included. The fused kernel ignores the flag (its step count is on
-  device either way), so ``wrap`` sets ``capturable=True`` on fused groups, and again after a
-  ``load_state_dict`` that brings back a saved ``False``.
+  device either way), so ``wrap`` sets ``capturable=True`` on fused groups.
+
+It stays a torch optimizer where torch's contract says what one does (``wrap_checks`` holds the refusals):
+- ``add_param_group`` adds a group as torch does (defaults, checks), refuses one that would freeze, tensor-ises
+  its lr, and makes the next step an eager one followed by a new capture (torch creates the state then);
+- ``load_state_dict`` keeps this optimizer's implementation flags (``fused``, ``capturable``, ``foreach``,
+  ``differentiable``) over the saved ones: a state dict from a non-fused run or an older torch carries the same
+  math; ``state_dict`` saves each lr as a float, a snapshot, as torch's optimizers do;
+- the step hooks (torch's global ones and this optimizer's, which are the wrapped one's too) run once per
+  ``step()``, outside what is captured; the wrapped optimizer's step is called without its hook wrapper;
+- ``step(closure)`` returns the closure's loss, and ``step()`` None; ``update_successful`` holds the flag;
+- ``copy.deepcopy`` and pickle wrap a copy of the wrapped optimizer (and scaler) anew: the copy warms up and
+  captures its own step, as a fresh ``wrap`` would.
 
 With a graphstep loss scaler (``scaler=``), the step checks the grads for inf/NaN on device, hands
 ``grad_scale``/``found_inf`` to the fused kernel (torch's own AMP protocol, so a skipped step changes
@@ -22,6 +34,7 @@ nothing) and updates the scale; without one, a plain bf16 or fp32 loop is captur
 
 from __future__ import annotations
 
+import operator
 import warnings
 from typing import Optional
 
@@ -35,42 +48,11 @@ from .state.hyperparams import scalar_dtype
 from .step.stages import StepTensors
 from .step.stages import loss_scale as loss_scale_stage
 from .step.stages import norm as norm_stage
+from .wrap_checks import (group_refusals, is_dense, make_capturable, optimizer_refusals, share_step_hooks,
+                          state_dict_in_this_implementation, unhooked_step)
 
-SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 # Settings each kernel takes as Python values: captured once, guarded before every replay.
 _BAKED_KEYS = ("betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "maximize", "amsgrad")
-
-
-def _make_capturable(optimizer: torch.optim.Optimizer) -> None:
-    """Mark fused Adam/AdamW groups capturable, which torch requires under a CUDA capture and the fused
-    kernel ignores (so nothing in the update changes)."""
-    if not isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam; SGD runs no such check
-        return
-    for group in optimizer.param_groups:
-        if group.get("fused"):
-            group["capturable"] = True
-
-
-def _refusals(optimizer: torch.optim.Optimizer) -> list[str]:
-    if not isinstance(optimizer, SUPPORTED):
-        return [f"{type(optimizer).__name__} is not one of Adam, AdamW, SGD"]
-    name = type(optimizer).__name__
-    reasons = []
-    for g, group in enumerate(optimizer.param_groups):
-        if group.get("differentiable"):
-            reasons.append(f"group {g}: differentiable=True builds an autograd graph through the step")
-        fused = bool(group.get("fused"))
-        capturable = bool(group.get("capturable"))
-        on_cpu = any(p.device.type == "cpu" for p in group["params"])
-        if isinstance(optimizer, torch.optim.SGD):
-            if not fused:
-                reasons.append(f"group {g}: {name} without fused=True multiplies by lr as a Python number "
-                               "(a tensor lr is read on the host), so lr would freeze; pass fused=True")
-        elif not (fused or (capturable and not on_cpu)):
-            reasons.append(f"group {g}: {name} without fused=True reads the step count on the host for the bias "
-                           "correction, so it would freeze at its capture value; pass fused=True"
-                           + ("" if on_cpu else " or capturable=True"))
-    return reasons
 
 
 class CapturedOptimizer(torch.optim.Optimizer):
@@ -87,30 +69,42 @@ class CapturedOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         self.optimizer = optimizer
         self.scaler = scaler
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        devices = {p.device for p in params}
+        self._wrap_options = {"warmup": warmup, "capture": capture_mode, "capture_invalidation": invalidation}
+        # One set of step hooks for both: registered on either, they run once, around this optimizer's step
+        # (the wrapped one's step is called without its hook wrapper, ``unhooked_step``).
+        share_step_hooks(self, optimizer)
+        self._torch_step_fn = unhooked_step(optimizer)
+        devices = {p.device for group in optimizer.param_groups for p in group["params"]}
         if len(devices) != 1:
             raise ValueError(f"graphstep.wrap: params on several devices {sorted(map(str, devices))}")
         self.device = devices.pop()
-        self._params = params
-        # A grad set to None becomes a zero grad here (the captured step reads static grads), so a param
-        # frozen after wrapping would go on moving under momentum and weight decay: refused by name.
-        self._requires_grad = RequiresGradWatch([], [(f"param_groups[{g}]['params'][{i}]", p)
-                                                     for g, group in enumerate(optimizer.param_groups)
-                                                     for i, p in enumerate(group["params"])])
-        _make_capturable(optimizer)
-        for group in optimizer.param_groups:
-            if not isinstance(group["lr"], torch.Tensor):
-                group["lr"] = torch.tensor(float(group["lr"]), dtype=scalar_dtype(self.device), device=self.device)
-        self._grads: Optional[list[torch.Tensor]] = None
+        self._params: list[torch.Tensor] = []
+        self._grads: list[Optional[torch.Tensor]] = []  # the static grads, None until a param's first step
+        self._adopt_groups()
         self.tensors = StepTensors.allocate(self.device, None if scaler is None else scaler.scale,
                                             None if scaler is None else scaler.inv_scale)
         self.found_inf = self.tensors.found_inf
         self.update_successful = self.tensors.update_successful
-        self._scale_stages = None  # (norm, loss_scale), built at the first step, once the grads exist
         self._runner = StepRunner(step_fn=self._device_step, mode=capture_mode, device=self.device,
                                   warmup_steps=warmup, invalidation=invalidation,
                                   static_inputs=self._static_inputs, baked_values=self._baked_values)
+
+    def _adopt_groups(self) -> None:
+        """Derive what the step holds from ``param_groups``: at wrap, and after a group was added or loaded."""
+        make_capturable(self.optimizer)
+        for group in self.param_groups:
+            if not isinstance(group["lr"], torch.Tensor):
+                group["lr"] = torch.tensor(float(group["lr"]), dtype=scalar_dtype(self.device), device=self.device)
+        self._lr_tensors = [group["lr"] for group in self.param_groups]  # what the captured step reads
+        named = [(f"param_groups[{g}]['params'][{i}]", p)
+                 for g, group in enumerate(self.param_groups) for i, p in enumerate(group["params"])]
+        self._names = [name for name, _ in named]
+        self._params = [p for _, p in named]
+        self._grads += [None] * (len(self._params) - len(self._grads))  # groups are only ever appended
+        # A grad set to None becomes a zero grad here (the captured step reads static grads), so a param
+        # frozen after wrapping would go on moving under momentum and weight decay: refused by name.
+        self._requires_grad = RequiresGradWatch([], named)
+        self._scale_stages = None  # (norm, loss_scale) over the static grads, built at the next step
 
     @property
     def captured(self) -> bool:
@@ -125,11 +119,43 @@ class CapturedOptimizer(torch.optim.Optimizer):
         """Release the captured step (graph and memory pool); later steps run eagerly."""
         self._runner.close()
 
+    def __reduce_ex__(self, protocol):
+        # torch's Optimizer pickles (and so deep-copies) only defaults, state and param_groups, which leaves
+        # this object without its step. A copy wraps a copy of the wrapped optimizer (its params, state and lr
+        # tensors) and of the scaler anew; torch's copies drop the step hooks, and so does this one.
+        return (_rewrapped, (self.optimizer, self.scaler, self._wrap_options))
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's ``add_param_group`` (its defaults and checks), then the new group is laid out as the others:
+        refused here if its step could not be captured, its lr made a device tensor, its params zeroed by
+        ``zero_grad``; the next step runs eagerly (torch creates the new params' state) and the one after is
+        captured anew. Each new param needs a grad at its first step, as every param does at the first."""
+        if "optimizer" not in self.__dict__:
+            super().add_param_group(param_group)  # torch.optim.Optimizer.__init__ adopting the wrapped groups
+            return
+        self.optimizer.add_param_group(param_group)  # appends to the list both share
+        g = len(self.param_groups) - 1
+        added = self.param_groups[g]
+        reasons = group_refusals(self.optimizer, g, added)
+        moved = sorted({str(p.device) for p in added["params"] if p.device != self.device})
+        if moved:
+            reasons.append(f"group {g}: params on {', '.join(moved)}, the others on {self.device}")
+        if reasons:
+            self.param_groups.pop()
+            raise ValueError("graphstep.wrap: add_param_group: the step could not be captured with this group:\n  "
+                             + "\n  ".join(reasons))
+        self._adopt_groups()
+        self._runner.invalidate()
+
     @runs_state_dict_hooks
     def state_dict(self) -> dict:
-        """torch's state dict of the wrapped optimizer, and under ``"scaler"`` the loss scaler's state (its scale
-        and trackers: a resume without them would start the loss scale over)."""
+        """torch's state dict of the wrapped optimizer, each lr as a float (the value now, as torch's optimizers
+        save it, not the live tensor a scheduler goes on filling), and under ``"scaler"`` the loss scaler's state
+        (its scale and trackers: a resume without them would start the loss scale over)."""
         saved = self.optimizer.state_dict()
+        for group in saved["param_groups"]:  # torch's own dicts, made for this state dict
+            if isinstance(group.get("lr"), torch.Tensor):
+                group["lr"] = float(group["lr"])
         if self.scaler is not None:
             saved["scaler"] = self.scaler.state_dict()
         return saved
@@ -138,6 +164,11 @@ class CapturedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads through torch, then puts this optimizer's own param-group dicts and lr tensors back; the loss
         scaler's state is validated before anything is loaded and loaded after torch's part.
+
+        The saved groups give the hyperparameters; how the update runs (``fused``, ``capturable``, ``foreach``,
+        ``differentiable``) stays this optimizer's, so a state dict from a non-fused run, or from a torch
+        that saved no such keys, loads into a step that can still be captured; the groups as they will be are
+        checked as ``wrap`` checks them before anything is loaded.
 
         torch's ``load_state_dict`` replaces the wrapped optimizer's ``param_groups`` (new dicts, new lr
         tensors) and ``state``. A scheduler holds the old dicts and would keep writing lr tensors the step
@@ -154,18 +185,24 @@ class CapturedOptimizer(torch.optim.Optimizer):
         if self.scaler is not None:
             self.scaler.validate_state_dict(scaler_state)
         groups = self.param_groups
-        lr_tensors = [group["lr"] for group in groups]
-        self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "scaler"})
+        loading = state_dict_in_this_implementation({k: v for k, v in state_dict.items() if k != "scaler"}, groups)
+        if len(loading.get("param_groups", ())) == len(groups):
+            reasons = [reason for g, (saved, group) in enumerate(zip(loading["param_groups"], groups))
+                       for reason in group_refusals(self.optimizer, g, {**saved, "params": group["params"]})]
+            if reasons:
+                raise ValueError("graphstep.wrap: load_state_dict: the step could not be captured with the "
+                                 "loaded groups:\n  " + "\n  ".join(reasons))
+        self.optimizer.load_state_dict(loading)
         if self.scaler is not None:
             self.scaler.load_state_dict(scaler_state)
-        for group, loaded, lr in zip(groups, self.optimizer.param_groups, lr_tensors, strict=True):
+        for group, loaded, lr in zip(groups, self.optimizer.param_groups, self._lr_tensors, strict=True):
             loaded_lr = loaded["lr"]
             group.update({k: v for k, v in loaded.items() if k not in ("params", "lr")})
             lr.fill_(float(loaded_lr))
             group["lr"] = lr
         self.optimizer.param_groups = groups
         self.state = self.optimizer.state
-        _make_capturable(self.optimizer)
+        self._adopt_groups()
         self._runner.invalidate()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -177,25 +214,59 @@ class CapturedOptimizer(torch.optim.Optimizer):
             if p.grad is not None:
                 p.grad.zero_()
 
+    def _check_groups_unchanged(self) -> None:
+        held = [p for group in self.param_groups for p in group["params"]]
+        if len(held) != len(self._params) or not all(map(operator.is_, held, self._params)):
+            raise RuntimeError(
+                "graphstep.wrap: the params in param_groups changed since they were wrapped (a param put into or "
+                "taken out of a group's list, or a group appended directly or through the wrapped optimizer): the "
+                "captured step holds the old ones. Add params with this optimizer's add_param_group({'params': "
+                "[...]}); to drop params, wrap a new optimizer")
+
+    def _take_assigned_lrs(self) -> None:
+        """An lr assigned into a group (``group["lr"] = 0.01``, as torch lets a loop set it) goes into the lr
+        tensor the captured step reads, which is put back: the next step uses it, as torch's would."""
+        for group, lr in zip(self.param_groups, self._lr_tensors):
+            value = group["lr"]
+            if value is not lr:
+                if isinstance(value, torch.Tensor):
+                    lr.copy_(value)  # on device: no sync
+                else:
+                    lr.fill_(float(value))
+                group["lr"] = lr
+
     def _bind_grads(self) -> None:
-        if self._grads is None:
-            if any(p.grad is None for p in self._params):
-                raise RuntimeError("graphstep.wrap: every param needs a grad before the first step "
-                                   "(run backward first; leave params that get no grad out of the optimizer)")
-            self._grads = [p.grad for p in self._params]
-            return
+        """Point every param at its static grad, holding this step's values (zero where the grad is None)."""
+        missing = []
         for i, p in enumerate(self._params):
-            static = self._grads[i]
-            if p.grad is None:
+            static, grad = self._grads[i], p.grad
+            if static is None:  # this param's first step: its grad becomes the static one
+                if grad is None:
+                    missing.append(self._names[i])
+                    continue
+                if grad.stride() != p.stride() and is_dense(p):
+                    # torch's fused kernels walk param, grad and state in memory order: a grad laid out apart
+                    # from its param (a transposed param given a row-major grad) would pair wrong elements.
+                    static = torch.empty_like(p, requires_grad=False)
+                    static.copy_(grad)
+                    p.grad = static
+                else:
+                    static = grad
+                self._grads[i] = static
+            elif grad is None:
                 static.zero_()  # the user set it to None and no grad arrived since: a zero grad
                 p.grad = static
-            elif p.grad is not static:
-                static.copy_(p.grad)
+            elif grad is not static:
+                static.copy_(grad)
                 p.grad = static
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise RuntimeError(f"graphstep.wrap: no grad at the first step of {shown}: every param needs one there "
+                               "(run backward first; leave params that get no grad out of the optimizer)")
 
     def _static_inputs(self) -> dict:
         named = {f"param[{i}]": p for i, p in enumerate(self._params)}
-        named.update({f"grad[{i}]": g for i, g in enumerate(self._grads or [])})
+        named.update({f"grad[{i}]": g for i, g in enumerate(self._grads) if g is not None})
         for i, p in enumerate(self._params):
             for key, value in self.optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
@@ -212,7 +283,7 @@ class CapturedOptimizer(torch.optim.Optimizer):
         with warnings.catch_warnings():
             # torch warns once when a capturable step runs uncaptured; the warm-up steps do so by design.
             warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
-            self.optimizer.step()
+            self._torch_step_fn(self.optimizer)
 
     def _device_step(self) -> None:
         if self.scaler is None:
@@ -237,27 +308,39 @@ class CapturedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One step: the closure (if any) runs first, eagerly, with grad enabled; returns its loss, as torch's
+        optimizers do (None without a closure). Whether the step applied is ``update_successful``, a device
+        flag (always true without a ``scaler``)."""
+        loss = None
         if closure is not None:
             with torch.enable_grad():
-                closure()
+                loss = closure()
+        self._check_groups_unchanged()
+        self._take_assigned_lrs()
         self._requires_grad.check()
         self._bind_grads()
         self._runner.run()
-        return self.update_successful
+        return loss
+
+
+def _rewrapped(optimizer: torch.optim.Optimizer, scaler, options: dict) -> CapturedOptimizer:
+    """What a copied or unpickled ``CapturedOptimizer`` is built by (``__reduce_ex__``)."""
+    return wrap(optimizer, scaler=scaler, **options)
 
 
 def wrap(optimizer: torch.optim.Optimizer, *, warmup: int = 1, scaler=None, capture: str = "graph",
          capture_invalidation: str = "recapture") -> CapturedOptimizer:
     """Capture ``optimizer.step()`` (Adam, AdamW or SGD with ``fused=True``) after ``warmup`` eager steps.
 
-    Settings that would freeze under capture are refused with a message naming them. ``scaler``: a
-    graphstep loss scaler (``graphstep.step.scaler``), for fp16 loops; ``scale_loss`` multiplies by it.
-    ``capture``: "graph" (CUDA graph on CUDA, the CPU replay backend elsewhere) or "eager".
+    Settings that would freeze under capture are refused with a message naming them, and so are params torch's
+    fused kernels would step wrongly (not dense in memory). ``scaler``: a graphstep loss scaler
+    (``graphstep.step.scaler``), for fp16 loops; ``scale_loss`` multiplies by it. ``capture``: "graph" (CUDA
+    graph on CUDA, the CPU replay backend elsewhere) or "eager".
     """
-    reasons = _refusals(optimizer)
+    reasons = optimizer_refusals(optimizer)
     if reasons:
-        raise ValueError("graphstep.wrap cannot capture this optimizer without freezing something:\n  "
-                         + "\n  ".join(reasons))
+        raise ValueError("graphstep.wrap cannot capture this optimizer without freezing something or stepping it "
+                         "wrongly:\n  " + "\n  ".join(reasons))
     if warmup < 1:
         raise ValueError(f"graphstep.wrap: warmup={warmup}: at least 1, torch creates the state on the first step")
     if capture not in ("graph", "eager"):
