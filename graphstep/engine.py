@@ -151,9 +151,9 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                                             self.scaler.inv_scale if scaled else None, config.log_num_zeros_in_grad)
         # torch's ``Optimizer.state`` stays a per-param mapping, but graphstep's state lives in the flat
         # buffers (``opt.state_dict()``, ``gs.checkpoint``); each param's entry names the one step count they
-        # share. torch.distributed.checkpoint's get/set_state_dict, which cannot read or write that, are
-        # refused by the mapping with the way that works (graphstep/checkpoint/torch_api.py); an FSDP2 model's
-        # optimizer keeps torch's plain mapping and torch's format (graphstep/fsdp2/state_dict.py).
+        # share. torch.distributed.checkpoint's get/set_state_dict get torch's format through state_dict() /
+        # load_state_dict() (graphstep/checkpoint/torch_format.py); an FSDP2 model's optimizer keeps torch's
+        # plain mapping and torch's format (graphstep/fsdp2/state_dict.py).
         self.state = self._param_state()
         self._state = self.state  # an opt.state replaced later (to reset it) is refused at the step
         for _, p in model_named:
@@ -248,7 +248,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         return named
 
     def _param_state(self) -> dict:
-        """The empty ``Optimizer.state`` mapping: one that refuses torch's get/set_state_dict (torch_api.py)."""
+        """The empty ``Optimizer.state`` mapping (graphstep/checkpoint/torch_api.py)."""
         return ParamState(dict)
 
     def add_param_group(self, param_group: dict) -> None:

@@ -135,7 +135,7 @@ def test_sharded_state_dict_round_trip_in_memory_and_engine_methods():
 
 def test_torchs_get_optimizer_state_dict_changes_nothing_even_with_grads_set_to_none():
     # torch's helper runs a zero-lr step on an optimizer whose .state is empty; graphstep's is not empty,
-    # so the helper cannot advance the step or the moments before it fails on the format.
+    # so the helper cannot advance the step or the moments while it reads the state.
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     model = tiny_transformer()
@@ -143,8 +143,7 @@ def test_torchs_get_optimizer_state_dict_changes_nothing_even_with_grads_set_to_
     train(model, opt, 2)
     model.zero_grad(set_to_none=True)
     before = opt.state_dict()
-    with pytest.raises(Exception):
-        get_optimizer_state_dict(model, opt)
+    get_optimizer_state_dict(model, opt)
     after = opt.state_dict()
     assert torch.equal(before["step"], after["step"])
     for name in before["state"]:

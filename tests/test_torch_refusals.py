@@ -1,6 +1,5 @@
-"""What graphstep does not take is refused up front, with the way that works: torch's get_state_dict /
-set_state_dict on a graphstep optimizer of a plain model (FSDP2 models' take them: tests/test_fsdp2_local.py);
-and a cast of the user's model (bf16 / fp16 / params_dtype) is said once at build, never silent."""
+"""What graphstep does not take is refused up front, with the way that works: graphstep's own reshardable
+format handed to torch's set_state_dict (which takes torch's format: tests/test_torch_state_dict_api.py); and a cast of the user's model (bf16 / fp16 / params_dtype) is said once at build, never silent."""
 
 import warnings
 
@@ -30,15 +29,7 @@ def trained_engine():
     return model, opt
 
 
-def test_torchs_get_state_dict_names_graphsteps_own(one_rank_group):
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict
-    model, opt = trained_engine()
-    for call in (lambda: get_state_dict(model, opt), lambda: get_optimizer_state_dict(model, opt)):
-        with pytest.raises(TypeError, match=r"gs.checkpoint.get_optimizer_state_dict\(model, opt\)"):
-            call()
-
-
-def test_torchs_set_state_dict_names_graphsteps_own_and_changes_nothing(one_rank_group):
+def test_torchs_set_state_dict_refuses_graphsteps_own_format_and_changes_nothing(one_rank_group):
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict, set_state_dict
     model, opt = trained_engine()
     saved = gs.checkpoint.get_optimizer_state_dict(model, opt)
@@ -46,7 +37,7 @@ def test_torchs_set_state_dict_names_graphsteps_own_and_changes_nothing(one_rank
     params = [p.detach().clone() for p in model.parameters()]
     for call in (lambda: set_state_dict(model, opt, model_state_dict=model.state_dict(), optim_state_dict=saved),
                  lambda: set_optimizer_state_dict(model, opt, saved)):
-        with pytest.raises(TypeError, match=r"gs.checkpoint.set_optimizer_state_dict\(model, opt, state_dict\)"):
+        with pytest.raises(Exception):  # graphstep's own format, given to torch's functions
             call()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), params))
     after = tensors_of(opt.state_dict())

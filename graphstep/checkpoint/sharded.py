@@ -36,12 +36,12 @@ import warnings
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from ..families import state_spec
 from ..fp8 import checkpoint as fp8_checkpoint
 from ..step.domains import refuse_checkpoint
 from . import state_dict as flat
+from .param_pieces import dp_global_ranks, ownership
 
 FORMAT = "graphstep-sharded"
 FORMAT_VERSION = 1
@@ -102,20 +102,6 @@ def decode_json(tensor: Any, where: str) -> Any:
         raise flat.StateDictError(f"load_sharded_state_dict: {where} is not valid JSON ({exc})") from None
 
 
-def _dp_global_ranks(opt) -> list[int]:
-    group = getattr(getattr(opt, "comm", None), "dp_group", None)
-    return dist.get_process_group_ranks(group) if group is not None else list(range(opt.layout.dp_size))
-
-
-def _ownership(opt) -> dict[int, list]:
-    """param index → [(dp rank, OwnedRange)], for every rank: the layout is the same everywhere."""
-    owners: dict[int, list] = {i: [] for i in range(len(opt.layout.params))}
-    for rank in range(opt.layout.dp_size):
-        for owned in opt.layout.owned_ranges(rank):
-            owners[owned.param].append((rank, owned))
-    return owners
-
-
 def _sharded(local: torch.Tensor | None, place, owners: list, global_ranks: list[int], rank: int,
              dtype: torch.dtype):
     from torch.distributed._shard.metadata import ShardMetadata
@@ -136,9 +122,9 @@ def _sharded(local: torch.Tensor | None, place, owners: list, global_ranks: list
 def _build(opt, slice_fn: Callable[[torch.Tensor], torch.Tensor]) -> dict:
     """The per-param entries, each rank's slice produced by ``slice_fn(view of the live slice)``."""
     layout, rank = opt.layout, opt.rank
-    owners = _ownership(opt)
+    owners = ownership(layout)
     sharded = layout.dp_size > 1
-    global_ranks = _dp_global_ranks(opt) if sharded else None
+    global_ranks = dp_global_ranks(opt) if sharded else None
     out = {}
     for kind in state_kinds(opt):
         for place in layout.params:
@@ -169,7 +155,8 @@ def sharded_state_dict(opt, *, snapshot: bool = False) -> dict:
     """This rank's part of the reshardable checkpoint (see the module docstring).
 
     The per-param entries are views of the live buffers (no copy; a kind kept below fp32 is a copy of its
-    values) unless ``snapshot``: then they are copies, so the dict keeps the state of this call while training goes on (what an async save needs).
+    values) unless ``snapshot``: then they are copies, so the dict keeps the state of this call while training
+    goes on (what an async save needs).
     """
     refuse_checkpoint(opt, "sharded_state_dict")
     opt.finish_param_gather()

@@ -1,18 +1,15 @@
-"""graphstep's answer to ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` /
-``set_optimizer_state_dict``: functions of the same names and call shapes that work on a graphstep
-optimizer, in the reshardable format (``sharded.py``).
+"""graphstep's own counterparts of ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` /
+``set_optimizer_state_dict``, in graphstep's reshardable format (``sharded.py``), and ``ParamState``, the
+engine's ``Optimizer.state`` mapping.
 
-torch's own functions expect per-param state tensors keyed by param (``optim.state[p]``); graphstep keeps
-its state in flat buffers, so torch's versions cannot read or write it and are refused with the way that
-works (``ParamState`` below): these, ``gs.checkpoint.get_optimizer_state_dict(model, opt)`` and
-``set_optimizer_state_dict``, whose result DCP saves and reshards like any state dict (or
-``gs.checkpoint.save`` / ``load``).
+torch's own functions work on a graphstep optimizer too, in torch's optimizer format (``torch_format.py``:
+``opt.state_dict()`` gives it to them, ``opt.load_state_dict()`` takes it); these stay for code written
+against graphstep's format (``gs.checkpoint.save`` / ``load`` use it).
 """
 
 from __future__ import annotations
 
 import collections
-import sys
 from typing import Any
 
 from . import sharded
@@ -48,26 +45,11 @@ def set_optimizer_state_dict(model, optimizers, optim_state_dict: dict, *, optio
     sharded.load_sharded_state_dict(_single(optimizers), optim_state_dict)
 
 
-_TORCH_API = "torch.distributed.checkpoint.state_dict"
-
-
 class ParamState(collections.defaultdict):
-    """The engine's ``Optimizer.state``: torch's per-param mapping (each entry names the shared step count),
-    which refuses to serve torch's ``get_state_dict`` / ``set_state_dict`` (and their optimizer-only forms):
-    those read and write optimizer state per param, which graphstep keeps in flat buffers, and would fail
-    deep inside torch (a bare ``KeyError: 'exp_avg'``). Both first ask whether the state is empty
-    (``_init_optim_state``); that question, from that module, gets the way that works instead."""
-
-    def __bool__(self) -> bool:
-        if sys._getframe(1).f_globals.get("__name__") == _TORCH_API:
-            raise TypeError(
-                "graphstep keeps its optimizer state in flat buffers, which torch.distributed.checkpoint."
-                "state_dict's get_state_dict / set_state_dict (and get/set_optimizer_state_dict) cannot read or "
-                "write. Use gs.checkpoint.get_optimizer_state_dict(model, opt) and "
-                "gs.checkpoint.set_optimizer_state_dict(model, opt, state_dict) instead (the same call shapes; DCP "
-                "saves and reshards what they return), and torch's get_model_state_dict / set_model_state_dict "
-                "for the model")
-        return len(self) > 0
+    """The engine's ``Optimizer.state``: torch's per-param mapping, each entry naming the one step count the params
+    share (the state itself lives in flat buffers: ``opt.state_dict()``, torch's ``get_state_dict``). Never empty
+    after the build, so torch's ``get_state_dict`` / ``set_state_dict`` never run their zero-lr initialising
+    step on it; entries cannot be removed."""
 
     def _refuse_reset(self, *args, **kwargs):
         raise TypeError(STATE_RESET)
