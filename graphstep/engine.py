@@ -229,7 +229,8 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self._group_watch = GroupWatch(self.param_groups)
         self._fold = Fold([d.ctx.folded for d in self.domains], buffers, self._no_sync,
                                       self._grad_hooks)  # inert without the fold; its hooks: the dense buffers
-        explicit_groups = any(g is not None for g in (process_group, model_parallel_group, expert_data_parallel_group))
+        explicit_groups = any(g is not None for g in (process_group, model_parallel_group, expert_data_parallel_group,
+                                                      tensor_parallel_group))
         self._ddp = ddp.DdpWatch(chunks, distributed_optimizer=config.use_distributed_optimizer,
                                  explicit_groups=explicit_groups, on_ddp=self._fold.fold_before_step)
         self.result = StepResult(self.tensors.update_successful, self.tensors.grad_norm, self.tensors.num_zeros,

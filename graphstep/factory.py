@@ -3,6 +3,7 @@ Megatron-style tensor-parallel) models, graphstep/fsdp2/optimizer.py's for FSDP2
 
 from __future__ import annotations
 
+from .build import megatron_groups
 from .build.model_params import is_dtensor, named_trainable_params
 from .config import OptimizerConfig
 from .engine import GraphstepOptimizer
@@ -26,17 +27,24 @@ def get_optimizer(config: OptimizerConfig, model_chunks, config_overrides=None, 
     ``expert_tensor_parallel_group``: the same for the expert params (Megatron-Core's expert tensor-parallel
     group); needed with expert params and a tensor-parallel group of several ranks.
 
+    Given no group at all, a Megatron-Core model (its params carry ``tensor_model_parallel``) in a process that
+    initialised Megatron-Core's ``parallel_state`` takes its groups from there, with a warning naming them
+    (graphstep/build/megatron_groups.py). Params marked tensor-parallel on several ranks without a
+    tensor-parallel (or model-parallel) group are refused.
+
     An FSDP2 model (``fully_shard``: DTensor params) takes none of the groups: they come from its device mesh.
     """
-    if any(is_dtensor(p) for _, p in named_trainable_params(model_chunks, dtensors=True)):
-        given = {"process_group": process_group, "model_parallel_group": model_parallel_group,
-                 "expert_data_parallel_group": expert_data_parallel_group,
-                 "tensor_parallel_group": tensor_parallel_group,
-                 "expert_tensor_parallel_group": expert_tensor_parallel_group}
-        named = [name for name, group in given.items() if group is not None]
-        if named:
-            raise ValueError(f"get_optimizer: {', '.join(named)} given with an FSDP2 model: graphstep reads the "
+    given = {"process_group": process_group, "model_parallel_group": model_parallel_group,
+             "expert_data_parallel_group": expert_data_parallel_group,
+             "tensor_parallel_group": tensor_parallel_group,
+             "expert_tensor_parallel_group": expert_tensor_parallel_group}
+    named = named_trainable_params(model_chunks, dtensors=True)
+    if any(is_dtensor(p) for _, p in named):
+        passed = [name for name, group in given.items() if group is not None]
+        if passed:
+            raise ValueError(f"get_optimizer: {', '.join(passed)} given with an FSDP2 model: graphstep reads the "
                              "groups from the params' device mesh")
         return Fsdp2Optimizer(config, model_chunks, config_overrides)
-    return GraphstepOptimizer(config, model_chunks, config_overrides, process_group, model_parallel_group,
-                              expert_data_parallel_group, tensor_parallel_group, expert_tensor_parallel_group)
+    if isinstance(config, OptimizerConfig) and all(group is None for group in given.values()):
+        given.update(megatron_groups.from_parallel_state(config, named))
+    return GraphstepOptimizer(config, model_chunks, config_overrides, **given)

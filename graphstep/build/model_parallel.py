@@ -19,6 +19,13 @@ group: an unmarked expert param counts on expert-TP rank 0. Megatron-Core reads 
 params too, which agrees when the two groups coincide (its default) and leaves some experts' replicated
 params out when they do not; graphstep asks for the expert group whenever it cannot tell.
 
+Which ranks hold the other slices of a split param is the tensor-parallel group's to say: params marked
+``tensor_model_parallel`` in a job of several ranks without that group (or a model-parallel one) are refused
+rather than counted per rank (``get_optimizer`` takes the groups from Megatron-Core's ``parallel_state`` when it
+is initialised and no group was passed: graphstep/build/megatron_groups.py). The marks themselves must agree
+across the group: at build every rank all-gathers a digest of its params' names and marks (which are split, and
+along which dimension) over the tensor-parallel group, and a difference is refused naming the param.
+
 A param left out still takes part in the non-finite check (graphstep/step/stages/norm.py): a NaN in it skips
 the step on every rank. The same rule leaves it out of ``num_zeros``. On plain ``nn.Module``s set the marks
 the same way: ``p.tensor_model_parallel = True; p.partition_dim = 0`` (or 1), ``p.shared = True``.
@@ -26,6 +33,7 @@ the same way: ``p.tensor_model_parallel = True; p.partition_dim = 0`` (or 1), ``
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -62,6 +70,10 @@ def resolve(named, model_parallel_group: Optional[dist.ProcessGroup],
     check_expert_groups(named, model_parallel_group, tensor_parallel_group, expert_tensor_parallel_group)
     for name, p in named:
         check_marks(name, p)
+    check_marks_agree([(n, p) for n, p in named if not is_expert_param(p)], tensor_parallel_group,
+                      "tensor-parallel")
+    check_marks_agree([(n, p) for n, p in named if is_expert_param(p)], expert_tensor_parallel_group,
+                      "expert tensor-parallel")
     counting = NormCounting(tensor_parallel_rank(tensor_parallel_group),
                             tensor_parallel_rank(expert_tensor_parallel_group, "expert_tensor_parallel_group"))
     return model_parallel_group_of(model_parallel_group, tensor_parallel_group), counting
@@ -104,17 +116,38 @@ def check_marks(name: str, p: torch.Tensor) -> None:
                          f"dimension of its shape {tuple(p.shape)}")
 
 
+def _marked(named) -> list[str]:
+    return [name for name, p in named if getattr(p, "tensor_model_parallel", False)]
+
+
+def _shown(names: list[str]) -> str:
+    return f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+
+
 def check_groups(named, model_parallel_group: Optional[dist.ProcessGroup],
                  tensor_parallel_group: Optional[dist.ProcessGroup]) -> None:
-    """Refuse TP-sharded params summed over a model-parallel group of several ranks without the TP group:
-    which ranks hold replicated copies is then unknown, and each copy would count once per TP rank."""
-    if tensor_parallel_group is not None or model_parallel_group is None or dist.get_world_size(
-            model_parallel_group) == 1:
+    """Refuse TP-sharded params in a job of several ranks without a TP or model-parallel group (each rank
+    would count its own slices alone), and summed over a model-parallel group of several ranks without the TP
+    group (which ranks hold replicated copies is then unknown, and each copy would count once per TP rank)."""
+    if tensor_parallel_group is None and model_parallel_group is None:
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        marked = _marked(named) if several else []
+        if marked:
+            raise ValueError(f"get_optimizer: params are marked tensor_model_parallel ({_shown(marked)}) and this "
+                             f"process is one of {dist.get_world_size()} ranks, but no tensor_parallel_group was "
+                             "given: each rank would count only its own slices in the grad norm. Pass "
+                             "tensor_parallel_group (Megatron-Core's parallel_state.get_tensor_model_parallel_group(); "
+                             "when the model is not tensor-parallel, a group of this rank alone: "
+                             "torch.distributed.new_group([rank], use_local_synchronization=True)), or initialise "
+                             "Megatron-Core's parallel_state before get_optimizer and pass no group at all: graphstep "
+                             "then takes every group from it")
         return
-    marked = [name for name, p in named if getattr(p, "tensor_model_parallel", False)]
+    if tensor_parallel_group is not None or dist.get_world_size(model_parallel_group) == 1:
+        return
+    marked = _marked(named)
     if marked:
-        raise ValueError(f"get_optimizer: params are marked tensor_model_parallel ({', '.join(marked[:3])}"
-                         f"{', ...' if len(marked) > 3 else ''}) and summed over a model_parallel_group of "
+        raise ValueError(f"get_optimizer: params are marked tensor_model_parallel ({_shown(marked)}) and summed "
+                         "over a model_parallel_group of "
                          f"{dist.get_world_size(model_parallel_group)} ranks, but no tensor_parallel_group was "
                          "given: pass it, so that the params replicated across it count on its rank 0 only (a "
                          "group of this rank alone when the model is not tensor-parallel: Megatron-Core marks "
@@ -155,3 +188,68 @@ def same_ranks(a: Optional[dist.ProcessGroup], b: Optional[dist.ProcessGroup]) -
     def ranks(group):
         return [dist.get_rank()] if group is None or _size(group) == 1 else dist.get_process_group_ranks(group)
     return (a is None and b is None) or ranks(a) == ranks(b)
+
+
+# ---- the marks agree across the tensor-parallel group ------------------------------------------------------
+_UNMARKED, _NO_DIM = -1, -2  # a param's mark code: its partition_dim (>= 0) when split
+
+
+def _mark_code(p: torch.Tensor) -> int:
+    if not getattr(p, "tensor_model_parallel", False):
+        return _UNMARKED
+    dim = getattr(p, "partition_dim", None)
+    return _NO_DIM if dim is None else dim % p.dim()
+
+
+def _describe_mark(code: int) -> str:
+    if code == _UNMARKED:
+        return "not tensor_model_parallel"
+    return "tensor_model_parallel" + ("" if code == _NO_DIM else f" with partition_dim={code}")
+
+
+def _name_hash(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:7], "little")  # fits int64
+
+
+def _all_gather(values: list[int], group: dist.ProcessGroup, device: torch.device) -> list[list[int]]:
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    return [t.tolist() for t in everyone]
+
+
+def check_marks_agree(named, group: Optional[dist.ProcessGroup], kind: str) -> None:
+    """Refuse marks that differ across ``group`` (a ``kind`` TP group): each rank would count a param by its own
+    marks, and the norm (or Muon's gather) would mix them. Collective over ``group`` at build: one all-gather of
+    a digest of the params' names and marks; only when they differ, a second one of each param's, to name it.
+    Without the group, or with one rank, nothing to compare."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    # The exchange runs on the group's backend: gloo on the host, NCCL on the params' device.
+    device = torch.device("cpu") if "gloo" in str(dist.get_backend(group)) or not named else named[0][1].device
+    entries = [(_name_hash(name), _mark_code(p)) for name, p in named]
+    digest = hashlib.sha256(repr(entries).encode()).digest()
+    gathered = _all_gather([len(entries), int.from_bytes(digest[:7], "little"), int.from_bytes(digest[7:14], "little")],
+                           group, device)
+    if all(theirs == gathered[0] for theirs in gathered):
+        return
+    rank = dist.get_rank(group)
+    counts = [theirs[0] for theirs in gathered]
+    if len(set(counts)) > 1:
+        raise ValueError(f"get_optimizer: the {kind} ranks hold different numbers of trainable params ({counts}, "
+                         f"by rank; this is rank {rank}): every rank of the {kind} group must hold the same params, "
+                         "each its own slice of the split ones")
+    flat = _all_gather([value for entry in entries for value in entry], group, device)
+    per_rank = [list(zip(values[0::2], values[1::2])) for values in flat]
+    for other, theirs in enumerate(per_rank):
+        for i, ((name, _), (first_hash, first_code), (their_hash, their_code)) in enumerate(
+                zip(named, per_rank[0], theirs)):
+            if first_hash != their_hash:
+                raise ValueError(f"get_optimizer: the {kind} ranks hold different params: param #{i} is "
+                                 f"'{named[i][0]}' on this rank ({rank}), and {kind} ranks 0 and {other} differ "
+                                 "there; every rank of the group must hold the same params in the same order")
+            if first_code != their_code:
+                raise ValueError(f"get_optimizer: the {kind} ranks disagree on the marks of param '{name}': "
+                                 f"{_describe_mark(first_code)} on {kind} rank 0, {_describe_mark(their_code)} on "
+                                 f"rank {other}. Mark it the same way on every rank (Megatron-Core's layers do): "
+                                 "each rank would otherwise count it by its own marks in the grad norm")

@@ -20,6 +20,7 @@ from typing import Callable, Optional, Sequence, TypedDict, Union
 import torch
 
 from ..families import get_family
+from ..families import muon as muon_family
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,11 @@ def get_standard_config_overrides(config) -> dict[ParamKey, ParamGroupOverride]:
     return overrides
 
 
+MUP_SPELLINGS = {"dist_muon": muon_family.NAME}
+"""``optimizer_type`` names Megatron uses beside the families' own: "dist_muon" (Megatron-LM's ``--optimizer``
+for Muon with its layer-wise distributed optimizer; its MuP rules read it as Muon)."""
+
+
 def get_mup_config_overrides(config, mup_width_mult: float, optimizer_type: Optional[str] = None
                              ) -> dict[ParamKey, ParamGroupOverride]:
     """MuP's per-class learning rates (and Adam's eps) for width multiplier ``m = mup_width_mult``.
@@ -224,7 +230,8 @@ def get_mup_config_overrides(config, mup_width_mult: float, optimizer_type: Opti
 
     The schedule floor scales with the peak (``min_lr`` x the same factor when ``config.min_lr`` is set),
     so ``min_lr <= max_lr`` still holds. ``optimizer_type`` (any case) defaults to ``config.optimizer``;
-    a name that is no registered family (nor an alias of one) raises ValueError naming it.
+    Megatron's other spellings (``MUP_SPELLINGS``: "dist_muon") are read as the family they name; any other
+    name that is no registered family (nor an alias of one) raises ValueError naming it.
     """
     if isinstance(mup_width_mult, bool) or not isinstance(mup_width_mult, (int, float)) \
             or not 0 < mup_width_mult < math.inf:
@@ -235,7 +242,8 @@ def get_mup_config_overrides(config, mup_width_mult: float, optimizer_type: Opti
         raise TypeError(f"get_mup_config_overrides: optimizer_type={optimizer_type!r} must be the name of an "
                         f"optimizer family, like {config.optimizer!r}")
     try:
-        rule = get_family(optimizer_type.lower(), aliases=True).mup
+        name = optimizer_type.lower()
+        rule = get_family(MUP_SPELLINGS.get(name, name), aliases=True).mup
     except ValueError as exc:
         raise ValueError(f"get_mup_config_overrides: optimizer_type={optimizer_type!r} names no optimizer family "
                          f"MuP has a rule for ({exc})") from None

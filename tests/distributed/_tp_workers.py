@@ -290,11 +290,11 @@ class Attention(torch.nn.Module):
 def qk_clip_tensor_parallel(rank: int, world: int) -> dict:
     """lr 0, so only QK-clip moves W_q and W_k: the split attention (captured) against the whole one."""
     runs = {}
-    for name, model, groups in (("whole", Attention(), {}),
-                                ("part", Attention(world, rank), {"tensor_parallel_group": dist.group.WORLD})):
+    alone = dist.new_group([rank], use_local_synchronization=True)  # the whole attention: not split, marked anyway
+    for name, model, tp_group in (("whole", Attention(), alone), ("part", Attention(world, rank), dist.group.WORLD)):
         config = gs.OptimizerConfig(lr=0.0, weight_decay=0.0, qk_clip=True, qk_clip_threshold=THRESHOLD,
-                                    capture="graph" if groups else "eager", capture_warmup_steps=1)
-        opt = gs.get_optimizer(config, model, **groups)
+                                    capture="eager" if name == "whole" else "graph", capture_warmup_steps=1)
+        opt = gs.get_optimizer(config, model, tensor_parallel_group=tp_group)
         maxima = []
         for step in range(STEPS):
             opt.zero_grad()
@@ -417,7 +417,8 @@ def muon_fused_qkv_tensor_parallel(rank: int, world: int, mode: str) -> dict:
     per_group = (HEADS // GROUPS + 2) * HEAD_DIM
     rows = slice(rank * GROUPS // world * per_group, (rank + 1) * GROUPS // world * per_group)
     whole, part = FusedQKV(), FusedQKV(world, rank)
-    reference = gs.get_optimizer(_muon_config(mode, "eager"), whole)
+    alone = dist.new_group([rank], use_local_synchronization=True)  # the whole weight: not split, marked anyway
+    reference = gs.get_optimizer(_muon_config(mode, "eager"), whole, tensor_parallel_group=alone)
     opt = gs.get_optimizer(_muon_config(mode, "graph"), part, tensor_parallel_group=dist.group.WORLD)
     for step in range(STEPS):
         x = torch.randn(2, SEQ, HIDDEN, generator=torch.Generator().manual_seed(step))
