@@ -63,10 +63,13 @@ class Fsdp2Optimizer(GraphstepOptimizer):
         super().__init__(dataclasses.replace(config, fold_grad_norm=False), model_chunks, config_overrides,
                          model_parallel_group=group, tensor_parallel_group=group if self._one_dim_mesh else None)
         self._fsdp = FsdpBindings(self.local_shards, self.buffers)
+        self._mesh_group = group
+        self._arrival_hooks = []
         if self._fsdp.grads_taken_at_build:
             self._grads_seen.seen = True
-        self._arrival_hooks = [s.param.register_post_accumulate_grad_hook(weak_hooks.calling(self, "_grads_arrived"))
-                               for s in self.local_shards]
+        else:
+            self._arrival_hooks = [s.param.register_post_accumulate_grad_hook(
+                weak_hooks.calling(self, "_grads_arrived")) for s in self.local_shards]
 
     def _laid_out(self, named: list, group_index: list[int]) -> list:
         if [name for name, _ in named] != [s.name for s in self.local_shards]:
@@ -95,9 +98,12 @@ class Fsdp2Optimizer(GraphstepOptimizer):
 
     def _grads_arrived(self, _param) -> None:
         """FSDP2 handed over a grad (its post-accumulate-grad hooks): a backward ran, as the engine's own hooks on
-        the local shards, which FSDP2 never calls, would have told."""
+        the local shards, which FSDP2 never calls, would have told.
+
+        Only a flag: FSDP2 calls these hooks while iterating the param's live hook dict (torch's autograd
+        iterates a copy), so removing a handle here would break that loop wherever another hook follows ours
+        (``OrderedDict mutated during iteration``). They go at the next step, outside any backward."""
         self._grads_seen.seen = True
-        self._remove_arrival_hooks()
 
     def _remove_arrival_hooks(self) -> None:
         for handle in self._arrival_hooks:
@@ -105,6 +111,8 @@ class Fsdp2Optimizer(GraphstepOptimizer):
         self._arrival_hooks = []
 
     def _prepare(self) -> None:
+        if self._grads_seen.seen:
+            self._remove_arrival_hooks()  # done with: later backwards pay nothing for them
         self._fsdp.check()  # before the engine's own checks: FSDP2's grads and params back in the flat buffers
         super()._prepare()
 
@@ -128,4 +136,5 @@ class Fsdp2Optimizer(GraphstepOptimizer):
     @runs_load_state_dict_hooks
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's optimizer format, int or FQN keys: checked whole, then copied into the buffers in place."""
-        fsdp_state_dict.load_state_dict(self, state_dict)
+        fsdp_state_dict.load_state_dict(self, state_dict, mesh_group=self._mesh_group,
+                                        group_problem=self._group_watch.problem)

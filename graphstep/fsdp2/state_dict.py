@@ -10,19 +10,34 @@ graphstep's one shared tensor. Step-wide values torch has no place for (the loss
 every group under ``"graphstep"``, as do ``clip_grad`` and ``grad_norm_skip_threshold``.
 
 ``load_state_dict`` takes that shape with int or FQN keys (DCP renames them), pairing saved params with live ones
-by position as torch does, checks every shape first and copies in place (nothing is replaced, nothing recaptured).
+by position as torch does. A load is all or nothing: everything is checked first, with graphstep's own checkpoint
+checks (graphstep/checkpoint/state_dict.py): each state tensor this rank's shard's shape and dtype, finite, a second
+moment never negative; one step count, a 0-d tensor of the step's dtype, a non-negative whole number, the same in
+every entry; the groups' hyperparameters, the scaler and the thresholds. The ranks of the mesh agree (a rank that
+refuses refuses for all); only then is anything copied, in place (nothing is replaced, nothing recaptured). A
+refusal names the param and the field. ``dcp.load`` into this state dict's own views writes the buffers before
+``load_state_dict`` sees it: a damaged checkpoint is then still refused by name, but the state already holds it.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from ..checkpoint.state_dict import StateDictError
+from ..checkpoint.state_dict import (StateDictError, apply_common, check_mapping, check_param_groups, check_scaler,
+                                     check_step, check_tensor, check_thresholds)
+from ..families import state_spec
 from .shards import LocalShard
 
 _EXTRA = "graphstep"
+_EXTRA_KEYS = ("clip_grad", "grad_norm_skip_threshold", "loss_scaler")
+_GROUP_BOOKKEEPING = ("params", "param_names")  # a group's identity: the live group's, never loaded
+_WHERE = "FSDP2 optimizer state dict"  # how every message names what is loaded
 
 
 def _state_places(opt, index: int) -> dict[str, tuple[int, int, int]]:
@@ -65,59 +80,137 @@ def state_dict(opt) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def _local(value, where: str) -> torch.Tensor:
-    if hasattr(value, "_local_tensor"):
-        return value._local_tensor
-    if isinstance(value, torch.Tensor):
-        return value
-    raise StateDictError(f"{where}: expected a tensor, got {type(value).__name__}")
+def _local(value: Any) -> Any:
+    """A DTensor's local tensor; anything else as it is (for the checks to judge)."""
+    return value._local_tensor if hasattr(value, "_local_tensor") else value
 
 
-def load_state_dict(opt, state_dict: dict) -> None:
-    if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
+@dataclasses.dataclass
+class _Plan:
+    """What a validated load copies: (state name, (buffer, start, size), shard, source) per state tensor, then
+    the step-wide values."""
+    copies: list
+    step: torch.Tensor
+    groups: list
+    scaler: Any
+    clip_grad: Any
+    grad_norm_skip_threshold: Any
+
+
+def _validate(opt, state_dict: Any, group_problem) -> _Plan:
+    """Every check of a load, nothing copied: the state dict's structure, each state tensor (this rank's shard's
+    shape, dtype, finite, a second moment >= 0, as the other formats check them), one step count, the groups'
+    hyperparameters, the loss scaler and the step-wide thresholds."""
+    if not isinstance(state_dict, Mapping) or set(state_dict) != {"state", "param_groups"}:
         raise StateDictError("FSDP2 optimizer state dict: expected torch's format, a dict with 'state' and "
                              "'param_groups' (what opt.state_dict() and torch's get_optimizer_state_dict return)")
-    saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(opt.param_groups) or any(
-            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, opt.param_groups)):
+    saved_groups, state = state_dict["param_groups"], state_dict["state"]
+    check_mapping(state, f"{_WHERE}: ['state']")
+    if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(opt.param_groups) or any(
+            not isinstance(s, Mapping) or not isinstance(s.get("params"), (list, tuple))
+            or len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, opt.param_groups)):
         raise StateDictError("FSDP2 optimizer state dict: its param groups do not match the optimizer's (number "
                              "of groups and of params in each)")
     position = {id(s.param): i for i, s in enumerate(opt.local_shards)}
-    copies = []
+    copies, steps = [], []
     for saved_group, group in zip(saved_groups, opt.param_groups):
-        for key, param in zip(saved_group["params"], group["params"]):
+        for key, param in zip(saved_group["params"], group["params"]):  # paired by position, as torch pairs them
             index = position[id(param)]
             shard = opt.local_shards[index]
-            entry = state_dict["state"].get(key)
-            if entry is None:
-                raise StateDictError(f"FSDP2 optimizer state dict: no state for param {key!r}")
-            for name, where in _state_places(opt, index).items():
-                if name not in entry:
-                    raise StateDictError(f"FSDP2 optimizer state dict: state[{key!r}] has no {name!r}")
-                source = _local(entry[name], f"state[{key!r}][{name!r}]")
-                if tuple(source.shape) != shard.real_shape:
-                    raise StateDictError(f"FSDP2 optimizer state dict: state[{key!r}][{name!r}] has local shape "
-                                         f"{tuple(source.shape)}, this rank's shard is {shard.real_shape}")
-                copies.append((name, where, shard, source))
-    steps = [e["step"] for e in state_dict["state"].values() if "step" in e]
+            where = f"{_WHERE}: state[{key!r}]"
+            if key not in state:
+                raise StateDictError(f"{_WHERE}: no state for param {key!r} ('{shard.name}')")
+            entry = check_mapping(state[key], where)
+            if "step" in entry:
+                steps.append((where, _local(entry["step"])))
+            for name, place in _state_places(opt, index).items():
+                copies.append((name, place, shard, _check_state(opt, entry, name, place, shard, where)))
+    return _Plan(copies, _one_step(opt, steps), *_step_wide(opt, saved_groups, group_problem))
+
+
+def _check_state(opt, entry: Mapping, name: str, place, shard: LocalShard, where: str) -> torch.Tensor:
+    """State ``name`` of ``entry`` (a DTensor's local tensor or a plain tensor), checked as graphstep's flat and
+    reshardable formats check it (graphstep/checkpoint/state_dict.py ``check_tensor``)."""
+    if name not in entry:
+        raise StateDictError(f"{where} has no {name!r} (param '{shard.name}')")
+    source = _local(entry[name])
+    if isinstance(source, torch.Tensor) and tuple(source.shape) != shard.real_shape:
+        raise StateDictError(f"{where}[{name!r}] has local shape {tuple(source.shape)}, this rank's shard of param "
+                             f"'{shard.name}' is {shard.real_shape}")
+    where = f"{where}[{name!r}] (param '{shard.name}')"
+    like = torch.empty(shard.real_shape, dtype=opt.buffers.shard_like(name, place[0]).dtype, device="meta")
+    return check_tensor(source, where, like, nonnegative=state_spec(name).nonnegative)
+
+
+def _one_step(opt, steps: list) -> torch.Tensor:
+    """graphstep keeps one step count for every param: each entry's a valid count, and all of them equal."""
     if not steps:
-        raise StateDictError("FSDP2 optimizer state dict: no 'step' in its state")
-    extra = saved_groups[0].get(_EXTRA) if saved_groups else None
-    if opt.scaler is not None and (extra is None or extra.get("loss_scaler") is None):
-        raise StateDictError("FSDP2 optimizer state dict: this optimizer scales the loss, the checkpoint has no "
-                             "loss scaler state")
-    if opt.scaler is not None:
-        opt.scaler.validate_state_dict(extra["loss_scaler"])
-    for name, (buffer, start, size), shard, source in copies:
+        raise StateDictError(f"{_WHERE}: no 'step' in its state")
+    first_where, first = steps[0]
+    for where, step in steps:
+        check_step(step, f"{where}['step']", opt.tensors.step)
+        if not torch.equal(step, first):
+            raise StateDictError(f"load_state_dict: {where}['step'] is {float(step)}, {first_where}['step'] is "
+                                 f"{float(first)}: graphstep keeps one step count for every param")
+    return first
+
+
+def _step_wide(opt, saved_groups, group_problem) -> tuple:
+    """(the groups' hyperparameters to set, the scaler state, clip_grad, grad_norm_skip_threshold), checked.
+
+    The keys a live group holds are checked as graphstep's other formats check them (a key the checkpoint
+    lacks keeps its value: a ``torch.optim`` optimizer's state dict has graphstep's schedule keys in none of its
+    groups). Keys only the checkpoint has (torch's ``amsgrad``, ``foreach``, ...) are set as torch sets them,
+    and refused here if the next step would refuse them (``maximize=True``: graphstep/state/group_watch.py).
+    Without graphstep's step-wide entry (a torch optimizer's state dict) the thresholds stay as they are."""
+    known = [{**{k: v for k, v in group.items() if k != "params"},
+              **{k: v for k, v in saved.items() if k in group and k not in _GROUP_BOOKKEEPING}}
+             for saved, group in zip(saved_groups, opt.param_groups)]
+    updates = check_param_groups(opt, known, f"{_WHERE}: ['param_groups']", check_indices=False)
+    for values, saved, group in zip(updates, saved_groups, opt.param_groups):
+        values.update({k: v for k, v in saved.items() if k not in group and k not in (*_GROUP_BOOKKEEPING, _EXTRA)})
+    problem = group_problem([{**group, **values} for group, values in zip(opt.param_groups, updates)])
+    if problem is not None:
+        raise StateDictError(f"{_WHERE}: {problem}")
+    where = f"{_WHERE}: ['param_groups'][0][{_EXTRA!r}]"
+    extra = saved_groups[0].get(_EXTRA)
+    if extra is None:
+        check_scaler(opt, None, f"{where}['loss_scaler']")
+        return updates, None, opt.clip_grad, opt.grad_norm_skip_threshold
+    check_mapping(extra, where, _EXTRA_KEYS, allowed=_EXTRA_KEYS)
+    check_scaler(opt, extra["loss_scaler"], f"{where}['loss_scaler']")
+    check_thresholds(extra["clip_grad"], extra["grad_norm_skip_threshold"], where)
+    return updates, extra["loss_scaler"], extra["clip_grad"], extra["grad_norm_skip_threshold"]
+
+
+def _refuse_together(opt, validate, mesh_group):
+    """``validate()`` here, then agree with the mesh's other ranks (one small all-reduce): a rank that refuses
+    its part refuses for all, so no rank loads a checkpoint another refused."""
+    error = None
+    try:
+        validated = validate()
+    except (ValueError, TypeError) as exc:
+        error = exc
+    if mesh_group is not None:
+        refused = torch.tensor([0.0 if error is None else 1.0 + dist.get_rank()], device=opt.tensors.step.device)
+        dist.all_reduce(refused, op=dist.ReduceOp.MAX, group=mesh_group)
+        if error is None and refused.item() > 0:  # host read: loading happens between steps
+            raise StateDictError(f"load_state_dict: rank {int(refused.item()) - 1} refused its part of the FSDP2 "
+                                 "optimizer state dict (see its error); nothing was loaded on any rank")
+    if error is not None:
+        raise error
+    return validated
+
+
+@torch.no_grad()
+def load_state_dict(opt, state_dict: Any, *, mesh_group, group_problem) -> None:
+    """Check everything on every rank of ``mesh_group`` (refusing together; None: one rank), then copy into the
+    buffers in place. ``group_problem(groups)``: what the next step would refuse in the loaded param groups, or
+    None. A refused load raises ``StateDictError`` naming the param and field; nothing has changed on any rank."""
+    plan = _refuse_together(opt, lambda: _validate(opt, state_dict, group_problem), mesh_group)
+    for name, (buffer, start, size), shard, source in plan.copies:
         values = opt.buffers.read_part(name, buffer, start, size)  # the buffer's own view where full precision
         if values.data_ptr() != source.data_ptr():  # DCP may have loaded into that very view
             shard.real_rows(values).copy_(source)
             opt.buffers.write_part(name, buffer, start, size, values)
-    opt.tensors.step.copy_(_local(steps[0], "step").reshape(opt.tensors.step.shape))
-    for saved_group, group in zip(saved_groups, opt.param_groups):
-        group.update({k: copy.deepcopy(v) for k, v in saved_group.items() if k not in ("params", _EXTRA)})
-    if extra is not None:
-        opt.clip_grad = extra["clip_grad"]
-        opt.grad_norm_skip_threshold = extra["grad_norm_skip_threshold"]
-        if opt.scaler is not None:
-            opt.scaler.load_state_dict(extra["loss_scaler"])
+    apply_common(opt, plan.step, plan.groups, plan.scaler, plan.clip_grad, plan.grad_norm_skip_threshold)
