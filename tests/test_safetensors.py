@@ -8,6 +8,7 @@ seed); tied weights stay tied and are stored once. The oracle is the trained mod
 
 import gc
 import io
+import warnings
 import weakref
 
 import pytest
@@ -264,6 +265,42 @@ def test_fp8_weights_round_trip_through_save_model(tmp_path):
     fresh, _ = fp8_built(1)
     safetensors_torch.load_model(fresh, tmp_path / "m.safetensors")
     assert_same_weights(fresh, model)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("how", ["load_state_dict", "dcp"])
+def test_fp8_weights_loaded_after_the_build_survive_the_next_step(tmp_path, recipe, how):
+    # The oracle: the same weights loaded before the optimizer was built, then the same step (lr 0: the
+    # step only requantizes from the main params, which must now stand for the loaded weights).
+    def fp8_built(seed, loaded=None):
+        model = tiny_transformer(seed, dtype=torch.bfloat16)
+        fp8.convert(model, recipe=recipe)
+        if loaded is not None:
+            model.load_state_dict(loaded)
+        config = gs.OptimizerConfig(optimizer="adam", lr=1e-2, bf16=True, fp8_recipe=recipe, capture="eager",
+                                    clip_grad=0.0)
+        return model, gs.get_optimizer(config, model)
+
+    source, source_opt = fp8_built(2)
+    train(source, source_opt, steps=2)
+    saved = {k: v.detach().clone() for k, v in source.state_dict().items()}
+    model, opt = fp8_built(0)
+    train(model, opt, steps=2)  # main params and moments of the first weights
+    if how == "dcp":
+        dcp = pytest.importorskip("torch.distributed.checkpoint")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # DCP without a process group says so
+            dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+            dcp.load(model.state_dict(), checkpoint_id=tmp_path, no_dist=True)
+    else:
+        model.load_state_dict(saved)
+    reference, reference_opt = fp8_built(0, loaded=saved)
+    for each in (opt, reference_opt):
+        for group in each.param_groups:
+            group["lr"] = 0.0
+    train(model, opt, steps=1)
+    train(reference, reference_opt, steps=1)
+    assert_same_weights(model, reference)
 
 
 # ---- accelerate ----------------------------------------------------------------------------------------

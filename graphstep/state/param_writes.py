@@ -1,6 +1,6 @@
-"""Writes into bf16/fp16 params after the build, taken into the main params before the next step.
+"""Writes into bf16/fp16/fp8 params after the build, taken into the main params before the next step.
 
-Where the main params are a copy of their own (bf16/fp16 params, a CPU-offloaded shard), the step publishes
+Where the main params are a copy of their own (bf16/fp16/fp8 params, a CPU-offloaded shard), the step publishes
 them over the params: a user's ``model.load_state_dict``, ``nn.init`` call or ``clamp_`` after the build
 would be undone. Each param's version counter (its own: after ``p.data = view`` a param does not share its
 flat buffer's) tells whether it was written, and so does the counter of its alias in ``model.state_dict()``
@@ -8,8 +8,17 @@ flat buffer's) tells whether it was written, and so does the counter of its alia
 ``torch.distributed.checkpoint.load`` writes into); only then are its values compared with the main params',
 element by element, so elements whose value did not change keep the main params' extra precision.
 
-Not covered: fp8 params, and main params stored as bf16 remainders (a write there changes the main params'
-high bits already). A write through ``p.data`` moves no counter: ``take(everything=True)`` compares all.
+An fp8 weight's bytes stand for ``data * scale_inv`` (graphstep/fp8). Once written, its main params are kept
+where its bytes are still what they quantize to under the weight's scale (a graphstep checkpoint load, which
+restores main params, bytes and scales together), and otherwise all become the dequantized bytes, not just the
+elements whose bytes changed: fp8 has so few values that another weight's element often shares a byte with
+the old one, and keeping the old fine value there would make the next requantization differ from the loaded
+weight. The choice is a device-side select, not a host read. The step writes an fp8 weight's bytes through the
+flat buffer and its scales in place, neither of which moves the param's or its alias's counter.
+
+Not covered: main params stored as bf16 remainders (a write there changes the main params' high bits already,
+and keeps the old low bits). A write through ``p.data`` moves no counter: ``take(everything=True)`` compares
+all.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ import operator
 
 import torch
 
-from ..fp8 import is_fp8
+from ..fp8 import dequantize, quantize
 
 _VERSION = operator.attrgetter("_version")
 
@@ -34,8 +43,7 @@ class ParamWrites:
         self._ranges: dict[int, list] = {}  # param index -> this rank's owned ranges of it
         for owned in buffers.layout.owned_ranges(buffers.rank):
             buffer = buffers.layout.params[owned.param].buffer
-            if separate[buffer] and buffers.stored_kind("main", buffer) is None \
-                    and not is_fp8(buffers.params[owned.param]):
+            if separate[buffer] and buffers.stored_kind("main", buffer) is None:
                 self._ranges.setdefault(owned.param, []).append(owned)
         self._watched = [buffers.params[i] for i in self._ranges]
         self._versions = self._read_versions()
@@ -66,5 +74,18 @@ class ParamWrites:
                 param = buffers.param_flat[buffer][owned.flat_start:owned.flat_start + size]
                 main = buffers.shard_part("main", buffer, owned.shard_start, size)
                 current = main.to(param.device)
-                main.copy_(torch.where(param != current.to(param.dtype), param.to(current.dtype), current))
+                meta = getattr(buffers.params[index], "fp8_meta", None)
+                if meta is None:
+                    main.copy_(torch.where(param != current.to(param.dtype), param.to(current.dtype), current))
+                else:
+                    main.copy_(_fp8_main(param, current, meta))
         self._versions = versions
+
+
+def _fp8_main(data: torch.Tensor, main: torch.Tensor, meta) -> torch.Tensor:
+    """``main`` where all of ``data`` is its quantization (the tensorwise recipe's ``scale`` is the one its last
+    cast used; the delayed recipe's has moved on to the next cast, and ``1 / scale_inv`` is the last one), else
+    ``data`` dequantized."""
+    scale = meta.scale if meta.recipe == "tensorwise" else torch.reciprocal(meta.scale_inv)
+    same = (quantize(main, scale, data.dtype).view(torch.uint8) == data.view(torch.uint8)).all()
+    return torch.where(same, main, dequantize(data, meta.scale_inv, main.dtype))
