@@ -32,7 +32,9 @@ def one_thread():
 
 
 def run(capsys, tmp_path, *argv, status=0):
-    assert cli.main(["demo", *argv, "--out", str(tmp_path)]) == status
+    # --device cpu: these tests expect the CPU's replay backend and thread notes; the default, auto, would
+    # pick a GPU where there is one
+    assert cli.main(["demo", *argv, "--out", str(tmp_path), "--device", "cpu"]) == status
     out = capsys.readouterr().out
     rows = {m.group(1): dict(backend=m.group(2), final=float(m.group(3)), last=float(m.group(4)),
                              ms=float(m.group(5)), skipped=int(m.group(6)), scale=m.group(7))

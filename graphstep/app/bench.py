@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -50,6 +51,7 @@ import torch
 from . import bench_core as core
 from . import bench_shapes
 from .bench_rows import Row, add_ratios, key_ratios, markdown
+from .options import add_device_argument, nonnegative_int, positive_int, resolve_device
 
 FULL_BYTES = core.GRAPHSTEP_BYTES
 DEFAULT = None  # build_graphstep's kernel=None: the config's default, kernel="auto"
@@ -147,57 +149,83 @@ def run_interleaved(keys: list[str], inputs: core.Inputs, warmup: int, rounds: i
     """Every row of ``keys`` built at once and timed round-robin (see ``bench_core.time_interleaved``).
     A row that fails to build or run keeps its error; the others still run."""
     rows = {key: new_row(key) for key in keys}
-    steps, refills = {}, {}
+    steps, refills, skipped = {}, {}, {}
     for key in keys:
         try:
             pipeline = PIPELINES[key][3](inputs)
             steps[key] = pipeline.step
             if pipeline.refill is not None:  # fresh grads before every step, untimed, as after a backward
                 refills[key] = pipeline.refill
+            if pipeline.skipped_steps is not None:
+                skipped[key] = pipeline.skipped_steps
             if pipeline.notes:
                 print(f"  {key}: {pipeline.notes}", file=sys.stderr, flush=True)
         except Exception as error:  # a broken row must not lose the others
             rows[key].error = f"{type(error).__name__}: {error}"
     try:
         times = core.time_interleaved(steps, inputs.device, warmup, rounds, refills) if steps else {}
+        for key, counter in skipped.items():  # once, after the timing's own synchronisation
+            rows[key].skipped_steps = int(counter.item())
     except Exception as error:
         times = {}
         for key in steps:
             rows[key].error = f"{type(error).__name__}: {error}"
     finally:
-        steps = refills = None
+        steps = refills = skipped = None
         core.free_memory(inputs.device)
     return [rows[key].fill(times[key], inputs.numel) if key in times else rows[key] for key in keys]
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="graphstep bench", description=__doc__.split("\n\n")[0],
+# The help's text: plain, since argparse prints it as written (the module docstring is reST for readers of the code).
+DESCRIPTION = textwrap.fill(
+    "The optimizer step, side by side in one process, on GPT-2 small's parameter shapes (or --shapes): torch's "
+    "AdamW (fused, foreach, after clip_grad_norm_, under a GradScaler) and graphstep's step (eager and captured, "
+    "with each kernel, with and without the norm folded into backward), over the same params and grads, with a "
+    "memory stream and a read-only reduction as this machine's bandwidth floors. Each row says how many bytes per "
+    "param it must move and the GB/s it reached; what each row runs: the docstring of graphstep/app/bench.py.", 78)
+
+EPILOG = """\
+examples:
+  graphstep bench --quick --steps 5        # smoke run: 10M params, every row
+  graphstep bench --interleave --steps 25 \\
+      --only read-floor,norm-pass,fused-floor,graphstep-scaled
+  python perf/bench_step.py --quick        # the same, from a checkout"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="graphstep bench", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", choices=sorted(bench_shapes.SETS), default="gpt2-small",
                         help="parameter-shape set (graphstep/app/bench_shapes.py); default gpt2-small")
     parser.add_argument("--quick", action="store_true", help="the small gpt2-quick set, 10 steps")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per row (default 20, quick 10)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before timing (default 3)")
-    parser.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu, cuda, cuda:1 ...")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--steps", type=positive_int, default=None,
+                        help="timed steps per row (default 20, quick 10)")
+    parser.add_argument("--warmup", type=nonnegative_int, default=3, help="untimed steps before timing (default 3)")
+    add_device_argument(parser)
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--only", default=None,
                         help="comma-separated row keys to run, of: " + ", ".join(PIPELINES))
-    parser.add_argument("--repeat", type=int, default=1,
+    parser.add_argument("--repeat", type=positive_int, default=1,
                         help="run every row this many times, round-robin, and keep each row's fastest run "
                              "(its lowest median): steadier on a shared, noisy machine (default 1)")
     parser.add_argument("--interleave", action="store_true",
                         help="build every row at once and time them round-robin, one step of each per round "
                              "(--steps rounds): the steadiest ratios on a shared machine; needs memory for "
                              "all rows at once (~2 GB each at GPT-2 small), so pick rows with --only")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the random initial params and grads every row starts from (default 0)")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
+    return parser
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
         args.shapes = "gpt2-quick"
     if args.steps is None:
         args.steps = 10 if args.quick else 20
-    if args.steps < 1 or args.warmup < 0 or args.repeat < 1:
-        parser.error("--steps and --repeat must be >= 1, --warmup >= 0")
     if args.interleave and args.repeat > 1:
         parser.error("--interleave times every row in the same rounds: raise --steps instead of --repeat")
     keys = list(PIPELINES) if args.only is None else [k.strip() for k in args.only.split(",") if k.strip()]
@@ -215,7 +243,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     warnings.filterwarnings("ignore", message=r"graphstep: step\(\) ran before any backward")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    device = core.pick_device(args.device)
+    device = torch.device(resolve_device(args.device))
     shapes = bench_shapes.SETS[args.shapes]()
     inputs = core.Inputs(shapes, device, args.seed)
     meta = {"shapes": args.shapes, "numel": inputs.numel, "tensors": len(shapes), "device": core.device_name(device),

@@ -188,12 +188,14 @@ class Inputs:
 @dataclass
 class Pipeline:
     """One benchmarked step. ``refill`` (untimed) restores the grads the step rewrites in place; the
-    objects the step closes over are freed with it."""
+    objects the step closes over are freed with it. ``skipped_steps``: for a row that runs graphstep's step,
+    its optimizer's device counter of skipped steps (``StepResult.skipped_steps``), read once after timing."""
 
     step: Callable[[], object]
     refill: Optional[Callable[[], object]] = None
     optimizer: object = None
     notes: str = ""
+    skipped_steps: Optional[torch.Tensor] = None
 
 
 # ---- the pipelines -------------------------------------------------------------------------------------
@@ -372,17 +374,18 @@ def build_graphstep(inputs: Inputs, *, clip_grad: float = CLIP, capture: str = "
     opt, backward = engine.opt, engine.backward
     if timed == "backward":
         return Pipeline(backward, None, opt, engine.notes)
+    skipped = opt.result.skipped_steps  # the rows below run the step: a skipped one is no timed update
     if timed == "backward+step":
         def backward_and_step():
             backward()
             opt.step()
-        return Pipeline(backward_and_step, None, opt, engine.notes)
+        return Pipeline(backward_and_step, None, opt, engine.notes, skipped)
     if timed == "norm":
         norm = next(stage for stage in opt.stages if stage.name == "norm")
         return Pipeline(norm.apply, engine.copy_grads, opt, engine.notes)
     if timed == "step-after-copy":
-        return Pipeline(opt.step, engine.copy_grads, opt, engine.notes)
-    return Pipeline(opt.step, engine.refill, opt, engine.notes)
+        return Pipeline(opt.step, engine.copy_grads, opt, engine.notes, skipped)
+    return Pipeline(opt.step, engine.refill, opt, engine.notes, skipped)
 
 
 def build_read_floor(inputs: Inputs) -> Pipeline:

@@ -24,6 +24,7 @@ class Row:
     vs_floor: float = math.nan
     error: Optional[str] = None
     times_ms: list = field(default_factory=list)
+    skipped_steps: Optional[int] = None  # graphstep's rows: steps its optimizer skipped since its build
 
     def fill(self, times: list[float], numel: int) -> "Row":
         """Set the timing columns from ``times`` (ms per step) over ``numel`` params."""
@@ -85,6 +86,20 @@ def add_ratios(rows: list[Row]) -> None:
             r.vs_graphstep = r.median_ms / engine.median_ms
 
 
+def _skipped_line(rows: Sequence[Row], meta: dict) -> list[str]:
+    """What graphstep's rows skipped (a skipped step times no update): one line, or none without such rows."""
+    counted = [r for r in rows if r.skipped_steps is not None and not r.error]
+    if not counted:
+        return []
+    skipping = [r for r in counted if r.skipped_steps]
+    if not skipping:
+        return ["", "skipped steps: none in graphstep's rows."]
+    shared = "; rows timing one configuration share its optimizer and its count" if meta.get("interleave") else ""
+    return ["", f"skipped steps (non-finite grads; since the row's optimizer was built, warm-up included{shared}): "
+            + ", ".join(f"{r.key} {r.skipped_steps}" for r in skipping)
+            + ". A skipped step updates nothing: its time is not an update's."]
+
+
 def _fmt(value: float, spec: str) -> str:
     return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
@@ -115,6 +130,7 @@ def markdown(rows: list[Row], meta: dict, paired: Sequence[dict] = ()) -> str:
               "× fused floor: over the one-buffer `_fused_adamw_`. GB/s: bytes/param × params / median time "
               "(4 = one read of the grads; 28 = Adam's read p,g,m,v + write p,m,v; 32 = plus the norm's grad "
               "read; 16 = the backward stand-in's zero and accumulate; docs/design.md §6)."]
+    lines += _skipped_line(rows, meta)
     if paired:
         lines += ["", "| ratio (of medians) | this run | 95% interval | goal |", "|---|---:|---:|---|"]
         lines += [f"| {r['label']} | {r['ratio']:.2f} | {r['low']:.2f}–{r['high']:.2f} | {r['goal']} |"

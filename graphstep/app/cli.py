@@ -4,9 +4,10 @@
     graphstep demo    [--steps 200] [--preset tiny] [--precision fp32|bf16|fp16|fp8] [--moments fp32|bf16|fp16|fp8]
                       [--capture both|eager|graph|auto]
                       [--optimizer adam|sgd|muon] [--qk-clip] [--world-size 1] [--batch-size 16] [--seed 0] [--lr ...]
-                      [--log-every ...] [--out DIR] [--threads N] [--device cpu]
+                      [--log-every ...] [--out DIR] [--threads N] [--device auto]
     graphstep profile [--steps 10] [--preset tiny] [--capture eager|graph] [--precision ...] [--out DIR]
-    graphstep bench   [flags of the optimizer-step benchmark, graphstep.app.bench]
+                      [--device auto]
+    graphstep bench   [flags of the optimizer-step benchmark, graphstep.app.bench] [--device auto]
 
 ``demo`` trains the built-in GPT (graphstep.app.models) on its synthetic corpus with the engine, by default
 twice, eager and captured (same seed, same batches); it says up front roughly how long that takes and
@@ -14,7 +15,9 @@ where its output goes, shows a progress bar, writes a loss-curve PNG (matplotlib
 prints a summary table; the two runs must be bitwise equal (exit status 1 if not). The training loop is in
 demo.py, the table and the plot in demo_report.py, the ranks of ``--world-size N`` in demo_dist.py.
 ``profile`` runs profiling.run_profile. Without ``--out`` both write to options.default_out_dir: out/<kind>
-from the root of a checkout (git ignores out/), else the system temp dir.
+from the root of a checkout (git ignores out/), else the system temp dir. ``--device`` is one definition
+(options.add_device_argument) in all three, default "auto": the accelerator torch finds, else the CPU;
+the demo's gloo ranks (``--world-size`` > 1) train on the CPU unless it names another device.
 """
 
 
@@ -35,7 +38,8 @@ import graphstep as gs
 from . import models
 from .demo import (DEMO_QK_CLIP_THRESHOLD, MOMENT_DTYPES, DemoSettings, ProgressBar, estimate_seconds, log_interval,
                    optimizer_config, train)
-from .options import default_out_dir, package_version, positive_float, positive_int, torch_device
+from .options import (AUTO_DEVICE, add_device_argument, default_out_dir, out_help, package_version, positive_float,
+                      positive_int, resolve_device)
 from .precision import PRECISIONS
 
 CAPTURES = ("both", "eager", "graph", "auto")
@@ -62,7 +66,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                              f"W_q/W_k so that none exceeds {DEMO_QK_CLIP_THRESHOLD:g}")
     parser.add_argument("--world-size", type=positive_int, default=1,
                         help="data-parallel ranks: N > 1 spawns N gloo ranks on 127.0.0.1 with the distributed "
-                             "optimizer, each training on its slice of each global batch (default 1: in-process)")
+                             "optimizer, each training on its slice of each global batch, on the CPU unless "
+                             "--device names another (default 1: in-process)")
     parser.add_argument("--batch-size", type=positive_int, default=16,
                         help="sequences per step, over all ranks (default 16)")
     parser.add_argument("--seed", type=int, default=0, help="model init and corpus seed (default 0)")
@@ -70,23 +75,23 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="peak learning rate (default adam 1e-3, sgd 0.1, muon 3e-3)")
     parser.add_argument("--log-every", type=positive_int, default=None,
                         help="progress line every N steps when not on a terminal (default: steps / 10)")
-    parser.add_argument("--out", default=None,
-                        help=f"folder for loss.png (default: {default_out_dir('demo')}; out/demo when run from the "
-                             f"root of a graphstep checkout, else the system temp dir)")
+    parser.add_argument("--out", default=None, help=out_help("demo", "loss.png"))
     parser.add_argument("--timeout", type=positive_float, default=600.0,
                         help="with --world-size > 1: seconds the whole run may take before the ranks are "
                              "stopped (collectives time out after 120 s); default 600")
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="intra-op CPU threads (default: torch's, one per core, or 1 when the load average "
                              "says another job keeps the cores busy: then 1 is many times faster)")
-    parser.add_argument("--device", type=torch_device, default="cpu", help="torch device (default cpu)")
+    add_device_argument(parser)
 
 
 def settings_from(args: argparse.Namespace) -> DemoSettings:
+    # gloo ranks share the host: "auto" puts them on the CPU (another device only when named)
+    ranks_on_cpu = args.world_size > 1 and args.device == AUTO_DEVICE
     return DemoSettings(steps=args.steps, preset=args.preset, precision=args.precision, moments=args.moments,
-                        optimizer=args.optimizer,
-                        qk_clip=args.qk_clip, batch_size=args.batch_size, seed=args.seed, lr=args.lr, log_every=args.log_every,
-                        device=args.device)
+                        optimizer=args.optimizer, qk_clip=args.qk_clip, batch_size=args.batch_size, seed=args.seed,
+                        lr=args.lr, log_every=args.log_every,
+                        device="cpu" if ranks_on_cpu else resolve_device(args.device))
 
 
 def cmd_demo(args: argparse.Namespace, out=None) -> int:
@@ -129,6 +134,9 @@ def cmd_demo(args: argparse.Namespace, out=None) -> int:
     print(f"\nsummary ({settings.steps} steps; final loss: mean of the last {last} steps, floor {floor:.2f}"
           f"{f'; {world} ranks, loss of the global batch' if world > 1 else ''}):", file=out)
     print(summary_table(results, last), file=out)
+    if any(r.skipped for r in results):
+        print(f"skipped steps: {', '.join(f'{r.label} {r.skipped} of {settings.steps}' for r in results)} "
+              f"(non-finite grads: params, optimizer state and step count left unchanged)", file=out)
     status = 0
     if world > 1:
         same = all(r.params_same_on_all_ranks for r in results)
@@ -229,17 +237,16 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
                         help="eager shows one range per stage; graph one range per replayed step (default eager)")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="default fp32")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step (default 8)")
-    parser.add_argument("--out", default=None,
-                        help=f"folder for trace.json (default: {default_out_dir('profile')}; out/profile when run "
-                             f"from the root of a graphstep checkout, else the system temp dir)")
-    parser.add_argument("--device", type=torch_device, default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--out", default=None, help=out_help("profile", "trace.json"))
+    add_device_argument(parser)
 
 
 def cmd_profile(args: argparse.Namespace, out=None) -> int:
     from .profiling import run_profile
 
     run_profile(steps=args.steps, preset=args.preset, capture=args.capture, precision=args.precision,
-                batch_size=args.batch_size, out_dir=args.out, device=args.device, out=out or sys.stdout)
+                batch_size=args.batch_size, out_dir=args.out, device=resolve_device(args.device),
+                out=out or sys.stdout)
     return 0
 
 
@@ -257,19 +264,19 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="The optimizer step as one replayable graph: demo, profile, bench.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    demo = commands.add_parser("demo", help="train the built-in small GPT on CPU, eager and captured",
+    demo = commands.add_parser("demo", help="train the built-in small GPT, eager and captured",
                                description="Train the built-in GPT on its synthetic corpus with graphstep, eager "
                                            "and captured side by side.")
     add_demo_arguments(demo)
-    demo.set_defaults(func=cmd_demo)
+    demo.set_defaults(func=cmd_demo, command_parser=demo)
     profile = commands.add_parser("profile", help="K steps with a range per stage: Chrome trace, NVTX, NVML",
                                   description="Profile K steps of the built-in GPT: a torch.profiler Chrome trace "
                                               "with a range per stage and per step, NVTX ranges and a "
                                               "cudaProfilerStart/Stop window on CUDA, NVML telemetry.")
     add_profile_arguments(profile)
-    profile.set_defaults(func=cmd_profile)
+    profile.set_defaults(func=cmd_profile, command_parser=profile)
     bench = commands.add_parser("bench", add_help=False, help="optimizer-step benchmark "
-                                "(`graphstep bench --help` for its flags)")
+                                "('graphstep bench --help' for its flags)")
     bench.set_defaults(func=cmd_bench)
     return parser
 
@@ -279,8 +286,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if args.command == "bench":
         return cmd_bench(args, extra)
-    if extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # the subcommand's usage, not the top level's: it lists the options that were meant
+        args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args.func(args)
 
 

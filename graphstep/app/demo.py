@@ -62,6 +62,7 @@ class Progress:
     ms: float  # median ms/step since the previous report
     lr: float
     loss_scale: Optional[float]  # None without a loss scaler
+    skipped: int = 0  # steps skipped so far (non-finite grads): the engine's StepResult.skipped_steps
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class RunResult:
     backend: str  # what ran the optimizer step: opt.capture_backend ("eager", "replay" or the CUDA graph's)
     losses: torch.Tensor  # (steps,) fp32 on the CPU: the loss of every step (global mean with ranks)
     times_ms: list
-    skipped: int
+    skipped: int  # steps skipped (non-finite grads): StepResult.skipped_steps after the last step
     loss_scale: Optional[float]  # at the end; None without a loss scaler
     params_sha256: str  # of the final params' bytes: bitwise comparison across runs and ranks
     world_size: int = 1
@@ -203,7 +204,7 @@ def train(settings: DemoSettings, capture: str, report: Optional[Callable[[Progr
 
     timer = StepTimer(device)
     losses = torch.zeros(settings.steps, dtype=torch.float32, device=device)  # filled on device
-    skipped = torch.zeros((), dtype=torch.int64, device=device)  # counted on device: no sync per step
+    result = None
     reported = 0
     for step in range(settings.steps):
         inputs, targets = corpus.batch(step, settings.batch_size, model_config.seq_len, device)
@@ -214,15 +215,15 @@ def train(settings: DemoSettings, capture: str, report: Optional[Callable[[Progr
         sched.step()  # writes the next lr into param_groups; the engine copies it to a device tensor
         opt.zero_grad()  # in place
         losses[step] = loss.detach()
-        skipped += ~result.update_successful
         timer.stop(started)
         done = step + 1
         if report is not None and (step == 0 or done % every == 0 or done == settings.steps):
             mean_loss = losses[reported:done].double().mean().item()  # host sync: read the loss to print it
             scale = result.loss_scale.item() if opt.scaler is not None else None  # host sync
+            skipped = int(result.skipped_steps.item())  # host sync: the engine counts skipped steps on device
             times = timer.collect()  # host sync on CUDA (waits for the timing events)
             report(Progress(capture, done, settings.steps, mean_loss, statistics.median(times[reported:done]),
-                            sched.get_last_lr()[0], scale))
+                            sched.get_last_lr()[0], scale, skipped))
             reported = done
 
     # host sync: everything below reads results, once, after training
@@ -240,7 +241,7 @@ def train(settings: DemoSettings, capture: str, report: Optional[Callable[[Progr
         dist.all_gather_object(digests, digest)
         same = all(d == digests[0] for d in digests)
     run = RunResult(label=capture, backend=opt.capture_backend, losses=losses_cpu, times_ms=timer.collect(),
-                    skipped=int(skipped.item()),
+                    skipped=int(result.skipped_steps.item()) if result is not None else 0,
                     loss_scale=float(opt.loss_scale.item()) if opt.scaler is not None else None,
                     params_sha256=digest, world_size=world_size, params_same_on_all_ranks=same)
     opt.close()  # free this run's captured graph (and its pool) before the next run builds its own
@@ -259,7 +260,8 @@ class ProgressBar:
 
     def __call__(self, p: Progress) -> None:
         scale = f"  scale {p.loss_scale:g}" if p.loss_scale is not None else ""
-        stats = f"loss {p.loss:.4f}  {p.ms:6.1f} ms/step  lr {p.lr:.2e}{scale}"
+        skipped = f"  skipped {p.skipped}" if p.skipped else ""
+        stats = f"loss {p.loss:.4f}  {p.ms:6.1f} ms/step  lr {p.lr:.2e}{scale}{skipped}"
         if self.tty:
             filled = round(self.WIDTH * p.step / p.steps)
             bar = "#" * filled + "." * (self.WIDTH - filled)

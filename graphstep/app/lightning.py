@@ -1,4 +1,4 @@
-"""Lightning and graphstep's gradient accumulation: ``Trainer(callbacks=[GraphstepAccumulation()])``.
+"""Lightning and graphstep: ``Trainer(callbacks=[GraphstepAccumulation(), GraphstepSkippedSteps()])``.
 
 Lightning's own precision plugins step a graphstep optimizer as they are (the README's "With Lightning").
 What they cannot do is tell graphstep which backward is an earlier micro-batch of
@@ -7,12 +7,19 @@ warns once, and folds right before the step instead, one more read of the grads 
 runs the backward of every micro-batch Lightning does not step after under ``opt.no_sync()``, so the norm
 is folded in the last backward only, as in a hand-written loop.
 
+Lightning never shows the engine's ``StepResult``; ``GraphstepSkippedSteps`` reports its run-level count of
+skipped steps (``StepResult.skipped_steps``) in the module's logged metrics and once when ``fit`` ends.
+
 This module imports ``lightning``; nothing in graphstep imports it.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
 
 
 def _graphstep_optimizers(trainer):
@@ -51,3 +58,37 @@ class GraphstepAccumulation(pl.Callback):
     def _close(self) -> None:
         while self._open:
             self._open.pop().__exit__(None, None, None)
+
+
+def _skipped_steps(trainer) -> Optional[torch.Tensor]:
+    """The skipped steps of the module's graphstep optimizers, added up on the device; None without one."""
+    counters = [opt.result.skipped_steps for opt in _graphstep_optimizers(trainer)]
+    return torch.stack(counters).sum() if counters else None
+
+
+class GraphstepSkippedSteps(pl.Callback):
+    """How many steps graphstep skipped (non-finite grads, a norm over ``grad_norm_skip_threshold``; under
+    "16-mixed" the steps the GradScaler found inf), as Megatron's logs count skipped iterations: logged as
+    ``graphstep/skipped_steps`` after every training batch, with the module's metrics, and said once when
+    ``fit`` ends, when ``skipped_steps`` holds it. Several graphstep optimizers: their counts added up.
+
+    No host sync per step: the engine counts on the device, the log hands Lightning that device tensor
+    (Lightning reads its logged values when it writes them, every ``log_every_n_steps``), and the end reads
+    it once."""
+
+    def __init__(self):
+        self.skipped_steps: Optional[int] = None  # set when fit ends
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        skipped = _skipped_steps(trainer)
+        if skipped is not None and trainer.logger is not None:
+            # float: Lightning reduces what it logs and converts an integer tensor with a warning
+            pl_module.log("graphstep/skipped_steps", skipped.float(), on_step=True, on_epoch=False, batch_size=1)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        skipped = _skipped_steps(trainer)
+        if skipped is None:
+            return
+        self.skipped_steps = int(skipped.item())  # host sync, once, after training
+        rank_zero_info(f"graphstep: {self.skipped_steps} of {trainer.global_step} optimizer steps skipped "
+                       "(non-finite grads or a norm over grad_norm_skip_threshold: params and state unchanged)")

@@ -3,7 +3,8 @@
 The argument types raise ``argparse.ArgumentTypeError`` with a message for every bad value, so argparse
 prints "argument --steps: must be a positive integer, got 'many'" rather than the name of a Python
 function, and a bad ``--device`` is a one-line usage error (exit status 2), not a traceback from deep
-inside the training run.
+inside the training run. Every subcommand takes ``--device`` from ``add_device_argument``: one flag, one
+default ("auto"), one check.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from capture.devices import accelerator_available
 
 # The root of the checkout this package was imported from (graphstep/app/options.py -> three levels up);
 # in an installed (non-editable) copy it is site-packages, which has neither file looked for below.
@@ -44,12 +46,45 @@ def positive_float(text: str) -> float:
     return value
 
 
+def nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return value
+
+
+AUTO_DEVICE = "auto"
+DEVICE_HELP = ("where to run: auto (default: the accelerator torch finds, e.g. cuda, else cpu), cpu, cuda, "
+               "cuda:1, mps, ...; a device this torch cannot use is refused before anything runs")
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    """``--device``, the same in every subcommand; ``resolve_device`` turns its value into a device."""
+    parser.add_argument("--device", type=torch_device, default=AUTO_DEVICE, help=DEVICE_HELP)
+
+
+def resolve_device(name: str) -> str:
+    """``name`` as a torch device string; "auto" is the accelerator torch finds (``torch.accelerator``),
+    else "cpu"."""
+    if name != AUTO_DEVICE:
+        return name
+    if accelerator_available():
+        return str(torch.accelerator.current_accelerator())
+    return "cpu"
+
+
 def torch_device(text: str) -> str:
-    """A device this process can allocate on, as torch spells it ("cpu", "cuda:0", ...).
+    """A device this process can allocate on, as torch spells it ("cpu", "cuda:0", ...), or "auto" (see
+    ``resolve_device``).
 
     Parsing alone would accept a device this build of torch cannot use (an accelerator it was not built
     for, a GPU index past the last one); allocating an empty tensor there finds out before any training.
     """
+    if text == AUTO_DEVICE:
+        return text
     try:
         device = torch.device(text)
     except (RuntimeError, ValueError):
@@ -61,6 +96,13 @@ def torch_device(text: str) -> str:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise argparse.ArgumentTypeError(f"device {text!r} is not usable here: {reason}") from None
     return str(device)
+
+
+def out_help(kind: str, file: str) -> str:
+    """``--out``'s help: the rule of ``default_out_dir``, then where it lands from here."""
+    here = str(default_out_dir(kind)).replace("%", "%%")  # argparse %-formats help strings
+    return (f"folder for {file} (default: out/{kind} when run from the root of a graphstep checkout, else "
+            f"graphstep-<user>/{kind} in the system temp dir; here: {here})")
 
 
 def default_out_dir(kind: str) -> Path:

@@ -33,7 +33,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from ..families import FAMILIES, get_family, group_keys
+from ..families import FAMILIES, family_name, get_family, group_keys
 from ..kernels.muon import QKVSplit
 from .model_params import as_chunks
 from .overrides import build_param_groups, get_standard_config_overrides
@@ -91,7 +91,10 @@ def build_family_param_groups(named_params: Sequence[tuple[str, torch.nn.Paramet
     stripped: dict = {}
     for key, override in (config_overrides.items() if isinstance(config_overrides, dict) else ()):
         if isinstance(override, dict) and "optimizer" in override:
-            family = override["optimizer"]
+            try:  # another spelling of a family ("adamw"): the family's own name
+                family = family_name(override["optimizer"], config)
+            except ValueError as exc:
+                raise ValueError(f"override for {key}: {exc}") from None
             if family not in FAMILIES:
                 raise ValueError(f"override for {key}: optimizer={family!r} must be one of "
                                  f"{', '.join(map(repr, FAMILIES))}")

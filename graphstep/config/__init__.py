@@ -15,6 +15,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ..families import family_name
+from .unknown_fields import refusing_unknown_fields
 from .validation import KERNELS, MAX_LOSS_SCALE, MIN_LOSS_SCALE, validate
 
 
@@ -24,7 +26,8 @@ class OptimizerConfig:
     optimizer: str = "adam"
     """Update rule: "adam" (Adam/AdamW, see ``decoupled_weight_decay``), "sgd" (with momentum), "lion",
     "muon" (2-D hidden matrices; the other params go to ``muon_scalar_optimizer``) or "ademamix": a
-    registered family, graphstep/families/."""
+    registered family, graphstep/families/. "adamw" is accepted and read as "adam" (whose weight decay is
+    decoupled by default: AdamW), refused with ``decoupled_weight_decay=False``."""
 
     lr: float = 1e-3
     """Peak learning rate; the initial ``lr`` of every param group without an override. (Megatron-Core's
@@ -268,7 +271,7 @@ class OptimizerConfig:
 
     muon_scalar_optimizer: str = "adam"
     """With ``optimizer="muon"``: the family of the params Muon does not take (not 2-D, embedding/output,
-    ``use_muon=False``): "adam" or "lion"."""
+    ``use_muon=False``): "adam" or "lion" ("adamw" is read as "adam")."""
 
     muon_tp_mode: str = "blockwise"
     """Muon on a matrix split over the tensor-parallel group (``tensor_model_parallel``, ``partition_dim``):
@@ -362,6 +365,9 @@ class OptimizerConfig:
             object.__setattr__(self, "capture", "graph")
         if self.use_layer_wise_distributed_optimizer is True:
             object.__setattr__(self, "use_distributed_optimizer", True)
+        # Other spellings of a family ("adamw"): the family's own name, so everything downstream sees one.
+        for field in ("optimizer", "muon_scalar_optimizer"):
+            object.__setattr__(self, field, family_name(getattr(self, field), self, field))
         validate(self)
 
     def replace(self, **changes) -> "OptimizerConfig":
@@ -382,3 +388,7 @@ class OptimizerConfig:
     @property
     def dynamic_loss_scale(self) -> bool:
         return self.loss_scale is None and self.fp16
+
+
+# A misspelled field is a TypeError naming the closest fields, from the constructor and from replace.
+OptimizerConfig.__init__ = refusing_unknown_fields(OptimizerConfig, "graphstep/config/__init__.py")

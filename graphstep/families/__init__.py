@@ -3,7 +3,8 @@
 Each family module (``adam.py``, ``sgd.py``, ``lion.py``, ``muon.py``, ``ademamix.py``) fills in one ``Family``
 (graphstep/families/base.py) with everything graphstep knows about its rule:
 
-- its **name** (``OptimizerConfig.optimizer``, a param group's ``optimizer`` key) and MuP **aliases**;
+- its **name** (``OptimizerConfig.optimizer``, a param group's ``optimizer`` key) and MuP **aliases**
+  (other spellings the config and the groups accept are ``_SPELLINGS`` below: "adamw");
 - the **config fields** it reads and their **validation** (run by graphstep/config/validation.py), and
   what it refuses as the config's family (fp16 params, fp64 main params, CPU offload);
 - its **param-group keys** (``betas``, ``momentum``, ...: graphstep/build/overrides.py and routing.py put them
@@ -38,8 +39,8 @@ from .base import (LR, WEIGHT_DECAY, Family, GroupViews, HyperField, MupRule, St
                    flat_views)
 
 __all__ = ["FAMILIES", "Family", "GroupViews", "HyperField", "MupRule", "StateSpec", "StepScalars", "ViewSources",
-           "check_registry", "families_of", "flat_views", "get_family", "group_keys", "hyper_columns",
-           "state_names", "state_spec", "torch_defaults"]
+           "check_registry", "families_of", "family_name", "flat_views", "get_family", "group_keys",
+           "hyper_columns", "state_names", "state_spec", "torch_defaults"]
 
 # Registration order is the live table's column order (hyper_columns): keep new families at the end.
 _MODULES = (adam, sgd, lion, muon, ademamix)
@@ -110,6 +111,32 @@ def get_family(name: str, *, aliases: bool = False) -> Family:
     if family is None:
         known = list(FAMILIES) + ([a for f in FAMILIES.values() for a in f.aliases] if aliases else [])
         raise ValueError(f"optimizer={name!r}: must be one of {', '.join(map(repr, known))}")
+    return family
+
+
+# Names ``OptimizerConfig.optimizer`` (and ``muon_scalar_optimizer``) and an override's ``optimizer`` key accept
+# beside the families' own, each standing for a family under one setting of the config: spelling ->
+# (family, config field, its value, what the spelling means). They are normalised where they are read, so a
+# config, a param group and a checkpoint only ever carry the family's own name.
+_SPELLINGS = {
+    # graphstep's "adam" decouples weight decay by default (decoupled_weight_decay=True): it is torch's AdamW.
+    "adamw": (adam.NAME, "decoupled_weight_decay", True, "Adam with decoupled weight decay (torch's AdamW)"),
+}
+
+
+def family_name(name, config, field: str = "optimizer"):
+    """``name`` as a family's own name: a spelling of ``_SPELLINGS`` ("adamw") becomes its family's name,
+    refused (ValueError naming ``field``) when ``config`` contradicts the setting the spelling stands for;
+    any other value comes back as given, for the caller's own check."""
+    spelling = _SPELLINGS.get(name) if isinstance(name, str) else None
+    if spelling is None:
+        return name
+    family, setting, value, meaning = spelling
+    actual = getattr(config, setting)
+    if actual != value:
+        raise ValueError(f"{field}={name!r} is {meaning}, graphstep's {family!r} with {setting}={value!r}, which "
+                         f"{setting}={actual!r} contradicts: drop {setting}={actual!r}, or use "
+                         f"{field}={family!r} with it")
     return family
 
 
