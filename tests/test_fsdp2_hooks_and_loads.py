@@ -290,3 +290,25 @@ def test_a_torch_adamw_state_dict_loads_its_moments_and_step_and_keeps_graphstep
     assert opt.param_groups[0]["fused"] is True  # torch's own keys are set as torch sets them
     backward(m, 3)
     opt.step()  # and the next step takes them
+
+
+# ---- dcp.load into the state dict get_state_dict returned ----------------------------------------------------
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_load_of_a_damaged_checkpoint_into_torchs_state_dict_changes_nothing(tmp_path):
+    # torch's flow loads in place into what get_state_dict returned: when that was the live buffers, a damaged
+    # checkpoint was in the state before set_state_dict could refuse it.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    m, opt = trained(0, range(2))
+    _, optim_sd = get_state_dict(m, opt)
+    for entry in optim_sd["state"].values():
+        _local(entry["exp_avg"]).fill_(float("nan"))
+    dcp.save({"optim": optim_sd}, checkpoint_id=tmp_path)  # a checkpoint whose first moments are NaN
+    m, opt = trained(0, range(2))
+    before = snapshot(m, opt)
+    model_sd, optim_sd = get_state_dict(m, opt)
+    dcp.load({"optim": optim_sd}, checkpoint_id=tmp_path)  # into torch's state dict, in place
+    with pytest.raises(StateDictError, match="NaN or inf"):
+        set_state_dict(m, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    assert_unchanged(before, snapshot(m, opt))

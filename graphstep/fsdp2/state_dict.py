@@ -3,10 +3,11 @@
 
 ``state_dict()`` is ``torch.optim.Optimizer``'s shape: ``{"state": {index: {"step", <state name>: DTensor}},
 "param_groups": [{..., "params": [index, ...]}]}``, indices numbering the params in ``param_groups`` order. Each
-state tensor is a DTensor placed like its param whose local tensor is a *view* of graphstep's flat state buffer (the
-real rows of the padded chunk), so DCP's in-place load writes straight into the buffers; a state stored below fp32
-(``use_precision_aware_optimizer``) is an fp32 copy of its values instead, encoded again at load. The step count is
-graphstep's one shared tensor. Step-wide values torch has no place for (the loss scaler's tensors) ride along in
+state tensor is a DTensor placed like its param whose local tensor is a *copy* of the real rows of graphstep's flat
+state buffer (of its fp32 values, for a state stored below fp32), and the step a copy of graphstep's one shared step
+count: DCP's in-place load writes into the copies, and only ``load_state_dict`` (torch's ``set_state_dict``), after
+checking all of it, copies them into the buffers. A checkpoint holds one more copy of this rank's state while it
+lives. Step-wide values torch has no place for (the loss scaler's tensors) ride along in
 every group under ``"graphstep"``, as do ``clip_grad`` and ``grad_norm_skip_threshold``.
 
 ``load_state_dict`` takes that shape with int or FQN keys (DCP renames them), pairing saved params with live ones
@@ -15,8 +16,7 @@ checks (graphstep/checkpoint/state_dict.py): each state tensor this rank's shard
 moment never negative; one step count, a 0-d tensor of the step's dtype, a non-negative whole number, the same in
 every entry; the groups' hyperparameters, the scaler and the thresholds. The ranks of the mesh agree (a rank that
 refuses refuses for all); only then is anything copied, in place (nothing is replaced, nothing recaptured). A
-refusal names the param and the field. ``dcp.load`` into this state dict's own views writes the buffers before
-``load_state_dict`` sees it: a damaged checkpoint is then still refused by name, but the state already holds it.
+refusal names the param and the field.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ def _state_places(opt, index: int) -> dict[str, tuple[int, int, int]]:
 
 
 def _state_values(opt, index: int, shard: LocalShard) -> dict[str, torch.Tensor]:
-    """The local state tensors of param ``index``, its real rows: views of the buffers, or fp32 copies of a state
-    stored below fp32 (``use_precision_aware_optimizer``)."""
-    return {name: shard.real_rows(opt.buffers.read_part(name, *where))
+    """The local state tensors of param ``index``, its real rows, as copies (fp32 values of a state stored below
+    fp32, ``use_precision_aware_optimizer``): a load writes them, never the live buffers."""
+    return {name: shard.real_rows(opt.buffers.read_part(name, *where)).clone()
             for name, where in _state_places(opt, index).items()}
 
 
@@ -65,7 +65,7 @@ def state_dict(opt) -> dict:
     state = {}
     for key, index in enumerate(order):
         shard = opt.local_shards[index]
-        entry = {"step": opt.tensors.step}
+        entry = {"step": opt.tensors.step.clone()}
         entry.update({name: _as_dtensor(values, shard) for name, values in _state_values(opt, index, shard).items()})
         state[key] = entry
     extra = {"clip_grad": opt.clip_grad, "grad_norm_skip_threshold": opt.grad_norm_skip_threshold,
