@@ -288,10 +288,12 @@ def test_debug_step_reports_stages_and_the_origin_of_a_nan():
 
 
 def test_debug_step_names_the_stage_that_first_made_a_nan():
-    # eps = 0 and a param whose grad is exactly zero: Adam's update computes 0 / 0 in that param.
+    # A negative second moment in one param, which no step writes: Adam's update takes its square root (NaN).
     model = tiny_transformer()
     opt = gs.get_optimizer(gs.OptimizerConfig(capture="eager", kernel="reference", clip_grad=0.0), model)
-    opt.param_groups[0]["eps"] = 0.0
+    place = next(p for p in opt.layout.params if p.name == "0.weight")
+    owned = next(o for o in opt.layout.owned_ranges(0) if o.param == place.index)
+    opt.buffers.state["exp_avg_sq"][place.buffer][owned.shard_start:owned.shard_start + 4].fill_(-1.0)
     opt.zero_grad()
     loss_fn(model, 0).backward()
     model[0].weight.main_grad.zero_()

@@ -387,7 +387,7 @@ BAD = [
      r"ParamKey\(name=\['proj.\*'\]\): optimizer='sgd' differs .* 'optimizer' is a setting of the whole optimizer"),
     (lambda: _groups_with({"betas": (0.9, 0.9)}), ValueError, r"ParamKey\(name=\['proj.\*'\]\): unknown key 'betas'"),
     (lambda: _groups_with({"max_lr": -1.0}), ValueError, r"ParamKey\(name=\['proj.\*'\]\): max_lr=-1.0 must be >= 0"),
-    (lambda: _groups_with({"eps": 0.0}), ValueError, "eps=0.0 must be > 0"),
+    (lambda: _groups_with({"eps": 0.0}), ValueError, r"eps=0.0 must be at least 2\*\*-126"),
     (lambda: _groups_with({"wd_mult": "x"}), ValueError, "wd_mult='x' must be a finite number"),
     (lambda: _groups_with({"lr_mult": float("nan")}), ValueError, "lr_mult=nan must be a finite number"),
     (lambda: _groups_with({"min_lr": True}), ValueError, "min_lr=True must be a finite number"),

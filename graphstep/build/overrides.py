@@ -21,6 +21,7 @@ import torch
 
 from ..families import get_family
 from ..families import muon as muon_family
+from ..families.base import MIN_EPS
 
 
 @dataclass(frozen=True)
@@ -115,8 +116,11 @@ def _validate_override(key: ParamKey, override) -> None:
             raise ValueError(f"override for {key}: unknown key {field!r}; allowed: {', '.join(OVERRIDE_KEYS)}")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ValueError(f"override for {key}: {field}={value!r} must be a finite number")
-        if value < 0 or (field == "eps" and value == 0):
-            raise ValueError(f"override for {key}: {field}={value!r} must be {'> 0' if field == 'eps' else '>= 0'}")
+        if field == "eps" and value < MIN_EPS:
+            raise ValueError(f"override for {key}: eps={value!r} must be at least 2**-126 ({MIN_EPS:.4g}), the "
+                             "smallest normal float32: the update adds it in float32")
+        if value < 0:
+            raise ValueError(f"override for {key}: {field}={value!r} must be >= 0")
 
 
 def _whole_optimizer_settings(config, override: dict) -> set:

@@ -61,7 +61,7 @@ class OptimizerConfig:
     """Adam's second-moment decay, in [0, 1)."""
 
     adam_eps: float = 1e-8
-    """Adam's denominator term, > 0."""
+    """Adam's denominator term, at least 2**-126 (the smallest normal float32: the update adds it in float32)."""
 
     sgd_momentum: float = 0.9
     """SGD momentum in [0, 1); 0 turns the momentum buffer off (no state is allocated)."""

@@ -1,16 +1,18 @@
 """Adam / AdamW (``OptimizerConfig.optimizer="adam"``): every rule graphstep has about it.
 
-Config fields: ``adam_beta1``, ``adam_beta2``, ``adam_eps``, ``decoupled_weight_decay`` (AdamW when
-True). Groups carry ``betas`` (and ``eps``, which every group has); the kernel is each implementation's
+Config fields: ``adam_beta1``, ``adam_beta2``, ``adam_eps`` (at least ``MIN_EPS``, 2^-126), ``decoupled_weight_decay``
+(AdamW when True). Groups carry ``betas`` (and ``eps``, which every group has), checked before each step
+(``group_problem``); the kernel is each implementation's
 ``adam`` / ``adam_groups`` (graphstep/kernels/), all of a step's Adam groups in one call. State:
 ``exp_avg`` and ``exp_avg_sq`` (never negative). MuP: matrix-like params get lr / m and ε / m.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
-from .base import BETA1, BETA2, LR, WEIGHT_DECAY, Family, GroupViews, HyperField, MupRule, StateSpec, StepScalars
+from .base import (BETA1, BETA2, LR, MIN_EPS, WEIGHT_DECAY, Family, GroupViews, HyperField, MupRule, StateSpec,
+                   StepScalars, betas_problem, eps_problem, first_problem)
 
 NAME = "adam"
 EPS = HyperField("eps", "eps")
@@ -21,6 +23,18 @@ def _validate(config, checks) -> None:
     checks.number(config, "adam_beta1", low=0.0, low_open=False, high=1.0)
     checks.number(config, "adam_beta2", low=0.0, low_open=False, high=1.0)
     checks.number(config, "adam_eps", low=0.0, low_open=True)
+    if config.adam_eps < MIN_EPS:
+        checks.fail("adam_eps", config.adam_eps, f"must be at least 2**-126 ({MIN_EPS:.4g}), the smallest normal "
+                    "float32: the update adds it to √v in float32, where a smaller eps is 0 (or a subnormal that "
+                    "flush-to-zero arithmetic reads as 0) and an element whose grads were all 0 gets 0 / 0 = NaN")
+
+
+def group_problem(group: dict, config) -> Optional[str]:
+    """What in ``group`` (edited between steps) would make Adam's step NaN, or None; AdEMAMix's rule too. A beta
+    of 1 makes the bias correction 1 - beta**step 0, one above 1 negative (β2: the square root of a negative
+    number), a negative β2 can make the second moment negative; an eps below ``MIN_EPS`` gives 0 / 0."""
+    return first_problem(betas_problem(group, unit_interval_why="the config's range, outside which the bias "
+                                       "correction or the second moment can turn the update NaN"), eps_problem(group))
 
 
 def _call(kernels, views: GroupViews, scalars: StepScalars, config, grad_scale, **hyper) -> None:
@@ -44,6 +58,7 @@ FAMILY = Family(
     mup=MupRule("matrix_like", eps=lambda config: config.adam_eps),
     call=_call,
     call_groups=_call_groups,
+    group_problem=group_problem,
     offload=True,
     plain_groups=True,
     aliases=("adamw",),

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 
 from ..kernels import ademamix as ademamix_kernels
+from . import adam
 from .base import BETA1, BETA2, LR, WEIGHT_DECAY, Family, GroupViews, HyperField, MupRule, StateSpec, StepScalars
 
 NAME = "ademamix"
@@ -85,6 +86,7 @@ FAMILY = Family(
     mup=MupRule("matrix_like", eps=lambda config: config.adam_eps),
     call=_call,
     kernels=ademamix_kernels,
+    group_problem=adam.group_problem,  # β1, β2 and ε mean what they mean for Adam, and break its update alike
     offload=False,
     plain_groups=False,
 )

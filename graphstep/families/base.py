@@ -108,6 +108,50 @@ BETA2 = HyperField("beta2", "betas", index=1)
 MOMENTUM = HyperField("momentum", "momentum")
 
 
+MIN_EPS = torch.finfo(torch.float32).tiny
+"""The least ε a family that divides by √v + ε takes (2^-126, the smallest normal float32): the update adds ε in
+float32 (fp32 main params, and the live hyperparameter table on an accelerator), where a smaller ε is 0 or a
+subnormal that flush-to-zero arithmetic reads as 0, and an element whose grads were all 0 gets 0 / 0 = NaN."""
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _outside(value, low: float, high: float) -> bool:
+    """Whether ``value`` is a number outside [low, high); False for anything else (the live table refuses what is
+    not a number, graphstep/state/hyperparams.py, with its own message)."""
+    return _is_number(value) and not low <= value < high
+
+
+def betas_problem(group: dict, *, unit_interval_why: Optional[str] = None) -> Optional[str]:
+    """What is wrong with ``group["betas"]``, or None: it must be a pair (the live table reads its two columns and
+    nothing more), and with ``unit_interval_why`` (why a family's update breaks otherwise) each in [0, 1), the
+    config's range."""
+    betas = group.get("betas")
+    if betas is None:
+        return None
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        return f"betas={betas!r} must be a pair (beta1, beta2); set it back before the next step"
+    if unit_interval_why is None or not any(_outside(beta, 0.0, 1.0) for beta in betas):
+        return None
+    return f"betas={betas!r}: each must lie in [0, 1): {unit_interval_why}; set it back before the next step"
+
+
+def eps_problem(group: dict) -> Optional[str]:
+    """What is wrong with ``group["eps"]`` (at least ``MIN_EPS``, as the config's ``adam_eps``), or None."""
+    if not _outside(group.get("eps"), MIN_EPS, float("inf")):
+        return None
+    return (f"eps={group['eps']!r} must be at least 2**-126 ({MIN_EPS:.4g}), the smallest normal float32: the update "
+            "adds it to √v in float32, and a smaller eps there gives 0 / 0 = NaN where the grads were 0. "
+            "Set it back before the next step")
+
+
+def first_problem(*problems: Optional[str]) -> Optional[str]:
+    """The first of ``problems`` that is not None (a ``group_problem`` checking several keys)."""
+    return next((problem for problem in problems if problem is not None), None)
+
+
 @dataclass(frozen=True)
 class StateSpec:
     """One per-element optimizer-state buffer a family keeps: its name (the buffer's, the checkpoints'),

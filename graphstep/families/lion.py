@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import lion as lion_kernels
-from .base import BETA1, BETA2, LR, WEIGHT_DECAY, Family, GroupViews, MupRule, StateSpec, StepScalars
+from .base import BETA1, BETA2, LR, WEIGHT_DECAY, Family, GroupViews, MupRule, StateSpec, StepScalars, betas_problem
 
 NAME = "lion"
 
@@ -37,6 +37,7 @@ FAMILY = Family(
     mup=MupRule("matrix_like"),
     call=_call,
     kernels=lion_kernels,
+    group_problem=lambda group, config: betas_problem(group),  # a pair: sign(·) keeps any values finite
     offload=False,
     plain_groups=False,
     trains_fp16=False,

@@ -1,8 +1,9 @@
 """SGD with momentum (``OptimizerConfig.optimizer="sgd"``): every rule graphstep has about it.
 
 Config fields: ``sgd_momentum`` (0: no momentum buffer at all) and ``sgd_nesterov`` (fixed at build).
-Groups carry ``momentum`` (live) and ``nesterov``; the kernel is each implementation's ``sgd``
-(graphstep/kernels/). State: ``momentum_buffer`` when momentum > 0. MuP: vector-like params get lr x m.
+Groups carry ``momentum`` (live; 0 between steps runs the fused kernel without buffers, as torch's fused SGD)
+and ``nesterov``; the kernel is each implementation's ``sgd`` (graphstep/kernels/). State: ``momentum_buffer``
+when momentum > 0. MuP: vector-like params get lr x m.
 """
 
 from __future__ import annotations
@@ -21,8 +22,14 @@ def _validate(config, checks) -> None:
 
 
 def _call(kernels, views: GroupViews, scalars: StepScalars, config, grad_scale, **hyper) -> None:
-    kernels.sgd(views.params, views.grads, views.state.get("momentum_buffer", []), nesterov=config.sgd_nesterov,
-                grad_scale=grad_scale, found_inf=scalars.found_inf, **hyper)
+    buffers = views.state.get("momentum_buffer", [])
+    if isinstance(hyper["momentum"], float) and hyper["momentum"] == 0.0:
+        # A momentum baked as a float (the fused kernel's) that a schedule set to 0: torch's fused SGD then runs
+        # without the buffers and leaves them as they are (its kernel refuses buffers with momentum 0), and so
+        # does this. A recapture follows any change of a baked value, so the choice is made again at each.
+        buffers = []
+    kernels.sgd(views.params, views.grads, buffers, nesterov=config.sgd_nesterov, grad_scale=grad_scale,
+                found_inf=scalars.found_inf, **hyper)
 
 
 def _group_problem(group: dict, config) -> Optional[str]:

@@ -12,6 +12,19 @@ adam.cu), which Megatron-Core's precision-aware optimizer runs:
   recomputed from the updated values after every update.
 - remainders (fp32 main params of bf16 params): ``RemainderMain``.
 
+Where TE's rule would store NaN, these keep what fp32 state would hold (``StoredState.write``):
+
+- a moment that overflowed to inf (``exp_avg_sq`` of an unclipped grad past 1.8e19, as fp32 state holds it)
+  stays inf: the scale comes from the piece's largest finite magnitude, and inf is stored as inf (float16) or as
+  the NaN encoding, which E4M3 has in place of inf and which is read back as inf of the same sign (a stored
+  moment is never NaN: a step with a non-finite grad is skipped). TE's scale would be inf, its inverse 0, and
+  inf * 0 NaN.
+- a nonzero scale is never below ``MIN_SCALE``, the smallest normal fp32, so that its inverse is finite: a piece
+  whose largest magnitude is below ``MIN_SCALE * range`` (tiny grads, a moment decaying for hundreds of steps)
+  is stored with that scale, its values as fixed point below the range. TE's scale would be subnormal, its
+  inverse inf, and 0 * inf NaN. Values below ``MIN_SCALE`` times the smallest stored magnitude (2^-150 with
+  float16, 2^-135 with E4M3) are stored as 0.
+
 A "tensor" here is a piece: one param's elements in this rank's shard, what Megatron-Core's distributed
 optimizer hands TE's FusedAdam as a param. The update reads a chunk of whole pieces into an fp32 scratch,
 runs the family's kernel on it (the math in fp32, as TE's kernel) and writes it back
@@ -26,6 +39,7 @@ within an fp32 rounding of a value of the storage grid, whose spacing is far coa
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -35,18 +49,25 @@ CHUNK_NUMEL = 1 << 22
 """Elements the update decodes at once (whole pieces; a larger piece alone): 16 MiB of fp32 per state."""
 
 
+_FP32_MAX = torch.finfo(torch.float32).max
+MIN_SCALE = torch.finfo(torch.float32).tiny
+"""The least nonzero scale (2^-126): smaller ones are subnormal, and their inverse overflows to inf."""
+
+
 @dataclass(frozen=True)
 class Storage:
     dtype: torch.dtype  # what the state tensor holds
     range: Optional[float]  # the largest stored magnitude of a scaled dtype; None: stored unscaled
     remainder: bool = False  # fp32 main params as the bf16 params' bits plus this int16 low half
+    inf_as_nan: bool = False
+    """The dtype has no inf (E4M3): ±inf is stored as its NaN encoding of that sign, read back as ±inf."""
 
     @property
     def scaled(self) -> bool:
         return self.range is not None
 
 
-_FP8 = Storage(torch.float8_e4m3fn, 448.0)
+_FP8 = Storage(torch.float8_e4m3fn, 448.0, inf_as_nan=True)
 STORAGE = {
     torch.float32: Storage(torch.float32, None),
     torch.bfloat16: Storage(torch.bfloat16, None),
@@ -129,10 +150,12 @@ class StoredState:
         """The fp32 values of [start, end) (into ``out`` when given; ``index``: ``piece_index(start, end)``)."""
         out = torch.empty(end - start, dtype=torch.float32, device=self.data.device) if out is None else out
         out.copy_(self.data[start:end])
+        if self.storage.inf_as_nan:  # NaN -> inf, then the sign of the NaN (two fast passes; torch.where is slow)
+            torch.copysign(out.nan_to_num(nan=math.inf, posinf=math.inf, neginf=-math.inf), out, out=out)
         if self.storage.scaled:
             i, j = self.pieces(start, end)
             index = self.piece_index(start, end) if index is None else index
-            out.mul_(self.scales[i:j].index_select(0, index))
+            out.mul_(self.scales[i:j].index_select(0, index))  # a piece holding inf has a scale > 0: inf again
         return out
 
     def write(self, start: int, end: int, values: torch.Tensor, keep: Optional[torch.Tensor] = None,
@@ -143,17 +166,29 @@ class StoredState:
             self.data[start:end].copy_(values)
             return
         i, j = self.pieces(start, end)
+        # The scale comes from the finite magnitudes: an inf counts as the least one that makes the scale nonzero,
+        # so that inf is stored (and read back, inf * scale) as inf.
+        magnitudes = values.abs()
+        infinite = torch.gt(magnitudes, _FP32_MAX) if self.storage.inf_as_nan else None  # faster than isinf
+        magnitudes.nan_to_num_(nan=0.0, posinf=MIN_SCALE * self.storage.range)
         # One multi-tensor max over the pieces (torch's segment_reduce is several times slower on the CPU).
-        amax = torch.stack(torch._foreach_max(torch.split(values.abs(), self.lengths[i:j])))
+        amax = torch.stack(torch._foreach_max(torch.split(magnitudes, self.lengths[i:j])))
         scales = amax / self.storage.range
+        scales = torch.where(scales > 0, scales.clamp(min=MIN_SCALE), scales)  # 0: an all-zero piece, as TE's
         if keep is not None:
             scales = torch.where(keep, scales, self.scales[i:j])
         self.scales[i:j].copy_(scales)
-        inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+        inverse = 1.0 / scales.clamp(min=MIN_SCALE)  # finite; an all-zero piece's values stay 0 times it
         index = self.piece_index(start, end) if index is None else index
         scaled = values * inverse.index_select(0, index)
-        # Past the range only by an fp32 rounding; clamped so that no cast can turn it into inf or NaN.
-        self.data[start:end].copy_(scaled.clamp_(-self.storage.range, self.storage.range))
+        # Finite values lie past the range by an fp32 rounding at most, which each cast rounds back onto it (float16's
+        # range is half its largest value; E4M3 rounds all below 464 to at most 448): no clamp, which would make inf
+        # finite.
+        stored = self.data[start:end]
+        stored.copy_(scaled)
+        if infinite is not None:  # the cast gave ±448 (0x7E / 0xFE) or NaN for ±inf: the NaN bytes 0x7F / 0xFF
+            stored_bytes = stored.view(torch.uint8)
+            torch.bitwise_or(stored_bytes, infinite.view(torch.uint8), out=stored_bytes)
 
 
 class RemainderMain(StoredState):
@@ -181,7 +216,8 @@ class RemainderMain(StoredState):
 
     def write(self, start: int, end: int, values: torch.Tensor, keep: Optional[torch.Tensor] = None,
               index: Optional[torch.Tensor] = None) -> None:
-        # ``keep`` and ``index`` are not needed: a skipped step hands back the values read, whose halves are the stored ones.
+        # ``keep`` and ``index`` are not needed: a skipped step hands back the values read, whose halves are the
+        # stored ones.
         bits = values.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
         low = bits & 0xFFFF
         high = ((bits >> 16) + (low >> 15)) & 0xFFFF
