@@ -14,6 +14,7 @@ import torch
 import torch.distributed
 
 from ..families import families_of
+from . import integrity
 
 # Param-group keys that are bookkeeping, not hyperparameters: compared or skipped, never copied blindly.
 _IDENTITY_GROUP_KEYS = ("params", "param_names")
@@ -54,10 +55,9 @@ def check_tensor(value: Any, where: str, like: torch.Tensor, *, nonnegative: boo
         raise _fail(where, f"has shape {tuple(value.shape)}, expected {tuple(like.shape)}")
     if value.layout != torch.strided or value.is_quantized:
         raise _fail(where, "must be a dense tensor")
-    if not all_finite(value):
-        raise _fail(where, "holds NaN or inf: refusing to load a corrupted checkpoint")
-    if nonnegative and value.numel() and float(value.min()) < 0:
-        raise _fail(where, "holds negative values (a second moment is never negative)")
+    problem = integrity.state_value_problem(value, second_moment=nonnegative)  # what torch's arithmetic allows
+    if problem is not None:
+        raise _fail(where, problem)
     return value
 
 

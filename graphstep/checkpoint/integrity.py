@@ -16,12 +16,17 @@ the file, says what is wrong and what to do, and is chained (``__cause__``) to t
 
 All of this runs before anything is copied into the optimizer (``dcp.load`` fills fresh tensors), so a
 damaged checkpoint leaves the optimizer bitwise unchanged.
+
+``state_value_problem`` judges the values of a saved state tensor: what torch's own arithmetic can leave in
+that state is a state, anything else is corruption (the rule per kind of state is in its docstring).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
+
+import torch
 
 _RESTORE = "copy the checkpoint again from where it came from, or load an earlier one"
 
@@ -110,3 +115,37 @@ def from_dcp_failure(exc: BaseException, directory: str) -> CheckpointError:
                             f"{str(first)[:300]}); {_RESTORE}")
     error.__cause__ = first
     return error
+
+
+def state_value_problem(value: torch.Tensor, *, second_moment: bool = False) -> Optional[str]:
+    """What makes the values of a saved optimizer state (or main params) ``value`` impossible, or None.
+
+    Decided per kind of state by what torch.optim's arithmetic can put there from finite grads:
+
+    - a second moment (``second_moment``: Adam's and AdEMAMix's ``exp_avg_sq``, ``StateSpec.nonnegative``) is
+      ``β2·v + (1 − β2)·g²``: never negative and never NaN, but ``g²`` overflows fp32 for a finite grad above
+      about 1.8e19 (a grad of 1e30 without clipping), and torch keeps that ``+inf`` while its params stay
+      finite (the update ``m / (√v + ε)`` is then 0). A state, loaded as it is: refusing it would make
+      graphstep refuse its own checkpoint. NaN, ``-inf`` and negative values are refused.
+    - anything else (main params, first moments, momentum buffers, slow EMAs) is a convex combination or a sum
+      of finite grads and params, finite as long as the params are: inf or NaN there comes with params that
+      are no longer finite, and is refused as corruption.
+    """
+    if not value.is_floating_point() or value.numel() == 0:
+        return None
+    if value.element_size() == 1:  # fp8: no reduction kernels; fp32 holds every fp8 value exactly
+        value = value.to(torch.float32)
+    total = value.sum()  # one fast reduction: a finite sum proves every element finite (module doc)
+    if bool(torch.isfinite(total)):
+        return "holds negative values (a second moment is never negative)" \
+            if second_moment and bool(value.min() < 0) else None
+    if bool(torch.isnan(value).any()):
+        return "holds NaN or inf (NaN): refusing to load a corrupted checkpoint"
+    if not second_moment:
+        if bool(torch.isinf(value).any()):
+            return ("holds NaN or inf (inf, which only a second moment may hold): refusing to load a corrupted "
+                    "checkpoint")
+        return None  # finite elements whose sum overflowed
+    if bool(value.min() < 0):
+        return "holds negative values or -inf (a second moment is never negative)"
+    return None

@@ -54,7 +54,10 @@ class StepTensors:
     found_inf: torch.Tensor  # fp32, 1.0 when this step is skipped (non-finite, or over the skip threshold)
     grad_norm: torch.Tensor  # fp32, the unscaled global L2 norm
     clip_coef: torch.Tensor  # fp32, in (0, 1]
-    grad_scale: torch.Tensor  # fp32, what the kernel divides grads by: loss scale / clip coefficient
+    grad_scale: torch.Tensor  # fp32, loss scale / clip coefficient (inf where it overflows: grad_prescale.py)
+    kernel_grad_scale: torch.Tensor  # fp32, what the kernel divides loss-scaled grads by: grad_scale, or its rest
+    grad_prescale: torch.Tensor  # fp32, a power of two the grads are divided by first where grad_scale overflows
+    grad_prescale_off: torch.Tensor  # fp32, 1.0 where the grads are not pre-divided (fused SGD's found_inf)
     update_successful: torch.Tensor  # bool
     loss_scale: torch.Tensor  # fp32, the scale of the next backward (ones without a scaler)
     inv_loss_scale: torch.Tensor  # fp32, 1 / the scale of this step's backward
@@ -70,7 +73,8 @@ class StepTensors:
 
         return StepTensors(
             step=scalar(), nonfinite=scalar(), found_inf=scalar(), grad_norm=scalar(), clip_coef=scalar(1.0),
-            grad_scale=scalar(1.0), update_successful=scalar(True, torch.bool),
+            grad_scale=scalar(1.0), kernel_grad_scale=scalar(1.0), grad_prescale=scalar(1.0),
+            grad_prescale_off=scalar(1.0), update_successful=scalar(True, torch.bool),
             loss_scale=loss_scale if loss_scale is not None else scalar(1.0),
             inv_loss_scale=inv_loss_scale if inv_loss_scale is not None else scalar(1.0),
             reported_nonfinite=scalar(0.0, torch.float64),
@@ -78,8 +82,9 @@ class StepTensors:
 
     def named(self) -> dict[str, torch.Tensor]:
         """Every scalar by name (what a capture guards), ``num_zeros`` when counted."""
-        names = ("step", "nonfinite", "found_inf", "grad_norm", "clip_coef", "grad_scale", "update_successful",
-                 "loss_scale", "inv_loss_scale", "reported_nonfinite", "num_zeros", "skipped_steps")
+        names = ("step", "nonfinite", "found_inf", "grad_norm", "clip_coef", "grad_scale", "kernel_grad_scale",
+                 "grad_prescale", "grad_prescale_off", "update_successful", "loss_scale", "inv_loss_scale",
+                 "reported_nonfinite", "num_zeros", "skipped_steps")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 

@@ -15,7 +15,8 @@ position. The baked floats, and the one host choice below, are what this stage r
 The kernel is given the grad scale only when it can differ from 1 (a loss scaler, torch's GradScaler handing
 over scaled grads, or a clip threshold above 0): torch's fused kernels write the divided grads back whenever
 they get one, 4 more bytes per param that an unclipped, unscaled step need not pay. Whether it is given is a
-host choice a capture bakes in; a flip recaptures.
+host choice a capture bakes in; a flip recaptures. With loss-scaled grads the grad scale goes through
+grad_prescale.py, which splits it where it would overflow fp32 (a loss scale near 2**127 under clipping).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from ...families import StepScalars, ViewSources
 from ...state import precision
-from . import Stage, stored_windows
+from . import Stage, grad_prescale, stored_windows
 from .requantize import is_fp8_buffer
 
 
@@ -74,16 +75,27 @@ def build(ctx, *, advance_step: bool = True) -> Stage:
     clip_row, clip_column = hyper.position("clip_grad")
     scaled, torch_amp = ctx.scaler is not None, ctx.torch_amp
     host = hyper.host_rows  # a list the refresh updates in place: read it, never rebind it
+    prescale = grad_prescale.build(ctx, segments, kernel_grads, grads_in_flat) if calls else None
+
+    def loss_scaled() -> bool:
+        return scaled or (torch_amp is not None and torch_amp.scaled)
 
     def uses_grad_scale() -> bool:
-        return scaled or host[clip_row][clip_column] > 0 or (torch_amp is not None and torch_amp.scaled)
+        return loss_scaled() or host[clip_row][clip_column] > 0
+
+    def kernel_grad_scale():
+        if not uses_grad_scale():
+            return None
+        if prescale is None or not loss_scaled():  # without a loss scale the factor is 1 / coefficient: finite
+            return t.grad_scale
+        return prescale()
 
     def apply() -> None:
         for source, target in casts:
             target.copy_(source)
         if advance_step:
             t.step.add_(1.0 - t.found_inf)
-        grad_scale = t.grad_scale if uses_grad_scale() else None
+        grad_scale = kernel_grad_scale()
         keep = None
         for family, family_kernels, groups in calls:
             resolved, chunked = [], []
@@ -99,7 +111,8 @@ def build(ctx, *, advance_step: bool = True) -> Stage:
 
     def baked_values() -> tuple:
         values = tuple((f"group {group}", field, host[row][column]) for group, field, row, column in baked_sources)
-        return values + (("step", "grad scale passed to the kernel", uses_grad_scale()),)
+        return values + (("step", "grad scale passed to the kernel", uses_grad_scale()),
+                         ("step", "loss-scaled grads (the grad scale split where it overflows)", loss_scaled()))
 
     return Stage("update", apply, baked_values)
 
@@ -152,15 +165,21 @@ def _kernel_grads(ctx) -> tuple[list, list, tuple[bool, ...]]:
 
 
 def build_copy_back(ctx) -> Stage:
-    """Copy the updated main params into the model dtype (a skipped step copies unchanged values)."""
+    """Copy the updated main params into the model dtype. A skipped step copies unchanged main params, which
+    round to the params' own values, or (main params kept in fp16) leaves the params as they are."""
     pairs = _copy_back_pairs(ctx)
     decoded = _decoded_copy_back(ctx)
+
+    t = ctx.tensors
 
     def apply() -> None:
         for param_part, main_part in pairs:
             param_part.copy_(main_part)
+        keep = t.found_inf == 0 if decoded else None
         for param_part, state, start, end in decoded:
-            param_part.copy_(state.read(start, end))
+            # The params need not be the decoded main params (at the first step they are the model's own values,
+            # which the per-param fp16 encoding may not hold exactly): a skipped step keeps them as they are.
+            param_part.copy_(torch.where(keep, state.read(start, end), param_part))
 
     return Stage("copy_back", apply)
 

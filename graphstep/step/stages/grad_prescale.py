@@ -1,0 +1,99 @@
+"""The factor the update divides loss-scaled grads by, split so that no part of it overflows fp32.
+
+The update divides the grads by ``grad_scale = loss scale / clip coefficient`` (stages/clip.py), one fp32
+number. Under a loss scale near fp32's top (the config accepts up to 2**127, and torch's GradScaler climbs
+there over fp32 grads) a clip coefficient below ``loss scale / fp32 max`` makes that number overflow: the
+kernels would divide by inf and apply weight decay alone. The same happens where ``1 / loss scale`` times
+the coefficient falls below fp32's smallest normal number (it loses bits first, then becomes 0).
+
+So where that product is below 2**-126 the factor is split in two (in the clip stage's scalar math): a power
+of two ``prescale`` (exact to divide by, up to 2**127) and the rest, in [2**124, 2**126], which the kernel
+gets as its grad scale. The grads are divided by ``prescale`` in place before the kernels, by torch's fused
+SGD with lr 0 over a scratch: the one torch op that takes a device flag (``found_inf``) and, when it is set,
+returns without touching memory (on the CPU before its loop, on a GPU in each block). The flag is set in every
+ordinary step (and in skipped ones), so an ordinary step pays a call and no pass over the grads, reads nothing
+on the host, and its kernel gets exactly the grad scale the clip stage computed. The fused SGD's "params" are
+chunks of one scratch (written as 0 ± 0, never read), one chunk per piece of the grads, allocated on the first
+loss-scaled step.
+
+Every kernel and family reads the grads the pre-division rewrote, so none needs a second factor.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+FLOAT32_TINY = 2.0 ** -126  # fp32's smallest normal number
+KERNEL_EXPONENT = 125  # the kernel's part of a split factor lies in [2**(this - 1), 2**(this + 1)]
+MAX_PRESCALE_EXPONENT = 127
+CHUNK = 1 << 20  # elements per scratch chunk: 4 MiB of fp32 scratch at most
+
+
+def split_math(kernel_scale, prescale, untouched, grad_scale, inv_loss_scale, clip_coef, found_inf) -> None:
+    """The split (module docstring), written into its first three tensors; the clip stage runs it in its scalar
+    graph, right after the grad scale, when the grads come loss-scaled."""
+    # grad_scale is 1 / this product (the clip stage's fp32 arithmetic); it is exact and finite when the
+    # product is a normal fp32 number.
+    representable = inv_loss_scale * clip_coef >= FLOAT32_TINY
+    log_factor = -(torch.log2(inv_loss_scale) + torch.log2(clip_coef))  # +inf for a coefficient of 0
+    excess = torch.nan_to_num(torch.ceil(log_factor) - KERNEL_EXPONENT, nan=0.0)
+    excess = excess.clamp(0, MAX_PRESCALE_EXPONENT).to(torch.int32)
+    # 2**excess from its exponent bits: exact, whatever the device's exp2 rounds.
+    power = torch.bitwise_left_shift(excess + 127, 23).view(torch.float32)
+    rest = torch.reciprocal(inv_loss_scale * power * clip_coef)
+    torch.where(representable, grad_scale, rest, out=kernel_scale)
+    torch.where(representable, torch.ones_like(power), power, out=prescale)
+    torch.logical_or(representable, found_inf != 0, out=untouched)  # fused SGD's found_inf: 1.0 = return
+
+
+class GradPrescale:
+    """The conditional pre-division over ``pieces`` (the grads the update reads), by the split the clip stage wrote
+    into the step's tensors ``t`` (``kernel_grad_scale``, ``grad_prescale``, ``grad_prescale_off``)."""
+
+    def __init__(self, pieces: list[torch.Tensor], t, scratch_registry: dict):
+        self.t = t
+        self.chunks = [piece[start:start + CHUNK] for piece in pieces for start in range(0, piece.numel(), CHUNK)]
+        self._registry = scratch_registry
+        self._scratch_chunks: Optional[list[torch.Tensor]] = None
+
+    def _scratch(self) -> list[torch.Tensor]:
+        """The fused SGD's "params": allocated on the first loss-scaled step (an engine without a loss scale never
+        needs them), then kept, registered as "grad_prescale"."""
+        if self._scratch_chunks is None:
+            longest = max(chunk.numel() for chunk in self.chunks)
+            scratch = {dtype: torch.zeros(longest, dtype=dtype, device=self.chunks[0].device)
+                       for dtype in sorted({chunk.dtype for chunk in self.chunks}, key=str)}
+            self._registry["grad_prescale"] = list(scratch.values())
+            self._scratch_chunks = [scratch[chunk.dtype][:chunk.numel()] for chunk in self.chunks]
+        return self._scratch_chunks
+
+    def __call__(self) -> torch.Tensor:
+        """Pre-divide the grads where the clip stage's split says so; return what the kernel divides by."""
+        t = self.t
+        torch._fused_sgd_(self._scratch(), self.chunks, [], weight_decay=0.0, momentum=0.0, lr=0.0,
+                          dampening=0.0, nesterov=False, maximize=False, is_first_step=False,
+                          grad_scale=t.grad_prescale, found_inf=t.grad_prescale_off)
+        return t.kernel_grad_scale
+
+
+def build(ctx, segments, kernel_grads, grads_in_flat) -> Optional[GradPrescale]:
+    """The pre-division over the grads ``segments`` of ``kernel_grads`` cover (stages/update.py's), or None where
+    the update reads no grads on this rank."""
+    pieces = _merged_pieces(segments, kernel_grads, grads_in_flat)
+    return GradPrescale(pieces, ctx.tensors, ctx.buffers.scratch) if pieces else None
+
+
+def _merged_pieces(segments, kernel_grads, grads_in_flat) -> list[torch.Tensor]:
+    """The grads the segments cover, adjacent ranges of one buffer merged into one view."""
+    ranges: dict[int, list[list[int]]] = {}
+    spans = sorted((s.buffer, s.flat_start, s.flat_end) if grads_in_flat[s.buffer] else
+                   (s.buffer, s.shard_start, s.shard_end) for s in segments)
+    for buffer, start, end in spans:
+        runs = ranges.setdefault(buffer, [])
+        if runs and runs[-1][1] == start:
+            runs[-1][1] = end
+        else:
+            runs.append([start, end])
+    return [kernel_grads[b][start:end] for b, runs in sorted(ranges.items()) for start, end in runs if end > start]
