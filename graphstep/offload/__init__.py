@@ -40,7 +40,7 @@ import torch
 
 from ..build.layout import Layout
 from ..families import FAMILIES, StepScalars
-from ..step.stages import Stage
+from ..step.stages import Stage, grad_prescale
 from ..step.stages.gather import bucket_gathers
 from .chunks import build_chunks, flat_pieces
 from .host import HostShards
@@ -127,7 +127,7 @@ class Offload:
         self._accelerator = self._device.type != "cpu"
         self._t = ctx.tensors
         self._hyper = ctx.hyper
-        self._scaled = ctx.scaler is not None
+        self._scaled, self._torch_amp = ctx.scaler is not None, ctx.torch_amp
         self._clip = ctx.hyper.position("clip_grad")
         self.overlap = config.overlap_cpu_optimizer_d2h_h2d
         if self.overlap and ctx.layout.dp_size > 1:
@@ -139,6 +139,10 @@ class Offload:
         self._early_gathers = [g for g in gathers if g[0] not in late]
         self._late_gathers = [g for g in gathers if g[0] in late]
         self._d2h = _grad_copies(ctx, host)
+        # The host part's grads, pre-divided on the device where the loss-scaled grad scale splits, as the device
+        # update's are (graphstep/step/stages/grad_prescale.py): the host kernel then divides by the finite rest.
+        self._prescale = grad_prescale.GradPrescale([source for _, source in self._d2h], ctx.tensors,
+                                                    ctx.buffers.scratch, "offload_grad_prescale") if self._d2h else None
         self._worker = ChunkWorker(self, model_chunks, ctx) if self.overlap else None
         self.host_stages = (Stage("offload_host", self.host_step),)
         """The never-captured part, as a stage (``debug_step`` runs it after the device stages)."""
@@ -159,12 +163,20 @@ class Offload:
                 out.append(Stage("offload_d2h", self._copy_to_host))
         return out
 
+    def _loss_scaled(self) -> bool:
+        """Whether the grads come loss-scaled: graphstep's scaler, or torch's GradScaler handing over its scale (a
+        host choice the update stage reports as baked, so a capture follows it)."""
+        return self._scaled or (self._torch_amp is not None and self._torch_amp.scaled)
+
     def _copy_to_host(self) -> None:
         async_grads, async_scalars = self.host.pinned_grads, self._accelerator and self.host.step.is_pinned()
+        grad_scale = self._t.grad_scale
+        if self._prescale is not None and self._loss_scaled():
+            grad_scale = self._prescale()
         for target, source in self._d2h:
             target.copy_(source, non_blocking=async_grads)
         self.host.step.copy_(self._t.step, non_blocking=async_scalars)
-        self.host.grad_scale.copy_(self._t.grad_scale, non_blocking=async_scalars)
+        self.host.grad_scale.copy_(grad_scale, non_blocking=async_scalars)
         self.host.found_inf.copy_(self._t.found_inf, non_blocking=async_scalars)
 
     def _gather_early(self) -> None:
@@ -206,7 +218,7 @@ class Offload:
         host = self.host
         host.refresh_hyper(rows)
         clip_row, clip_column = self._clip
-        grad_scale = host.grad_scale if self._scaled or rows[clip_row][clip_column] > 0 else None
+        grad_scale = host.grad_scale if self._loss_scaled() or rows[clip_row][clip_column] > 0 else None
         scalars = StepScalars(host.step, host.found_inf)
         config = self._ctx.config
         for call in chunk.calls:

@@ -52,20 +52,20 @@ class GradPrescale:
     """The conditional pre-division over ``pieces`` (the grads the update reads), by the split the clip stage wrote
     into the step's tensors ``t`` (``kernel_grad_scale``, ``grad_prescale``, ``grad_prescale_off``)."""
 
-    def __init__(self, pieces: list[torch.Tensor], t, scratch_registry: dict):
-        self.t = t
+    def __init__(self, pieces: list[torch.Tensor], t, scratch_registry: dict, name: str = "grad_prescale"):
+        self.t, self._name = t, name
         self.chunks = [piece[start:start + CHUNK] for piece in pieces for start in range(0, piece.numel(), CHUNK)]
         self._registry = scratch_registry
         self._scratch_chunks: Optional[list[torch.Tensor]] = None
 
     def _scratch(self) -> list[torch.Tensor]:
         """The fused SGD's "params": allocated on the first loss-scaled step (an engine without a loss scale never
-        needs them), then kept, registered as "grad_prescale"."""
+        needs them), then kept, registered under its name (memory stats count it)."""
         if self._scratch_chunks is None:
             longest = max(chunk.numel() for chunk in self.chunks)
             scratch = {dtype: torch.zeros(longest, dtype=dtype, device=self.chunks[0].device)
                        for dtype in sorted({chunk.dtype for chunk in self.chunks}, key=str)}
-            self._registry["grad_prescale"] = list(scratch.values())
+            self._registry[self._name] = list(scratch.values())
             self._scratch_chunks = [scratch[chunk.dtype][:chunk.numel()] for chunk in self.chunks]
         return self._scratch_chunks
 
