@@ -23,3 +23,14 @@ def _auto_as_fused(configured, device, **options):
 def pin_auto_to_fused(setattr_=setattr) -> None:
     """Make ``kernel="auto"`` choose "fused" (``setattr_``: pytest's ``monkeypatch.setattr`` to undo it)."""
     setattr_(auto, "choose", _auto_as_fused)
+
+
+def assert_compiled_unless_inductor_cannot_compile(choice: "auto.KernelChoice") -> None:
+    """``choice``, kernel="auto" resolved where a compile pays, is "compiled"; or "fused" because torch.compile
+    raised here (no C++ compiler, an inductor that cannot compile for this CPU: the documented fallback, its
+    error in the reason). Never "fused" because the compiled result differed from the reference: a miscompile
+    on this machine is a failure, not a fallback."""
+    if choice.name == "compiled":
+        return
+    assert choice.name == "fused" and "torch.compile does not work" in choice.reason, choice
+    assert "differs from the reference" not in choice.reason, f"the compiled kernel miscompiles here: {choice}"

@@ -21,6 +21,12 @@ and the source of the kernels and of this probe). A later process with the same 
 and builds in a fraction of a second; with inductor's cache warm its first step loads the compiled
 variant instead of compiling it. A failed probe is never remembered: it runs again in the next process.
 
+``kernel="compiled"`` set explicitly runs the same probe (remembered the same way) and is refused at build,
+with the probe's reason, where it fails: a miscompile is never trained on. The probe and every compile
+name the vector width inductor generates CPU code for (``inductor_options.vector_width_option``): its on-disk
+cache does not tell code generated for AVX-512 from code for AVX2, and a process run with another width
+(``ATEN_CPU_CAPABILITY``) than the one that filled it updated half of each row only.
+
 With several data-parallel ranks the choice is agreed at build (``agree``): if compiling fails on any rank,
 every rank runs "fused".
 
@@ -53,7 +59,7 @@ from typing import Optional
 
 import torch
 
-from . import compiled, reference
+from . import compiled, inductor_options, reference
 
 logger = logging.getLogger("graphstep")
 
@@ -121,8 +127,11 @@ def _machine_key(device: torch.device, hyper_dtype: torch.dtype) -> str:
     device_module = getattr(torch, device.type, None)
     if device.type != "cpu" and hasattr(device_module, "get_device_name"):
         name += " " + device_module.get_device_name(device)
+    if device.type == "cpu":  # the code inductor generates depends on the vector width (ATEN_CPU_CAPABILITY)
+        isa = inductor_options.cpu_vector_isa()
+        name += f" {isa} ({isa.bit_width()}-bit vectors)"
     sources = hashlib.sha256()
-    for module in (compiled, reference, sys.modules[__name__]):
+    for module in (compiled, inductor_options, reference, sys.modules[__name__]):
         sources.update(Path(module.__file__).read_bytes())
     return " | ".join([torch.__version__, sys.version.split()[0], name, str(hyper_dtype), *toolchain,
                        sources.hexdigest()[:16]])
@@ -183,6 +192,11 @@ def choose(configured: str, device: torch.device, *, capture: str, warmup_steps:
     """The implementation to run for ``OptimizerConfig.kernel=configured`` on ``device``, whose step keeps its
     hyperparameters in ``hyper_dtype`` tensors (graphstep/state/hyperparams.py) and updates ``numel``
     elements on this rank (None: not known, as if large)."""
+    if configured == "compiled" and needs_kernel:  # a miscompile refused at build, not trained on
+        works, why_not, _ = probe_compiled(device, hyper_dtype)
+        if not works:
+            raise RuntimeError(f"kernel='compiled': torch.compile does not work on {device} ({why_not}); set "
+                               "kernel='fused', or kernel='auto', which falls back to 'fused' by itself")
     if configured != "auto":
         return KernelChoice(configured, "configured")
     if not needs_kernel:

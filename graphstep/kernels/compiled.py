@@ -31,6 +31,11 @@ from typing import Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+# The inductor options every compiled update is compiled with (re-exported: the engine, scalar graphs and the
+# GPU check's preflight read them from here).
+from .inductor_options import (COMPILE_OPTIONS, compile_options, cpu_vector_isa,  # noqa: F401
+                               missing_compile_options, vector_width_option)
+
 LIVE_FIELDS = frozenset({"lr", "weight_decay", "beta1", "beta2", "eps", "momentum"})
 
 # Positions in the Adam coefficient tensor.
@@ -109,8 +114,9 @@ _RECOMPILE_LIMIT = 32
 
 
 @functools.cache
-def _compiled(views_fn, count: int, flags: tuple = ()):
-    """``views_fn`` compiled for lists of ``count`` views (and Adam's ``flags``: decoupled, grad scale given).
+def _compiled(views_fn, count: int, flags: tuple = (), device_type: str = "cpu"):
+    """``views_fn`` compiled for lists of ``count`` views on ``device_type`` (and Adam's ``flags``: decoupled,
+    grad scale given).
 
     Dynamo keeps its compiled variants, and its recompile limit, per code object: one code object per
     view count and flags keeps optimizers of different layouts and configs in one process (a sweep, a
@@ -124,22 +130,7 @@ def _compiled(views_fn, count: int, flags: tuple = ()):
     # core did the work); with the thread count left to OpenMP at run time the loops run in a parallel
     # region again, the scalar math before it.
     return torch.compile(types.FunctionType(code, views_fn.__globals__), fullgraph=True, dynamic=False,
-                         options=COMPILE_OPTIONS)
-
-
-COMPILE_OPTIONS = {"size_asserts": False, "cpp.dynamic_threads": True}
-"""The inductor options of every compiled update (why: ``_compile_views``)."""
-
-
-def missing_compile_options(options: dict) -> list[str]:
-    """The keys of ``options`` this torch's inductor does not know (it would raise at the first compiled
-    call, i.e. in the first step); empty where it knows them all."""
-    try:
-        from torch._inductor import config as inductor_config
-        known = inductor_config.get_config_copy()
-    except Exception as error:  # no inductor in this build
-        return [f"{key} (inductor unavailable: {type(error).__name__})" for key in options]
-    return [key for key in options if key not in known]
+                         options=compile_options(device_type))
 
 
 def _cuts(n: int) -> list[tuple[int, int, int]]:
@@ -250,7 +241,8 @@ def _run(views_fn, lists: tuple, *rest, view_groups=None, flags: tuple = ()) -> 
     rows, parts = _rows(lists)
     if view_groups is not None:  # Adam: each part reads its group's row of the coefficients
         rest = rest + (_part_groups(rows, view_groups),)
-    call_compiled(_compiled(views_fn, len(parts[0]), flags), *parts, *rest,
+    device_type = parts[0][0].device.type
+    call_compiled(_compiled(views_fn, len(parts[0]), flags, device_type), *parts, *rest,
                   variant=rows.variant(views_fn, parts, rest))
 
 
@@ -260,10 +252,21 @@ def call_compiled(fn, *args, variant) -> None:
     only (each compiled function has a few legitimate variants: single rows, tails, views with and
     without autograd's view tracking, a device's dtypes; with fullgraph=True going past the limit is an
     error, not a slower fallback). The first call of each ``variant`` (a hashable naming what dynamo
-    specializes on) is timed into ``compile_seconds()``."""
+    specializes on) is timed into ``compile_seconds()``; a dynamo or inductor error in it is raised as one
+    line that says what to build with instead (the original chained)."""
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
         start = time.perf_counter() if variant not in _seen_variants else None
-        fn(*args)
+        try:
+            fn(*args)
+        except Exception as error:
+            if start is None or not type(error).__module__.startswith(("torch._dynamo", "torch._inductor")):
+                raise
+            # Its first call compiles it: inductor's own error is pages of generated C++ or Triton.
+            first_line = (str(error).strip().splitlines() or [""])[0][:200]
+            raise RuntimeError(f"graphstep: kernel='compiled': torch.compile could not compile the step's kernel "
+                               f"({type(error).__name__}: {first_line}); build with kernel='fused', or "
+                               f"kernel='auto', which checks torch.compile at build and falls back to "
+                               f"'fused' by itself") from error
         if start is not None:
             _seen_variants.add(variant)
             _first_call_seconds[0] += time.perf_counter() - start

@@ -119,8 +119,10 @@ def _as_vector(t: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _compiled(name: str):
-    return torch.compile(_MATH[name], fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
+def _compiled(name: str, device_type: str):
+    # The vector width among the options: inductor's cache does not key entries by it (kernels/inductor_options.py).
+    options = {**COMPILE_OPTIONS, **compiled_kernels.vector_width_option(device_type)}
+    return torch.compile(_MATH[name], fullgraph=True, dynamic=False, options=options)
 
 
 _DIVISION = register("division_probe", _division_math)
@@ -129,7 +131,7 @@ _DIVISION = register("division_probe", _division_math)
 @torch.library.custom_op("graphstep::scalar_graph_", mutates_args=("outs",))
 def _scalar_graph(name: str, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
     variant = (name, tuple((t.dtype, t.device, t.dim()) for t in (*outs, *ins)))
-    compiled_kernels.call_compiled(_compiled(name), outs, ins, variant=variant)
+    compiled_kernels.call_compiled(_compiled(name, outs[0].device.type), outs, ins, variant=variant)
 
 
 @_scalar_graph.register_fake
