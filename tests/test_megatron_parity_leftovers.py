@@ -135,3 +135,16 @@ def test_mup_accepts_megatrons_dist_muon_spelling_as_muon(spelling):
     for name, p in params.items():
         assert [key.matches(p, name) for key in overrides] == [key.matches(p, name) for key in muon], name
     assert get_mup_config_overrides(config, 1.0, optimizer_type=spelling) == {}
+
+
+def test_optimizer_dist_muon_is_muon_with_the_layer_wise_distributed_optimizer():
+    # Megatron-LM's --optimizer dist_muon: Muon, sharded layer-wise. It was refused as no family's name.
+    import graphstep as gs
+
+    config = gs.OptimizerConfig(optimizer="dist_muon")
+    assert config.optimizer == "muon"
+    assert config.use_layer_wise_distributed_optimizer and config.use_distributed_optimizer
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    opt = gs.get_optimizer(config.replace(capture="eager"), model)
+    model(torch.randn(2, 8)).sum().backward()
+    assert bool(opt.step().update_successful)

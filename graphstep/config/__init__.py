@@ -27,7 +27,8 @@ class OptimizerConfig:
     """Update rule: "adam" (Adam/AdamW, see ``decoupled_weight_decay``), "sgd" (with momentum), "lion",
     "muon" (2-D hidden matrices; the other params go to ``muon_scalar_optimizer``) or "ademamix": a
     registered family, graphstep/families/. "adamw" is accepted and read as "adam" (whose weight decay is
-    decoupled by default: AdamW), refused with ``decoupled_weight_decay=False``."""
+    decoupled by default: AdamW), refused with ``decoupled_weight_decay=False``; "dist_muon" (Megatron-LM's
+    name) is read as "muon" with ``use_layer_wise_distributed_optimizer=True``."""
 
     lr: float = 1e-3
     """Peak learning rate; the initial ``lr`` of every param group without an override. (Megatron-Core's
@@ -363,6 +364,9 @@ class OptimizerConfig:
             object.__setattr__(self, "loss_scale_window", int(self.loss_scale_window))
         if self.optimizer_cuda_graph is True and self.capture == "auto":
             object.__setattr__(self, "capture", "graph")
+        if self.optimizer == "dist_muon":  # Megatron-LM's --optimizer for Muon under its layer-wise sharding
+            object.__setattr__(self, "optimizer", "muon")
+            object.__setattr__(self, "use_layer_wise_distributed_optimizer", True)
         if self.use_layer_wise_distributed_optimizer is True:
             object.__setattr__(self, "use_distributed_optimizer", True)
         # Other spellings of a family ("adamw"): the family's own name, so everything downstream sees one.
