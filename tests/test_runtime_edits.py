@@ -108,12 +108,16 @@ def test_the_fused_kernel_takes_momentum_0_as_torchs_fused_sgd_bitwise(nesterov,
             assert torch.equal(a, b), f"step {step} (momentum {momentum})"
 
 
+@pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("kernel", ["fused", "reference", "compiled"])
-def test_momentum_0_steps_plain_sgd_with_every_kernel(kernel):
+def test_momentum_0_steps_plain_sgd_and_keeps_the_buffers_with_every_kernel(kernel, nesterov):
+    # Back at momentum 0.9 the buffers must be the ones before the momentum-0 steps, as torch's (the reference
+    # and compiled kernels overwrote them with the grad).
     ours, theirs = _model(), _model()
-    opt = _optimizer(ours, optimizer="sgd", sgd_momentum=0.9, weight_decay=0.0, kernel=kernel)
-    reference = torch.optim.SGD(theirs.parameters(), lr=1e-2, momentum=0.9)
-    for step, momentum in enumerate(MOMENTA[:4]):
+    opt = _optimizer(ours, optimizer="sgd", sgd_momentum=0.9, sgd_nesterov=nesterov, weight_decay=0.0,
+                     kernel=kernel)
+    reference = torch.optim.SGD(theirs.parameters(), lr=1e-2, momentum=0.9, nesterov=nesterov)
+    for step, momentum in enumerate(MOMENTA):
         for optimizer, model in ((opt, ours), (reference, theirs)):
             for group in optimizer.param_groups:
                 group["momentum"] = momentum

@@ -67,7 +67,8 @@ def _sgd_momentum_loop(param, grad, momentum_buffer, c):
     g = grad.to(param.dtype) / c[_SGD_SCALE] + param * c[_SGD_WD]
     keep = c[_SGD_KEEP] > 0
     new_buffer = momentum_buffer * c[_SGD_MOMENTUM] + g
-    momentum_buffer.copy_(torch.where(keep, new_buffer, momentum_buffer))
+    # Momentum 0 (a schedule's) leaves the buffer as it is, as torch's SGD does: the step is plain SGD.
+    momentum_buffer.copy_(torch.where(keep & (c[_SGD_MOMENTUM] != 0), new_buffer, momentum_buffer))
     param.copy_(torch.where(keep, param - c[_SGD_LR] * new_buffer, param))
 
 
@@ -75,7 +76,7 @@ def _sgd_nesterov_loop(param, grad, momentum_buffer, c):
     g = grad.to(param.dtype) / c[_SGD_SCALE] + param * c[_SGD_WD]
     keep = c[_SGD_KEEP] > 0
     new_buffer = momentum_buffer * c[_SGD_MOMENTUM] + g
-    momentum_buffer.copy_(torch.where(keep, new_buffer, momentum_buffer))
+    momentum_buffer.copy_(torch.where(keep & (c[_SGD_MOMENTUM] != 0), new_buffer, momentum_buffer))
     param.copy_(torch.where(keep, param - c[_SGD_LR] * (g + c[_SGD_MOMENTUM] * new_buffer), param))
 
 

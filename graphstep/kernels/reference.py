@@ -56,5 +56,6 @@ def sgd(params, grads, momentum_buffers, *, lr, weight_decay, momentum, nesterov
             # Buffers start at zero, so the first step gives buf = grad, as torch's clone-on-first-step does.
             new_buf = buf * momentum + grad
             grad = grad + momentum * new_buf if nesterov else new_buf
-            buf.copy_(torch.where(keep, new_buf, buf))
+            # Momentum 0 (a schedule's) leaves the buffer as it is, as torch's SGD does: the step is plain SGD.
+            buf.copy_(torch.where(keep & (momentum != 0), new_buf, buf))
         param.copy_(torch.where(keep, param - lr * grad, param))
