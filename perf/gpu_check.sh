@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one GPU check (within perf/gpu_check.py's BUDGET_S): perf/gpu_check.py does the work and records every
-# part's result instead of stopping at the first failure.
-# Usage: perf/gpu_check.sh OUT_DIR [--no-install] [--cpu] [--multi]
+# The one GPU check, within 8 minutes: perf/gpu_check.py does the work with the interpreter on the PATH (no
+# venv, no download) and records every part's result instead of stopping at the first failure.
+# Usage: perf/gpu_check.sh OUT_DIR [--cpu] [--no-install] [--only part,part] [--multi]
 cd "$(dirname "$0")/.." || exit 2
-exec python perf/gpu_check.py "${@:-/tmp/graphstep-gpu-check}"
+exec "${PYTHON:-python}" perf/gpu_check.py "${@:-/tmp/graphstep-gpu-check}"

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import torch
 
+import gpu_check_torch_api
 from capture.devices import is_cuda
 from gpu_check_numerics import NO_CUDA, record
+from gpu_check_parts import BY_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING",
@@ -70,11 +72,54 @@ def _triton_version() -> str:
         return f"unavailable ({type(error).__name__})"
 
 
+def _driver_version() -> str:
+    """The NVIDIA driver's version through NVML, else nvidia-smi, else why neither answered."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception as error:  # no NVML library or no driver
+        why = f"{type(error).__name__}"
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                                 text=True, timeout=20).stdout.strip().splitlines()
+            if out:
+                return out[0]
+        except (OSError, subprocess.SubprocessError) as error:
+            why += f"; nvidia-smi: {type(error).__name__}"
+    return f"unavailable ({why})"
+
+
+def _optional_packages() -> dict:
+    """The optional packages some rows use: their version, or "absent" (those rows then skip, saying so)."""
+    found = {}
+    for name in ("transformer_engine", "megatron.core", "transformers", "lightning", "safetensors"):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            found[name] = "absent"
+            continue
+        try:
+            from importlib.metadata import version
+
+            found[name] = version(name.split(".")[0].replace("_", "-"))
+        except Exception:  # installed without metadata under that name
+            found[name] = "present"
+    return found
+
+
 def part_preflight(device, small: bool) -> list[dict]:
-    """What this run ran on (versions, the device, MIG, the allocator and NCCL settings in force), and
-    whether everything the step compiles compiles here."""
+    """What this run ran on (versions, the device, MIG, the allocator and NCCL settings in force), whether
+    everything the step compiles compiles here, and whether this torch has every private name graphstep uses."""
     facts = {"python": platform.python_version(), "torch": torch.__version__, "cuda_build": torch.version.cuda,
-             "triton": _triton_version(),
+             "triton": _triton_version(), "driver": _driver_version() if is_cuda(device) else "none (no CUDA)",
+             "optional": _optional_packages(),
              "git_commit": _git_commit(), "cuda_available": torch.cuda.is_available(),
              "settings": {k: os.environ[k] for k in SETTINGS if k in os.environ}}
     if is_cuda(device):
@@ -95,48 +140,21 @@ def part_preflight(device, small: bool) -> list[dict]:
         facts["device"] = f"cpu ({platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)"
     problems = _compile_problems(device)
     facts["compile_problems"] = problems
-    detail = (f"torch {facts['torch']}, CUDA {facts['cuda_build']}, NCCL {facts.get('nccl', '—')}, Triton "
-              f"{facts['triton']}, {facts['device']}; compiles: "
+    detail = (f"Python {facts['python']}, torch {facts['torch']}, CUDA {facts['cuda_build']}, driver "
+              f"{facts['driver']}, NCCL {facts.get('nccl', '—')}, Triton {facts['triton']}, {facts['device']}; "
+              f"absent: {', '.join(k for k, v in facts['optional'].items() if v == 'absent') or 'nothing'}; compiles: "
               + ("; ".join(f"{what}: {why}" for what, why in problems.items()) or "the update and a scalar graph"))
-    return [record("preflight", "fail" if problems else "pass", detail, **facts)]
+    return [record("preflight", "fail" if problems else "pass", detail, **facts), private_api()]
 
 
-def part_cuda_tests(device, small: bool) -> list[dict]:
-    """The CUDA-only tests (tests/cuda), pass/fail by pytest's exit code."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests/cuda"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=230)
-    last = proc.stdout.strip().splitlines()[-1:] or ["no output"]
-    return [record("pytest-tests-cuda", "pass" if proc.returncode == 0 else "fail",
-                   f"exit {proc.returncode}: {last[0]}", exit_code=proc.returncode,
-                   output_tail=proc.stdout.strip().splitlines()[-25:])]
-
-
-def profile_command() -> list[str]:
-    """``graphstep profile``: the app's module where the CLI has moved to graphstep/app/cli.py, else the
-    installed console script, else ``python -m graphstep``."""
-    if importlib.util.find_spec("graphstep.app.cli") is not None:
-        return [sys.executable, "-m", "graphstep.app.cli", "profile"]
-    script = shutil.which("graphstep")
-    return [script, "profile"] if script else [sys.executable, "-m", "graphstep", "profile"]
-
-
-def part_profile_cli(device, small: bool) -> list[dict]:
-    """``graphstep profile --capture graph`` on the GPU: the trace holds kernel events and the output
-    carries NVML telemetry."""
-    name = "graphstep-profile-capture-graph"
-    if not is_cuda(device):
-        return [record(name, NO_CUDA)]
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = profile_command() + ["--capture", "graph", "--steps", "5", "--device", str(device), "--out", tmp]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=110)
-        trace = Path(tmp) / "trace.json"
-        events = json.loads(trace.read_text()).get("traceEvents", []) if trace.exists() else []
-    kernels = sum(1 for e in events if str(e.get("cat", "")).lower() == "kernel")
-    telemetry = any(line.startswith("GPU ") for line in proc.stdout.splitlines())
-    problems = [p for p, bad in ((f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1][:200]}",
-                                  proc.returncode != 0),
-                                 ("no kernel events in trace.json", kernels == 0),
-                                 ("no NVML telemetry line in the output", not telemetry)) if bad]
-    detail = "; ".join(problems) or f"{kernels} kernel events over 5 replayed steps; telemetry printed"
-    return [record(name, "fail" if problems else "pass", detail, command=" ".join(cmd[1:]), kernel_events=kernels,
-                   stdout_tail=proc.stdout.strip().splitlines()[-6:])]
+def private_api() -> dict:
+    """Every private torch name graphstep and capture use (perf/gpu_check_torch_api.py), each missing one named;
+    a missing optional one is reported with what graphstep does without it."""
+    missing, optional = gpu_check_torch_api.problems(), gpu_check_torch_api.optional_missing()
+    checked = gpu_check_torch_api.count()
+    detail = ("; ".join(f"{name}: {why}" for name, why in missing.items()) if missing
+              else f"all {checked - len(optional)} of {checked} private torch names graphstep uses are present in "
+                   f"torch {torch.__version__}")
+    detail += "".join(f"; optional, absent: {name} ({without})" for name, without in optional.items())
+    return record("preflight-torch-private-api", "fail" if missing else "pass", detail, checked=checked,
+                  missing=sorted(missing), optional_missing=sorted(optional), names=list(gpu_check_torch_api.NAMES))

@@ -174,12 +174,16 @@ def _verdicts(step: list[dict], dead: list[dict]) -> list[dict]:
     return out
 
 
-def part_multi(device, small: bool) -> list[dict]:
+def part_multi(device, small: bool, run_ranks: bool = False) -> list[dict]:
+    """The rows, run only with ``--multi`` (``run_ranks``: its own run and time limit, outside the one-GPU
+    budget); otherwise each says why it was skipped."""
     if is_cuda(device):
         world, backend = torch.cuda.device_count(), "nccl"
         if world < 2:
-            why = f"skipped: needs >= 2 GPUs, found {world}"
-            return [record(c, why) for c in CHECKS]
+            return [record(c, f"skipped: needs >= 2 GPUs, found {world}") for c in CHECKS]
     else:
         world, backend = 2, "gloo"  # the dry run: the same scenarios on two CPU ranks
+    if not run_ranks:
+        why = f"skipped: multi-rank rows run with --multi ({world} {'GPUs' if backend == 'nccl' else 'gloo ranks'})"
+        return [record(c, why) for c in CHECKS]
     return _verdicts(spawn("step_and_teardown", world, backend), spawn("dead_peer", world, backend))

@@ -20,7 +20,8 @@ from capture.devices import is_cuda, synchronize
 
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True, "initial_loss_scale": 2.0**10}}
 KERNELS = ("fused", "compiled")
-STEPS, SMALL_STEPS, INF_STEP, REPLACE_STEP = 30, 20, 17, 12  # the dry run (small) stops at 20 steps
+# capture_warmup_steps=3: the step is captured at step 3, so the replacement and the inf grad land on replays.
+STEPS, SMALL_STEPS, INF_STEP, REPLACE_STEP = 30, 10, 7, 5  # the dry run (small) stops at 10 steps
 NO_CUDA = "skipped: no CUDA"
 
 
@@ -30,7 +31,7 @@ def record(check: str, status: str, detail: str = "", **numbers) -> dict:
 
 
 def close(opt) -> None:
-    """Release the captured graph and its pool where the engine offers ``close()`` (issue 10.2)."""
+    """Release the captured graph and its pool where the engine offers ``close()``."""
     closer = getattr(opt, "close", None)
     if closer is not None:
         closer()
@@ -149,13 +150,16 @@ def part_bitwise(device, small: bool) -> list[dict]:
                 close(captured.opt)
             except Exception as error:
                 out.append(record(name, "error", f"{type(error).__name__}: {error}"))
-    out.append(negative_control(device))
     out.append(sync_debug_replays(device))
     return out
 
 
-def negative_control(device) -> dict:
+def part_negative_control(device, small: bool) -> list[dict]:
     """The comparison itself can fail: two identical eager runs agree, and one element changed is found."""
+    return [negative_control(device)]
+
+
+def negative_control(device) -> dict:
     name = "bitwise-negative-control"
     base, again = train(device, "eager", steps=8), train(device, "eager", steps=8)
     same = differences(base, again)
@@ -201,28 +205,48 @@ def part_recapture(device, small: bool) -> list[dict]:
 
 
 def part_memory(device, small: bool) -> list[dict]:
-    """CUDA memory after each of 10 recaptures of the same step (each forced by replacing a param's
-    ``.data``, which the engine adopts back): flat, so no graph pool outlives its capture."""
+    """Device memory over 10 recaptures of the same step, each forced by replacing a param's ``.data`` (which
+    the engine adopts back): reserved memory flat, so no graph pool outlives its capture. The recapture
+    count is checked on every device (the CPU replay backend counts the same way); memory only on CUDA."""
     name = "memory-flat-over-10-recaptures"
-    if not is_cuda(device):
-        return [record(name, NO_CUDA)]
     run = train(device, "graph", steps=6)
     first = next(run.model.parameters())
-    allocated, reserved = [], []
-    for _ in range(10):
+    allocated, reserved, counts = [], [], []
+    for _ in range(MEMORY_ROUNDS):
         with torch.no_grad():
             first.data = first.data.clone()
-        run.opt.step()
+        for _ in range(STEPS_PER_RECAPTURE):
+            run.opt.step()
         synchronize(device)
-        allocated.append(torch.cuda.memory_allocated(device))
-        reserved.append(torch.cuda.memory_reserved(device))
+        counts.append(run.opt.recaptures)
+        if is_cuda(device):
+            allocated.append(torch.cuda.memory_allocated(device))
+            reserved.append(torch.cuda.memory_reserved(device))
+    return [memory_verdict(name, counts, allocated, reserved, cuda=is_cuda(device))]
+
+
+MEMORY_ROUNDS = 10
+# A replacement is adopted at the next step, which runs eagerly (the runner precedes every recapture with one
+# eager step, RECAPTURE_WARMUP_STEPS); the step after it recaptures. One step per replacement would land every
+# other replacement on that eager step, which recaptures nothing: 5 recaptures from 10 replacements.
+STEPS_PER_RECAPTURE = 2
+
+
+def memory_verdict(name: str, counts: list, allocated: list, reserved: list, *, cuda: bool) -> dict:
+    """The memory row's verdict: one recapture per round, and (on CUDA) allocated and reserved memory flat
+    within 1 MiB from the first round to the last."""
+    problems = []
+    if counts != list(range(1, len(counts) + 1)):
+        problems.append(f"recaptures after each round {counts}, expected {list(range(1, len(counts) + 1))}")
     slack = 1 << 20
-    grew = allocated[-1] - allocated[0] > slack or reserved[-1] - reserved[0] > slack
-    count = run.opt.recaptures
-    ok = not grew and count == 10
-    detail = (f"allocated {allocated[0] / 2**20:.1f} -> {allocated[-1] / 2**20:.1f} MiB, reserved "
-              f"{reserved[0] / 2**20:.1f} -> {reserved[-1] / 2**20:.1f} MiB (growth allowed: 1 MiB); recaptures {count}")
-    return [record(name, "pass" if ok else "fail", detail, allocated=allocated, reserved=reserved, recaptures=count)]
+    if cuda and (allocated[-1] - allocated[0] > slack or reserved[-1] - reserved[0] > slack):
+        problems.append("memory grew")
+    memory = (f"allocated {allocated[0] / 2**20:.1f} -> {allocated[-1] / 2**20:.1f} MiB, reserved "
+              f"{reserved[0] / 2**20:.1f} -> {reserved[-1] / 2**20:.1f} MiB (growth allowed: 1 MiB)"
+              if cuda else "memory not measured without CUDA")
+    detail = "; ".join(problems + [memory, f"{counts[-1] if counts else 0} recaptures over {len(counts)} rounds"])
+    status = "fail" if problems else ("pass" if cuda else NO_CUDA)
+    return record(name, status, detail, allocated=allocated, reserved=reserved, recaptures=counts)
 
 
 def part_pinned_thread(device, small: bool) -> list[dict]:
@@ -279,7 +303,7 @@ def part_nccl(device, small: bool) -> list[dict]:
     out = []
     try:
         x = torch.randn(4096, device=device)
-        shard, gathered, doubled = torch.empty(4096, device=device), torch.empty(4096, device=device), torch.empty(4096, device=device)
+        shard, gathered, doubled = (torch.empty(4096, device=device) for _ in range(3))
 
         def collectives():
             dist.reduce_scatter_tensor(shard, x)
@@ -310,19 +334,22 @@ def _fp8_first_layer(model: torch.nn.Module) -> None:
 # The optimizer families and features beyond Adam: (OptimizerConfig fields, model preparation or None); a
 # row runs only where the config accepts its fields.
 FAMILIES = {"muon": ({"optimizer": "muon"}, None),
-            "fp8": ({"bf16": True, "fp8_recipe": "tensorwise"}, _fp8_first_layer),
             "offload": ({"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5}, None),
             # The precision-aware optimizer: fp8 / bf16 moments and bf16 params with 16-bit remainders, whose
-            # encode and decode (segment_reduce, index_fill, cumsum, integer bit ops) must capture on CUDA.
+            # encode and decode (a multi-tensor max per block, index_fill, cumsum, integer bit ops) must capture on
+            # CUDA.
             "precision-aware": ({"bf16": True, "use_precision_aware_optimizer": True, "exp_avg_dtype": torch.uint8,
                                  "exp_avg_sq_dtype": torch.bfloat16}, None)}
 
 
-def part_families(device, small: bool) -> list[dict]:
-    """Muon, fp8 params, CPU offload and the precision-aware optimizer, eager vs captured, where
-    ``OptimizerConfig`` accepts them."""
+FP8 = {"fp8": ({"bf16": True, "fp8_recipe": "tensorwise"}, _fp8_first_layer)}
+
+
+def part_families(device, small: bool, families: Optional[dict] = None) -> list[dict]:
+    """Muon, CPU offload and the precision-aware optimizer, eager vs captured, where ``OptimizerConfig``
+    accepts them."""
     out = []
-    for family, (fields, prepare) in FAMILIES.items():
+    for family, (fields, prepare) in (families or FAMILIES).items():
         name = f"family-{family}"
         try:
             gs.OptimizerConfig(**fields)
@@ -338,3 +365,8 @@ def part_families(device, small: bool) -> list[dict]:
         except Exception as error:
             out.append(record(name, "error", f"{type(error).__name__}: {error}"))
     return out
+
+
+def part_fp8(device, small: bool) -> list[dict]:
+    """fp8 params (one tensorwise-scaled layer over bf16), eager vs captured."""
+    return part_families(device, small, FP8)

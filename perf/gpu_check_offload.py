@@ -1,4 +1,4 @@
-"""perf/gpu_check.py's CPU-offload part (issue 16): the hybrid step on whatever device it is given.
+"""perf/gpu_check.py's CPU-offload part: the hybrid step on whatever device it is given.
 
 - offload-eager-vs-captured: fraction 0.5, eager against captured, bitwise (params, state, flags);
 - offload-vs-device-only: fraction 0.5 against no offload: bitwise on the CPU (both sides run the same

@@ -10,12 +10,15 @@ from __future__ import annotations
 import statistics
 import time
 
+import torch
+
 from capture.devices import is_cuda, synchronize
 from graphstep.app import bench_core as core
 from graphstep.app import bench_shapes, bench_stats
 from gpu_check_numerics import NO_CUDA, record
 
 TENSOR_COUNTS = (150, 1_000, 10_000)
+SMALL_TENSOR_COUNTS = (15, 100, 1_000)  # the dry run: the same sweep, a tenth of the tensors
 # Both goals compare runs that move the same bytes (docs/design.md §6), so a ratio above 1 is overhead:
 # the captured step over 10,000 small tensors against the same step over one flat tensor of the same size
 # (the buckets are the same flat buffers: only the per-tensor views differ), and the flat step against its
@@ -24,8 +27,9 @@ SAME_BYTES_GOAL, FLOOR_GOAL = 1.15, 1.15
 
 
 def _sizes(small: bool) -> dict:
-    return {"sweep_total": 10_000 * 128 if small else 16 * 2**20,  # same total at every tensor count
-            "many_small_numel": 64 if small else 256,             # elements per tensor, 10,000 tensors
+    return {"sweep_total": 1_000 * 128 if small else 16 * 2**20,   # same total at every tensor count
+            "many_small_numel": 64 if small else 256,             # elements per tensor
+            "many_small_count": 1_000 if small else 10_000,
             "flat": 64 * 2**20, "stream": 256 * 2**20}          # the flat step and the HBM stream (GPU only)
 
 
@@ -53,17 +57,68 @@ def part_kernels(device, small: bool) -> list[dict]:
     (the captured step's work follows the buckets, not the params)."""
     total = _sizes(small)["sweep_total"]
     counts, how = {}, ""
-    for tensors in TENSOR_COUNTS:
+    for tensors in SMALL_TENSOR_COUNTS if small else TENSOR_COUNTS:
         inputs = core.Inputs(bench_shapes.many_tensors(tensors, total // tensors, cols=64), device)
         pipeline = core.build_graphstep(inputs, capture="graph")
         counts[tensors], how = kernels_per_replay(pipeline, device)
         pipeline = None
         core.free_memory(device)
+    return [kernel_count_verdict(counts, how, total), planted_kernel_control(device)]
+
+
+def planted_kernel_control(device) -> dict:
+    """The kernel count can see a change: a captured step of three element-wise ops, and the same step with
+    one more planted in it, counted the same way as the rows above; the planted one must count exactly one
+    kernel more per replay, and the plain one a non-zero number."""
+    import capture
+
+    x = torch.zeros(1 << 12, device=device)
+
+    def step(planted: bool):
+        def run():
+            x.mul_(0.5)
+            x.add_(1.0)
+            x.sqrt_()
+            if planted:
+                x.add_(1.0)  # the planted kernel
+        return run
+
+    counts = {}
+    for planted in (False, True):
+        graph = capture.graph(step(planted), warmup=1, device=device)
+        for _ in range(3):  # warm-up, capture, one replay: what follows are replays
+            graph()
+        counts[planted], how = kernels_per_replay(core.Pipeline(graph), device)
+        graph.close()
+    plain, planted = counts[False], counts[True]
+    return planted_verdict(plain, planted, how)
+
+
+def planted_verdict(plain: float, planted: float, how: str) -> dict:
+    ok = plain > 0 and planted - plain == 1
+    return record("kernels-negative-control", "pass" if ok else "fail",
+                  f"a captured step of 3 element-wise ops: {plain:g}, with one planted: {planted:g} ({how}; "
+                  f"expected exactly one more, and not zero)", plain=plain, planted=planted)
+
+
+def kernel_count_verdict(counts: dict, how: str, total: int) -> dict:
+    """The kernel-count row: the same non-zero count at every tensor count. Zero is what a profiler that records
+    no kernel inside a graph replay reports: equal, and meaningless."""
     values = list(counts.values())
-    ok = all(v == values[0] for v in values) and values[0] == values[0]  # equal, and not NaN
+    ok = all(v == values[0] for v in values) and values[0] > 0  # equal, counted (a NaN is not > 0)
     detail = ", ".join(f"{v:g} at {t} tensors" for t, v in counts.items()) + f" ({how}, ~{total / 1e6:.2f}M params)"
-    return [record("kernels-per-replay-independent-of-tensor-count", "pass" if ok else "fail", detail,
-                   per_tensor_count={str(t): v for t, v in counts.items()})]
+    return record("kernels-per-replay-independent-of-tensor-count", "pass" if ok else "fail", detail,
+                  per_tensor_count={str(t): v for t, v in counts.items()})
+
+
+def unmeasured(values: dict) -> list[str]:
+    """The names whose measurement is not a positive number: a timer or counter that recorded nothing makes
+    its row fail, never pass (nor divide by zero)."""
+    return [name for name, value in values.items() if not value > 0]
+
+
+def _nothing_measured(name: str, missing: list[str], **numbers) -> dict:
+    return record(name, "fail", f"measured nothing for {', '.join(missing)} (zero or NaN)", **numbers)
 
 
 def host_ms(step, steps: int = 50) -> float:
@@ -81,9 +136,9 @@ def part_speed(device, small: bool) -> list[dict]:
     eager and host time per call (reported), and the flat 64M step against its bytes at the measured HBM
     bandwidth (goal <= 1.15x)."""
     sizes = _sizes(small)
-    steps = 10 if small else 50
-    numel = 10_000 * sizes["many_small_numel"]
-    many = core.Inputs(bench_shapes.many_tensors(10_000, sizes["many_small_numel"], cols=64), device)
+    steps, count = (5 if small else 50), sizes["many_small_count"]
+    numel = count * sizes["many_small_numel"]
+    many = core.Inputs(bench_shapes.many_tensors(count, sizes["many_small_numel"], cols=64), device)
     flat = core.Inputs(bench_shapes.flat_tensor(numel), device)
     pipelines = {"eager": core.build_graphstep(many, capture="eager"),
                  "captured": core.build_graphstep(many, capture="graph"),
@@ -93,10 +148,15 @@ def part_speed(device, small: bool) -> list[dict]:
     ms = {k: statistics.median(v) for k, v in times.items()}
     host = {k: host_ms(pipelines[k].step, steps) for k in ("eager", "captured")}
     synchronize(device)
-    numbers = {**{f"{k}_ms": v for k, v in ms.items()}, "tensors": 10_000, "numel": many.numel}
+    numbers = {**{f"{k}_ms": v for k, v in ms.items()}, "tensors": count, "numel": many.numel}
+    missing = unmeasured({**ms, **{f"{k} host": v for k, v in host.items()}})
+    if missing:
+        pipelines = many = flat = None
+        return [_nothing_measured(n, missing, **numbers) for n in ("captured-10k-tensors-vs-flat",
+                                                                   "cpu-time-per-replay", "flat-64M-vs-hbm-floor")]
     out = []
     ratio = ms["captured"] / ms["captured-flat"]
-    detail = (f"captured over 10,000 x {sizes['many_small_numel']} params {ms['captured']:.3f} ms / over one flat "
+    detail = (f"captured over {count:,} x {sizes['many_small_numel']} params {ms['captured']:.3f} ms / over one flat "
               f"tensor of {numel} {ms['captured-flat']:.3f} ms = {ratio:.2f}x (same bytes; goal <= "
               f"{SAME_BYTES_GOAL}x); eager {ms['eager']:.3f} ms")
     if is_cuda(device):
@@ -105,7 +165,8 @@ def part_speed(device, small: bool) -> list[dict]:
     else:
         out.append(record("captured-10k-tensors-vs-flat", NO_CUDA, f"CPU replay for reference: {detail}", **numbers))
     out.append(record("cpu-time-per-replay", "pass",
-                      f"host time per call: replay {host['captured'] * 1e3:.0f} us, eager step {host['eager'] * 1e3:.0f} us "
+                      f"host time per call: replay {host['captured'] * 1e3:.0f} us, eager step "
+                      f"{host['eager'] * 1e3:.0f} us "
                       f"(informational; on a GPU the replay returns before its kernels finish)",
                       replay_host_us=host["captured"] * 1e3, eager_host_us=host["eager"] * 1e3))
     pipelines = many = flat = None
@@ -120,7 +181,6 @@ def flat_vs_floor(device, sizes: dict) -> dict:
     the grads back (graphstep/kernels/__init__.py)."""
     stream = core.build_stream(sizes["stream"], device)
     stream_ms = statistics.median(core.time_steps(stream.step, device, 3, 20))
-    bandwidth = core.STREAM_BYTES * sizes["stream"] / (stream_ms * 1e-3)
     stream = None
     core.free_memory(device)
     inputs = core.Inputs(bench_shapes.flat_tensor(sizes["flat"]), device)
@@ -128,6 +188,10 @@ def flat_vs_floor(device, sizes: dict) -> dict:
     step_ms = statistics.median(core.time_steps(pipeline.step, device, 3, 20, before=pipeline.refill))
     kernel = pipeline.optimizer.kernel_choice.name
     step_bytes = core.step_bytes(kernel, scaled=core.CLIP > 0)
+    missing = unmeasured({"stream": stream_ms, "step": step_ms})
+    if missing:
+        return _nothing_measured("flat-64M-vs-hbm-floor", missing)
+    bandwidth = core.STREAM_BYTES * sizes["stream"] / (stream_ms * 1e-3)
     floor_ms = step_bytes * inputs.numel / bandwidth * 1e3
     ratio = step_ms / floor_ms
     return record("flat-64M-vs-hbm-floor", "pass" if ratio <= FLOOR_GOAL else "fail",
@@ -152,8 +216,9 @@ def part_fold(device, small: bool) -> list[dict]:
     (compiled with Triton: it reads the grads without writing them back), one interleaved run: the folded
     step against one flat ``_fused_adamw_`` (goal <= 1.05x), the backward stand-in + step with the fold
     against without it (goal: faster), and the torch peers against the folded step (goals from their bytes).
-    The CPU dry run: quick shapes and the fused kernel (no compile), for reference."""
-    inputs = core.Inputs(bench_shapes.gpt2_quick() if small else bench_shapes.gpt2_small(), device)
+    The CPU dry run: a 2-layer GPT-2 shape and the fused kernel (no compile), for reference."""
+    shapes = bench_shapes.gpt2(n_layer=2, d_model=128, vocab=1024, n_ctx=128) if small else bench_shapes.gpt2_small()
+    inputs = core.Inputs(shapes, device)
     scaled = dict(loss_scale=core.LOSS_SCALE, capture="graph", kernel="fused" if small else None)
     pipelines = {"floor": core.build_fused_floor(inputs),
                  "step": core.build_graphstep(inputs, **scaled),
@@ -162,13 +227,18 @@ def part_fold(device, small: bool) -> list[dict]:
                  "backward-step-folded": core.build_graphstep(inputs, fold=True, timed="backward+step", **scaled),
                  "torch-amp": core.build_torch_amp(inputs),
                  "adamw-fused-clip": core.build_torch_adamw(inputs, fused=True, clip=True)}
-    times = core.time_interleaved({k: p.step for k, p in pipelines.items()}, device, 3, 10 if small else 30,
+    warmup, rounds = (1, 3) if small else (3, 30)
+    times = core.time_interleaved({k: p.step for k, p in pipelines.items()}, device, warmup, rounds,
                                   before={k: p.refill for k, p in pipelines.items() if p.refill is not None})
     ms = {k: statistics.median(v) for k, v in times.items()}
     kernel = pipelines["step-folded"].optimizer.kernel_choice.name
     ours = core.step_bytes(kernel, scaled=True) - core.NORM_BYTES
     pipelines = inputs = None
     core.free_memory(device)
+    missing = unmeasured(ms)
+    if missing:
+        return [_nothing_measured(n, missing) for n in ("fold-step-vs-fused-floor", "fold-backward-plus-step",
+                                                         *(f"default-step-vs-{peer}" for peer in PEER_BYTES))]
 
     def ratio(numerator: str, denominator: str) -> tuple[float, str]:
         """The ratio of the two rows' medians, and its 95% bootstrap interval over the rounds in words."""

@@ -1,56 +1,127 @@
 """perf/gpu_check.py's CPU dry run, end to end, so the GPU check cannot rot between GPU loans.
 
-Runs it as a subprocess (perf/ is never imported by the tests) and reads its JSON: every check is listed,
-the GPU-only ones are skipped because there is no CUDA, and the ones the CPU can run passed.
+Runs exactly the command the GPU machine runs (``perf/gpu_check.sh OUT_DIR``) with ``--cpu``, as a subprocess,
+and reads its JSON: every row is listed, in the order that puts correctness first, the GPU-only ones are skipped
+because there is no CUDA, the ones the CPU can run passed, and the parts' time limits fit the budget.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-# Every check the script owns; the ones that only mean something on a GPU are skipped in the dry run.
+sys.path.insert(0, str(ROOT / "perf"))
+
+import gpu_check  # noqa: E402
+import gpu_check_parts  # noqa: E402
+import gpu_check_runner  # noqa: E402
+
+# The parts in the order the check runs them: correctness first, so that a time cut falls on speed.
+ORDER = ["preflight", "cuda-tests", "bitwise", "recapture", "negative-control", "memory", "pinned-thread", "nccl",
+         "multi", "families", "offload", "fp8", "fsdp2", "profile-cli", "kernels", "speed", "fold"]
+# Every row; the ones that only mean something on a GPU are skipped in the dry run.
 GPU_ONLY = {"pytest-tests-cuda", "replay-without-host-sync", "captured-10k-tensors-vs-flat", "flat-64M-vs-hbm-floor",
             "memory-flat-over-10-recaptures", "capture-with-pinned-memory-thread", "nccl-world1-collectives-captured",
             "graphstep-profile-capture-graph", "offload-pinned-and-memory",
             "fold-step-vs-fused-floor", "fold-backward-plus-step", "default-step-vs-torch-amp",
             "default-step-vs-adamw-fused-clip"}
 CPU_RUNNABLE = {f"bitwise-{p}-{k}" for p in ("fp32", "bf16", "fp16") for k in ("fused", "compiled")} | {
-    "preflight", "bitwise-negative-control", "forced-recapture", "cpu-time-per-replay",
-    "kernels-per-replay-independent-of-tensor-count", "offload-eager-vs-captured", "offload-vs-device-only",
-    "offload-overlap"}
-# Rows for features later issues add: they run where OptimizerConfig accepts them, else skip saying so.
+    "preflight", "preflight-torch-private-api", "bitwise-negative-control", "forced-recapture", "cpu-time-per-replay",
+    "kernels-per-replay-independent-of-tensor-count", "kernels-negative-control", "offload-eager-vs-captured",
+    "offload-vs-device-only", "offload-overlap", "fsdp2-one-rank-captured-vs-eager"}
+# Rows for features: they run where OptimizerConfig accepts them, else skip saying so.
 FEATURE_ROWS = {"family-muon", "family-fp8", "family-offload", "family-precision-aware"}
-# Two or more ranks: listed as skipped in the default run; ``--multi`` runs them (two gloo ranks with --cpu).
+# Two or more ranks: skipped in the default run, saying why; ``--multi`` runs them (two gloo ranks with --cpu).
 MULTI = {"multi-captured-step-matches-eager", "multi-teardown-after-capture", "multi-dead-peer-bounded"}
-BUDGET_S = 470  # perf/gpu_check.py's BUDGET_S: the dry run must finish well inside it
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            "PYTHON": sys.executable}
 
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     if torch.cuda.is_available():
-        pytest.skip("a GPU is present: run perf/gpu_check.py itself (the dry run is for CPU-only machines)")
+        pytest.skip("a GPU is present: run perf/gpu_check.sh itself (the dry run is for CPU-only machines)")
     out = tmp_path_factory.mktemp("gpu_check")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(ROOT / "perf" / "gpu_check.py"), str(out), "--cpu", "--no-install"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(["bash", str(ROOT / "perf" / "gpu_check.sh"), str(out), "--cpu"], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=gpu_check_parts.WHOLE_S)
     summary = json.loads((out / "gpu_check.json").read_text())
     return proc, summary, out
 
 
-def test_dry_run_lists_every_check(dry_run):
+def test_the_parts_run_in_the_pinned_order_and_their_limits_fit_the_budget():
+    assert [part.name for part in gpu_check_parts.PARTS] == ORDER
+    total = sum(part.limit_s for part in gpu_check_parts.PARTS)
+    assert total <= gpu_check_parts.PARTS_BUDGET_S, total
+    assert gpu_check_parts.PARTS_BUDGET_S + gpu_check_parts.INSTALL_LIMIT_S <= gpu_check_parts.WHOLE_S <= 8 * 60
+    assert all(0 < part.estimate_s <= part.limit_s for part in gpu_check_parts.PARTS)
+    assert gpu_check_parts.budget_problem() == ""
+
+
+def test_the_check_refuses_to_start_when_the_limits_exceed_the_budget(tmp_path, monkeypatch, capsys):
+    slow = [dataclasses.replace(part, limit_s=part.limit_s + 30) for part in gpu_check_parts.PARTS]
+    assert "add up to" in gpu_check_parts.budget_problem(slow)
+    monkeypatch.setattr(gpu_check, "PARTS", tuple(slow))
+    assert gpu_check.main([str(tmp_path / "out"), "--cpu"]) == 2
+    assert "lower a limit" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # refused before anything ran
+
+
+def test_a_part_past_its_limit_is_stopped_and_recorded_and_the_next_part_runs():
+    if torch.cuda.is_available():
+        pytest.skip("the dry run's parts are for CPU-only machines")
+    stuck = dataclasses.replace(gpu_check_parts.BY_NAME["bitwise"], limit_s=1)  # takes seconds on the CPU
+    seen = []
+    start = time.monotonic()
+    gpu_check_runner.run_parts([stuck, gpu_check_parts.BY_NAME["negative-control"]], True, start + 120, False,
+                               lambda part, checks: seen.append((part, checks)))
+    (first, first_checks), (second, second_checks) = seen
+    assert first["exit_code"] == "timeout" and {c["status"] for c in first_checks} == {"error"}
+    assert "did not finish within its 1 s limit" in first_checks[0]["detail"]
+    assert [c["check"] for c in first_checks] == list(stuck.checks)
+    assert second["exit_code"] == 0 and [c["status"] for c in second_checks] == ["pass"]
+
+
+def test_dry_run_lists_every_row_in_order(dry_run):
     _, summary, out = dry_run
     names = [c["check"] for c in summary["checks"]]
     assert sorted(names) == sorted(GPU_ONLY | CPU_RUNNABLE | FEATURE_ROWS | MULTI)
-    assert names[:2] == ["preflight", "pytest-tests-cuda"]  # correctness first: a budget cut falls on speed
-    assert summary["budget_s"] == BUDGET_S and summary["wall_s"] < BUDGET_S / 2, summary["wall_s"]
+    assert [part.name for part in gpu_check_parts.PARTS for _ in part.checks] == [c["part"] for c in summary["checks"]]
+    assert names == [c for part in gpu_check_parts.PARTS for c in part.checks]
+    assert [p["part"] for p in summary["parts"]] == ORDER
+    assert all(p["limit_s"] == gpu_check_parts.BY_NAME[p["part"]].limit_s for p in summary["parts"])
+    assert summary["budget_s"] == gpu_check_parts.PARTS_BUDGET_S
     table = (out / "gpu_check.md").read_text()
     assert [name for name in names if f"| {name} |" not in table] == []
+
+
+def test_dry_run_prints_one_line_per_row_and_each_parts_expected_time(dry_run):
+    proc, summary, _ = dry_run
+    lines = proc.stdout.splitlines()
+    for row in summary["checks"]:
+        assert sum(f" {row['check']}:" in line for line in lines) == 1, row["check"]
+    for part in gpu_check_parts.PARTS:
+        assert any(line.startswith(f"[{part.name}]") and f"expected ~{part.estimate_s} s" in line for line in lines)
+
+
+def test_the_preflight_names_the_versions_and_the_private_torch_names_it_checked(dry_run):
+    _, summary, _ = dry_run
+    by_name = {c["check"]: c for c in summary["checks"]}
+    facts = by_name["preflight"]["numbers"]
+    assert facts["torch"] == torch.__version__ and {"python", "triton", "driver", "cuda_build"} <= set(facts)
+    private = by_name["preflight-torch-private-api"]
+    assert private["status"] == "pass" and private["numbers"]["missing"] == []
+    assert "torch.ops._c10d_functional.reduce_scatter_tensor_out" in private["numbers"]["names"]
+    assert summary["install"]["status"].startswith(("pass", "skipped"))
 
 
 def test_speed_goals_state_the_bytes_they_are_derived_from(dry_run):
@@ -63,13 +134,14 @@ def test_speed_goals_state_the_bytes_they_are_derived_from(dry_run):
     assert "same bytes" in by_name["captured-10k-tensors-vs-flat"]
 
 
-def test_gpu_checks_are_skipped_for_want_of_cuda(dry_run):
+def test_gpu_rows_are_skipped_for_want_of_cuda(dry_run):
     _, summary, _ = dry_run
     by_name = {c["check"]: c for c in summary["checks"]}
     assert {name: by_name[name]["status"] for name in GPU_ONLY} == {name: "skipped: no CUDA" for name in GPU_ONLY}
+    assert {by_name[name]["status"] for name in MULTI} == {"skipped: multi-rank rows run with --multi (2 gloo ranks)"}
 
 
-def test_cpu_runnable_checks_pass_and_the_run_exits_zero(dry_run):
+def test_cpu_runnable_rows_pass_and_the_run_exits_zero(dry_run):
     proc, summary, _ = dry_run
     by_name = {c["check"]: c for c in summary["checks"]}
     failed = {n: (by_name[n]["status"], by_name[n]["detail"]) for n in CPU_RUNNABLE if by_name[n]["status"] != "pass"}
@@ -77,21 +149,23 @@ def test_cpu_runnable_checks_pass_and_the_run_exits_zero(dry_run):
     for name in FEATURE_ROWS:  # a feature the config accepts must pass; one it rejects is skipped with why
         status = by_name[name]["status"]
         assert status == "pass" or status.startswith("skipped: OptimizerConfig does not accept"), (name, status)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert all(p["exit_code"] in (0, None) for p in summary["parts"])
+    # the memory row's recapture count runs on the CPU too: a wrong count fails there, not only on a GPU
+    assert by_name["memory-flat-over-10-recaptures"]["numbers"]["recaptures"] == list(range(1, 11))
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert all(p["exit_code"] == 0 for p in summary["parts"])
 
 
 @pytest.mark.distributed  # two gloo ranks, spawned by the script with one deadline
 def test_the_multi_rank_part_runs_on_two_cpu_ranks(tmp_path):
-    # On a machine with one GPU the part is skipped; with --cpu the same scenarios run on two gloo ranks,
+    # On a machine with one GPU the rows are skipped; with --cpu the same scenarios run on two gloo ranks,
     # so what a >= 2-GPU machine will run is exercised here: captured vs eager, teardown, a dead peer.
     if torch.cuda.is_available():
-        pytest.skip("a GPU is present: run perf/gpu_check.py --multi itself")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(ROOT / "perf" / "gpu_check.py"), str(tmp_path), "--cpu", "--no-install",
-                           "--multi"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        pytest.skip("a GPU is present: run perf/gpu_check.sh --multi itself")
+    proc = subprocess.run(["bash", str(ROOT / "perf" / "gpu_check.sh"), str(tmp_path), "--cpu", "--multi"], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=300)
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     by_name = {c["check"]: (c["status"], c["detail"]) for c in summary["checks"]}
-    assert set(by_name) == {"preflight"} | MULTI
+    ran = {name for name, (status, _) in by_name.items() if status != "skipped: not chosen"}
+    assert ran == {"preflight", "preflight-torch-private-api"} | MULTI
     assert {name: by_name[name][0] for name in MULTI} == {name: "pass" for name in MULTI}, by_name
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stdout[-2000:]

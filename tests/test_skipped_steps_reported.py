@@ -118,6 +118,7 @@ def lightning_fit(precision, callbacks, logger=False, steps=6):
 
 @pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
 def test_lightning_callback_counts_the_skipped_steps_once_at_the_end(precision):
+    pytest.importorskip("lightning", reason="needs lightning (the optional lightning extra)")
     from graphstep.app.lightning import GraphstepSkippedSteps
 
     callback = GraphstepSkippedSteps()

@@ -23,8 +23,10 @@ graph would do to a step:
   non_blocking one from pinned memory, host (CPU) work inside a step that runs on a
   device, RNG ops unless the graph was built with `allow_rng=True`, and lazy
   initialisation during the recording (a torch.compile compiling, a process group's
-  first collective), and a torch.optim step over a param group with `capturable=False`
-  (torch's own capture health check, which a CPU build skips). The exact rules, and what
+  first collective), a torch.optim step over a param group with `capturable=False`
+  (torch's own capture health check, which a CPU build skips), and the stream and event
+  order a CUDA capture needs (side streams joined, events recorded inside it, another
+  stream's writes waited for), on the stand-ins of `_strict.py`. The exact rules, and what
   is not detected: `capture.unsafe` and `_strict.py`. Recording runs the ops, so a
   refused capture call has already applied the ops before the refused one (for host work
   and lazy initialisation, decided once fn has returned, the whole step): fix the step
@@ -103,6 +105,10 @@ _ADVICE = {
                "Keep the step's tensors on its device",
     LAZY_INIT: "first-time setup ran during the capture, which a CUDA capture cannot contain; run the step "
                "eagerly before capturing (warmup >= 1) so that it happens in warm-up",
+    _strict.STREAM_ORDER: "it breaks the order a CUDA capture needs between streams: a forked side stream must "
+                          "be joined back (capturing_stream.wait_stream(side)) before the capture ends, events "
+                          "waited on inside it must be recorded inside it, and a tensor another stream writes "
+                          "(FSDP2's reduce-scatter) must be waited for (its event) before the step starts",
     NOT_CAPTURABLE: "torch.optim's step raises under a CUDA capture when a param group has capturable=False "
                     "(fused=True included); build the optimizer with capturable=True (graphstep.wrap sets it "
                     "on fused Adam/AdamW groups, where it changes nothing in the math)",
@@ -130,6 +136,7 @@ class _Recorder(TorchDispatchMode):
         # Storage of each allocation a recorded op made -> slot of its first tensor.
         self.storage_slot: dict[int, int] = {}
         self.device_rule = _strict.DeviceStepRule()
+        self.stream_rules = _strict.StreamRules()
         # The dispatch-key state of the code that starts the recording (capture/_custom_ops.py).
         self.dispatch_tls = caller_dispatch_state()
         self.refusal: Optional[CaptureError] = None
@@ -240,6 +247,7 @@ class _Recorder(TorchDispatchMode):
                 works.append(pos)
                 _c10d.wait(y)
         self.device_rule.observe(func, tensors)
+        self.stream_rules.on_op(func, args, kwargs, out)
         out_spec = tree_flatten(out)[1] if (binds or works) else None
         self.instrs.append(Instr(func, spec, leaves, tuple(subs), tuple(binds), tuple(works), out_spec,
                                  matmul_precision=torch.get_float32_matmul_precision(),
@@ -283,10 +291,14 @@ class ReplayBackend:
 
         host_reads = HostReadMode(refuse_host_read)
         optimizer_check = _strict.OptimizerCaptureCheck(lambda found: rec.refuse_findings(NOT_CAPTURABLE, found))
-        with _strict.LazyInitWatch() as lazy, optimizer_check, _c10d.hide_ops_inside_wait(), host_reads, rec:
+        with _strict.LazyInitWatch() as lazy, optimizer_check, _c10d.hide_ops_inside_wait(), rec.stream_rules, \
+                host_reads, rec:
             outputs = fn()
         if rec.refusal is not None:
             raise rec.refusal
+        stream_order = rec.stream_rules.findings()
+        if stream_order:
+            raise rec.refuse_findings(_strict.STREAM_ORDER, stream_order)
         if lazy.findings:
             raise rec.refuse_findings(LAZY_INIT, lazy.findings)
         host_work = rec.device_rule.findings()

@@ -50,6 +50,15 @@ class LocalShard:
         return self.local.numel() - math.prod(self.real_shape)
 
 
+def _param_groups(state) -> list:
+    """An ``FSDPState``'s param groups: a list in newer torch (``_fsdp_param_groups``), one group or None in
+    torch 2.11 (``_fsdp_param_group``)."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return state._fsdp_param_groups
+    group = state._fsdp_param_group
+    return [group] if group is not None else []
+
+
 def _fsdp_params(chunks) -> dict[int, Any]:
     """``FSDPParam`` by id of its sharded param, over every ``fully_shard``-ed module of ``chunks``."""
     from torch.distributed.fsdp import FSDPModule
@@ -57,7 +66,7 @@ def _fsdp_params(chunks) -> dict[int, Any]:
     for chunk in chunks:
         for module in chunk.modules():
             if isinstance(module, FSDPModule):
-                for group in module._get_fsdp_state()._fsdp_param_groups:
+                for group in _param_groups(module._get_fsdp_state()):
                     for fsdp_param in group.fsdp_params:
                         found[id(fsdp_param.sharded_param)] = fsdp_param
     return found
