@@ -232,21 +232,29 @@ def apply_common(opt, step, group_updates, scaler_state, clip_grad, skip_thresho
 
 
 def refuse_together(opt, validate: Callable[[], Any], what: str) -> Any:
-    """``validate()`` on this rank, then agree with the other data-parallel ranks (one small all-reduce):
-    a rank that refuses its checkpoint refuses for all, so none of them copies anything and none waits in
-    the post-load all-gather for a rank that raised. Returns what ``validate`` returned."""
+    """``validate()`` on this rank, then agree with the other data-parallel ranks (``refuse_over``). Returns what
+    ``validate`` returned."""
+    group = opt.comm.dp_group if opt.layout.dp_size > 1 else None
+    return refuse_over(group, validate, opt.tensors.step.device, opt.rank,
+                       f"{what}: data-parallel rank {{rank}} refused the checkpoint")
+
+
+def refuse_over(group, validate: Callable[[], Any], device, rank: int, refusal: str) -> Any:
+    """``validate()`` on this rank, then agree over ``group`` (one small all-reduce; None: this rank alone): a
+    rank that refuses refuses for all, so none of them copies anything and none waits in a post-load collective
+    for a rank that raised. ``refusal`` names the refusing rank (``{rank}``, the rank in ``group`` that
+    ``rank`` is) for the ranks that did not refuse. Returns what ``validate`` returned."""
     error = None
     try:
         validated = validate()
     except (ValueError, TypeError) as exc:
         error = exc
-    group = opt.comm.dp_group
-    if opt.layout.dp_size > 1 and group is not None:
-        refused = torch.tensor([0.0 if error is None else 1.0 + opt.rank], device=opt.tensors.step.device)
+    if group is not None:
+        refused = torch.tensor([0.0 if error is None else 1.0 + rank], device=device)
         torch.distributed.all_reduce(refused, op=torch.distributed.ReduceOp.MAX, group=group)
         if error is None and refused.item() > 0:  # host read: loading happens between steps
-            raise StateDictError(f"{what}: data-parallel rank {int(refused.item()) - 1} refused the checkpoint "
-                                 "(see its error); nothing was loaded on any rank")
+            raise StateDictError(refusal.format(rank=int(refused.item()) - 1)
+                                 + " (see its error); nothing was loaded on any rank")
     if error is not None:
         raise error
     return validated

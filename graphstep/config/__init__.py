@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..families import family_name
+from ..families import family_name, implied_by
 from .unknown_fields import refusing_unknown_fields
 from .validation import KERNELS, MAX_LOSS_SCALE, MIN_LOSS_SCALE, validate
 
@@ -364,9 +364,11 @@ class OptimizerConfig:
             object.__setattr__(self, "loss_scale_window", int(self.loss_scale_window))
         if self.optimizer_cuda_graph is True and self.capture == "auto":
             object.__setattr__(self, "capture", "graph")
-        if self.optimizer == "dist_muon":  # Megatron-LM's --optimizer for Muon under its layer-wise sharding
-            object.__setattr__(self, "optimizer", "muon")
-            object.__setattr__(self, "use_layer_wise_distributed_optimizer", True)
+        implied = implied_by(self.optimizer)  # Megatron-LM's "dist_muon": Muon, sharded layer-wise
+        if implied is not None:
+            family, setting, value = implied
+            object.__setattr__(self, "optimizer", family)
+            object.__setattr__(self, setting, value)
         if self.use_layer_wise_distributed_optimizer is True:
             object.__setattr__(self, "use_distributed_optimizer", True)
         # Other spellings of a family ("adamw"): the family's own name, so everything downstream sees one.

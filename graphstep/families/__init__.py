@@ -32,7 +32,7 @@ family's rules, and no other module names a family (tests/test_family_registry.p
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from . import adam, ademamix, lion, muon, sgd
 from .base import (LR, WEIGHT_DECAY, Family, GroupViews, HyperField, MupRule, StateSpec, StepScalars, ViewSources,
@@ -122,6 +122,18 @@ _SPELLINGS = {
     # graphstep's "adam" decouples weight decay by default (decoupled_weight_decay=True): it is torch's AdamW.
     "adamw": (adam.NAME, "decoupled_weight_decay", True, "Adam with decoupled weight decay (torch's AdamW)"),
 }
+
+
+_IMPLYING = {
+    # Megatron-LM's --optimizer for Muon under its layer-wise distributed optimizer.
+    "dist_muon": (muon.NAME, "use_layer_wise_distributed_optimizer", True),
+}
+
+
+def implied_by(name) -> Optional[tuple[str, str, Any]]:
+    """(family, setting, value) for a spelling of ``_IMPLYING`` ("dist_muon"), which stands for that family with
+    that setting switched on; None for any other value."""
+    return _IMPLYING.get(name) if isinstance(name, str) else None
 
 
 def family_name(name, config, field: str = "optimizer"):

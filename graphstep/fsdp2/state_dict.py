@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..checkpoint.state_dict import (StateDictError, apply_common, check_mapping, check_param_groups, check_scaler,
                                      check_step, check_tensor, check_thresholds)
+from ..checkpoint.checks import refuse_over
 from ..families import state_spec
 from .shards import LocalShard
 
@@ -183,31 +184,14 @@ def _step_wide(opt, saved_groups, group_problem) -> tuple:
     return updates, extra["loss_scaler"], extra["clip_grad"], extra["grad_norm_skip_threshold"]
 
 
-def _refuse_together(opt, validate, mesh_group):
-    """``validate()`` here, then agree with the mesh's other ranks (one small all-reduce): a rank that refuses
-    its part refuses for all, so no rank loads a checkpoint another refused."""
-    error = None
-    try:
-        validated = validate()
-    except (ValueError, TypeError) as exc:
-        error = exc
-    if mesh_group is not None:
-        refused = torch.tensor([0.0 if error is None else 1.0 + dist.get_rank()], device=opt.tensors.step.device)
-        dist.all_reduce(refused, op=dist.ReduceOp.MAX, group=mesh_group)
-        if error is None and refused.item() > 0:  # host read: loading happens between steps
-            raise StateDictError(f"load_state_dict: rank {int(refused.item()) - 1} refused its part of the FSDP2 "
-                                 "optimizer state dict (see its error); nothing was loaded on any rank")
-    if error is not None:
-        raise error
-    return validated
-
-
 @torch.no_grad()
 def load_state_dict(opt, state_dict: Any, *, mesh_group, group_problem) -> None:
     """Check everything on every rank of ``mesh_group`` (refusing together; None: one rank), then copy into the
     buffers in place. ``group_problem(groups)``: what the next step would refuse in the loaded param groups, or
     None. A refused load raises ``StateDictError`` naming the param and field; nothing has changed on any rank."""
-    plan = _refuse_together(opt, lambda: _validate(opt, state_dict, group_problem), mesh_group)
+    refusal = "load_state_dict: rank {rank} refused its part of the FSDP2 optimizer state dict"
+    plan = refuse_over(mesh_group, lambda: _validate(opt, state_dict, group_problem), opt.tensors.step.device,
+                       dist.get_rank(), refusal)
     for name, (buffer, start, size), shard, source in plan.copies:
         values = opt.buffers.read_part(name, buffer, start, size)  # the buffer's own view where full precision
         if values.data_ptr() != source.data_ptr():  # DCP may have loaded into that very view
