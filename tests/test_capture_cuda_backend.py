@@ -53,8 +53,8 @@ def test_expandable_segments_turned_on_at_run_time_are_refused_too():
     check_nccl_capture_environment({}, allocator="max_split_size_mb:64")
 
 
-@pytest.mark.skipif(not hasattr(torch._C, "_accelerator_setAllocatorSettings"),
-                    reason="this torch has no _accelerator_setAllocatorSettings (torch 2.11): graphstep reads none")
+@pytest.mark.skipif(not hasattr(torch._C, "_accelerator_getAllocatorSettings"),
+                    reason="this torch has no _accelerator_getAllocatorSettings (torch 2.11): graphstep reads none")
 def test_the_allocator_settings_are_read_from_torch():
     torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
     assert "expandable_segments" in cuda_backend.allocator_settings()
