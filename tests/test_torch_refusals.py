@@ -1,5 +1,6 @@
 """What graphstep does not take is refused up front, with the way that works: graphstep's own reshardable
-format handed to torch's set_state_dict (which takes torch's format: tests/test_torch_state_dict_api.py); and a cast of the user's model (bf16 / fp16 / params_dtype) is said once at build, never silent."""
+format handed to torch's set_state_dict (which takes torch's format: tests/test_torch_state_dict_api.py); and a
+cast of the user's model (bf16 / fp16 / params_dtype) is said once at build, never silent."""
 
 import warnings
 
