@@ -266,6 +266,19 @@ def test_a_betas_schedule_every_step_recaptures_with_a_warning():
             sched.step()
 
 
+def test_params_replaced_every_step_recapture_with_a_warning_that_names_the_replacement():
+    # The streak warning used to blame a baked hyperparameter whatever made the step stale.
+    model = tiny_transformer()
+    opt = gs.get_optimizer(gs.OptimizerConfig(capture="graph", capture_warmup_steps=1, kernel="fused"), model)
+    with pytest.warns(RuntimeWarning, match="replaced after capture: param '0.weight'.*static inputs change every"):
+        for step in range(12):
+            opt.zero_grad()
+            loss_fn(model, step).backward()
+            model[0].weight.data = model[0].weight.detach().clone()  # a new tensor, not a write into the old one
+            opt.step()
+    assert opt.recaptures >= 3
+
+
 def test_debug_step_reports_stages_and_the_origin_of_a_nan():
     model = tiny_transformer()
     opt = gs.get_optimizer(gs.OptimizerConfig(capture="eager"), model)

@@ -43,6 +43,7 @@ logger = logging.getLogger("graphstep")
 # Recapturing at this many replays in a row (no replay going through between) means a baked hyperparameter
 # changes every step.
 RECAPTURE_WARNING_STREAK = 3
+BAKED_CHANGE = "a value baked into the captured step changed"  # how a recapture for a baked value starts
 # Eager steps before each recapture: what made the step stale (a baked choice that changed, new state
 # tensors) may need a compiled variant or lazy setup the old capture never ran, and none of that may run
 # inside a capture. One step suffices: it runs the very step the capture will record.
@@ -142,7 +143,7 @@ class StepRunner:
             if self._invalidation == "raise":
                 raise
             logger.warning("graphstep: a static input of the captured step moved; recapturing")
-            self._recapture()
+            self._recapture("a static input of the captured step moved")
             was_captured = False
             self._graph()
         except Exception as error:
@@ -164,7 +165,7 @@ class StepRunner:
         if reason is None and self._graph.captured:
             changed = self._baked.change()
             if changed is not None:
-                reason = f"a value baked into the captured step changed ({changed})"
+                reason = f"{BAKED_CHANGE} ({changed})"
         if self._agree is not None and self._agree(reason is not None) and reason is None:
             reason = "another rank's captured step went stale"
         if reason is None:
@@ -176,7 +177,7 @@ class StepRunner:
                 f"{reason}; call opt.recapture() to continue (kernel='compiled' or 'reference' keeps every "
                 "hyperparameter live)")
         logger.warning("graphstep: %s; recapturing", reason)
-        self._recapture()
+        self._recapture(reason)
 
     def _check_then_capture(self) -> None:
         self._check_first = False
@@ -211,14 +212,19 @@ class StepRunner:
                        reason)
         self._eager_step_fn()
 
-    def _recapture(self) -> None:
+    def _recapture(self, reason: str) -> None:
+        """Capture again at the next step; warn once when that happens at every step (``reason``: why this time)."""
         self.recaptures += 1
         self._recapture_streak += 1
         self.invalidate()
         if self._recapture_streak >= RECAPTURE_WARNING_STREAK and not self._warned_streak:
             self._warned_streak = True
-            warnings.warn("graphstep: the captured step was recaptured on each of the last "
-                          f"{self._recapture_streak} replays because a value it bakes in (a hyperparameter the "
-                          "fused kernel takes as a Python float: betas, eps, weight decay or momentum) changes "
-                          "every step; kernel='compiled' or 'reference' keeps every hyperparameter live",
-                          RuntimeWarning, stacklevel=4)
+            if reason.startswith(BAKED_CHANGE):
+                advice = ("a value it bakes in (a hyperparameter the fused kernel takes as a Python float: betas, "
+                          "eps, weight decay or momentum) changes every step; kernel='compiled' or 'reference' "
+                          "keeps every hyperparameter live")
+            else:
+                advice = ("its static inputs change every step; replace params and buffers in place (copy_) "
+                          "instead of swapping tensors, or run the step eagerly (capture='eager')")
+            warnings.warn(f"graphstep: the captured step was recaptured on each of the last {self._recapture_streak} "
+                          f"replays, the last time because {reason}: {advice}", RuntimeWarning, stacklevel=4)
