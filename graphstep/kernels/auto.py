@@ -195,8 +195,7 @@ def choose(configured: str, device: torch.device, *, capture: str, warmup_steps:
     if configured == "compiled" and needs_kernel:  # a miscompile refused at build, not trained on
         works, why_not, _ = probe_compiled(device, hyper_dtype)
         if not works:
-            raise RuntimeError(f"kernel='compiled': torch.compile does not work on {device} ({why_not}); set "
-                               "kernel='fused', or kernel='auto', which falls back to 'fused' by itself")
+            raise _compiled_refused(f"on {device} ({why_not})")
     if configured != "auto":
         return KernelChoice(configured, "configured")
     if not needs_kernel:
@@ -219,6 +218,23 @@ def choose(configured: str, device: torch.device, *, capture: str, warmup_steps:
         warnings.warn(f"graphstep: kernel='auto' runs 'fused': torch.compile does not work on {device} "
                       f"({why_not}); set kernel='fused' to choose it explicitly", stacklevel=3)
     return KernelChoice("fused", f"torch.compile does not work on {device}: {why_not}")
+
+
+def _compiled_refused(where: str) -> RuntimeError:
+    return RuntimeError(f"kernel='compiled': torch.compile does not work {where}; set kernel='fused', or "
+                        "kernel='auto', which falls back to 'fused' by itself")
+
+
+def agree_compiled(comm, device: torch.device, hyper_dtype: torch.dtype) -> None:
+    """``kernel="compiled"`` with several data-parallel ranks: refused on every rank when the probe failed on any.
+    A rank refusing alone would leave the others built and waiting for it in their first collective. One MAX
+    all-reduce at build (1.0 = "the probe failed here"), before ``choose`` refuses on the failing rank itself."""
+    works, _, _ = probe_compiled(device, hyper_dtype)
+    failed = torch.tensor(0.0 if works else 1.0, device=device)
+    comm.all_reduce_max(failed, "kernel='compiled' agreement")
+    # A host read at build, never in the step.
+    if works and failed.item():
+        raise _compiled_refused("on another data-parallel rank (see its error)")
 
 
 def agree(choice: KernelChoice, comm, device: torch.device) -> KernelChoice:

@@ -295,6 +295,19 @@ def auto_kernel_agreement(rank: int, world_size: int) -> dict:
     return out
 
 
+def compiled_kernel_refused_on_every_rank(rank: int, world_size: int) -> dict:
+    """kernel="compiled" with rank 1's probe failing (set, not run): what each rank's build raised, or None."""
+    from graphstep.kernels import auto
+
+    works = rank != 1
+    auto._probed[("cpu", -1, torch.float64)] = (works, "" if works else "forced failure", 0.0)
+    try:
+        get_optimizer(make_config("adam_fp32", world_size, kernel="compiled"), tiny_transformer())
+    except RuntimeError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
 def teardown_after_capture(rank: int, world_size: int) -> dict:
     """Capture a 2-rank step, then tear the job down the way perf/train_ddp.py's users might: without
     closing the optimizer first."""

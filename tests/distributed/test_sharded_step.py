@@ -124,6 +124,13 @@ def test_compiled_kernel_on_shards_matches_its_single_process_run():
         assert result["ok"] == expected_ok
 
 
+def test_kernel_compiled_that_fails_on_one_rank_is_refused_on_every_rank():
+    # Refused on the failing rank alone, the others built and would wait for it in their first collective.
+    rank0, rank1 = values(spawn(_workers.compiled_kernel_refused_on_every_rank, 2, timeout=50))
+    assert rank1["error"] is not None and "forced failure" in rank1["error"]
+    assert rank0["error"] is not None and "another data-parallel rank" in rank0["error"]
+
+
 def test_kernel_auto_is_agreed_across_ranks():
     # Each rank probes torch.compile alone; if it fails on one rank, every rank runs "fused", and says why.
     results = values(spawn(_workers.auto_kernel_agreement, 2, timeout=50))
