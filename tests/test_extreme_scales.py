@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import graphstep as gs
-from toy import relative_drift
+from toy import backward_and_step, grad_scaler, relative_drift
 
 LR, CLIP, STEPS = 1e-2, 0.01, 3  # clip coefficients of about 0.02: the full factor passes fp32 max from 2**123
 LARGE_SCALES = [2.0**124, 2.0**125, 2.0**126, 2.0**127]
@@ -52,16 +52,10 @@ def graphstep_run(optimizer: str, kernel: str, *, loss_scale=None, amp_scale=Non
     config = gs.OptimizerConfig(optimizer=optimizer, lr=LR, weight_decay=0.1, clip_grad=clip, loss_scale=loss_scale,
                                 kernel=kernel, capture="eager", **extra)
     opt = gs.get_optimizer(config, model, config_overrides={})
-    amp = None if amp_scale is None else torch.amp.GradScaler("cpu", init_scale=amp_scale, growth_interval=10**6)
+    amp = grad_scaler(amp_scale)
     for inputs in data:
-        loss = loss_of(model, inputs)
-        if amp is not None:
-            amp.scale(loss).backward()
-            amp.step(opt)
-            amp.update()
-        else:
-            opt.scale_loss(loss).backward()
-            result = opt.step()
+        result = backward_and_step(opt, loss_of(model, inputs), amp)
+        if amp is None:
             assert bool(result.update_successful), f"loss scale {loss_scale}: a finite step was skipped"
         opt.zero_grad()
     if amp is not None:
@@ -124,16 +118,9 @@ def family_run(optimizer, kernel, *, loss_scale=None, amp_scale=None, capture="e
     config = gs.OptimizerConfig(optimizer=optimizer, lr=LR, weight_decay=0.1, clip_grad=CLIP, loss_scale=loss_scale,
                                 kernel=kernel, capture=capture, capture_warmup_steps=1)
     opt = gs.get_optimizer(config, model, config_overrides={})
-    amp = None if amp_scale is None else torch.amp.GradScaler("cpu", init_scale=amp_scale, growth_interval=10**6)
+    amp = grad_scaler(amp_scale)
     for step, inputs in enumerate(data):
-        loss = loss_of(model, inputs) * (float("inf") if step == inf_step else 1.0)
-        if amp is not None:
-            amp.scale(loss).backward()
-            amp.step(opt)
-            amp.update()
-        else:
-            opt.scale_loss(loss).backward()
-            opt.step()
+        backward_and_step(opt, loss_of(model, inputs) * (float("inf") if step == inf_step else 1.0), amp)
         opt.zero_grad()
     return model, opt
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import graphstep as gs
+from toy import backward_and_step, grad_scaler
 
 
 def run(offload: bool, *, amp_scale=None, loss_scale=None, clip=0.0, optimizer="sgd"):
@@ -19,17 +20,10 @@ def run(offload: bool, *, amp_scale=None, loss_scale=None, clip=0.0, optimizer="
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # offload on a CPU-only machine says what it does
         opt = gs.get_optimizer(config, model, config_overrides={})
-    amp = None if amp_scale is None else torch.amp.GradScaler("cpu", init_scale=amp_scale, growth_interval=10**6)
+    amp = grad_scaler(amp_scale)
     for step in range(4):
         inputs = torch.randn(3, 16, generator=torch.Generator().manual_seed(step))
-        loss = model(inputs).square().mean()
-        if amp is not None:
-            amp.scale(loss).backward()
-            amp.step(opt)
-            amp.update()
-        else:
-            opt.scale_loss(loss).backward()
-            opt.step()
+        backward_and_step(opt, model(inputs).square().mean(), amp)
         opt.zero_grad()
     return model
 

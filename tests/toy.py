@@ -59,3 +59,20 @@ def relative_error(params, reference):
     num = sum(((a.detach().double() - b.detach().double()) ** 2).sum() for a, b in zip(params, reference))
     den = sum((b.detach().double() ** 2).sum() for b in reference)
     return (num / den).sqrt().item()
+
+
+def grad_scaler(init_scale=None):
+    """torch's GradScaler on the CPU at a fixed ``init_scale`` (it never grows within a test), or None."""
+    return None if init_scale is None else torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=10**6)
+
+
+def backward_and_step(opt, loss, amp=None):
+    """``loss``'s backward and ``opt``'s step: through torch's GradScaler ``amp`` when given (returns None), else
+    through graphstep's own loss scale (returns the StepResult)."""
+    if amp is not None:
+        amp.scale(loss).backward()
+        amp.step(opt)
+        amp.update()
+        return None
+    opt.scale_loss(loss).backward()
+    return opt.step()
