@@ -88,6 +88,16 @@ def test_a_group_eps_set_at_runtime_is_checked_as_the_configs(family, eps):
 MOMENTA = [0.9, 0.9, 0.0, 0.0, 0.9, 0.5]
 
 
+def _step_both_at(*runs, step: int, momentum: float) -> None:
+    """One step of each (optimizer, model) run, every group's momentum set to ``momentum`` first."""
+    for optimizer, model in runs:
+        for group in optimizer.param_groups:
+            group["momentum"] = momentum
+        optimizer.zero_grad()
+        _backward(model, step, zero_first_bias=False)
+        optimizer.step()
+
+
 @pytest.mark.parametrize("capture", ["eager", "graph"])
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_the_fused_kernel_takes_momentum_0_as_torchs_fused_sgd_bitwise(nesterov, capture):
@@ -98,12 +108,7 @@ def test_the_fused_kernel_takes_momentum_0_as_torchs_fused_sgd_bitwise(nesterov,
                      kernel="fused", capture=capture, capture_warmup_steps=1)
     reference = torch.optim.SGD(theirs.parameters(), lr=1e-2, momentum=0.9, nesterov=nesterov, fused=True)
     for step, momentum in enumerate(MOMENTA):
-        for optimizer, model in ((opt, ours), (reference, theirs)):
-            for group in optimizer.param_groups:
-                group["momentum"] = momentum
-            optimizer.zero_grad()
-            _backward(model, step, zero_first_bias=False)
-            optimizer.step()
+        _step_both_at((opt, ours), (reference, theirs), step=step, momentum=momentum)
         for a, b in zip(ours.parameters(), theirs.parameters()):
             assert torch.equal(a, b), f"step {step} (momentum {momentum})"
 
@@ -118,12 +123,7 @@ def test_momentum_0_steps_plain_sgd_and_keeps_the_buffers_with_every_kernel(kern
                      kernel=kernel)
     reference = torch.optim.SGD(theirs.parameters(), lr=1e-2, momentum=0.9, nesterov=nesterov)
     for step, momentum in enumerate(MOMENTA):
-        for optimizer, model in ((opt, ours), (reference, theirs)):
-            for group in optimizer.param_groups:
-                group["momentum"] = momentum
-            optimizer.zero_grad()
-            _backward(model, step, zero_first_bias=False)
-            optimizer.step()
+        _step_both_at((opt, ours), (reference, theirs), step=step, momentum=momentum)
     for a, b in zip(ours.parameters(), theirs.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
