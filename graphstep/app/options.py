@@ -26,14 +26,18 @@ from capture.devices import accelerator_available
 _CHECKOUT = Path(__file__).resolve().parents[2]
 
 
-def positive_int(text: str) -> int:
+def _integer_at_least(text: str, least: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _integer_at_least(text, 1, "a positive integer")
 
 
 def positive_float(text: str) -> float:
@@ -47,13 +51,7 @@ def positive_float(text: str) -> float:
 
 
 def nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
-    return value
+    return _integer_at_least(text, 0, "a non-negative integer")
 
 
 AUTO_DEVICE = "auto"
