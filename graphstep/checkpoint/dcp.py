@@ -38,8 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from . import checksums, integrity, sharded
-from . import state_dict as flat
+from . import checks, checksums, integrity, sharded
 from .integrity import CheckpointError
 
 _SAVING, _OLD = ".saving", ".old"
@@ -320,7 +319,7 @@ def _naming(where: str):
     ``CheckpointError`` that names the checkpoint too."""
     try:
         yield
-    except flat.StateDictError as err:
+    except checks.StateDictError as err:
         raise CheckpointError(f"{where}: {err}") from err
 
 
@@ -357,8 +356,8 @@ def load(opt, path: str, model: Optional[torch.nn.Module] = None) -> None:
     opt_sd = {k: v for k, v in template.items() if not k.startswith(MODEL_PREFIX)}
     with _naming(where):
         for key, value in model_sd.items():
-            if not flat.all_finite(value):
-                raise flat.StateDictError(f"load: model entry '{key}' holds NaN or inf")
+            if not checks.all_finite(value):
+                raise checks.StateDictError(f"load: model entry '{key}' holds NaN or inf")
         plan = sharded.validate_everywhere(opt, opt_sd)  # every check, on every rank, before anything changes
     if model is not None:
         model.load_state_dict(model_sd)  # in place; the params are then published from the main params

@@ -40,7 +40,7 @@ import torch
 from ..families import state_spec
 from ..fp8 import checkpoint as fp8_checkpoint
 from ..step.domains import refuse_checkpoint
-from . import state_dict as flat
+from . import checks
 from .param_pieces import dp_global_ranks, ownership
 
 FORMAT = "graphstep-sharded"
@@ -95,11 +95,11 @@ def encode_json(value: Any) -> torch.Tensor:
 
 def decode_json(tensor: Any, where: str) -> Any:
     if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 1:
-        raise flat.StateDictError(f"load_sharded_state_dict: {where} must be a 1-D uint8 tensor of JSON text")
+        raise checks.StateDictError(f"load_sharded_state_dict: {where} must be a 1-D uint8 tensor of JSON text")
     try:
         return json.loads(bytes(tensor.tolist()).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise flat.StateDictError(f"load_sharded_state_dict: {where} is not valid JSON ({exc})") from None
+        raise checks.StateDictError(f"load_sharded_state_dict: {where} is not valid JSON ({exc})") from None
 
 
 def _sharded(local: torch.Tensor | None, place, owners: list, global_ranks: list[int], rank: int,
@@ -187,13 +187,13 @@ def load_template(opt, json_sizes: dict[str, int]) -> dict:
     return sd
 
 
-def _fail(where: str, problem: str) -> flat.StateDictError:
-    return flat.StateDictError(f"load_sharded_state_dict: {where} {problem}")
+def _fail(where: str, problem: str) -> checks.StateDictError:
+    return checks.StateDictError(f"load_sharded_state_dict: {where} {problem}")
 
 
 def check_meta(opt, meta: Any) -> None:
     """Format and version known; the same params (names and shapes) and state kinds as this optimizer."""
-    flat.check_mapping(meta, f"[{META_KEY!r}]", ("format", "version", "params", "state", "scaler", "clip_grad",
+    checks.check_mapping(meta, f"[{META_KEY!r}]", ("format", "version", "params", "state", "scaler", "clip_grad",
                                                   "grad_norm_skip_threshold"))
     if meta["format"] != FORMAT:
         raise _fail(f"[{META_KEY!r}]['format']", f"is {meta['format']!r:.60}, expected {FORMAT!r}")
@@ -247,7 +247,7 @@ def _check_entry(opt, value: Any, key: str, place, owned, nonnegative: bool) -> 
         value = value[owned.param_start:owned.param_end]  # a full (unsharded) entry: take this rank's part
     elif isinstance(value, torch.Tensor) and tuple(value.shape) == (place.numel,) and owned is None:
         return None  # a full entry of a param this rank owns none of
-    return flat.check_tensor(value, f"[{key!r}]", like, nonnegative=nonnegative)
+    return checks.check_tensor(value, f"[{key!r}]", like, nonnegative=nonnegative)
 
 
 @torch.no_grad()
@@ -260,12 +260,12 @@ def load_sharded_state_dict(opt, sd: Any) -> None:
 
 def validate_everywhere(opt, sd: Any) -> dict:
     """``validate`` on this rank, refusing together with the other data-parallel ranks."""
-    return flat.refuse_together(opt, lambda: validate(opt, sd), "load_sharded_state_dict")
+    return checks.refuse_together(opt, lambda: validate(opt, sd), "load_sharded_state_dict")
 
 
 def validate(opt, sd: Any) -> dict:
     """Every check of a load, nothing copied; returns what ``apply_validated`` copies."""
-    flat.check_mapping(sd, "sharded state dict", (META_KEY, GROUPS_KEY, STEP_KEY))
+    checks.check_mapping(sd, "sharded state dict", (META_KEY, GROUPS_KEY, STEP_KEY))
     meta = decode_json(sd[META_KEY], f"[{META_KEY!r}]")
     check_meta(opt, meta)
     owned = {o.param: o for o in opt.layout.owned_ranges(opt.rank)}
@@ -281,24 +281,24 @@ def validate(opt, sd: Any) -> dict:
             if source is not None and _kept(opt, kind, place.buffer, mine.shard_start, source.numel()):
                 copies.append(functools.partial(opt.buffers.write_part, _buffer_kind(kind), place.buffer,
                                                 mine.shard_start, source.numel(), source))
-    flat.check_step(sd[STEP_KEY], f"[{STEP_KEY!r}]", opt.tensors.step)
+    checks.check_step(sd[STEP_KEY], f"[{STEP_KEY!r}]", opt.tensors.step)
     scaler = None
     if meta["scaler"] is not None:
         if not isinstance(meta["scaler"], list) or not all(isinstance(k, str) for k in meta["scaler"]):
             raise _fail(f"[{META_KEY!r}]['scaler']", "must be a list of the scaler's keys")
         scaler = {k: sd.get(SCALER_PREFIX + k) for k in meta["scaler"]}
-    flat.check_scaler(opt, scaler, "[optimizer.scaler.*]", name=lambda key: f"[{SCALER_PREFIX + key!r}]")
+    checks.check_scaler(opt, scaler, "[optimizer.scaler.*]", name=lambda key: f"[{SCALER_PREFIX + key!r}]")
     groups = _match_groups(opt, decode_json(sd[GROUPS_KEY], f"[{GROUPS_KEY!r}]"))
-    updates = flat.check_param_groups(opt, groups, f"[{GROUPS_KEY!r}]", check_indices=False)
+    updates = checks.check_param_groups(opt, groups, f"[{GROUPS_KEY!r}]", check_indices=False)
     for values, group in zip(updates, opt.param_groups):
         for key, value in values.items():  # JSON has no tuples: give back the live group's type
             if isinstance(group.get(key), tuple) and isinstance(value, list):
                 values[key] = tuple(value)
-    flat.check_thresholds(meta["clip_grad"], meta["grad_norm_skip_threshold"], f"[{META_KEY!r}]")
+    checks.check_thresholds(meta["clip_grad"], meta["grad_norm_skip_threshold"], f"[{META_KEY!r}]")
     try:
         fp8_copies = fp8_checkpoint.check_sharded(opt, sd)
     except fp8_checkpoint.Fp8StateError as exc:
-        raise flat.StateDictError(f"load_sharded_state_dict: {exc}") from None
+        raise checks.StateDictError(f"load_sharded_state_dict: {exc}") from None
     return {"copies": copies, "fp8_copies": fp8_copies, "step": sd[STEP_KEY], "groups": updates, "scaler": scaler,
             "clip_grad": meta["clip_grad"], "grad_norm_skip_threshold": meta["grad_norm_skip_threshold"]}
 
@@ -308,7 +308,7 @@ def apply_validated(opt, plan: dict) -> None:
     """Copy what ``validate`` accepted into the static buffers, then publish the params (collective)."""
     for write in plan["copies"]:
         write()
-    flat.apply_common(opt, plan["step"], plan["groups"], plan["scaler"], plan["clip_grad"],
+    checks.apply_common(opt, plan["step"], plan["groups"], plan["scaler"], plan["clip_grad"],
                       plan["grad_norm_skip_threshold"])
     opt.publish_params()
     fp8_checkpoint.apply(plan["fp8_copies"])  # the saved fp8 bytes and scales replace the publish's recast

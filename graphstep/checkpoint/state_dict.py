@@ -10,8 +10,7 @@ torch's checkpoint API goes through the same two methods: ``state_dict`` called 
 torch's optimizer format instead, and ``load_state_dict`` takes a dict in torch's format wherever it comes
 from (``torch_format.py``).
 
-The checks every format shares (step, param groups, scaler, step-wide thresholds) live in ``checks.py`` and
-are importable from here as they always were.
+The checks every format shares (step, param groups, scaler, step-wide thresholds) live in ``checks.py``.
 """
 
 from __future__ import annotations
@@ -24,9 +23,8 @@ import torch
 from ..families import state_spec
 from ..fp8 import checkpoint as fp8_checkpoint
 from . import torch_format
-from .checks import (StateDictError, _all_params, _fail, all_finite, apply_common, check_mapping,  # noqa: F401
-                     check_number, check_param_groups, check_scaler, check_step, check_tensor, check_tensor_list,
-                     check_thresholds, plain_equal, refuse_together)
+from .checks import (StateDictError, _all_params, _fail, apply_common, check_mapping, check_param_groups, check_scaler,
+                     check_step, check_tensor_list, check_thresholds, plain_equal, refuse_together)
 
 STATE_DICT_FORMAT = "graphstep/1"
 _TOP_KEYS = ("format", "layout", "rank", "step", "main_params", "state", "param_groups", "scaler", "clip_grad",

@@ -12,7 +12,7 @@ every group under ``"graphstep"``, as do ``clip_grad`` and ``grad_norm_skip_thre
 
 ``load_state_dict`` takes that shape with int or FQN keys (DCP renames them), pairing saved params with live ones
 by position as torch does. A load is all or nothing: everything is checked first, with graphstep's own checkpoint
-checks (graphstep/checkpoint/state_dict.py): each state tensor this rank's shard's shape and dtype, finite, a second
+checks (graphstep/checkpoint/checks.py): each state tensor this rank's shard's shape and dtype, finite, a second
 moment never negative; one step count, a 0-d tensor of the step's dtype, a non-negative whole number, the same in
 every entry; the groups' hyperparameters, the scaler and the thresholds. The ranks of the mesh agree (a rank that
 refuses refuses for all); only then is anything copied, in place (nothing is replaced, nothing recaptured). A
@@ -29,9 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.state_dict import (StateDictError, apply_common, check_mapping, check_param_groups, check_scaler,
-                                     check_step, check_tensor, check_thresholds)
-from ..checkpoint.checks import refuse_over
+from ..checkpoint.checks import (StateDictError, apply_common, check_mapping, check_param_groups, check_scaler,
+                                 check_step, check_tensor, check_thresholds, refuse_over)
 from ..families import state_spec
 from .shards import LocalShard
 
@@ -131,7 +130,7 @@ def _validate(opt, state_dict: Any, group_problem) -> _Plan:
 
 def _check_state(opt, entry: Mapping, name: str, place, shard: LocalShard, where: str) -> torch.Tensor:
     """State ``name`` of ``entry`` (a DTensor's local tensor or a plain tensor), checked as graphstep's flat and
-    reshardable formats check it (graphstep/checkpoint/state_dict.py ``check_tensor``)."""
+    reshardable formats check it (graphstep/checkpoint/checks.py ``check_tensor``)."""
     if name not in entry:
         raise StateDictError(f"{where} has no {name!r} (param '{shard.name}')")
     source = _local(entry[name])
