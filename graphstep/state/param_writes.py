@@ -30,6 +30,7 @@ import torch
 from ..fp8 import dequantize, quantize
 
 _VERSION = operator.attrgetter("_version")
+_NO_ALIAS = torch.empty(0)  # the alias of a param that has none: never written, so its counter never moves
 
 
 class ParamWrites:
@@ -38,7 +39,7 @@ class ParamWrites:
         ``aliases``: the model's state-dict aliases (``ModelStateDict``: ``alias_of(param)`` and a ``generation``
         that moves when they change), or None."""
         self._buffers = buffers
-        self._aliases, self._alias_generation, self._alias_tensors = aliases, None, []
+        self._aliases, self._alias_generation = aliases, None
         separate = [not is_main or buffers.host is not None for is_main in buffers.main_is_param]
         self._ranges: dict[int, list] = {}  # param index -> this rank's owned ranges of it
         for owned in buffers.layout.owned_ranges(buffers.rank):
@@ -46,28 +47,38 @@ class ParamWrites:
             if separate[buffer] and buffers.stored_kind("main", buffer) is None:
                 self._ranges.setdefault(owned.param, []).append(owned)
         self._watched = [buffers.params[i] for i in self._ranges]
+        self._alias_tensors = [_NO_ALIAS] * len(self._watched)
+        self._refresh_aliases()
         self._versions = self._read_versions()
 
-    def _read_versions(self) -> list:
-        """Per watched param, its version counter and its alias's (-1 without one)."""
+    def _refresh_aliases(self) -> bool:
+        """Take the aliases anew where they changed (made or dropped: another optimizer took the params, or this
+        one took them back); whether they did. A new alias's counter says nothing against the old one's."""
         aliases = self._aliases
-        if aliases is not None and aliases.generation != self._alias_generation:
-            self._alias_generation = aliases.generation
-            self._alias_tensors = [aliases.alias_of(p) for p in self._watched]
-        if not self._alias_tensors:
-            return list(map(_VERSION, self._watched))
-        return [(p._version, -1 if alias is None else alias._version)
-                for p, alias in zip(self._watched, self._alias_tensors)]
+        if aliases is None or aliases.generation == self._alias_generation:
+            return False
+        self._alias_generation = aliases.generation
+        self._alias_tensors = [_NO_ALIAS if alias is None else alias for alias in map(aliases.alias_of, self._watched)]
+        return True
+
+    def _read_versions(self) -> tuple[list, list]:
+        """The watched params' version counters, and their aliases' (a never-written stand-in's where a param has
+        none): two C-level maps, no per-param Python, as this runs before every step."""
+        return list(map(_VERSION, self._watched)), list(map(_VERSION, self._alias_tensors))
 
     def take(self, everything: bool = False) -> None:
         """Copy into this rank's main params every element written into the params (or through their
-        state-dict aliases) since the last call (``everything``: compare every watched param, written or not)."""
+        state-dict aliases) since the last call (``everything``: compare every watched param, written or not;
+        so is every one after the aliases changed)."""
+        everything = self._refresh_aliases() or everything
         versions = self._read_versions()
         if versions == self._versions and not everything:
             return
         buffers = self._buffers
-        for index, was, now in zip(self._ranges, self._versions, versions, strict=True):
-            if was == now and not everything:
+        (params_was, aliases_was), (params_now, aliases_now) = self._versions, versions
+        for index, was, now, alias_was, alias_now in zip(self._ranges, params_was, params_now, aliases_was,
+                                                         aliases_now, strict=True):
+            if was == now and alias_was == alias_now and not everything:
                 continue
             for owned in self._ranges[index]:
                 buffer, size = buffers.layout.params[index].buffer, owned.param_end - owned.param_start
