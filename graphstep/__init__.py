@@ -4,8 +4,8 @@ See README.md for the training loop and docs/design.md for the data flow and the
 """
 
 from . import checkpoint, fp8, qk_clip
-from .build.layout import Layout, ParamSpec, plan_layout
-from .build.overrides import (NamedPredicate, ParamGroupOverride, ParamKey, check_config_overrides_consistency,
+from .plan.layout import Layout, ParamSpec, plan_layout
+from .plan.overrides import (NamedPredicate, ParamGroupOverride, ParamKey, check_config_overrides_consistency,
                               get_mup_config_overrides, get_standard_config_overrides)
 from .checkpoint import CheckpointError
 from .config import OptimizerConfig

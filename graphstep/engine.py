@@ -19,12 +19,12 @@ from capture.profile import Ranges
 
 from . import families as families_mod
 from . import offload
-from .build import model_parallel
-from .build.experts import is_expert_param
-from .build.layout import plan_layout
-from .build.model_params import (as_chunks, named_model_params, named_trainable_params, param_spec,
+from .plan import model_parallel
+from .plan.experts import is_expert_param
+from .plan.layout import plan_layout
+from .plan.model_params import (as_chunks, named_model_params, named_trainable_params, param_spec,
                                  warn_dtype_conversion)
-from .build.routing import build_family_param_groups
+from .plan.routing import build_family_param_groups
 from .checkpoint import state_dict as state_dict_mod
 from .checkpoint.optimizer_hooks import runs_load_state_dict_hooks, runs_state_dict_hooks
 from .checkpoint.torch_api import STATE_RESET, ParamState
@@ -52,7 +52,7 @@ from .state.param_writes import ParamWrites
 from .state.hyperparams import HyperParams
 from .state.precision import main_compute_dtype, main_storage, storage_by_state
 from .step import domains as domains_mod
-from .step import folded_sums, scalar_graph
+from .step import folded_sums, compiled_scalar_math
 from .step.scaler import scaler_from_config
 from .step.chain import default_chain, publish_chain
 from .step.stages import StepTensors, baked_values, chain
@@ -123,14 +123,14 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                                  "device before get_optimizer")
         warn_dtype_conversion(config, named)
         fp8_support.check_against_config(config, named)
-        model_parallel_group, counting = model_parallel.resolve(named, model_parallel_group, tensor_parallel_group,
+        model_parallel_group, norm_counting = model_parallel.resolve(named, model_parallel_group, tensor_parallel_group,
                                                                 expert_tensor_parallel_group)
-        specs = [param_spec(config, name, p, g, families[g].batch_by_shape, counting.counts(p))
+        specs = [param_spec(config, name, p, g, families[g].batch_by_shape, norm_counting.counts(p))
                  for (name, p), g in zip(named, group_index)]
 
         dp_group, rank, dp_size = data_parallel_group(config, process_group)
-        # MoE expert params: a further domain over the expert data-parallel group (experts.py), or none.
-        dense_indices, further = domains_mod.plan(config, named, expert_data_parallel_group, dp_group, dp_size,
+        # MoE expert params: an expert domain over the expert data-parallel group (experts.py), or none.
+        dense_indices, expert_plans = domains_mod.plan(config, named, expert_data_parallel_group, dp_group, dp_size,
                                                   model_parallel_group, expert_tensor_parallel_group)
         layout = plan_layout([specs[i] for i in dense_indices], dp_size, config.bucket_size)
         self.rank = rank
@@ -138,7 +138,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         # Hybrid CPU offload: the host part of this rank's shard (None without it), before the device buffers
         # so that those are allocated for the device part only.
         host = offload.prepare_host(config, layout, rank, device, state_names(families, config),
-                                    len(self.param_groups), experts=bool(further))  # offload: dense only
+                                    len(self.param_groups), experts=bool(expert_plans))  # offload: dense only
         buffers = allocate(layout, [params[i] for i in dense_indices], rank=rank, device=device,
                            main_dtype=main_compute_dtype(config), state_names=state_names(families, config), host=host,
                            group_states=[family.state_names(config) for family in families],
@@ -166,7 +166,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         self.comm = Collectives(dp_group, dp_size, model_parallel_group, timeout_s=config.distributed_timeout_s,
                                 tp_group=tensor_parallel_group)
         # Expert params that joined the dense layout keep their own TP group, which Muon cannot gather over here.
-        if not further and not model_parallel.same_ranks(tensor_parallel_group, expert_tensor_parallel_group):
+        if not expert_plans and not model_parallel.same_ranks(tensor_parallel_group, expert_tensor_parallel_group):
             self.comm.experts_split_elsewhere = frozenset(name for name, p in named if is_expert_param(p))
         # The one build-time exchange with other ranks: all agree on the layout and config before any stage
         # pairs up buffers (and the model-parallel group gets its timeout). No stage factory talks to peers.
@@ -183,12 +183,12 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                              "capture_warmup_steps >= 1")
         ctx = StepContext(config, layout, buffers, self.hyper, kernels, families,
                           self.tensors, self.scaler, self.comm, rank, torch_amp=self._torch_amp,
-                          compile_scalars=scalar_graph.wanted(self.kernel_choice.name, device),
+                          compile_scalars=compiled_scalar_math.wanted(self.kernel_choice.name, device),
                           folded=folded_sums.plan(config, layout, buffers, hooked=True))
         dense = domains_mod.Domain(domains_mod.DENSE, layout, buffers, self.comm, ctx)
-        self.domains = (dense, *[domains_mod.build_further(dense, plan, specs, params, device=device,
+        self.domains = (dense, *[domains_mod.build_expert_domain(dense, plan, specs, params, device=device,
                                                            state_names=state_names(families, config))
-                                 for plan in further])
+                                 for plan in expert_plans])
         """The sharding domains (graphstep/step/domains.py): the dense params', then the expert params' if any."""
         # The one post-accumulate-grad hook per param: the main grads, grads-seen flag, fold and overlap listen
         # to it, in the order param_hooks.STAGES declares (not the order of the statements here).
@@ -441,7 +441,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         return [domain.buffers for domain in self.domains]
 
     # Read-only conveniences over ``domains`` (tests, tools, the dense-only checkpoint code): the dense domain's
-    # Layout and StaticBuffers, and the MoE expert params' Domain or None (graphstep/build/experts.py).
+    # Layout and StaticBuffers, and the MoE expert params' Domain or None (graphstep/plan/experts.py).
     layout = property(lambda self: self.domains[0].layout)
     buffers = property(lambda self: self.domains[0].buffers)
     experts = property(lambda self: domains_mod.with_role(self.domains, domains_mod.EXPERTS))

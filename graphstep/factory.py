@@ -3,8 +3,8 @@ Megatron-style tensor-parallel) models, graphstep/fsdp2/optimizer.py's for FSDP2
 
 from __future__ import annotations
 
-from .build import megatron_groups
-from .build.model_params import is_dtensor, named_trainable_params
+from .plan import megatron_groups
+from .plan.model_params import is_dtensor, named_trainable_params
 from .config import OptimizerConfig
 from .engine import GraphstepOptimizer
 from .fsdp2.optimizer import Fsdp2Optimizer
@@ -21,15 +21,15 @@ def get_optimizer(config: OptimizerConfig, model_chunks, config_overrides=None, 
     is on). ``model_parallel_group``: summed over as well for the grad norm and the non-finite check (the
     tensor- and pipeline-parallel ranks together). ``expert_data_parallel_group``: the group MoE expert params
     (marked ``allreduce=False`` or ``is_expert_parallel=True``) are sharded and reduced over instead of
-    ``process_group``; see graphstep/build/experts.py for the rules. ``tensor_parallel_group``: the
+    ``process_group``; see graphstep/plan/experts.py for the rules. ``tensor_parallel_group``: the
     tensor-parallel group, whose rank 0 alone counts the params replicated across it in the grad norm
-    (graphstep/build/model_parallel.py); it is the model-parallel group too when that is not given.
+    (graphstep/plan/model_parallel.py); it is the model-parallel group too when that is not given.
     ``expert_tensor_parallel_group``: the same for the expert params (Megatron-Core's expert tensor-parallel
     group); needed with expert params and a tensor-parallel group of several ranks.
 
     Given no group at all, a Megatron-Core model (its params carry ``tensor_model_parallel``) in a process that
     initialised Megatron-Core's ``parallel_state`` takes its groups from there, with a warning naming them
-    (graphstep/build/megatron_groups.py). Params marked tensor-parallel on several ranks without a
+    (graphstep/plan/megatron_groups.py). Params marked tensor-parallel on several ranks without a
     tensor-parallel (or model-parallel) group are refused.
 
     An FSDP2 model (``fully_shard``: DTensor params) takes none of the groups: they come from its device mesh.

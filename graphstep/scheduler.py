@@ -3,7 +3,7 @@
 Why a scheduler of its own when torch's work on the engine as is: Megatron users expect its curves
 (warmup, then cosine / WSD / inverse-square-root, floored at a per-group ``min_lr``) and per-group
 ``max_lr`` / ``min_lr`` / ``lr_mult`` / ``wd_mult`` / ``start_wd`` / ``end_wd``, which
-``graphstep.build.overrides.build_param_groups`` puts into every group.
+``graphstep.plan.overrides.build_param_groups`` puts into every group.
 
 The scheduler only writes Python floats into each group's ``lr`` and ``weight_decay``. The engine copies
 them into device tensors before the next step (docs/design.md law 3), so a captured step follows the schedule;

@@ -10,7 +10,7 @@ from toy import loss_fn, tiny_transformer
 import capture
 import graphstep as gs
 import graphstep.run.runner as runner_mod
-from graphstep.step import scalar_graph
+from graphstep.step import compiled_scalar_math
 
 # The capture tests run the default kernel (kernel="auto": "compiled" here), as users do: a capture that would
 # compile, or a variant first needed at a recapture, fails here as it would on a GPU. Tests of the fused
@@ -85,11 +85,11 @@ def test_compiled_kernel_replays_bitwise_and_never_recaptures(precision):
 
 
 def test_compiled_scalar_math_replays_bitwise_and_equals_the_eager_ops(monkeypatch):
-    # On a GPU the compiled kernel's step also compiles its scalar math (graphstep/step/scalar_graph.py); forced
+    # On a GPU the compiled kernel's step also compiles its scalar math (graphstep/step/compiled_scalar_math.py); forced
     # here on the CPU: fp16's dynamic loss scale, clipping and the inf steps run through the compiled graphs,
     # captured and eager, and land bitwise where the step with the same math run op by op lands.
     plain_model, _, plain_flags = run("eager", "adam", "fp16", steps=30, kernel="compiled")
-    monkeypatch.setattr(scalar_graph, "wanted", lambda kernel, device: kernel == "compiled")
+    monkeypatch.setattr(compiled_scalar_math, "wanted", lambda kernel, device: kernel == "compiled")
     eager_model, eager_opt, eager_flags = run("eager", "adam", "fp16", steps=30, kernel="compiled")
     graph_model, graph_opt, graph_flags = run("graph", "adam", "fp16", steps=30, kernel="compiled")
     assert graph_opt.captured and graph_opt.recaptures == 0

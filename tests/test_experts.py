@@ -1,4 +1,4 @@
-"""Expert params on one process (graphstep/build/experts.py): how they are recognised, that they join the dense
+"""Expert params on one process (graphstep/plan/experts.py): how they are recognised, that they join the dense
 layout when there is nothing to shard or average, and the refusals that need no other rank. The 4-rank
 runs against a single process live in tests/distributed/test_expert_parallel.py."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import graphstep as gs
-from graphstep.build.experts import is_expert_param
+from graphstep.plan.experts import is_expert_param
 
 
 def _moe(mark: bool) -> torch.nn.Module:

@@ -11,8 +11,8 @@ import torch
 
 import graphstep as gs
 from graphstep import families
-from graphstep.build.overrides import build_param_groups, get_mup_config_overrides
-from graphstep.build.routing import _family_group, build_family_param_groups
+from graphstep.plan.overrides import build_param_groups, get_mup_config_overrides
+from graphstep.plan.routing import _family_group, build_family_param_groups
 from graphstep.families import FAMILIES, HyperField, StateSpec, adam, get_family, muon
 from graphstep.state.hyperparams import FIELDS, GROUP_FIELDS, group_values
 

@@ -7,7 +7,7 @@ import torch
 
 import graphstep as gs
 from graphstep.kernels import auto, compiled, fused, get_kernels, reference
-from graphstep.step import scalar_graph
+from graphstep.step import compiled_scalar_math
 from _dispatched import DispatchedOps
 from _kernel_pin import assert_compiled_unless_inductor_cannot_compile
 
@@ -356,10 +356,10 @@ def test_auto_probes_with_the_hyperparameter_dtype_the_step_will_use(monkeypatch
 def test_scalar_graphs_stay_eager_with_a_warning_where_inductor_lacks_their_options(monkeypatch):
     # Compiled on the first step, after the stages are built: an option this torch lacks must be found at build.
     device = torch.device("meta")  # any device but the CPU, where scalar graphs are never compiled
-    assert scalar_graph.wanted("compiled", device)
-    monkeypatch.setattr(scalar_graph, "COMPILE_OPTIONS", {**scalar_graph.COMPILE_OPTIONS, "no_such.option": True})
+    assert compiled_scalar_math.wanted("compiled", device)
+    monkeypatch.setattr(compiled_scalar_math, "COMPILE_OPTIONS", {**compiled_scalar_math.COMPILE_OPTIONS, "no_such.option": True})
     with pytest.warns(UserWarning, match="no option no_such.option"):
-        assert not scalar_graph.wanted("compiled", device)
+        assert not compiled_scalar_math.wanted("compiled", device)
     assert compiled.missing_compile_options(compiled.COMPILE_OPTIONS) == []
 
 

@@ -73,7 +73,7 @@ def test_the_library_names_no_accelerator_type():
 
 
 # Each folder of graphstep/ and the folders it may import, bottom to top: what the step needs at build time
-# (config, families, kernels, fp8, parallel) under the plan (build), the storage (state), the step's math
+# (config, families, kernels, fp8, parallel) under the plan (plan), the storage (state), the step's math
 # (step), the model hooks (hooks), running it (run) and the optional layers that span them (offload,
 # checkpoint). The top-level modules (engine, wrap, scheduler, the public qk_clip) and the app may import
 # any of them.
@@ -84,15 +84,15 @@ ALLOWED = {
     "parallel": set(),
     "families": {"kernels"},
     "config": {"families", "kernels"},
-    "build": _BUILD_INPUTS,
-    "state": _BUILD_INPUTS | {"build"},
-    "step": _BUILD_INPUTS | {"build", "state"},
-    "hooks": _BUILD_INPUTS | {"build", "state", "step"},
-    "run": _BUILD_INPUTS | {"build", "state", "step", "hooks"},
-    "offload": _BUILD_INPUTS | {"build", "state", "step", "hooks", "run"},
-    "checkpoint": _BUILD_INPUTS | {"build", "state", "step", "hooks", "run"},
+    "plan": _BUILD_INPUTS,
+    "state": _BUILD_INPUTS | {"plan"},
+    "step": _BUILD_INPUTS | {"plan", "state"},
+    "hooks": _BUILD_INPUTS | {"plan", "state", "step"},
+    "run": _BUILD_INPUTS | {"plan", "state", "step", "hooks"},
+    "offload": _BUILD_INPUTS | {"plan", "state", "step", "hooks", "run"},
+    "checkpoint": _BUILD_INPUTS | {"plan", "state", "step", "hooks", "run"},
     # The engine for FSDP2 models subclasses the engine's: the one folder above it (graphstep/factory.py picks).
-    "fsdp2": _BUILD_INPUTS | {"build", "state", "step", "hooks", "run", "checkpoint", "engine"},
+    "fsdp2": _BUILD_INPUTS | {"plan", "state", "step", "hooks", "run", "checkpoint", "engine"},
 }
 
 

@@ -1,4 +1,4 @@
-"""Layer-wise sharding (graphstep.build.layerwise): the LPT owner assignment and the layouts it produces.
+"""Layer-wise sharding (graphstep.plan.layerwise): the LPT owner assignment and the layouts it produces.
 
 Property tests (hypothesis) for ``assign_owners``: every matrix owned once, deterministic, Graham's LPT
 bounds (against a brute-forced optimum on small cases); for ``plan_layout`` with whole-matrix specs:
@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphstep.app.bench_shapes import gpt2_small
-from graphstep.build import layerwise
-from graphstep.build.layout import BUCKET_ALIGNMENT, PARAM_ALIGNMENT, ParamSpec, plan_layout
+from graphstep.plan import layerwise
+from graphstep.plan.layout import BUCKET_ALIGNMENT, PARAM_ALIGNMENT, ParamSpec, plan_layout
 from graphstep.families.matrix_views import check_whole_matrices
 
 costs_lists = st.lists(st.integers(1, 10_000), min_size=0, max_size=40)

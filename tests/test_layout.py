@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphstep.build.layout import BUCKET_ALIGNMENT, PARAM_ALIGNMENT, ParamSpec, plan_layout
+from graphstep.plan.layout import BUCKET_ALIGNMENT, PARAM_ALIGNMENT, ParamSpec, plan_layout
 
 DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.float16, torch.float32)]
 

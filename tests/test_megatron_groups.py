@@ -1,4 +1,4 @@
-"""graphstep/build/megatron_groups.py in one process: Megatron-Core is read from ``sys.modules``, never imported
+"""graphstep/plan/megatron_groups.py in one process: Megatron-Core is read from ``sys.modules``, never imported
 (the groups themselves: tests/distributed/test_megatron_groups.py)."""
 
 import ast
@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 import graphstep as gs
-from graphstep.build import megatron_groups
+from graphstep.plan import megatron_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 

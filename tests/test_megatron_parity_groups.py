@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import graphstep as gs
-from graphstep.build.overrides import ParamKey, build_param_groups
+from graphstep.plan.overrides import ParamKey, build_param_groups
 
 
 @pytest.fixture

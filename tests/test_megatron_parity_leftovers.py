@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import graphstep as gs
-from graphstep.build.overrides import get_mup_config_overrides
+from graphstep.plan.overrides import get_mup_config_overrides
 from graphstep.qk_clip import HeadLayout, clip_factors, clip_qk_
 
 HIDDEN = 6

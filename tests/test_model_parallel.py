@@ -1,10 +1,10 @@
-"""graphstep/build/model_parallel.py: which params count in the grad norm, from Megatron-Core's marks."""
+"""graphstep/plan/model_parallel.py: which params count in the grad norm, from Megatron-Core's marks."""
 
 import pytest
 import torch
 
 import graphstep as gs
-from graphstep.build.model_parallel import NormCounting, check_marks
+from graphstep.plan.model_parallel import NormCounting, check_marks
 
 V, D = 12, 8
 

@@ -14,7 +14,7 @@ import torch
 from toy import tiny_transformer
 
 import graphstep as gs
-from graphstep.build.routing import build_family_param_groups
+from graphstep.plan.routing import build_family_param_groups
 
 FUSED_C_ATTN = gs.ParamKey(name="*c_attn.weight")
 

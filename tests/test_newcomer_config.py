@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import graphstep as gs
-from graphstep.build.routing import build_family_param_groups
+from graphstep.plan.routing import build_family_param_groups
 from graphstep.config import OptimizerConfig
 
 

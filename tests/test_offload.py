@@ -8,7 +8,7 @@ import torch
 from toy import loss_fn, tiny_transformer
 
 import graphstep as gs
-from graphstep.build.layout import ParamSpec, plan_layout
+from graphstep.plan.layout import ParamSpec, plan_layout
 from graphstep.offload import host_buckets, plan_offload
 
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": True},

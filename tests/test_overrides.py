@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import graphstep as gs
-from graphstep.build.overrides import (NamedPredicate, ParamKey, build_param_groups, check_config_overrides_consistency,
+from graphstep.plan.overrides import (NamedPredicate, ParamKey, build_param_groups, check_config_overrides_consistency,
                                        get_mup_config_overrides, get_standard_config_overrides)
 
 

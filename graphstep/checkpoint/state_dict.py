@@ -30,7 +30,7 @@ STATE_DICT_FORMAT = "graphstep/1"
 _TOP_KEYS = ("format", "layout", "rank", "step", "main_params", "state", "param_groups", "scaler", "clip_grad",
              "grad_norm_skip_threshold")
 _FP8_KEY = "fp8"  # only with fp8 weights (graphstep.fp8.checkpoint): their bytes and scaling state
-# A domain's entries (graphstep/step/domains.py): the dense one's at the top level, a further one's under its
+# A domain's entries (graphstep/step/domains.py): the dense one's at the top level, an expert one's under its
 # role's ``checkpoint_path`` (the expert params': "experts").
 _DOMAIN_KEYS = ("layout", "rank", "main_params", "state")
 
@@ -62,7 +62,7 @@ def state_dict(opt) -> dict:
     fp8_state = fp8_checkpoint.flat_state(opt)
     if fp8_state is not None:
         saved[_FP8_KEY] = fp8_state
-    # The top-level keys in their documented order, then the further domains' and fp8's.
+    # The top-level keys in their documented order, then the expert domains' and fp8's.
     return {key: saved[key] for key in (*_TOP_KEYS, *(k for k in saved if k not in _TOP_KEYS))}
 
 

@@ -7,7 +7,7 @@ Each family module (``adam.py``, ``sgd.py``, ``lion.py``, ``muon.py``, ``ademami
   (other spellings the config and the groups accept are ``_SPELLINGS`` below: "adamw");
 - the **config fields** it reads and their **validation** (run by graphstep/config/validation.py), and
   what it refuses as the config's family (fp16 params, fp64 main params, CPU offload);
-- its **param-group keys** (``betas``, ``momentum``, ...: graphstep/build/overrides.py and routing.py put them
+- its **param-group keys** (``betas``, ``momentum``, ...: graphstep/plan/overrides.py and routing.py put them
   into its groups) and the torch **defaults** schedulers see (``torch_defaults``: OneCycleLR cycles
   ``betas`` or ``momentum`` only where they are);
 - its **MuP rule** (``MupRule``), and, for a family that takes only some params (Muon), which ones;

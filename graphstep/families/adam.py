@@ -60,7 +60,7 @@ FAMILY = Family(
     call_groups=_call_groups,
     group_problem=group_problem,
     offload=True,
-    plain_groups=True,
+    torch_shaped_groups=True,
     aliases=("adamw",),
     precision_aware=True,
 )

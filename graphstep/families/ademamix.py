@@ -88,5 +88,5 @@ FAMILY = Family(
     kernels=ademamix_kernels,
     group_problem=adam.group_problem,  # β1, β2 and ε mean what they mean for Adam, and break its update alike
     offload=False,
-    plain_groups=False,
+    torch_shaped_groups=False,
 )

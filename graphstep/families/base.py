@@ -199,7 +199,7 @@ class Family:
     every config, whichever family it names, as a field is a field."""
     group_defaults: Callable[[object], dict]
     """config -> the keys a param group of this family carries for it (``betas``, ``momentum``, ...),
-    after the keys every group has (graphstep/build/overrides.py)."""
+    after the keys every group has (graphstep/plan/overrides.py)."""
     torch_defaults: Callable[[object], dict]
     """config -> the keys of ``torch.optim.Optimizer.defaults`` beside lr and weight_decay when this is
     the config's family: torch's OneCycleLR cycles ``betas`` or ``momentum`` only where defaults have it."""
@@ -207,10 +207,10 @@ class Family:
     call: Callable[..., None]  # call(kernels, views, scalars, config, grad_scale, **hyperparameters)
     offload: bool
     """Whether graphstep.offload's host update runs it (torch's fused CPU kernels exist for it)."""
-    plain_groups: bool
+    torch_shaped_groups: bool
     """As the config's ``optimizer`` with no override routing params elsewhere: True, its groups are
     ``build_param_groups``'s own, without an ``optimizer`` key (torch.optim's shape; Adam, SGD); False,
-    every group names its family (graphstep/build/routing.py)."""
+    every group names its family (graphstep/plan/routing.py)."""
     call_groups: Optional[Callable[..., None]] = None
     """call_groups(kernels, groups, scalars, config, grad_scale), ``groups`` a list of (views,
     hyperparameters): all of a step's groups of the family in one kernel call (Adam: the compiled kernel
@@ -235,7 +235,7 @@ class Family:
     main_params_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
     takes: Optional[Callable[[torch.Tensor], bool]] = None
     """As the config's family: which params it updates itself; None: all. The rest go to
-    ``scalar_family(config)`` (Muon: 2-D hidden matrices; graphstep/build/routing.py)."""
+    ``scalar_family(config)`` (Muon: 2-D hidden matrices; graphstep/plan/routing.py)."""
     scalar_family: Optional[Callable[[object], str]] = None
     splits_fused_qkv: Callable[[object], bool] = lambda config: False
     """config -> whether its fused QKV weights are updated as separate Q, K and V matrices (Muon)."""

@@ -39,7 +39,7 @@ FAMILY = Family(
     kernels=lion_kernels,
     group_problem=lambda group, config: betas_problem(group),  # a pair: sign(·) keeps any values finite
     offload=False,
-    plain_groups=False,
+    torch_shaped_groups=False,
     trains_fp16=False,
     main_params_dtypes=(torch.float32,),
 )

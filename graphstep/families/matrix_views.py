@@ -10,7 +10,7 @@ and the step's op count depends on the number of distinct shapes, not of matrice
 A run breaks where the shape, the buffer or the QKV split changes, or the spacing is uneven; each run is
 one entry of the kernel's lists. Nothing here assumes the layout's order for correctness, only for speed.
 
-With several data-parallel ranks the layout shards Muon's params layer-wise (graphstep.build.layerwise): each
+With several data-parallel ranks the layout shards Muon's params layer-wise (graphstep.plan.layerwise): each
 rank's shard holds whole matrices, and the views here cover only this rank's own.
 
 Tensor parallelism: a param marked ``tensor_model_parallel`` (Megatron's mark, with ``partition_dim``) holds
@@ -50,7 +50,7 @@ def check_whole_matrices(ctx, group: int) -> None:
     """Refuse a group Muon cannot run, on every rank alike: a param that is not 2-D, a fused QKV weight
     without its split, or a matrix this rank owns only part of (Muon needs whole matrices on one rank).
 
-    The layout guarantees it (with several ranks Muon's params are sharded layer-wise, graphstep.build.layerwise);
+    The layout guarantees it (with several ranks Muon's params are sharded layer-wise, graphstep.plan.layerwise);
     this guards a layout built otherwise, whose element shards would cut matrices.
     """
     layout = ctx.layout

@@ -3,7 +3,7 @@
 Config fields: the ``muon_*`` fields (momentum, Nesterov, Newton–Schulz steps and coefficients, scale
 mode, matmul precision, QKV splitting, the scalar optimizer). As the config's family it takes 2-D hidden
 matrices only (``takes``, Megatron-Core's rule); the other params go to ``muon_scalar_optimizer``
-(graphstep/build/routing.py). Groups carry ``momentum`` (live, so OneCycleLR may cycle it); the kernel is its
+(graphstep/plan/routing.py). Groups carry ``momentum`` (live, so OneCycleLR may cycle it); the kernel is its
 own module, graphstep/kernels/muon.py, over whole-matrix views (graphstep/families/matrix_views.py). State:
 ``momentum_buffer``. MuP leaves the matrices Muon takes alone; the rest get lr / m. Trains fp32 main
 params only, and no fp16 params (Megatron-Core's rule).
@@ -71,7 +71,7 @@ FAMILY = Family(
     views=matrix_views.matrix_views,
     check=matrix_views.check_whole_matrices,
     offload=False,
-    plain_groups=False,
+    torch_shaped_groups=False,
     trains_fp16=False,
     main_params_dtypes=(torch.float32,),
     takes=takes,

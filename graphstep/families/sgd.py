@@ -59,5 +59,5 @@ FAMILY = Family(
     call=_call,
     group_problem=_group_problem,
     offload=True,
-    plain_groups=True,
+    torch_shaped_groups=True,
 )

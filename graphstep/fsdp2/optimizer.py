@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from ..build.model_params import as_chunks, named_trainable_params
+from ..plan.model_params import as_chunks, named_trainable_params
 from ..checkpoint.optimizer_hooks import runs_load_state_dict_hooks, runs_state_dict_hooks
 from ..config import OptimizerConfig
 from ..engine import GraphstepOptimizer

@@ -12,7 +12,7 @@ mesh: a shard counts on this rank unless the param is replicated along a mesh di
 replica dimension, a tensor-parallel dimension of an unsplit param) where this rank's coordinate is not 0, or
 its mesh is a sub-mesh of the root mesh and this rank's coordinate is not 0 along a root dimension it lacks
 (an FSDP-only param of an FSDP x TP model). Such a local shard is marked ``shared`` (counted on no rank here,
-graphstep/build/model_parallel.py), and the statistics are summed over the root mesh's ranks. The padding rows
+graphstep/plan/model_parallel.py), and the statistics are summed over the root mesh's ranks. The padding rows
 are zero and never counted (``padding``).
 """
 
@@ -95,12 +95,12 @@ def local_shards(named, chunks) -> list[LocalShard]:
                              "torch.bfloat16) for bf16 compute")
         data = fsdp_param._sharded_param_data
         local = torch.nn.Parameter(data.view(fsdp_param.padded_sharded_param_size), requires_grad=True)
-        local.fsdp2_local_shard = True  # no config casts it (graphstep/build/model_params.py)
+        local.fsdp2_local_shard = True  # no config casts it (graphstep/plan/model_params.py)
         rows = fsdp_param.sharded_size[0] if len(fsdp_param.sharded_size) else 1
         if not _counted_here(p, name):
-            local.shared = True  # another rank's copy counts (graphstep/build/model_parallel.py)
+            local.shared = True  # another rank's copy counts (graphstep/plan/model_parallel.py)
         shard = LocalShard(name, p, fsdp_param, local, rows)
-        local.fsdp2_padding = shard.padding  # left out of num_zeros (graphstep/build/layout.py ParamSpec.zero_tail)
+        local.fsdp2_padding = shard.padding  # left out of num_zeros (graphstep/plan/layout.py ParamSpec.zero_tail)
         shards.append(shard)
     return shards
 

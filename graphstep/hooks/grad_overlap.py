@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from ..build.model_params import as_chunks
+from ..plan.model_params import as_chunks
 from ..step.stages.reduce import bucket_reduces
 from . import weak_hooks
 from .micro_batches import NoSync

@@ -216,7 +216,7 @@ _first_call_seconds = [0.0]
 
 def compile_seconds() -> float:
     """Seconds this process spent in the first call of each compiled variant (its compile, then one run),
-    the update's and the scalar graphs' (graphstep/step/scalar_graph.py): what ``kernel="compiled"`` (or "auto"
+    the update's and the scalar graphs' (graphstep/step/compiled_scalar_math.py): what ``kernel="compiled"`` (or "auto"
     choosing it) costs up front."""
     return _first_call_seconds[0]
 

@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from ..build.layout import Layout
+from ..plan.layout import Layout
 from ..families import FAMILIES, StepScalars
 from ..step.stages import Stage, grad_prescale
 from ..step.stages.gather import bucket_gathers
@@ -54,7 +54,7 @@ __all__ = ["HostShards", "Offload", "OffloadPlan", "host_buckets", "install", "p
 def prepare_host(config, layout: Layout, rank: int, device, state_names, num_groups: int, *,
                  experts: bool = False) -> Optional[HostShards]:
     """The host buffers for ``config``'s offload fraction, or None without ``optimizer_cpu_offload``.
-    ``experts``: the engine has an expert domain (graphstep.build.experts), which offload does not cover."""
+    ``experts``: the engine has an expert domain (graphstep.plan.experts), which offload does not cover."""
     if not config.optimizer_cpu_offload:
         return None
     if experts:

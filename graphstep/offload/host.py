@@ -26,7 +26,7 @@ import torch
 
 from capture.devices import accelerator_available
 
-from ..build.layout import Layout
+from ..plan.layout import Layout
 from ..state.hyperparams import FIELDS, scalar_dtype
 from .plan import OffloadPlan
 

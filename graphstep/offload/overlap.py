@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from ..build.model_params import as_chunks
+from ..plan.model_params import as_chunks
 from ..hooks import weak_hooks
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..build.layout import Layout, OwnedRange
+from ..plan.layout import Layout, OwnedRange
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..build.layout import Layout
+from ..plan.layout import Layout
 from ..fp8.engine_support import main_values
 from .buffers import StaticBuffers
 from .precision import RemainderMain, Storage, StoredState

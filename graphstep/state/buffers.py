@@ -45,7 +45,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..build.layout import Layout
+from ..plan.layout import Layout
 from ..fp8 import is_fp8
 from ..fp8.engine_support import main_values
 from .precision import StoredState

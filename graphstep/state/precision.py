@@ -28,7 +28,7 @@ Where TE's rule would store NaN, these keep what fp32 state would hold (``Stored
 A "tensor" here is a piece: one param's elements in this rank's shard, what Megatron-Core's distributed
 optimizer hands TE's FusedAdam as a param. The update reads a chunk of whole pieces into an fp32 scratch,
 runs the family's kernel on it (the math in fp32, as TE's kernel) and writes it back
-(graphstep/step/stages/stored_windows.py), so the scratch is the one fp32 copy there is: at most
+(graphstep/step/stages/fp32_windows.py), so the scratch is the one fp32 copy there is: at most
 ``CHUNK_NUMEL`` elements, or one larger piece.
 
 A skipped step (``found_inf``) leaves every stored byte and scale as it was: the kernel leaves the scratch

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..build.layout import Layout
+from ..plan.layout import Layout
 
 
 @dataclass(frozen=True)

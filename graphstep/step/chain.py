@@ -14,8 +14,8 @@ if TYPE_CHECKING:
 def default_chain(domains: Sequence["Domain"]) -> list[Stage]:
     """The step's stages, in order, for the domains' layouts and the config.
 
-    ``domains`` (domains.py): the dense params' first, then any further one (the MoE expert params',
-    graphstep/build/experts.py). Each domain's reduce, update, copy-back, requantize and gather stages run in
+    ``domains`` (domains.py): the dense params' first, then any expert one (the MoE expert params',
+    graphstep/plan/experts.py). Each domain's reduce, update, copy-back, requantize and gather stages run in
     turn, named by the domain (``expert_*``); the norm, zero count, clip and loss-scale stages run once over
     all of them, on the first domain's step scalars (shared by every context), and only the first domain's
     update advances the step count they share.

@@ -1,7 +1,7 @@
 """Sharding domains: sets of params with their own layout, buffers, collectives and step context.
 
 The dense params form the first domain, sharded over the data-parallel group. MoE expert params, when
-there are some to keep apart (graphstep/build/experts.py says when and why), form a second one over the expert
+there are some to keep apart (graphstep/plan/experts.py says when and why), form a second one over the expert
 data-parallel group. Both are instances of ``Domain``; what tells them apart is data, a ``Role`` (the
 names of their stages and guarded buffers, where their checkpoint entries sit, whether the reshardable
 format covers them), so the code that runs over them — the step's chain (graphstep/step/stages), the state
@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-from ..build import experts as expert_rules
+from ..plan import experts as expert_rules
 
 if TYPE_CHECKING:
-    from ..build.layout import Layout
+    from ..plan.layout import Layout
     from ..parallel.collectives import Collectives
     from ..state.buffers import StaticBuffers
     from .stages import Stage
@@ -87,7 +87,7 @@ class Domain:
 
 
 @dataclass(frozen=True)
-class Further:
+class ExpertDomainPlan:
     """A domain beside the dense one, planned but not built: its params (indices into the named params) and
     the group it is sharded over."""
 
@@ -97,31 +97,31 @@ class Further:
 
 
 def plan(config, named: Sequence[tuple[str, torch.nn.Parameter]], expert_data_parallel_group, dp_group,
-         dp_size: int, model_parallel_group, expert_tensor_parallel_group=None) -> tuple[list[int], list[Further]]:
-    """(the dense params' indices into ``named``, the further domains). Without an expert domain every param
-    is dense and there is no further domain. Validates as ``experts.expert_group`` does."""
+         dp_size: int, model_parallel_group, expert_tensor_parallel_group=None) -> tuple[list[int], list[ExpertDomainPlan]]:
+    """(the dense params' indices into ``named``, the expert domains). Without an expert domain every param
+    is dense and there is no expert domain. Validates as ``experts.expert_group`` does."""
     experts = [i for i, (_, p) in enumerate(named) if expert_rules.is_expert_param(p)]
     group = expert_rules.expert_group(config, named, experts, expert_data_parallel_group, dp_group, dp_size,
                                       model_parallel_group, expert_tensor_parallel_group)
     if group is None:  # the expert params (if any) join the dense layout: the math is the same
         return list(range(len(named))), []
     expert_set = set(experts)
-    return [i for i in range(len(named)) if i not in expert_set], [Further(EXPERTS, experts, group)]
+    return [i for i in range(len(named)) if i not in expert_set], [ExpertDomainPlan(EXPERTS, experts, group)]
 
 
-def build_further(dense: Domain, further: Further, specs, params, *, device, state_names) -> Domain:
-    """Plan, allocate and agree on a further domain (the build-time layout check runs over its group): the
+def build_expert_domain(dense: Domain, plan: ExpertDomainPlan, specs, params, *, device, state_names) -> Domain:
+    """Plan, allocate and agree on an expert domain (the build-time layout check runs over its group): the
     dense context with its own layout, buffers, collectives, rank, averaging size and folded sums."""
-    from ..build.layout import plan_layout
+    from ..plan.layout import plan_layout
     from ..parallel.collectives import Collectives
     from ..state.allocation import allocate
     from ..state.precision import main_compute_dtype, main_storage, storage_by_state
     from . import folded_sums
 
-    config, group = dense.ctx.config, further.group
-    specs = [specs[i] for i in further.indices]
+    config, group = dense.ctx.config, plan.group
+    specs = [specs[i] for i in plan.indices]
     layout = plan_layout(specs, group.size, config.bucket_size)
-    buffers = allocate(layout, [params[i] for i in further.indices], rank=group.rank, device=device,
+    buffers = allocate(layout, [params[i] for i in plan.indices], rank=group.rank, device=device,
                        main_dtype=main_compute_dtype(config), state_names=state_names,
                        group_states=[family.state_names(config) for family in dense.ctx.families],
                        state_storage=storage_by_state(config, state_names), main_storage=main_storage(config))
@@ -132,7 +132,7 @@ def build_further(dense: Domain, further: Further, specs, params, *, device, sta
     folded = folded_sums.plan(config, layout, buffers, hooked=False)
     ctx = dataclasses.replace(dense.ctx, layout=layout, buffers=buffers, comm=comm, rank=group.rank,
                               average_over=group.average_over, folded=folded)
-    return Domain(further.role, layout, buffers, comm, ctx)
+    return Domain(plan.role, layout, buffers, comm, ctx)
 
 
 def with_role(domains: Sequence[Domain], role: Role) -> Optional[Domain]:

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from ..config import MAX_LOSS_SCALE, MIN_LOSS_SCALE
-from . import scalar_graph
+from . import compiled_scalar_math
 
 
 def _scalar(value: float, device) -> torch.Tensor:
@@ -165,7 +165,7 @@ class DynamicLossScaler:
 
         Every branch of the rule is computed and the right one selected with ``torch.where``, so the same
         ops run whatever the value of ``found_inf``: a captured graph replays it correctly. ``compiled``: the
-        rule as one compiled graph (graphstep/step/scalar_graph.py), as the engine runs it where it compiles.
+        rule as one compiled graph (graphstep/step/compiled_scalar_math.py), as the engine runs it where it compiles.
         """
         _check_found_inf(found_inf)
         _DYNAMIC_RULE([self.scale, self.growth_tracker, self.hysteresis_tracker, self.inv_scale],
@@ -218,4 +218,4 @@ def _dynamic_rule(outs, ins) -> None:
     torch.reciprocal(scale, out=inv_scale)
 
 
-_DYNAMIC_RULE = scalar_graph.register("dynamic_loss_scale", _dynamic_rule)
+_DYNAMIC_RULE = compiled_scalar_math.register("dynamic_loss_scale", _dynamic_rule)

@@ -9,7 +9,7 @@ static tensors before the (captured) step, on the device and without a host read
 - ``inv_loss_scale`` = 1 / scale, computed as ``GradScaler.unscale_`` computes its own (fp64 reciprocal,
   rounded to fp32), so the norm is unscaled and the unscale folded into the update's grad scale as for
   graphstep's own loss scale; 1 when the grads are unscaled already;
-- ``reported_nonfinite`` = NaN when ``found_inf`` is set, else 0: the norm stage adds it to the sum of
+- ``amp_found_inf_nan`` = NaN when ``found_inf`` is set, else 0: the norm stage adds it to the sum of
   squares before the norm's all-reduce, so the step is skipped on every rank alike.
 
 ``scaler.unscale_(opt)`` rewrites the grads with ``torch._amp_foreach_non_finite_check_and_unscale_``,
@@ -46,7 +46,7 @@ class TorchGradScaler:
         if grad_scale is _ABSENT and found_inf is _ABSENT:
             if self._written:  # a step without the GradScaler: back to no scale, nothing reported
                 t.inv_loss_scale.fill_(1.0)
-                t.reported_nonfinite.zero_()
+                t.amp_found_inf_nan.zero_()
                 self._written = self.scaled = False
             return False
         if self._own_scaler:
@@ -61,8 +61,8 @@ class TorchGradScaler:
                 "graphstep: torch's GradScaler recorded no inf check for this optimizer: it found no .grad on its "
                 "params (a model whose half-precision grads accumulate into fp32 main_grad, bf16=True or "
                 "fp16=True, exposes none). Use graphstep's own loss scale (fp16=True) instead of a GradScaler")
-        reported = found_inf.to(t.reported_nonfinite.device).reshape(())
-        t.reported_nonfinite.zero_().masked_fill_(reported != 0, float("nan"))
+        reported = found_inf.to(t.amp_found_inf_nan.device).reshape(())
+        t.amp_found_inf_nan.zero_().masked_fill_(reported != 0, float("nan"))
         if grad_scale is None:  # scaler.unscale_(opt) ran: the grads are unscaled already
             t.inv_loss_scale.fill_(1.0)
         else:

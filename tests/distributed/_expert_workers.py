@@ -10,7 +10,7 @@ which is one valid routing). The expert data-parallel group of rank r: the ranks
 The oracle is one process holding every expert: its loss is the mean over the ranks of each rank's local
 loss, each rank's batch going through that rank's experts. That is the global loss the distributed run
 optimizes (dense grads averaged over the data-parallel group; expert grads summed over the expert
-data-parallel group and divided by the full data-parallel size, graphstep/build/experts.py rule 1).
+data-parallel group and divided by the full data-parallel size, graphstep/plan/experts.py rule 1).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Expert data-parallel groups (graphstep/build/experts.py) on 4 gloo ranks against one process holding every expert.
+"""Expert data-parallel groups (graphstep/plan/experts.py) on 4 gloo ranks against one process holding every expert.
 
 Expert-parallel size 2 (expert data-parallel size 2: ranks {0, 2} hold experts 0-1, ranks {1, 3} experts
 2-3) and 4 (expert data-parallel size 1: no expert collective, only the 1/dp average). Clipping is active at

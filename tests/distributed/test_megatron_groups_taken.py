@@ -1,6 +1,6 @@
-"""A Megatron-Core model built with ``get_optimizer`` and no groups (graphstep/build/megatron_groups.py): its
+"""A Megatron-Core model built with ``get_optimizer`` and no groups (graphstep/plan/megatron_groups.py): its
 groups are taken from an initialised ``parallel_state`` (and said so), refused by name without one, and its
-tensor-parallel marks must agree across the TP ranks (graphstep/build/model_parallel.py); against the unsplit
+tensor-parallel marks must agree across the TP ranks (graphstep/plan/model_parallel.py); against the unsplit
 model in one process."""
 
 import pytest

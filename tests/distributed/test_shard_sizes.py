@@ -5,7 +5,7 @@ bucket alignment already divides by dp."""
 import pytest
 import torch
 
-from graphstep.build.layout import ParamSpec, plan_layout
+from graphstep.plan.layout import ParamSpec, plan_layout
 
 
 def gpt_specs(layers=12, width=768, vocab=50304, seq=1024):

@@ -1,5 +1,5 @@
 """Tensor parallelism: every grad element counted once in the norm, the clip and num_zeros across the
-tensor-parallel ranks (graphstep/build/model_parallel.py), against the unsplit model in one process."""
+tensor-parallel ranks (graphstep/plan/model_parallel.py), against the unsplit model in one process."""
 
 import pytest
 

@@ -1,5 +1,5 @@
 """Tensor parallelism with MoE experts: each expert grad element counted once in the norm, the clip and
-num_zeros whether the experts are split over the TP ranks or spread over them (graphstep/build/model_parallel.py),
+num_zeros whether the experts are split over the TP ranks or spread over them (graphstep/plan/model_parallel.py),
 against the whole model in one process."""
 
 import pytest

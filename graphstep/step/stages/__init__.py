@@ -21,7 +21,7 @@ captured, profiled), ``debug_step`` and every optimizer family. Single process::
 With several data-parallel ranks ``reduce`` (reduce-scatter) runs first and ``gather`` (all-gather)
 after the copy-back. With ``fold_grad_norm`` the norm stage reads no grad: it adds up sums of squares
 folded where the grads became final (backward hooks, or the reduce stage; graphstep/step/folded_sums.py).
-Expert params of MoE models (graphstep/build/experts.py) are a second domain (graphstep/step/domains.py), whose
+Expert params of MoE models (graphstep/plan/experts.py) are a second domain (graphstep/step/domains.py), whose
 ``expert_*`` stages join the same chain.
 """
 
@@ -61,7 +61,7 @@ class StepTensors:
     update_successful: torch.Tensor  # bool
     loss_scale: torch.Tensor  # fp32, the scale of the next backward (ones without a scaler)
     inv_loss_scale: torch.Tensor  # fp32, 1 / the scale of this step's backward
-    reported_nonfinite: torch.Tensor  # fp64, 0, or NaN when the caller's check found non-finite grads (torch_amp.py)
+    amp_found_inf_nan: torch.Tensor  # fp64, 0, or NaN when the caller's check found non-finite grads (torch_amp.py)
     skipped_steps: torch.Tensor  # int64, how many steps were skipped since the build
     num_zeros: Optional[torch.Tensor]  # int64, or None when not counted
 
@@ -77,14 +77,14 @@ class StepTensors:
             grad_prescale_off=scalar(1.0), update_successful=scalar(True, torch.bool),
             loss_scale=loss_scale if loss_scale is not None else scalar(1.0),
             inv_loss_scale=inv_loss_scale if inv_loss_scale is not None else scalar(1.0),
-            reported_nonfinite=scalar(0.0, torch.float64),
+            amp_found_inf_nan=scalar(0.0, torch.float64),
             skipped_steps=scalar(0, torch.int64), num_zeros=scalar(0, torch.int64) if count_zeros else None)
 
     def named(self) -> dict[str, torch.Tensor]:
         """Every scalar by name (what a capture guards), ``num_zeros`` when counted."""
         names = ("step", "nonfinite", "found_inf", "grad_norm", "clip_coef", "grad_scale", "kernel_grad_scale",
                  "grad_prescale", "grad_prescale_off", "update_successful", "loss_scale", "inv_loss_scale",
-                 "reported_nonfinite", "num_zeros", "skipped_steps")
+                 "amp_found_inf_nan", "num_zeros", "skipped_steps")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 

@@ -8,15 +8,15 @@ the loss scaler sees only ``nonfinite`` (stages/loss_scale.py).
 divides grads by ``grad_scale = loss_scale / coef``: unscaling and clipping happen inside the update's single
 pass. Under a loss scale near fp32's top that factor can overflow (inf here); the update then splits it into a
 power of two it divides the grads by first and a finite rest for the kernel (stages/grad_prescale.py).
-The math is one scalar graph (graphstep/step/scalar_graph.py): compiled where the step compiles its scalars.
+The math is one scalar graph (graphstep/step/compiled_scalar_math.py): compiled where the step compiles its scalars.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import scalar_graph
-from ..scalar_graph import scalar
+from .. import compiled_scalar_math
+from ..compiled_scalar_math import scalar
 from . import Stage, grad_prescale
 
 
@@ -40,8 +40,8 @@ def _clip_split_math(outs, ins) -> None:
     grad_prescale.split_math(kernel_scale, prescale, untouched, grad_scale, ins[3], clip_coef, found_inf)
 
 
-_CLIP = scalar_graph.register("clip", _clip_math)
-_CLIP_SPLIT = scalar_graph.register("clip_split", _clip_split_math)
+_CLIP = compiled_scalar_math.register("clip", _clip_math)
+_CLIP_SPLIT = compiled_scalar_math.register("clip_split", _clip_split_math)
 
 
 def build(ctx) -> Stage:

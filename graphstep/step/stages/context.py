@@ -7,7 +7,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Optional, Union
 
 if TYPE_CHECKING:  # annotations only: the context module imports nothing at run time
-    from ...build.layout import Layout
+    from ...plan.layout import Layout
     from ...config import OptimizerConfig
     from ...families import Family
     from ...parallel.collectives import Collectives
@@ -32,11 +32,11 @@ class StepContext:
     comm: "Collectives"
     rank: int
     compile_scalars: bool = False
-    """Run each stage's scalar math as one compiled graph (graphstep/step/scalar_graph.py): on a GPU whose update
-    runs the compiled kernel (``scalar_graph.wanted``)."""
+    """Run each stage's scalar math as one compiled graph (graphstep/step/compiled_scalar_math.py): on a GPU whose update
+    runs the compiled kernel (``compiled_scalar_math.wanted``)."""
     average_over: Optional[int] = None
     """The data-parallel size the reduce stage averages grads by; None: the layout's own. An expert domain
-    (graphstep/build/experts.py) sums over the expert data-parallel group but averages by the full one."""
+    (graphstep/plan/experts.py) sums over the expert data-parallel group but averages by the full one."""
     torch_amp: Optional["TorchGradScaler"] = None
     """torch's GradScaler's side of the step (graphstep/step/torch_amp.py): whether the grads come loss-scaled by it;
     None where no GradScaler can step (``graphstep.wrap``'s engine)."""

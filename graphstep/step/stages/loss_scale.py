@@ -13,7 +13,7 @@ from . import Stage, StepTensors
 
 
 def build_over(scaler: Optional[object], t: StepTensors, compiled: bool = False) -> Stage:
-    """``compiled``: the scaler's rule as one compiled graph (graphstep/step/scalar_graph.py)."""
+    """``compiled``: the scaler's rule as one compiled graph (graphstep/step/compiled_scalar_math.py)."""
     def apply() -> None:
         if scaler is not None:
             scaler.update(t.nonfinite, compiled=compiled)

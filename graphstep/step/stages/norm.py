@@ -5,7 +5,7 @@ and the unscale itself is folded into the update's grad scale (stages/clip.py). 
 the sum of squares non-finite, which is the non-finite check; summing the squares across ranks (SUM
 all-reduce) carries a non-finite value to every rank, so all ranks decide the skip alike from the same
 number. Under tensor or pipeline parallelism a grad buffer whose params another rank counts
-(``BufferLayout.counted_in_norm``, graphstep/build/model_parallel.py) adds nothing to the sum but still
+(``BufferLayout.counted_in_norm``, graphstep/plan/model_parallel.py) adds nothing to the sum but still
 carries a non-finite value into it.
 
 Precision. One fp32 reduction over a whole buffer is inaccurate at scale (at 124M grads, GPT-2 small,
@@ -24,8 +24,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .. import scalar_graph
-from ..scalar_graph import scalar
+from .. import compiled_scalar_math
+from ..compiled_scalar_math import scalar
 from . import Stage, StepTensors
 
 # Row length of the two-level sum of squares: as accurate as an fp64 sum and as fast as one dot. Every
@@ -136,7 +136,7 @@ def build_over(sums: Sequence[Callable[[], torch.Tensor]], t: StepTensors, comm,
 
 class CountedSum:
     """The sum of a vector of sums of squares of which only some count in the norm on this rank (the others
-    another rank counts: graphstep/build/model_parallel.py). A left-out sum adds 0, or NaN when it is not
+    another rank counts: graphstep/plan/model_parallel.py). A left-out sum adds 0, or NaN when it is not
     finite (0 x inf), so a non-finite grad in it still skips the step on every rank."""
 
     def __init__(self, size: int, counted: Optional[Sequence[bool]], device):
@@ -181,17 +181,17 @@ def _result_math(outs, ins) -> None:
     torch.mul(norm, inv_loss_scale, out=grad_norm)
 
 
-_RESULT = scalar_graph.register("norm_result", _result_math)
+_RESULT = compiled_scalar_math.register("norm_result", _result_math)
 
 
 def _stage(total: Callable[[], torch.Tensor], t: StepTensors, comm, compiled: bool) -> Stage:
-    """``compiled``: the result's scalar math (norm, flags) as one compiled graph (graphstep/step/scalar_graph.py)."""
+    """``compiled``: the result's scalar math (norm, flags) as one compiled graph (graphstep/step/compiled_scalar_math.py)."""
     outs = [t.nonfinite, t.found_inf, t.grad_norm]
 
     def apply() -> None:
         # Plus 0, or NaN where torch's GradScaler reported a non-finite grad (graphstep/step/torch_amp.py): before
         # the all-reduce, so that every rank decides that skip alike, from the one number.
-        sumsq = total() + t.reported_nonfinite
+        sumsq = total() + t.amp_found_inf_nan
         comm.all_reduce_sum(sumsq, "grad-norm all_reduce")
         _RESULT(outs, [sumsq, t.inv_loss_scale], compiled=compiled)
 
@@ -199,7 +199,7 @@ def _stage(total: Callable[[], torch.Tensor], t: StepTensors, comm, compiled: bo
 
 
 def build(ctx, *others) -> Stage:
-    """``others``: further domains' contexts (expert params, graphstep/build/experts.py), whose sums of squares join
+    """``others``: the expert domains' contexts (expert params, graphstep/plan/experts.py), whose sums of squares join
     this one's before its single all-reduce. With ``fold_grad_norm`` the sums were folded where the grads
     became final (graphstep.step.folded_sums) and the stage only adds them up."""
     domains = (ctx, *others)

@@ -101,7 +101,7 @@ def build(ctx) -> Stage:
 
 def local_average(ctx) -> Stage:
     """Grads times 1/``average_over``, in place, for a domain that averages without a reduce-scatter: an
-    expert domain with an expert data-parallel size of 1 (graphstep/build/experts.py, rule 1). The grads the user
+    expert domain with an expert data-parallel size of 1 (graphstep/plan/experts.py, rule 1). The grads the user
     reads after the step are then the averaged ones, as with the reduce-scatter's pre-scaled fp16 buckets."""
     grads = list(ctx.buffers.grad_shard)  # the grad buffers themselves when the domain is not sharded
     inv_dp = 1.0 / ctx.average_over

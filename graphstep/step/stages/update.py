@@ -5,7 +5,7 @@ loop), over that group's segments of this rank's shard (a few large views: one p
 layout.py; Muon's groups: one (n, r, c) view per run of same-shape matrices, see matrix_views.py),
 through the group's optimizer family (graphstep/families/), whose view builder cuts the views once,
 here, at build (for main params or state kept below fp32, chunk by chunk through fp32 windows:
-stored_windows.py). The step count advances by ``1 - found_inf`` before the kernels, so a skipped step
+fp32_windows.py). The step count advances by ``1 - found_inf`` before the kernels, so a skipped step
 leaves it, like the params and the state, bitwise unchanged.
 
 Hyperparameters: each group's kernel arguments are resolved here once, at build: a live field is the
@@ -27,7 +27,7 @@ import torch
 
 from ...families import StepScalars, ViewSources
 from ...state import precision
-from . import Stage, grad_prescale, stored_windows
+from . import Stage, grad_prescale, fp32_windows
 from .requantize import is_fp8_buffer
 
 
@@ -47,7 +47,7 @@ def build(ctx, *, advance_step: bool = True) -> Stage:
     calls = []
     baked_sources = []  # (group, field, row, column), for the baked report
     segments = device_segments(ctx)
-    decode_scratch = stored_windows.scratch(ctx, segments)
+    decode_scratch = fp32_windows.scratch(ctx, segments)
     for group, family in enumerate(ctx.families):
         if family.check is not None:
             family.check(ctx, group)
@@ -55,7 +55,7 @@ def build(ctx, *, advance_step: bool = True) -> Stage:
         if not mine:
             continue  # this rank owns nothing of the group
         views = family.views(ctx, group, mine, sources.only(family.state_names(config)))
-        stored_chunks = stored_windows.chunks(ctx, views, mine, decode_scratch)
+        stored_chunks = fp32_windows.chunks(ctx, views, mine, decode_scratch)
         live = family.live_fields(kernels)
         live_kwargs, baked = {}, []
         for keyword, field in family.hyperparameters:
@@ -107,7 +107,7 @@ def build(ctx, *, advance_step: bool = True) -> Stage:
                            grad_scale)
             for _, kwargs, stored_chunks in chunked:
                 keep = t.found_inf == 0 if keep is None else keep
-                stored_windows.run(family, family_kernels, stored_chunks, kwargs, scalars, config, grad_scale, keep)
+                fp32_windows.run(family, family_kernels, stored_chunks, kwargs, scalars, config, grad_scale, keep)
 
     def baked_values() -> tuple:
         values = tuple((f"group {group}", field, host[row][column]) for group, field, row, column in baked_sources)

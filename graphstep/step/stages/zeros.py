@@ -8,7 +8,7 @@ from . import Stage
 
 
 def build(ctx, *others) -> Stage:
-    """``others``: further domains' contexts (expert params), counted together in one all-reduce."""
+    """``others``: the expert domains' contexts (expert params), counted together in one all-reduce."""
     domains = (ctx, *others)
     grads = [g for c in domains for g, counted in zip(c.buffers.grad_shard, c.layout.shard_entries_counted(),
                                                       strict=True) if counted]

@@ -60,7 +60,7 @@ class ParamSpec:
     group: int
     batch_by_shape: bool = False  # its group's update needs whole matrices, batched by shape (Muon): sort by
     # shape, and with several ranks shard layer-wise (whole matrices per rank)
-    counted_in_norm: bool = True  # False: a copy another rank counts (graphstep/build/model_parallel.py); its
+    counted_in_norm: bool = True  # False: a copy another rank counts (graphstep/plan/model_parallel.py); its
     # grads still take part in the non-finite check. Such params get buffers of their own.
     zero_tail: int = 0  # its last elements are padding outside the model (an FSDP2 model's uneven shards,
     # graphstep/fsdp2/shards.py): always zero, left out of num_zeros like the layout's own padding

@@ -1,6 +1,6 @@
 """Megatron-Core's process groups for ``get_optimizer`` when the caller passed none.
 
-A Megatron-Core model marks its split params (``tensor_model_parallel``, graphstep/build/model_parallel.py),
+A Megatron-Core model marks its split params (``tensor_model_parallel``, graphstep/plan/model_parallel.py),
 but the marks say nothing about *which* ranks hold the other slices: that is Megatron-Core's
 ``parallel_state``, set up once per job by ``initialize_model_parallel``. Built without groups, such a model
 would count every rank's slices alone in the grad norm. So when the caller passes no group at all, the

@@ -50,7 +50,7 @@ the reshardable format refuses it (``domains.refuse_checkpoint``). ``overlap_gra
 runs per domain; the flat checkpoint's fp8 entry covers the dense domain only). Not supported: QK-clip on
 expert weights (its registered weights must be dense). Under tensor parallelism the expert params are split
 over their own expert tensor-parallel group, which decides which rank counts their copies
-(graphstep/build/model_parallel.py) and which group Muon's split expert matrices use.
+(graphstep/plan/model_parallel.py) and which group Muon's split expert matrices use.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class ExpertGroup:
     """The expert data-parallel group the expert domain is sharded over (graphstep's own copy with the
     configured timeout when it has several ranks), this rank's place in it, the full data-parallel size the
     expert grads are averaged by (rule 1), and the expert tensor-parallel group Muon's split expert matrices
-    are gathered over (graphstep/build/model_parallel.py)."""
+    are gathered over (graphstep/plan/model_parallel.py)."""
 
     group: Optional[dist.ProcessGroup]
     rank: int

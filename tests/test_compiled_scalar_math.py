@@ -1,4 +1,4 @@
-"""The step's scalar math compiled (graphstep/step/scalar_graph.py) against the same math run op by op: bitwise,
+"""The step's scalar math compiled (graphstep/step/compiled_scalar_math.py) against the same math run op by op: bitwise,
 over the values that decide a step (no clip, clipped, over the skip threshold, non-finite), one operator
 to the dispatcher, every value read live."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from _dispatched import DispatchedOps
 
-from graphstep.step import scalar_graph
+from graphstep.step import compiled_scalar_math
 from graphstep.step.scaler import MAX_LOSS_SCALE, DynamicLossScaler
 from graphstep.step.stages import clip, norm
 
@@ -92,11 +92,11 @@ def test_each_compiled_scalar_graph_is_one_operator_and_reads_its_inputs_live():
 
 def test_a_scalar_graph_name_is_registered_once():
     with pytest.raises(ValueError, match="registered already"):
-        scalar_graph.register("clip", lambda outs, ins: None)
+        compiled_scalar_math.register("clip", lambda outs, ins: None)
 
 
 def test_the_compile_preflight_compiles_a_division_and_reports_missing_options(monkeypatch):
     # perf/gpu_check.py's preflight: what the step would compile at its first call, found before it.
-    assert scalar_graph.compile_problem(torch.device("cpu")) is None
-    monkeypatch.setattr(scalar_graph, "COMPILE_OPTIONS", {**scalar_graph.COMPILE_OPTIONS, "no_such.option": True})
-    assert scalar_graph.compile_problem(torch.device("cpu")) == "inductor has no option no_such.option"
+    assert compiled_scalar_math.compile_problem(torch.device("cpu")) is None
+    monkeypatch.setattr(compiled_scalar_math, "COMPILE_OPTIONS", {**compiled_scalar_math.COMPILE_OPTIONS, "no_such.option": True})
+    assert compiled_scalar_math.compile_problem(torch.device("cpu")) == "inductor has no option no_such.option"

@@ -12,7 +12,7 @@ on exactly one rank, as Megatron-Core's ``_get_grads_for_norm`` does (``param_is
 - a TP-sharded param is counted on every TP rank (each holds a different slice);
 - any other param is counted on TP rank 0 only.
 
-MoE expert params (graphstep/build/experts.py) are split over their own *expert* tensor-parallel group
+MoE expert params (graphstep/plan/experts.py) are split over their own *expert* tensor-parallel group
 (Megatron-Core's ``expert_tensor_parallel_size``, which may differ from the dense one: with 1, the dense TP
 ranks hold different experts rather than slices of one). The same rule then applies with the rank in that
 group: an unmarked expert param counts on expert-TP rank 0. Megatron-Core reads the dense TP rank for expert
@@ -22,7 +22,7 @@ params out when they do not; graphstep asks for the expert group whenever it can
 Which ranks hold the other slices of a split param is the tensor-parallel group's to say: params marked
 ``tensor_model_parallel`` in a job of several ranks without that group (or a model-parallel one) are refused
 rather than counted per rank (``get_optimizer`` takes the groups from Megatron-Core's ``parallel_state`` when it
-is initialised and no group was passed: graphstep/build/megatron_groups.py). The marks themselves must agree
+is initialised and no group was passed: graphstep/plan/megatron_groups.py). The marks themselves must agree
 across the group: at build every rank all-gathers a digest of its params' names and marks (which are split, and
 along which dimension) over the tensor-parallel group, and a difference is refused naming the param.
 
@@ -74,9 +74,9 @@ def resolve(named, model_parallel_group: Optional[dist.ProcessGroup],
                       "tensor-parallel")
     check_marks_agree([(n, p) for n, p in named if is_expert_param(p)], expert_tensor_parallel_group,
                       "expert tensor-parallel")
-    counting = NormCounting(tensor_parallel_rank(tensor_parallel_group),
+    norm_counting = NormCounting(tensor_parallel_rank(tensor_parallel_group),
                             tensor_parallel_rank(expert_tensor_parallel_group, "expert_tensor_parallel_group"))
-    return model_parallel_group_of(model_parallel_group, tensor_parallel_group), counting
+    return model_parallel_group_of(model_parallel_group, tensor_parallel_group), norm_counting
 
 
 def model_parallel_group_of(model_parallel_group: Optional[dist.ProcessGroup],

@@ -106,7 +106,7 @@ def build_family_param_groups(named_params: Sequence[tuple[str, torch.nn.Paramet
     groups = build_param_groups(named_params, config, stripped if isinstance(config_overrides, dict)
                                 else config_overrides)
     base = get_family(config.optimizer)
-    if base.plain_groups and not chosen:
+    if base.torch_shaped_groups and not chosen:
         return groups  # build_param_groups already gave them the family's keys, and no "optimizer" key
 
     facts = _model_facts(named_params, model_chunks)
