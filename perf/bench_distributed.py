@@ -26,7 +26,7 @@ ranks: 8P/N bytes; replicated: 8P). Medians over ``--iters`` after ``--warmup``.
 library or the tests.
 
 The layer-wise Muon row trains the same MLP with ``optimizer="muon"``: each rank owns whole matrices
-(graphstep.build.layerwise) and keeps their momentum (4 B per element), the biases go to Adam (8 B per element);
+(graphstep.plan.layerwise) and keeps their momentum (4 B per element), the biases go to Adam (8 B per element);
 its formula is those bytes over N ranks. Its optimizer MB is again the most loaded rank's: with matrices
 of one shape the split is even.
 

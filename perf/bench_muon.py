@@ -20,7 +20,7 @@ slow phases fall on both alike.
 
 ``--layerwise-ranks 2 4`` adds the layer-wise rows (issue 15 item 3; ``layerwise_rows`` at the end of this
 file): the same model and grads with ``use_distributed_optimizer=True`` on that many gloo ranks on
-127.0.0.1 (one thread each), the step captured. Each rank owns whole Muon matrices (graphstep.build.layerwise)
+127.0.0.1 (one thread each), the step captured. Each rank owns whole Muon matrices (graphstep.plan.layerwise)
 and runs Newton–Schulz on those only; the rows give the median step time, the bytes each rank sends per
 step (ring formulas: reduce-scatter + all-gather = (n−1)/n × bucket bytes each; DDP's fp32 all-reduce,
 2(n−1)/n × 4 B × params, alongside), the layer-wise buckets' padding, and the most-loaded rank's
@@ -156,7 +156,7 @@ def _layerwise_worker(rank: int, world: int, port: int, outdir: str, layers: int
                       warmup: int) -> None:
     import torch.distributed as dist
 
-    from graphstep.build import layerwise
+    from graphstep.plan import layerwise
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -197,8 +197,8 @@ def _layerwise_worker(rank: int, world: int, port: int, outdir: str, layers: int
 def gpt2_small_balance(world: int):
     """GPT-2 small's layer-wise balance at ``world`` ranks: Muon on the hidden matrices, Adam elsewhere."""
     from graphstep.app.bench_shapes import gpt2_small
-    from graphstep.build import layerwise
-    from graphstep.build.layout import ParamSpec, plan_layout
+    from graphstep.plan import layerwise
+    from graphstep.plan.layout import ParamSpec, plan_layout
 
     specs = [ParamSpec(name, shape, torch.float32, torch.float32, int(muon), muon)
              for name, shape in gpt2_small() for muon in [len(shape) == 2 and name not in ("wte", "wpe")]]

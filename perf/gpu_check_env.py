@@ -50,14 +50,14 @@ def _compile_problems(device) -> dict:
     Adam with the step's hyperparameter dtype (kernel="auto"'s probe) and a scalar graph. {what: problem}."""
     from graphstep.kernels import auto, compiled
     from graphstep.state.hyperparams import scalar_dtype
-    from graphstep.step import scalar_graph
+    from graphstep.step import compiled_scalar_math
 
     problems = {}
     missing = compiled.missing_compile_options(compiled.COMPILE_OPTIONS)
     works, why_not, _ = auto.probe_compiled(device, scalar_dtype(device))
     if missing or not works:
         problems["compiled update"] = f"inductor has no option {', '.join(missing)}" if missing else why_not
-    problem = scalar_graph.compile_problem(device)
+    problem = compiled_scalar_math.compile_problem(device)
     if problem is not None:
         problems["scalar graph"] = problem
     return problems
