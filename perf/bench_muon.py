@@ -18,7 +18,7 @@ slow phases fall on both alike.
 
     python perf/bench_muon.py [--layers 12] [--d 256] [--rounds 5] [--warmup 2] [--json out.json]
 
-``--layerwise-ranks 2 4`` adds the layer-wise rows (issue 15 item 3; ``layerwise_rows`` at the end of this
+``--layerwise-ranks 2 4`` adds the layer-wise rows (``layerwise_rows`` at the end of this
 file): the same model and grads with ``use_distributed_optimizer=True`` on that many gloo ranks on
 127.0.0.1 (one thread each), the step captured. Each rank owns whole Muon matrices (graphstep.plan.layerwise)
 and runs Newton–Schulz on those only; the rows give the median step time, the bytes each rank sends per
@@ -150,7 +150,7 @@ def main(argv=None) -> dict:
     return result
 
 
-# ---- layer-wise Muon over gloo ranks (issue 15 item 3) --------------------------------------------------
+# ---- layer-wise Muon over gloo ranks ---------------------------------------------------
 
 def _layerwise_worker(rank: int, world: int, port: int, outdir: str, layers: int, d: int, rounds: int,
                       warmup: int) -> None:

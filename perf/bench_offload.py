@@ -1,4 +1,4 @@
-"""Hybrid CPU offload: step time and bytes per param at offload fractions 0 / 0.5 / 1.0 (issue 16).
+"""Hybrid CPU offload: step time and bytes per param at offload fractions 0 / 0.5 / 1.0.
 
     python perf/bench_offload.py [--shapes gpt2-small|gpt2-quick] [--rounds 2] [--steps 3] [--json out.json]
 

@@ -1,4 +1,4 @@
-"""perf/harness.py's report: the derived columns (GB/s, % of bandwidth, the floor), issue 6's done-when
+"""perf/harness.py's report: the derived columns (GB/s, % of bandwidth, the floor), the done-when
 checks, and the markdown table. Rows are the dicts harness workers return."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def find(rows, shape, pipeline) -> Optional[dict]:
 
 
 def done_when_checks(rows: list[dict], plan: dict) -> list[dict]:
-    """Issue 6's three checks, with the numbers they were decided on."""
+    """The three acceptance checks, with the numbers they were decided on."""
     checks = []
     counts = sorted(int(s.split("-")[1]) for s in plan if s.startswith("tensors-"))
     lo, hi = find(rows, f"tensors-{counts[0]}", BASE_ROW), find(rows, f"tensors-{counts[-1]}", BASE_ROW)
@@ -125,7 +125,7 @@ def markdown(rows, checks, distributed, meta, args) -> str:
               "update); torch pipelines 48 B (unscale_ r+w 8, clip norm r 4, clip multiply r+w 8, AdamW 28); "
               "docs/design.md §6. × floor = ms / (bytes moved / stream bandwidth). Ops/step: aten ops under a "
               "TorchDispatchMode for one step (captured: the replayed ops).", "", "Notes:", *notes, "",
-              "## Done-when checks (issue 6)", ""]
+              "## Done-when checks", ""]
     lines += [f"- **{'PASS' if c['pass'] else 'FAIL'}** {c['check']}: {c['detail']}" for c in checks]
     if distributed is not None:
         lines += ["", "## Distributed (perf/bench_distributed.py)", ""]

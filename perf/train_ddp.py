@@ -44,7 +44,7 @@ def main(argv=None) -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.backend == "nccl" else "cpu"
     if args.backend == "nccl":
         # Before the group exists: NCCL's communicator, the capture's side stream and every kernel of this
-        # rank must land on this rank's GPU, not on GPU 0 (issue 17.3).
+        # rank must land on this rank's GPU, not on GPU 0.
         torch.cuda.set_device(device)
     dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))  # env:// from torchrun
     rank, world = dist.get_rank(), dist.get_world_size()

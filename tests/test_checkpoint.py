@@ -1,5 +1,5 @@
 """graphstep.checkpoint on one process: the reshardable format, DCP save/load/async_save, a captured step
-kept across a load, atomic saves (a killed save), and refusals that change nothing (issue 13)."""
+kept across a load, atomic saves (a killed save), and refusals that change nothing."""
 
 import copy
 import os
@@ -348,9 +348,9 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
     try:
         assert select.select([proc.stdout], [], [], 90)[0], "the saver did not start within 90 s"
         assert proc.stdout.readline().strip() == b"ready"
-        deadline = time.monotonic() + 30
+        # The saver saves in a loop until killed, so it reaches a write unless it dies first.
         while not writing(tmp_path / "ckpt.saving"):
-            assert time.monotonic() < deadline, "the saver never started writing"
+            assert proc.poll() is None, "the saver exited before it started writing"
             time.sleep(0.005)
     finally:
         proc.send_signal(signal.SIGKILL)

@@ -1,4 +1,4 @@
-"""A damaged or foreign checkpoint on disk (issue 27, sweep finding 10): ``gs.checkpoint.load`` raises
+"""A damaged or foreign checkpoint on disk: ``gs.checkpoint.load`` raises
 ``graphstep.checkpoint.CheckpointError`` (an ``Exception``, so a resume path's ``except Exception`` sees it)
 naming the file and what is wrong, chained to the original error where there is one, and the optimizer
 (params, main params, state, step count, loss scale, groups) stays bitwise unchanged.

@@ -1,5 +1,5 @@
 """The same guarantees for every registered optimizer family (graphstep/families/), asked of the registry,
-so a new family gets them by being registered (issue 28, item 7): a captured step replays bitwise equal to
+so a new family gets them by being registered: a captured step replays bitwise equal to
 eager while every hyperparameter the family reads moves (no recapture where the kernel reads it live), a
 non-finite grad leaves params, state and step bitwise unchanged, both checkpoint formats round-trip, with
 each state's invariant (a second moment is never negative) refused on load, and CPU offload is bitwise

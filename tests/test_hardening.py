@@ -1,4 +1,4 @@
-"""No silent failure (issue 11's engine items): each case here failed silently or with an internal error
+"""No silent failure: each case here failed silently or with an internal error
 before, and must now either work exactly or be refused with a message that names what to fix."""
 
 import warnings

@@ -187,6 +187,6 @@ def test_gpt2_small_balance_and_padding(dp):
     balance = layerwise.balance(plan_layout(gpt2_small_specs(), dp))
     assert balance.matrix_numel == 12 * (768 * 2304 + 768 * 768 + 2 * 768 * 3072)
     # Measured: max/mean NS cost 1.0000 and padding 0.0000% at dp = 2, 4 and 8 (every GPT-2 matrix has
-    # min dimension 768, so NS cost is 768·numel and the 48 matrices split evenly). Issue 15 asks ≤ 1.3.
+    # min dimension 768, so NS cost is 768·numel and the 48 matrices split evenly). The target is ≤ 1.3.
     assert balance.max_over_mean <= 1.3
     assert balance.padding_fraction < 0.001

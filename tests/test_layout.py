@@ -140,7 +140,7 @@ def megatron_bucket_sizes(numels, bucket_size, dp):
 
 
 def test_ten_linears_of_95_with_bucket_size_9050_make_megatrons_5_buckets():
-    """Issue 11.10: counting the 64-padded size of each param (9088 for a 95 x 95 weight) closed every
+    """Counting the 64-padded size of each param (9088 for a 95 x 95 weight) closed every
     bucket after one weight, 10 buckets; Megatron-Core counts the unpadded end (9025, then 9088 + 9025)."""
     layout = plan_layout(linear_stack(), 1, bucket_size=9050)
     assert len(layout.buckets) == 5

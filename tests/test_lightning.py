@@ -284,7 +284,7 @@ def test_graphsteps_clip_grad_tracks_torchs_unscale_and_clip_grad_norm(precision
     # arithmetic differs legitimately (another norm summation, one multiply instead of two); the bound is
     # 10x the drift torch shows against itself with only its norm summed in fp64 (measured: 2e-7 under
     # 32-true, 2e-4 under bf16-mixed and 16-mixed; graphstep: 3e-7, 2e-7, 2e-4). Clipping the scaled norm
-    # (the bug of issue 27) drifted 0.23.
+    # (a bug fixed earlier) drifted 0.23.
     reference, start = torch_reference(precision, clip="recipe")
     calibration, _ = torch_reference(precision, clip="recipe-fp64-norm")
     module, _ = fit(graphstep_adamw(clip_grad=CLIP), precision)

@@ -24,7 +24,7 @@ def _thresholds(tau: float) -> list:
 @pytest.mark.parametrize("alpha", [0.3, 0.5, 0.7])
 @pytest.mark.parametrize("tau", THRESHOLDS)
 def test_a_group_whose_max_is_exactly_tau_is_left_bitwise_unchanged(tau, alpha):
-    # The reference (shared/reference notes, Kimi K2): η = min(1, τ / S), exactly 1 at S = τ, so the rows keep
+    # The reference (Kimi K2's QK-clip): η = min(1, τ / S), exactly 1 at S = τ, so the rows keep
     # their bits; group 1 (S = 350) is clipped in the same call. Separate and fused weights.
     layout, fused = HeadLayout(4, 2, 2), HeadLayout(4, 2, 2, fused_qkv=True)
     maxima = torch.tensor([tau, 3.0, 350.0, -2.0])

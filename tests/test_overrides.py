@@ -94,7 +94,7 @@ def test_the_no_override_group_comes_first_even_when_its_params_come_last():
 
 
 def test_group_order_follows_the_overrides_not_the_model_order():
-    """Issue 11.10: Megatron-Core sorts the groups (no-override first, then by sorted override items);
+    """Megatron-Core sorts the groups (no-override first, then by sorted override items);
     graphstep used to order them by first appearance, so reversing the model reordered the groups."""
     config = gs.OptimizerConfig(lr=1e-3, decoupled_lr=5e-4, weight_decay=0.1)
     overrides = {**get_standard_config_overrides(config), ParamKey(name="proj.*"): {"lr_mult": 0.5}}
@@ -131,7 +131,7 @@ def test_an_empty_override_gets_a_group_of_its_own_right_after_the_no_override_g
 
 
 def test_min_lr_none_stays_none_in_the_groups():
-    """Issue 11.10: Megatron-Core's groups carry ``min_lr = config.min_lr`` even when it is None (its
+    """Megatron-Core's groups carry ``min_lr = config.min_lr`` even when it is None (its
     scheduler reads that as 0); graphstep wrote 0.0 into the group."""
     _, groups = groups_of(gs.OptimizerConfig(lr=1e-3, decoupled_lr=5e-4))
     assert [g["min_lr"] for g in groups] == [None, None, None]
@@ -140,7 +140,7 @@ def test_min_lr_none_stays_none_in_the_groups():
 
 
 def test_an_override_repeating_the_base_optimizer_is_accepted_and_changes_nothing():
-    """Issue 11.10: Megatron-Core's consistency check refuses ``optimizer`` only when it differs from the
+    """Megatron-Core's consistency check refuses ``optimizer`` only when it differs from the
     config's. Repeating it changes nothing, so it does not split a group either."""
     config = gs.OptimizerConfig(optimizer="adam")
     same = {ParamKey(name="proj.*"): {"optimizer": "adam"}, ParamKey(name="head.*"): {"optimizer": "adam",
@@ -333,7 +333,7 @@ MUP_CLASSES = [
 
 @pytest.mark.parametrize("name, shape, attrs, optimizer, decoupled, lr_factor, eps_factor", MUP_CLASSES)
 def test_mup_param_classes_follow_megatron_core(name, shape, attrs, optimizer, decoupled, lr_factor, eps_factor):
-    """Issue 11.10: graphstep treated ``is_embedding_or_output_parameter`` as vector-like (so an output
+    """graphstep treated ``is_embedding_or_output_parameter`` as vector-like (so an output
     layer kept the base lr and eps) and never looked at ``is_embedding_parameter``, ``shared_embedding``
     or the name (so SGD left an embedding's lr alone)."""
     config = gs.OptimizerConfig(optimizer="sgd" if optimizer == "sgd" else "adam", lr=1e-2, min_lr=1e-3,

@@ -1,4 +1,4 @@
-"""Saving a graphstep-managed model through safetensors loses nothing (issue 27, finding 2).
+"""Saving a graphstep-managed model through safetensors loses nothing.
 
 graphstep makes every param a view of one flat buffer; graphstep/hooks/model_state_dict.py gives each param's
 ``model.state_dict()`` value a storage object of its own (zero-copy). Each saver below round-trips every

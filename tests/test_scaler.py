@@ -89,7 +89,7 @@ def test_dynamic_scaler_matches_the_rule_over_2000_steps(seed, hysteresis):
 
 
 def test_clean_stretches_never_grow_the_scale_to_inf():
-    """Issue 11.2: all-zero grads are clean steps; from a high scale with a short window, uncapped growth
+    """All-zero grads are clean steps; from a high scale with a short window, uncapped growth
     reached inf after 8 doublings, and inf never backs off (inf * 0.5 = inf): every later step skipped."""
     scaler = DynamicLossScaler(2.0**120, min_scale=1.0, growth_interval=1, hysteresis=2, device="cpu")
     clean = torch.zeros(())

@@ -206,7 +206,7 @@ def test_drives_the_captured_engine():
 
 @pytest.mark.parametrize("style", ["linear", "cosine", "inverse-square-root", "WSD", "constant"])
 def test_min_lr_none_is_read_as_zero(style):
-    """Issue 11.10: groups keep ``min_lr=None`` when the config has none (as Megatron-Core's do); every
+    """Groups keep ``min_lr=None`` when the config has none (as Megatron-Core's do); every
     curve must then equal the one floored at 0."""
     extra = dict(wsd_decay_steps=30) if style == "WSD" else {}
     none, zero = Groups({**BASE, "min_lr": None}), Groups({**BASE, "min_lr": 0.0})

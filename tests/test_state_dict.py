@@ -1,4 +1,4 @@
-"""load_state_dict is all or nothing (issue 11, items 3 and 4): a refused checkpoint names the key and
+"""load_state_dict is all or nothing: a refused checkpoint names the key and
 changes nothing; a valid one round-trips exactly. Malformed state dicts are mutations of a real one."""
 
 import copy

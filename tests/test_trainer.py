@@ -1,4 +1,4 @@
-"""transformers.Trainer driving graphstep (issue 11.11): ``Trainer(optimizers=(opt, scheduler))`` with
+"""transformers.Trainer driving graphstep: ``Trainer(optimizers=(opt, scheduler))`` with
 ``gs.get_optimizer`` (eager and captured) and with ``gs.wrap(torch.optim.AdamW(fused=True))``, trained on a
 tiny randomly initialised GPT-2 against Trainer's own default AdamW on the same seed, plus
 ``save_strategy="steps"`` and ``resume_from_checkpoint``.
@@ -125,5 +125,5 @@ def test_grad_accumulation_under_trainer_tracks_trainers_default_adamw(tmp_path)
 @pytest.mark.parametrize("kind", ["eager", "graph", "wrap"])
 def test_resume_from_checkpoint_equals_the_uninterrupted_run_bitwise(run, kind):
     """Model weights, optimizer state (main params, moments, step), the schedule and the data order all come
-    back from the checkpoint; a frozen lr (issue 11.1) or a half-restored state would show here."""
+    back from the checkpoint; a frozen lr or a half-restored state would show here."""
     assert torch.equal(run(kind, resumed=True), run(kind))

@@ -6,7 +6,7 @@ several data-parallel ranks each hold part of a tensor, the caller MAX-reduces t
 ``scale_from_amax`` so every rank derives the same scale.
 
 The rules (Transformer Engine's per-tensor recipes, as Megatron-Core uses them; see
-shared/reference/megatron-core-wave2-notes.md §5):
+Megatron-Core's and Transformer Engine's sources):
 
 - ``scale = fp8_max / amax / 2**margin``, computed in fp32 in that order; an amax that is 0, inf or
   NaN gives scale 1; a scale that overflows to inf (a tiny amax) becomes the largest finite fp32.

@@ -2,7 +2,7 @@
 
 ``newton_schulz(x)`` takes ``x`` of shape (n, r, c) and returns, per matrix, an approximation of the
 polar factor U Vᵀ of its SVD U S Vᵀ (Muon's "zeroth power"). The rules follow emerging-optimizers (EO)
-0.3.0, which Megatron-Core pins (facts from ../shared/reference/megatron-core-wave2-notes.md §1, checked
+0.3.0, which Megatron-Core pins (facts from Megatron-Core's and Emerging-Optimizers' sources, checked
 against EO's ``muon_utils.newton_schulz``):
 
 1. transpose when r > c, so the Gram matrix X Xᵀ is the smaller one;
@@ -36,8 +36,8 @@ NS_EPS = 1e-7
 #   be a multiple of 5 (EO raises otherwise).
 # - "polar_express": Amsel, Persson, Musco, Gower, "The Polar Express" (arXiv:2505.16932), Algorithm 1:
 #   eight minimax-optimal quintics, the first seven divided by the safety factor (1.01, 1.01³, 1.01⁵);
-#   rounded to 4 decimals as EO lists them (EO PR #74 restored these after issue #73). EO requires at
-#   least 8 steps and repeats the last tuple beyond 8 (EO PR #91, following the paper).
+#   rounded to 4 decimals as EO lists them. EO requires at
+#   least 8 steps and repeats the last tuple beyond 8 (following the paper).
 COEFFICIENT_SETS: dict[str, tuple[tuple[float, float, float], ...]] = {
     "simple": ((3.4445, -4.7750, 2.0315),),
     "quintic": (

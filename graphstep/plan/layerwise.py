@@ -2,7 +2,7 @@
 
 Muon's Newton–Schulz needs whole matrices, so with the distributed optimizer its params are not cut into
 element shards: each rank owns whole matrices (Megatron-Core's ``LayerWiseDistributedOptimizer``, facts
-in shared/reference/megatron-core-wave2-notes.md §3). graphstep keeps its one mechanism, even element
+in Megatron-Core's layer-wise optimizer). graphstep keeps its one mechanism, even element
 shards of padded buckets, and only chooses the order of the params inside a *layer-wise bucket*: rank
 r's section ``[start + r·S, start + (r+1)·S)`` holds exactly the matrices rank r owns, each section padded
 to the same size S. The even reduce-scatter of that bucket then hands every owner exactly its matrices'

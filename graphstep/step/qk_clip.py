@@ -4,7 +4,7 @@ After the optimizer step, every attention layer whose largest pre-softmax logit 
 τ gets its query and key projections shrunk so that the same inputs would now produce at most τ. Logits
 are bilinear in W_q and W_k, so scaling the rows of query group g in W_q by η_g^α and its key rows in W_k
 by η_g^(1−α), with η_g = τ / S_g, scales that group's logits by η_g (facts from
-../shared/reference/megatron-core-wave2-notes.md §2). V is untouched.
+Megatron-Core's clip_qk). V is untouched.
 
 What differs from Megatron's ``clip_qk``: η is computed for every group with ``torch.where`` and the
 scaling is applied unconditionally (a factor of exactly 1 leaves a weight bitwise unchanged), so there is

@@ -1,4 +1,4 @@
-"""Distributed checkpoints (issue 13): save on 2 gloo ranks, resume on 1, 2, 3 and 4 and with another
+"""Distributed checkpoints: save on 2 gloo ranks, resume on 1, 2, 3 and 4 and with another
 bucket size, continue, and compare against the uninterrupted 2-rank run; SGD fp32 and Adam in fp32, bf16
 and fp16 (a bound per precision), and with the precision-aware optimizer (bf16 moments with remainders, fp8
 moments).
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.distributed
 NAMES = tuple(W.CONFIGS)
 SGD_RELATIVE_ERROR = 1e-5
 # Adam's drift of the motion (docs/design.md §8) at another dp size or bucket layout, 4 steps after the save,
-# against the uninterrupted 2-rank run. Measured with this harness (issue 27) over resumes on 1, 3 and 4
+# against the uninterrupted 2-rank run. Measured with this harness over resumes on 1, 3 and 4
 # ranks and on 2 with another bucket size: fp32 2.8e-4..4.8e-4 (2 -> 1: 3.8e-4); bf16 2.5e-2..3.6e-2
 # (2 -> 1: 2.8e-2; another bucket size: bitwise); fp16 2.2e-2..3.1e-2 (2 -> 1: 2.2e-2; another bucket
 # size: 1.1e-7). The bounds are about 2-3x the largest. The bf16/fp16 drift is the batch split's, not the

@@ -1,4 +1,4 @@
-"""Layer-wise Muon checkpoints reload at another data-parallel size (issue 15 item 3, issue 10's format).
+"""Layer-wise Muon checkpoints reload at another data-parallel size (graphstep's sharded format).
 
 Saved on 2 gloo ranks (each rank writes the whole matrices it owns, per param, model-named), resumed on 4
 ranks (other owners) and in one process, then trained on: every rank feeds the same exact grads (the mean

@@ -1,4 +1,4 @@
-"""Layer-wise Muon (issue 15 item 3) on 2 and 4 gloo ranks against a single process.
+"""Layer-wise Muon on 2 and 4 gloo ranks against a single process.
 
 With the distributed optimizer each rank owns whole Muon matrices (graphstep.plan.layerwise): the even
 reduce-scatter of the layer-wise bucket hands it their grads, it runs Newton–Schulz on them, the even
