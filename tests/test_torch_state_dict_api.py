@@ -305,3 +305,20 @@ def test_a_ranks_range_is_cut_into_boxes_that_cover_it_in_order():
             want[start:end] = 1
             assert torch.equal(marks.reshape(-1), want), (shape, start, end)
             assert len(boxes(shape, start, end)) <= 2 * len(shape) - 1
+
+
+def test_a_tensor_parallel_slices_range_lies_in_the_whole_param_where_the_slice_does():
+    from graphstep.checkpoint.param_pieces import SliceOfWhole
+    gen = torch.Generator().manual_seed(1)
+    for whole_shape, dim, parts in [((12,), 0, 2), ((6, 5), 0, 3), ((4, 6), 1, 2), ((2, 4, 6), 2, 2), ((3, 4, 5), 1, 4)]:
+        whole = torch.arange(torch.Size(whole_shape).numel()).view(whole_shape)
+        for part in range(parts):
+            local = whole.chunk(parts, dim)[part]
+            where = SliceOfWhole(tuple(local.shape), dim, parts, part)
+            assert where.global_shape == whole_shape and torch.equal(where.local_of(whole), local)
+            for _ in range(20):
+                start, end = sorted(torch.randint(0, local.numel() + 1, (2,), generator=gen).tolist())
+                found = [whole[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].reshape(-1)
+                         for offsets, sizes in where.boxes(start, end)]
+                got = torch.cat(found) if found else torch.empty(0, dtype=whole.dtype)
+                assert torch.equal(got, local.reshape(-1)[start:end]), (whole_shape, dim, part, start, end)

@@ -13,8 +13,8 @@
 from .dcp import (CheckpointError, OptimizerState, SafeFileSystemReader, SafeLoadPlanner, async_save, load,
                   read_metadata, save)
 from .sharded import FORMAT_VERSION, load_sharded_state_dict, sharded_state_dict
-from .torch_api import get_optimizer_state_dict, set_optimizer_state_dict
+from .torch_api import get_optimizer_state_dict, placed_model_state_dict, set_optimizer_state_dict
 
 __all__ = ["save", "load", "async_save", "read_metadata", "sharded_state_dict", "load_sharded_state_dict",
            "OptimizerState", "SafeFileSystemReader", "SafeLoadPlanner", "CheckpointError", "FORMAT_VERSION",
-           "get_optimizer_state_dict", "set_optimizer_state_dict"]
+           "get_optimizer_state_dict", "set_optimizer_state_dict", "placed_model_state_dict"]

@@ -1,20 +1,30 @@
-"""Where each data-parallel rank's piece of a param lies, and that piece as a ``ShardedTensor`` of the param's
-own shape, which torch.distributed.checkpoint (DCP) saves and reshards like any sharded tensor.
+"""Where each rank's piece of a param lies in the tensor its checkpoint key names, and that piece as a
+``ShardedTensor`` of that tensor's shape, which torch.distributed.checkpoint (DCP) saves and reshards like any
+sharded tensor.
 
-A rank owns a contiguous range of a param's flattened elements (``layout.owned_ranges``: the bucket shards
-ignore param boundaries, so a rank may own a sliver of a param, all of it, or none). A ShardedTensor's shards
-are boxes (an offset and a size per dim), and a contiguous range of a row-major tensor is at most
-``2 * ndim - 1`` boxes: the rest of the first partial row, whole rows, the start of the last partial row,
-recursively per dim. Each box is contiguous in the flat range, so its tensor is a view of the rank's slice.
-DTensor cannot say this: its ``Shard(dim)`` placement is torch.chunk's even split.
+Two splits compose. Tensor parallelism (Megatron-Core's ``tensor_model_parallel`` / ``partition_dim`` marks)
+gives each rank of the (expert) tensor-parallel group one of ``parts`` equal slices of the whole param along
+``partition_dim``: the key names the whole param, as Megatron-Core's own checkpoints and torch's DTensor
+``Shard(dim)`` do, so the slices never meet and a load at another tensor-parallel size (one process holding the
+whole param included) finds its elements. The distributed optimizer then gives each data-parallel rank a
+contiguous range of its slice's flattened elements (``layout.owned_ranges``: the bucket shards ignore param
+boundaries, so a rank may own a sliver of a param, all of it, or none).
 
-The metadata is computed on every rank from the layout (the same everywhere): no collective.
+A ShardedTensor's shards are boxes (an offset and a size per dim), and a contiguous range of a row-major tensor is
+at most ``2 * ndim - 1`` boxes: the rest of the first partial row, whole rows, the start of the last partial row,
+recursively per dim. Each box is contiguous in the flat range, so its tensor is a view of the rank's slice; a
+tensor-parallel slice moves its boxes by its offset along ``partition_dim``. DTensor cannot say this: its
+``Shard(dim)`` placement is torch.chunk's even split.
+
+The metadata is computed on every rank from the layout (the same on every rank of a domain and on every rank of a
+tensor-parallel group) and from ``RankGrid``, the global rank of each (tensor-parallel, data-parallel) place.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -46,6 +56,59 @@ def boxes(shape: Sequence[int], start: int, end: int) -> list[Box]:
     return out
 
 
+@dataclass(frozen=True)
+class SliceOfWhole:
+    """A rank's param in the tensor its key names: the whole of it (``parts`` 1), or slice ``part`` of ``parts``
+    equal slices along ``dim`` (a tensor-parallel split)."""
+
+    shape: tuple[int, ...]  # the rank's param's
+    dim: int = 0
+    parts: int = 1
+    part: int = 0
+
+    @property
+    def split(self) -> bool:
+        return self.parts > 1
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        if not self.split:
+            return self.shape
+        return tuple(size * self.parts if d == self.dim else size for d, size in enumerate(self.shape))
+
+    def offsets(self, part: Optional[int] = None) -> tuple[int, ...]:
+        """Where slice ``part`` (default: this rank's) starts in the whole tensor."""
+        part = self.part if part is None else part
+        return tuple(part * size if self.split and d == self.dim else 0 for d, size in enumerate(self.shape))
+
+    def boxes(self, start: int, end: int, part: Optional[int] = None) -> list[Box]:
+        """The boxes, in the whole tensor, of flat elements ``[start, end)`` of slice ``part``."""
+        shift = self.offsets(part)
+        return [(tuple(o + s for o, s in zip(offsets, shift)), sizes)
+                for offsets, sizes in boxes(self.shape, start, end)]
+
+    def local_of(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a tensor of ``global_shape``."""
+        if not self.split:
+            return whole
+        return whole.narrow(self.dim, self.offsets()[self.dim], self.shape[self.dim])
+
+
+def slice_of_whole(p: torch.Tensor, name: str, tp_size: int, tp_rank: int) -> SliceOfWhole:
+    """Where ``p`` lies: split over a tensor-parallel group of ``tp_size`` ranks when Megatron-Core marks it so
+    (``tensor_model_parallel`` with its ``partition_dim``), else whole."""
+    if tp_size <= 1 or not getattr(p, "tensor_model_parallel", False):
+        return SliceOfWhole(tuple(p.shape))
+    dim = getattr(p, "partition_dim", None)
+    if dim is None:
+        raise NotImplementedError(
+            f"torch's get_state_dict / set_state_dict: param '{name}' is marked tensor_model_parallel without a "
+            "partition_dim, so where its slice lies in the whole param is unknown: set p.partition_dim (the "
+            "dimension it is split along, as Megatron-Core's layers do), or save each rank's opt.state_dict() "
+            "with torch.save")
+    return SliceOfWhole(tuple(p.shape), dim % p.dim(), tp_size, tp_rank)
+
+
 def ownership(layout) -> dict[int, list]:
     """param index -> [(data-parallel rank, OwnedRange)], for every rank: the layout is the same everywhere."""
     owners: dict[int, list] = {i: [] for i in range(len(layout.params))}
@@ -56,42 +119,86 @@ def ownership(layout) -> dict[int, list]:
 
 
 def dp_global_ranks(opt) -> list[int]:
-    """The global rank of each data-parallel rank (ShardedTensor placements name global ranks)."""
-    group = getattr(getattr(opt, "comm", None), "dp_group", None)
-    return dist.get_process_group_ranks(group) if group is not None else list(range(opt.layout.dp_size))
+    """The global rank of each data-parallel rank of the dense params (ShardedTensor placements name global
+    ranks)."""
+    return group_ranks(getattr(getattr(opt, "comm", None), "dp_group", None), opt.layout.dp_size)
 
 
-def sharded_param(local: Optional[torch.Tensor], shape: Sequence[int], dtype: torch.dtype, owners: list,
-                  global_ranks: list[int], rank: int, device) -> "torch.Tensor":
-    """A ShardedTensor of global ``shape``: each owner's range as its boxes, this rank's backed by ``local``
-    (its flattened range, contiguous; None where it owns none)."""
+def group_ranks(group, size: int) -> list[int]:
+    """The global ranks of ``group`` in its order; this process alone without one."""
+    if group is not None:
+        return dist.get_process_group_ranks(group)
+    if size == 1 and dist.is_available() and dist.is_initialized():
+        return [dist.get_rank()]
+    return list(range(size))
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    """The global rank of each (tensor-parallel part, data-parallel rank) of one domain, and this rank's part:
+    the data-parallel ranks of a param the tensor-parallel ranks hold whole (replicated) are its own part's."""
+
+    ranks: tuple[tuple[int, ...], ...]  # [part][data-parallel rank]
+    part: int = 0
+
+    @classmethod
+    def of(cls, dp_ranks: list[int], tp_group) -> "RankGrid":
+        """Every tensor-parallel rank's data-parallel ranks: one all-gather over ``tp_group`` (None: no split)."""
+        if tp_group is None or dist.get_world_size(tp_group) == 1:
+            return cls((tuple(dp_ranks),))
+        gathered: list = [None] * dist.get_world_size(tp_group)
+        dist.all_gather_object(gathered, list(dp_ranks), group=tp_group)
+        return cls(tuple(tuple(ranks) for ranks in gathered), dist.get_rank(tp_group))
+
+    def holders(self, where: "SliceOfWhole", part: int) -> tuple[int, ...]:
+        """The global ranks, by data-parallel rank, of slice ``part`` of a param placed ``where``."""
+        return self.ranks[part if where.split else self.part]
+
+
+def sharded_param(local: Optional[torch.Tensor], where: SliceOfWhole, dtype: torch.dtype, owners: list,
+                  grid: RankGrid, rank: int, device) -> "torch.Tensor":
+    """A ShardedTensor of ``where.global_shape``: each (tensor-parallel part, data-parallel owner)'s range as its
+    boxes, this rank's (part ``where.part``, data-parallel rank ``rank``) backed by ``local`` (its flattened range,
+    contiguous; None where it owns none)."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
     shards_md, local_shards = [], []
-    for owner, owned in owners:
-        where = local.device if owner == rank and local is not None else device
-        position = 0
-        for offsets, sizes in boxes(shape, owned.param_start, owned.param_end):
-            md = ShardMetadata(list(offsets), list(sizes), f"rank:{global_ranks[owner]}/{where}")
-            shards_md.append(md)
-            numel = math.prod(sizes)
-            if owner == rank:
-                local_shards.append(Shard(local[position:position + numel].view(sizes), md))
-            position += numel
-    metadata = ShardedTensorMetadata(shards_md, torch.Size(shape), TensorProperties(dtype=dtype, layout=torch.strided))
+    for part in range(where.parts):
+        for owner, owned in owners:
+            mine = part == where.part and owner == rank
+            placed_on = local.device if mine and local is not None else device
+            position = 0
+            for offsets, sizes in where.boxes(owned.param_start, owned.param_end, part):
+                md = ShardMetadata(list(offsets), list(sizes), f"rank:{grid.holders(where, part)[owner]}/{placed_on}")
+                shards_md.append(md)
+                numel = math.prod(sizes)
+                if mine:
+                    local_shards.append(Shard(local[position:position + numel].view(sizes), md))
+                position += numel
+    if not local_shards and where.shape:
+        # This rank holds none of it: an empty piece, for DCP drops a ShardedTensor without local shards from what
+        # a rank loads, and a checkpoint key missing there makes dcp.load take it for one of torch 2.3's. At the
+        # far corner, where no piece with elements starts: DCP keeps one of two pieces at one offset.
+        md = ShardMetadata(list(where.global_shape), [0] * len(where.shape),
+                           f"rank:{grid.holders(where, where.part)[rank]}/{device}")
+        shards_md.append(md)
+        local_shards.append(Shard(torch.empty([0] * len(where.shape), dtype=dtype, device=device), md))
+    metadata = ShardedTensorMetadata(shards_md, torch.Size(where.global_shape),
+                                     TensorProperties(dtype=dtype, layout=torch.strided))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # ShardedTensor's deprecation notice (see graphstep/checkpoint/sharded.py)
         return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata)
 
 
 def local_boxes(value) -> list[tuple[Box, torch.Tensor]]:
-    """A ShardedTensor's local shards as ((offsets, sizes), tensor), in its order."""
+    """A ShardedTensor's local shards as ((offsets, sizes), tensor), in its order, empty ones left out."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         shards = value.local_shards()
-    return [((tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)), s.tensor) for s in shards]
+    return [((tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)), s.tensor) for s in shards
+            if math.prod(s.metadata.shard_sizes) > 0]  # an empty piece: a rank holding none of it (sharded_param)
 
 
 def global_shape(value) -> tuple[int, ...]:

@@ -4,15 +4,22 @@ engine's ``Optimizer.state`` mapping.
 
 torch's own functions work on a graphstep optimizer too, in torch's optimizer format (``torch_format.py``:
 ``opt.state_dict()`` gives it to them, ``opt.load_state_dict()`` takes it); these stay for code written
-against graphstep's format (``gs.checkpoint.save`` / ``load`` use it).
+against graphstep's format (``gs.checkpoint.save`` / ``load`` use it). ``placed_model_state_dict`` does for the
+model's state dict of a tensor-parallel model what the optimizer's entries do by themselves: it puts each slice at
+its place in the whole param, so that DCP saves the slices side by side instead of one over the other.
 """
 
 from __future__ import annotations
 
 import collections
+from types import SimpleNamespace
 from typing import Any
 
+import torch
+
 from . import sharded
+from .param_pieces import RankGrid, group_ranks, sharded_param
+from .torch_entries import param_entries
 
 
 def _single(optimizers):
@@ -43,6 +50,37 @@ def set_optimizer_state_dict(model, optimizers, optim_state_dict: dict, *, optio
     """``load_sharded_state_dict(opt, optim_state_dict)``: validated, copied in place, params published."""
     _check_options(options)
     sharded.load_sharded_state_dict(_single(optimizers), optim_state_dict)
+
+
+def placed_model_state_dict(opt, model_state_dict: dict) -> dict:
+    """``model_state_dict`` (from torch's ``get_state_dict`` / ``get_model_state_dict``) with each tensor-parallel
+    slice of a param ``opt`` holds replaced by a ShardedTensor of the whole param whose one local piece is that
+    same tensor (no copy). torch's functions key a model's state by param name, so the tensor-parallel ranks'
+    slices of one param (Megatron-Core's ``tensor_model_parallel`` / ``partition_dim`` marks on plain tensors)
+    would meet under one name in a DCP checkpoint and only one would be kept; placed, each slice is saved once,
+    and ``dcp.load`` fills each rank's slice in place from a checkpoint of any tensor-parallel size. Pass the
+    result to ``dcp.save`` / ``dcp.load`` and the original dict to ``set_state_dict``. Other entries are kept
+    as they are (the same dict without tensor parallelism). Collective over the optimizer's ranks, like
+    ``get_state_dict`` on it."""
+    entries = param_entries(opt, "placed_model_state_dict", with_grid=False)
+    split = {}
+    for entry in entries.values():
+        if entry.where.split:
+            p = entry.domain.buffers.params[entry.place.index]
+            split[(p.data_ptr(), tuple(p.shape), p.dtype)] = entry
+    placed = dict(model_state_dict)
+    for key, value in model_state_dict.items():
+        entry = split.get((value.data_ptr(), tuple(value.shape), value.dtype)) if isinstance(value, torch.Tensor) \
+            else None
+        if entry is None:
+            continue
+        if not value.is_contiguous():
+            raise ValueError(f"placed_model_state_dict: [{key!r}] is not contiguous: pass the dict torch's "
+                             "get_state_dict returned, whose values are the params' own tensors")
+        grid = RankGrid(tuple((rank,) for rank in group_ranks(entry.domain.comm.tp_group, 1)))
+        whole = SimpleNamespace(param_start=0, param_end=value.numel())
+        placed[key] = sharded_param(value.view(-1), entry.where, value.dtype, [(0, whole)], grid, 0, value.device)
+    return placed
 
 
 class ParamState(collections.defaultdict):

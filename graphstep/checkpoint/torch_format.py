@@ -14,9 +14,12 @@ them into FQNs). Per param:
   CPU offload), so that a resume is exact.
 
 With one data-parallel rank (a plain model, DDP) each is a plain tensor of all the param's elements. With the
-distributed optimizer a rank holds only its range of each param: the entry is a ``ShardedTensor`` of the
-param's shape holding that range as boxes (``param_pieces.py``), which DCP saves per owner and reshards at
-load to any data-parallel size, layout or model wrapper, a plain one included. Step-wide values torch has
+distributed optimizer a rank holds only its range of each param, and under tensor parallelism only its slice of the
+whole param: the entry is then a ``ShardedTensor`` of the whole param's shape holding that range as boxes at their
+place in it (``param_pieces.py``), which DCP saves per owner and reshards at load to any data-parallel or
+tensor-parallel size, layout or model wrapper, a plain one included. Expert params are entries like any other,
+keyed by their names (which must then name one expert on every rank: ``torch_entries.py``), their ranges those of
+the expert data-parallel group. Step-wide values torch has
 no place for ride in every group under ``"graphstep"`` (as the FSDP2 path does): ``clip_grad``,
 ``grad_norm_skip_threshold``, ``loss_scaler`` and, in the first group, the fp8 weights' state.
 
@@ -25,8 +28,16 @@ finiteness, one step count, the groups' hyperparameters, the scaler) on every ra
 copied into the static buffers, in place, so a captured step stays valid.
 
 torch's functions call ``opt.state_dict()``, which must keep giving graphstep's flat format to everyone else
-(``torch.save`` flows): ``torch_api_caller`` tells the two apart by the caller's module, the nearest frame
-outside graphstep. A dict in this format is recognised by its keys, from any caller.
+(``torch.save`` flows): ``torch_api_caller`` tells the two apart by the caller's module, the nearest frame outside
+graphstep. torch's API leaves no flag an optimizer could read instead (its options stay in its own frames; the
+optimizer's documented state-dict hooks do not say who called), and an optimizer that always answered in torch's
+format would break every flat checkpoint written with ``torch.save``. What torch's functions were asked for is read
+from their frames the same way, by type, not by a local's name: the ``StateDictOptions`` the caller passed (torch's
+public class, a parameter of its public functions). A dict in torch's format is recognised by its keys, from any
+caller.
+
+Which param each entry is and where its elements lie (the domain, tensor-parallel slices, data-parallel ranges),
+and the models whose names do not say which elements they are, refused: ``torch_entries.py``.
 """
 
 from __future__ import annotations
@@ -44,7 +55,8 @@ from ..families import families_of, state_spec
 from ..fp8 import checkpoint as fp8_checkpoint
 from .checks import (StateDictError, apply_common, check_mapping, check_param_groups, check_scaler, check_step,
                      check_tensor, check_thresholds, refuse_together)
-from .param_pieces import boxes, dp_global_ranks, global_shape, local_boxes, ownership, sharded_param
+from .param_pieces import global_shape, local_boxes, sharded_param
+from .torch_entries import ParamEntry, param_entries
 
 TORCH_API = "torch.distributed.checkpoint.state_dict"
 EXTRA = "graphstep"
@@ -64,12 +76,16 @@ def torch_api_caller() -> Optional[FrameType]:
 
 
 def _wants_full(caller: FrameType) -> bool:
-    """torch asked for full tensors: ``full_state_dict`` in its options, or its full load path (which reads the
-    optimizer's local state dict to distribute the full one into)."""
+    """torch was asked for full tensors: a ``StateDictOptions(full_state_dict=True)`` among the locals of torch's
+    frames up from ``caller`` (the options the user passed to torch's public function, a parameter of it; on its
+    full load path torch reads the optimizer's local state dict, to distribute the full one into, under a copy of
+    them with the flag cleared). The walk goes through torch's other frames too (its no_grad decorators sit
+    between its functions) and stops at the first frame outside torch."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
     frame = caller
-    while frame is not None and frame.f_globals.get("__name__") == TORCH_API:
-        if getattr(frame.f_locals.get("info"), "full_state_dict", False) or \
-                frame.f_code.co_name == "_load_optim_state_dict":
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("torch."):
+        if any(isinstance(value, StateDictOptions) and value.full_state_dict for value in frame.f_locals.values()):
             return True
         frame = frame.f_back
     return False
@@ -79,42 +95,25 @@ def is_torch_format(value: Any) -> bool:
     return isinstance(value, Mapping) and set(value) == {"state", "param_groups"}
 
 
-def refuse_unsupported(opt, what: str) -> None:
-    """The models whose params' names do not say which elements they are: refused, with what works."""
-    if len(opt.domains) > 1:
-        raise NotImplementedError(
-            f"{what}: torch's checkpoint API does not cover expert params (expert_data_parallel_group) here: their "
-            "names are local to each expert-parallel rank, so two experts would meet under one key of a DCP "
-            "checkpoint (gs.checkpoint.save / load refuse them for the same reason). Save each rank's "
-            "opt.state_dict() with torch.save and load it with opt.load_state_dict() (exact, same layout)")
-    mp_group = opt.comm.mp_group
-    if mp_group is not None and torch.distributed.get_world_size(mp_group) > 1:
-        raise NotImplementedError(
-            f"{what}: with a model_parallel_group of several ranks the tensor-parallel slices and pipeline stages "
-            "of one param share its name, so their entries would overwrite each other in one DCP checkpoint "
-            "(gs.checkpoint refuses them too). Save each rank's opt.state_dict() with torch.save and load it with "
-            "opt.load_state_dict()")
-
-
-def _kinds(opt, place, families) -> tuple[str, ...]:
-    """The entries of param ``place`` besides its step: its main params where they are not the model param
+def _kinds(opt, entry: ParamEntry, families) -> tuple[str, ...]:
+    """The entries of a param besides its step: its main params where they are not the model param
     (``fp32_param``), then the states its group's family keeps."""
-    buffers = opt.buffers
-    separate = not buffers.main_is_param[place.buffer] or buffers.host is not None
-    return ((MAIN_PARAM,) if separate else ()) + tuple(families[place.group].state_names(opt.config))
+    buffers = entry.domain.buffers
+    separate = not buffers.main_is_param[entry.place.buffer] or buffers.host is not None
+    return ((MAIN_PARAM,) if separate else ()) + tuple(families[entry.place.group].state_names(opt.config))
 
 
 def _buffer_kind(kind: str) -> str:
     return "main" if kind == MAIN_PARAM else kind
 
 
-def _saved_dtype(opt, kind: str, buffer: int) -> torch.dtype:
-    return opt.buffers.shard_like(_buffer_kind(kind), buffer).dtype
+def _saved_dtype(buffers, kind: str, buffer: int) -> torch.dtype:
+    return buffers.shard_like(_buffer_kind(kind), buffer).dtype
 
 
-def _copy_of(opt, kind: str, buffer: int, start: int, size: int) -> torch.Tensor:
-    part = opt.buffers.read_part(_buffer_kind(kind), buffer, start, size)
-    return part if opt.buffers.stored_kind(_buffer_kind(kind), buffer) is not None else part.clone()
+def _copy_of(buffers, kind: str, buffer: int, start: int, size: int) -> torch.Tensor:
+    part = buffers.read_part(_buffer_kind(kind), buffer, start, size)
+    return part if buffers.stored_kind(_buffer_kind(kind), buffer) is not None else part.clone()
 
 
 def _extras(opt, first: bool) -> dict:
@@ -124,23 +123,31 @@ def _extras(opt, first: bool) -> dict:
             "fp8": (fp8_checkpoint.sharded_entries(opt, snapshot=True) or None) if first else None}
 
 
+def _refuse_split_fp8(opt, entries: dict, what: str) -> None:
+    """The fp8 weights' state is saved whole per param name: a tensor-parallel slice of one would meet its
+    peers' under that name."""
+    split = [e.place.name for e in entries.values() if e.where.split]
+    if split and fp8_checkpoint.weights(opt):
+        raise NotImplementedError(
+            f"{what}: fp8 weights with tensor-parallel slices (e.g. '{split[0]}'): their fp8 state is saved whole "
+            "under each param's name, and the slices would overwrite each other. Save each rank's opt.state_dict() "
+            "with torch.save")
+
+
 # ---- get ------------------------------------------------------------------------------------------------
 def state_dict(opt, caller: FrameType) -> dict:
     """torch's optimizer format (see the module docstring), for torch's functions."""
-    refuse_unsupported(opt, "get_state_dict")
-    layout = opt.layout
-    if layout.dp_size > 1 and _wants_full(caller):
+    entries = param_entries(opt, "get_state_dict", with_grid=True)
+    if _wants_full(caller) and any(e.sharded for e in entries.values()):
         raise NotImplementedError(
             "torch's get_state_dict / set_state_dict with StateDictOptions(full_state_dict=True): with the "
-            "distributed optimizer each rank holds only its range of each param's state, and torch's gather of "
-            "sharded entries assumes an even split. Use the default options (sharded entries, which DCP saves "
-            "and reshards to any data-parallel size), or gs.checkpoint.save / load")
+            "distributed optimizer or tensor-parallel slices each rank holds only its range of each param's state, "
+            "and torch's gather of sharded entries assumes an even split over all ranks. Use the default options "
+            "(sharded entries, which DCP saves and reshards to any data-parallel or tensor-parallel size), or "
+            "gs.checkpoint.save / load")
+    _refuse_split_fp8(opt, entries, "get_state_dict")
     opt.finish_param_gather()
     families = families_of(opt.param_groups, opt.config.optimizer)
-    index = {id(p): i for i, p in enumerate(opt.buffers.params)}
-    mine = {o.param: o for o in layout.owned_ranges(opt.rank)}
-    owners = ownership(layout) if layout.dp_size > 1 else None
-    global_ranks = dp_global_ranks(opt) if owners is not None else None
     state, groups = {}, []
     for g, group in enumerate(opt.param_groups):
         saved = copy.deepcopy({k: v for k, v in group.items() if k != "params"})
@@ -148,25 +155,31 @@ def state_dict(opt, caller: FrameType) -> dict:
         saved[EXTRA] = _extras(opt, first=g == 0)
         groups.append(saved)
         for p in group["params"]:
-            place = layout.params[index[id(p)]]
-            state[len(state)] = _param_entry(opt, place, families, mine.get(place.index), owners, global_ranks)
+            state[len(state)] = _param_entry(opt, entries[id(p)], families)
     return {"state": state, "param_groups": groups}
 
 
-def _param_entry(opt, place, families, mine, owners, global_ranks) -> dict:
-    """One param's entry: plain tensors with one data-parallel rank, else ShardedTensors (``mine``: this rank's
-    OwnedRange of the param, or None)."""
-    entry = {"step": opt.tensors.step.clone()}
-    for kind in _kinds(opt, place, families):
+def _param_entry(opt, entry: ParamEntry, families) -> dict:
+    """One param's entry: plain tensors of all of it where this rank holds it whole and alone, else
+    ShardedTensors of the whole param holding this rank's range of its slice."""
+    buffers, place, mine = entry.domain.buffers, entry.place, entry.mine
+    out = {"step": opt.tensors.step.clone()}
+    for kind in _kinds(opt, entry, families):
         local = None
         if mine is not None:
-            local = _copy_of(opt, kind, place.buffer, mine.shard_start, mine.param_end - mine.param_start)
-        if owners is None:
-            entry[kind] = local.view(place.shape)
+            local = _copy_of(buffers, kind, place.buffer, mine.shard_start, mine.param_end - mine.param_start)
+        if not entry.sharded and entry.domain.layout.dp_size > 1:  # a 0-d param: the owner's value, everywhere
+            value = local if local is not None else torch.empty((), dtype=_saved_dtype(buffers, kind, place.buffer),
+                                                                 device=opt.device)
+            value = value.to(opt.device).view(())
+            torch.distributed.broadcast(value, entry.owner_rank(), group=entry.domain.comm.dp_group)
+            out[kind] = value
+        elif not entry.sharded:
+            out[kind] = local.view(place.shape)
         else:
-            entry[kind] = sharded_param(local, place.shape, _saved_dtype(opt, kind, place.buffer),
-                                        owners[place.index], global_ranks, opt.rank, opt.device)
-    return entry
+            out[kind] = sharded_param(local, entry.where, _saved_dtype(buffers, kind, place.buffer), entry.owners,
+                                      entry.grid, entry.domain.rank, opt.device)
+    return out
 
 
 # ---- set ------------------------------------------------------------------------------------------------
@@ -178,8 +191,9 @@ def _fail(where: str, problem: str) -> StateDictError:
 def load_state_dict(opt, sd: Mapping) -> None:
     """Validate ``sd`` whole on every data-parallel rank (refusing together), then copy in place and publish
     the params (collective with several ranks). A refused load names the key; nothing changed anywhere."""
-    refuse_unsupported(opt, "set_state_dict")
-    plan = refuse_together(opt, lambda: validate(opt, sd), "load_state_dict")
+    entries = param_entries(opt, "set_state_dict", with_grid=False)  # collective: before any rank can refuse
+    _refuse_split_fp8(opt, entries, "set_state_dict")
+    plan = refuse_together(opt, lambda: validate(opt, sd, entries), "load_state_dict")
     for write in plan["copies"]:
         write()
     apply_common(opt, plan["step"], plan["groups"], plan["scaler"], plan["clip_grad"],
@@ -188,7 +202,7 @@ def load_state_dict(opt, sd: Mapping) -> None:
     fp8_checkpoint.apply(plan["fp8_copies"])  # the saved fp8 bytes and scales replace the publish's recast
 
 
-def validate(opt, sd: Mapping) -> dict:
+def validate(opt, sd: Mapping, entries: dict) -> dict:
     """Every check of a load in torch's format, nothing copied; returns what ``load_state_dict`` copies."""
     saved_groups, state = sd["param_groups"], sd["state"]
     if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(opt.param_groups):
@@ -197,35 +211,40 @@ def validate(opt, sd: Mapping) -> dict:
     if not isinstance(state, Mapping):
         raise _fail("['state']", f"must be a dict, got {type(state).__name__}")
     families = families_of(opt.param_groups, opt.config.optimizer)
-    index = {id(p): i for i, p in enumerate(opt.buffers.params)}
-    owned = {o.param: o for o in opt.layout.owned_ranges(opt.rank)}
     copies, steps = [], []
     for g, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
         keys = saved.get("params") if isinstance(saved, Mapping) else None
         if not isinstance(keys, (list, tuple)) or len(keys) != len(group["params"]):
             raise _fail(f"['param_groups'][{g}]['params']", f"must list the group's {len(group['params'])} params "
                                                              "(saved from another model or other overrides?)")
+        if set(saved) == {"params"} and len(group) > 1:
+            raise _fail(f"['param_groups'][{g}]", "holds no hyperparameters: torch found none of this group's "
+                                                  "params in the saved groups. DCP saves one rank's copy of a "
+                                                  "group's entries, so a group whose params differ between ranks "
+                                                  "(expert params in a group of their own under expert "
+                                                  "parallelism) is found on the ranks whose list was saved only: "
+                                                  "keep such params in a group with params every rank holds")
         for key, p in zip(keys, group["params"]):  # paired by position, as torch.optim pairs them
-            place = opt.layout.params[index[id(p)]]
+            entry = entries[id(p)]
             where = f"['state'][{key!r}]"
             if key not in state:
-                raise _fail(where, f"is missing (the state of param '{place.name}')")
-            kinds = _kinds(opt, place, families)
+                raise _fail(where, f"is missing (the state of param '{entry.place.name}')")
+            kinds = _kinds(opt, entry, families)
             if kinds and isinstance(state[key], Mapping) and set(state[key]) == {"step"}:
                 raise _fail(where, f"holds only 'step', not {list(kinds)}. torch's set_state_dict / "
                                    "set_optimizer_state_dict with StateDictOptions(flatten_optimizer_state_dict=True) "
                                    "rebuild only the states opt.state lists, and graphstep's lists the step count "
                                    "only: save and load without that option")
-            entry = check_mapping(state[key], where, ("step", *kinds), allowed=("step", *kinds))
-            steps.append((where, entry["step"]))
-            mine = owned.get(place.index)
+            saved_entry = check_mapping(state[key], where, ("step", *kinds), allowed=("step", *kinds))
+            steps.append((where, saved_entry["step"]))
             for kind in kinds:
                 nonnegative = kind != MAIN_PARAM and state_spec(kind).nonnegative
-                source = _local_part(entry[kind], f"{where}[{kind!r}]", place, mine,
-                                     _saved_dtype(opt, kind, place.buffer), nonnegative)
+                buffers, buffer = entry.domain.buffers, entry.place.buffer
+                source = _local_part(saved_entry[kind], f"{where}[{kind!r}]", entry,
+                                     _saved_dtype(buffers, kind, buffer), nonnegative)
                 if source is not None:
-                    copies.append(functools.partial(opt.buffers.write_part, _buffer_kind(kind), place.buffer,
-                                                    mine.shard_start, source.numel(), source))
+                    copies.append(functools.partial(buffers.write_part, _buffer_kind(kind), buffer,
+                                                    entry.mine.shard_start, source.numel(), source))
     step = _one_step(opt, steps)
     extra = _extra(opt, saved_groups)
     groups = [_hyperparameters(saved, group) for saved, group in zip(saved_groups, opt.param_groups)]
@@ -241,16 +260,17 @@ def validate(opt, sd: Mapping) -> dict:
             "grad_norm_skip_threshold": extra["grad_norm_skip_threshold"]}
 
 
-def _local_part(value: Any, where: str, place, owned, dtype: torch.dtype,
+def _local_part(value: Any, where: str, entry: ParamEntry, dtype: torch.dtype,
                 nonnegative: bool) -> Optional[torch.Tensor]:
     """This rank's flattened range of one entry, validated; None where this rank owns none of the param."""
+    owned, whole = entry.mine, entry.where.global_shape
     size = 0 if owned is None else owned.param_end - owned.param_start
     like = torch.empty(size, dtype=dtype, device="meta")
     if hasattr(value, "local_shards"):  # a ShardedTensor (what DCP loaded into this rank's template)
-        if global_shape(value) != tuple(place.shape):
-            raise _fail(where, f"has global shape {global_shape(value)}, the param {tuple(place.shape)}")
+        if global_shape(value) != whole:
+            raise _fail(where, f"has global shape {global_shape(value)}, the param {whole}")
         pieces = local_boxes(value)
-        expected = [] if owned is None else boxes(place.shape, owned.param_start, owned.param_end)
+        expected = [] if owned is None else entry.where.boxes(owned.param_start, owned.param_end)
         if [box for box, _ in pieces] != expected:
             raise _fail(where, f"holds pieces {[box for box, _ in pieces]} on this rank, expected {expected} (this "
                                "rank's range of the param: build the state dict to load into with get_state_dict)")
@@ -261,11 +281,11 @@ def _local_part(value: Any, where: str, place, owned, dtype: torch.dtype,
                 raise _fail(where, f"has a piece at {box[0]} that is not a tensor of shape {box[1]}")
         value = torch.cat([t.reshape(-1) for _, t in pieces]) if len(pieces) > 1 else pieces[0][1].reshape(-1)
     elif isinstance(value, torch.Tensor) and not hasattr(value, "_local_tensor"):
-        if tuple(value.shape) != tuple(place.shape):
-            raise _fail(where, f"has shape {tuple(value.shape)}, the param {tuple(place.shape)}")
+        if tuple(value.shape) != whole:
+            raise _fail(where, f"has shape {tuple(value.shape)}, the param {whole}")
         if owned is None:
             return None
-        value = value.reshape(-1)[owned.param_start:owned.param_end]
+        value = entry.where.local_of(value).reshape(-1)[owned.param_start:owned.param_end]
     else:
         raise _fail(where, f"must be a tensor of the param's shape or a ShardedTensor, got {type(value).__name__}")
     return check_tensor(value, where, like, nonnegative=nonnegative)

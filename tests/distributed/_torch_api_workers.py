@@ -12,7 +12,8 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, get_state_dict,
+                                                     set_optimizer_state_dict, set_state_dict)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphstep as gs
@@ -33,10 +34,12 @@ CONFIGS = {
 
 def odd_model(seed: int = 0) -> torch.nn.Module:
     """Params whose rows no shard boundary respects (odd sizes, a 3-D conv weight): a rank's range of one is
-    several boxes. Trained on exact grads, never run forward."""
+    several boxes; and a 0-d one. Trained on exact grads, never run forward."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(13, 37), torch.nn.Conv1d(37, 11, 3), torch.nn.Linear(11, 29),
-                               torch.nn.LayerNorm(29))
+    model = torch.nn.Sequential(torch.nn.Linear(13, 37), torch.nn.Conv1d(37, 11, 3), torch.nn.Linear(11, 29),
+                                torch.nn.LayerNorm(29))
+    model.temperature = torch.nn.Parameter(torch.tensor(0.7 + seed))  # 0-d (CLIP's logit scale): one rank owns it
+    return model
 
 
 def build(name: str, distributed: bool, seed: int = 0):
@@ -91,7 +94,10 @@ def save(rank: int, world_size: int, root: str, names: tuple) -> dict:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{root}/{name}")
         pieces = max((len(v.local_shards()) for e in optim_sd["state"].values() for v in e.values()
                       if hasattr(v, "local_shards")), default=0)
-        full = _error(lambda: get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True)))
+        options = StateDictOptions(full_state_dict=True)
+        full = {"get": _error(lambda: get_state_dict(model, opt, options=options)),
+                "set": _error(lambda: set_optimizer_state_dict(model, opt, get_optimizer_state_dict(model, opt),
+                                                               options=options))}
         saved = owned_state(opt)
         train(model, opt, SAVE_AT, CONTINUE)
         out[name] = {"saved": saved, "final": params(model), "pieces": pieces, "full_refused": full}
@@ -163,13 +169,3 @@ def ddp_resume_alone(rank: int, world_size: int, root: str) -> dict:
         loss_fn(net, step).backward()
         opt.step()
     return {"final": params(net)}
-
-
-# ---- experts: refused -----------------------------------------------------------------------------------
-def experts_refused(rank: int, world_size: int) -> dict:
-    from _expert_workers import expert_groups, local_model, make_config
-
-    model = local_model(2, rank % 2)
-    opt = gs.get_optimizer(make_config("sgd_fp32", True), model, expert_data_parallel_group=expert_groups(2, 2))
-    return {"get": _error(lambda: get_state_dict(model, opt)),
-            "set": _error(lambda: opt.load_state_dict({"state": {}, "param_groups": []}))}
