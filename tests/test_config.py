@@ -55,7 +55,7 @@ def test_bad_values_name_the_field(kwargs, field):
 
 def test_defaults_follow_megatron_core():
     c = OptimizerConfig()
-    assert (c.optimizer, c.weight_decay, c.adam_beta1, c.adam_beta2, c.adam_eps) == ("adam", 0.01, 0.9, 0.999, 1e-8)
+    assert (c.optimizer, c.weight_decay, c.adam.beta1, c.adam.beta2, c.adam.eps) == ("adam", 0.01, 0.9, 0.999, 1e-8)
     assert (c.initial_loss_scale, c.min_loss_scale, c.loss_scale_window, c.hysteresis) == (2.0**32, 1.0, 1000, 2)
     assert c.clip_grad == 1.0 and math.isinf(c.grad_norm_skip_threshold)
 

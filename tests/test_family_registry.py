@@ -21,8 +21,9 @@ NAMES = frozenset(FAMILIES)
 
 # Library files allowed to hold a family name as a string literal, with how many, and why. Keep it short.
 ALLOWED = {
-    # OptimizerConfig.optimizer / muon_scalar_optimizer default to "adam": a dataclass default is the field's
-    # documented value (test_config_defaults_name_registered_families checks both).
+    # OptimizerConfig.optimizer defaults to "adam": a dataclass default is the field's documented value
+    # (test_config_defaults_name_registered_families checks it); its field "muon" (each family's options are
+    # the field named after it) is rewritten where "adamw" becomes "adam" in MuonOptions.scalar_optimizer.
     "graphstep/config/__init__.py": 2,
 }
 
@@ -54,7 +55,7 @@ def test_the_scan_sees_a_family_literal():
 def test_config_defaults_name_registered_families():
     config = gs.OptimizerConfig()
     assert config.optimizer in FAMILIES
-    assert config.muon_scalar_optimizer in muon.SCALAR_FAMILIES and muon.SCALAR_FAMILIES[0] in FAMILIES
+    assert config.muon.scalar_optimizer in muon.SCALAR_FAMILIES and muon.SCALAR_FAMILIES[0] in FAMILIES
 
 
 # ---- derived from the registered families -----------------------------------------------------------------
@@ -176,9 +177,25 @@ def test_families_sharing_a_column_or_a_state_must_agree():
         families.check_registry([*FAMILIES.values(), dataclasses.replace(adam.FAMILY, name="fake")])
 
 
-def test_a_partial_routing_rule_is_refused():
-    with pytest.raises(ValueError, match="give both takes and scalar_family"):
-        dataclasses.replace(FAMILIES["muon"], scalar_family=None)
+MUON_ONLY = {"takes", "scalar_family", "views", "check", "splits_fused_qkv", "updates_split_matrices_by_slice"}
+
+
+def test_what_only_a_whole_matrix_family_needs_is_one_record_it_declares():
+    """Muon's routing (which params it takes, who gets the rest), whole-matrix views, build check and its answers
+    about fused QKV and split matrices are one ``MatrixRules``; the other families declare none and get the
+    defaults, instead of six flags each."""
+    assert not {field.name for field in dataclasses.fields(families.Family)} & MUON_ONLY
+    assert [family.name for family in FAMILIES.values() if family.matrices is not None] == ["muon"]
+    config = gs.OptimizerConfig(optimizer="muon")
+    for family in FAMILIES.values():
+        if family.matrices is None:
+            assert family.views is families.flat_views and family.check is None and not family.batch_by_shape
+            assert not family.splits_fused_qkv(config) and not family.updates_split_matrices_by_slice(config)
+    matrices = FAMILIES["muon"]
+    assert matrices.batch_by_shape and matrices.views is matrices.matrices.views and matrices.check is not None
+    assert matrices.splits_fused_qkv(config) and not matrices.splits_fused_qkv(config.replace(muon_split_qkv=False))
+    assert matrices.updates_split_matrices_by_slice(config)
+    assert not matrices.updates_split_matrices_by_slice(config.replace(muon_tp_mode="duplicated"))
 
 
 def test_offload_refusal_lists_the_families_that_support_it():

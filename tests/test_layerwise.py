@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphstep.app.bench_shapes import gpt2_small
+from graphstep.config import OptimizerConfig
 from graphstep.plan import layerwise
 from graphstep.plan.layout import BUCKET_ALIGNMENT, PARAM_ALIGNMENT, ParamSpec, plan_layout
 from graphstep.families.matrix_views import check_whole_matrices
@@ -67,7 +68,7 @@ def _context(layout, rank):
     """What Family.check reads of the engine's build context."""
     params = [torch.nn.Parameter(torch.zeros(p.shape)) for p in layout.params]
     return SimpleNamespace(layout=layout, rank=rank, buffers=SimpleNamespace(params=params),
-                           config=SimpleNamespace(muon_split_qkv=True))
+                           config=OptimizerConfig(optimizer="muon", muon_split_qkv=True))
 
 
 @st.composite

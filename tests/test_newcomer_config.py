@@ -58,7 +58,7 @@ def test_adamw_is_adam_with_decoupled_weight_decay():
     assert config.optimizer == "adam" and config.decoupled_weight_decay
     assert config == OptimizerConfig(optimizer="adam")
     assert OptimizerConfig(optimizer="sgd").replace(optimizer="adamw").optimizer == "adam"
-    assert OptimizerConfig(optimizer="muon", muon_scalar_optimizer="adamw").muon_scalar_optimizer == "adam"
+    assert OptimizerConfig(optimizer="muon", muon_scalar_optimizer="adamw").muon.scalar_optimizer == "adam"
 
 
 def test_adamw_with_l2_weight_decay_is_refused_naming_both():

@@ -289,7 +289,7 @@ def test_mup_other_optimizers_scale_matrix_like_lr_without_eps():
     assert key.matches(torch.nn.Parameter(torch.zeros(4, 4)), "w")
     assert not key.matches(torch.nn.Parameter(torch.zeros(4)), "b")
     assert list(get_mup_config_overrides(config, 2.0, optimizer_type="AdamW").values()) == \
-        [{"max_lr": 1e-3 / 2.0, "eps": config.adam_eps / 2.0}]
+        [{"max_lr": 1e-3 / 2.0, "eps": config.adam.eps / 2.0}]
 
 
 def _param(shape, **attrs):

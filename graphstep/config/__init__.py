@@ -1,9 +1,13 @@
 """OptimizerConfig: every knob of the optimizer step (validated in one place, config/validation.py).
 
-Field names follow Megatron-Core's ``OptimizerConfig`` where one exists, so a Megatron user can carry a
-config over; graphstep's own fields (``capture``, ``kernel``, ...) are marked as such. The dataclass is
-frozen: a config is a value, and anything that changes while training (lr, weight decay, betas) changes in
-the optimizer's ``param_groups``, not here.
+The step's shared fields are declared here; each optimizer family's own options are a frozen dataclass in its
+module (``MuonOptions`` in graphstep/families/muon.py), held here by one field per family:
+``OptimizerConfig(optimizer="muon", muon=MuonOptions(momentum=0.9))``. Field names follow Megatron-Core's
+``OptimizerConfig`` where one exists; its flat names (``muon_momentum=0.9``) and the fields graphstep accepts
+without effect pass through one adapter, config/megatron.py. graphstep's own fields (``capture``, ``kernel``,
+...) are marked as such. Every field, its default and meaning: ``graphstep config --list`` (config/reference.py).
+The dataclass is frozen: a config is a value, and anything that changes while training (lr, weight decay,
+betas) changes in the optimizer's ``param_groups``, not here.
 """
 
 from __future__ import annotations
@@ -11,13 +15,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from ..families import family_name, implied_by
+from ..families.adam import AdamOptions
+from ..families.ademamix import AdEMAMixOptions
+from ..families.lion import LionOptions
+from ..families.muon import MuonOptions
+from ..families.sgd import SGDOptions
+from .megatron import accepted_names, accepting_megatron_names
 from .unknown_fields import refusing_unknown_fields
 from .validation import KERNELS, MAX_LOSS_SCALE, MIN_LOSS_SCALE, validate
+
+__all__ = ["AdEMAMixOptions", "AdamOptions", "LionOptions", "MuonOptions", "OptimizerConfig", "SGDOptions"]
 
 
 @dataclass(frozen=True)
@@ -25,7 +37,7 @@ class OptimizerConfig:
     # ---- general -------------------------------------------------------------------------------------
     optimizer: str = "adam"
     """Update rule: "adam" (Adam/AdamW, see ``decoupled_weight_decay``), "sgd" (with momentum), "lion",
-    "muon" (2-D hidden matrices; the other params go to ``muon_scalar_optimizer``) or "ademamix": a
+    "muon" (2-D hidden matrices; the other params go to ``muon.scalar_optimizer``) or "ademamix": a
     registered family, graphstep/families/. "adamw" is accepted and read as "adam" (whose weight decay is
     decoupled by default: AdamW), refused with ``decoupled_weight_decay=False``; "dist_muon" (Megatron-LM's
     name) is read as "muon" with ``use_layer_wise_distributed_optimizer=True``."""
@@ -52,23 +64,24 @@ class OptimizerConfig:
     although they are 1-D (Megatron-Core's rule)."""
 
     decoupled_weight_decay: bool = True
-    """Adam only: True applies decay to the params directly (AdamW), False adds it to the gradient (L2)."""
+    """Adam and Muon: True applies decay to the params directly (AdamW), False adds it to the gradient (L2).
+    AdEMAMix needs True; SGD adds it to the gradient and Lion decays the params directly, whatever it says."""
 
-    # ---- Adam / SGD ----------------------------------------------------------------------------------
-    adam_beta1: float = 0.9
-    """Adam's first-moment decay, in [0, 1)."""
+    # ---- each family's own options (a dataclass in its module, graphstep/families/) ---------------------
+    adam: AdamOptions = AdamOptions()
+    """Adam's β1, β2 and ε (``adam_beta1``, ``adam_beta2``, ``adam_eps``); AdEMAMix reads them too."""
 
-    adam_beta2: float = 0.999
-    """Adam's second-moment decay, in [0, 1)."""
+    sgd: SGDOptions = SGDOptions()
+    """SGD's momentum and Nesterov switch (``sgd_momentum``, ``sgd_nesterov``)."""
 
-    adam_eps: float = 1e-8
-    """Adam's denominator term, at least 2**-126 (the smallest normal float32: the update adds it in float32)."""
+    lion: LionOptions = LionOptions()
+    """Lion's β1 and β2 (``lion_beta1``, ``lion_beta2``)."""
 
-    sgd_momentum: float = 0.9
-    """SGD momentum in [0, 1); 0 turns the momentum buffer off (no state is allocated)."""
+    muon: MuonOptions = MuonOptions()
+    """Muon's momentum, Newton–Schulz, scaling, QKV, scalar-optimizer and tensor-parallel options (``muon_*``)."""
 
-    sgd_nesterov: bool = False
-    """SGD: use Nesterov momentum (needs ``sgd_momentum`` > 0)."""
+    ademamix: AdEMAMixOptions = AdEMAMixOptions()
+    """AdEMAMix's slow EMA, β3 and α (``ademamix_beta3``, ``ademamix_alpha``)."""
 
     # ---- precision -----------------------------------------------------------------------------------
     fp16: bool = False
@@ -160,11 +173,6 @@ class OptimizerConfig:
     for Muon's matrices whenever ``use_distributed_optimizer`` is on, so True means the same as
     ``use_distributed_optimizer=True`` (and needs ``optimizer="muon"``)."""
 
-    overlap_param_gather_with_optimizer_step: bool = False
-    """Megatron-Core's: start the first bucket's param all-gather inside its optimizer step. graphstep's
-    gathers are part of the captured step (or deferred to forward pre-hooks with ``overlap_param_gather``):
-    True is refused."""
-
     bucket_size: Optional[int] = None
     """Elements per communication bucket; None means max(40M, 1M x data-parallel size)."""
 
@@ -200,14 +208,6 @@ class OptimizerConfig:
     False needs ``capture="eager"``: the grads' D2H copy is inside the device step, and a capture cannot
     contain a blocking copy into pageable memory."""
 
-    use_torch_optimizer_for_cpu_offload: bool = False
-    """Megatron-Core's choice of host optimizer: graphstep's host update always runs torch's fused CPU
-    kernels, so both values do the same."""
-
-    offload_optimizer_states: bool = False
-    """Megatron-Core's: move all optimizer state to the host between steps. Not offered (keep part of it
-    there for good with ``optimizer_cpu_offload``): True is refused."""
-
     pin_cpu_params: bool = True
     """Page-lock the host main-param and staging buffers (asynchronous H2D copies); ignored where torch
     has no accelerator."""
@@ -239,80 +239,7 @@ class OptimizerConfig:
     step, after a compile of a few seconds on first use (needs a C++ compiler on the CPU, Triton on a GPU).
     "reference": plain tensor ops with every hyperparameter a device tensor (the test oracle; slower)."""
 
-    # ---- Muon, Lion and QK-clip (Megatron-Core's names and defaults) ----------------------------------------
-    muon_momentum: float = 0.95
-    """Muon's EMA momentum μ in [0, 1): ``m = μ·m + (1 − μ)·g``; the initial ``momentum`` of Muon groups
-    (live: a schedule may change it every step)."""
-
-    muon_nesterov: bool = False
-    """Muon: update with ``(1 − μ)·g + μ·m`` instead of ``m`` (the canonical name: Megatron-Core's newest)."""
-
-    muon_use_nesterov: Optional[bool] = None
-    """Megatron-Core 0.16.1's name of ``muon_nesterov``: given, it sets ``muon_nesterov`` (and reads None
-    afterwards, so ``replace`` and equality see one field)."""
-
-    muon_num_ns_steps: int = 5
-    """Newton–Schulz iterations per step (a multiple of 5 for "quintic", at least 8 for "polar_express")."""
-
-    muon_coefficient_type: str = "quintic"
-    """Newton–Schulz coefficients: "quintic" (five tuples, cycled), "simple" or "polar_express"."""
-
-    muon_scale_mode: str = "spectral"
-    """Update scale of an (r, c) matrix: "spectral" √max(r, c), "shape_scaling" √max(1, r/c) or
-    "unit_rms_norm" √(r/c)."""
-
-    muon_extra_scale_factor: float = 1.0
-    """Extra factor on Muon's update (0.2 ≈ AdamW's update RMS)."""
-
-    muon_fp32_matmul_prec: str = "medium"
-    """Newton–Schulz matmuls: "medium" in bf16 after normalising; "high" / "highest" in fp32."""
-
-    muon_split_qkv: bool = True
-    """Orthogonalise fused QKV weights (params with ``qkv_split``) as separate Q, K and V matrices."""
-
-    muon_scalar_optimizer: str = "adam"
-    """With ``optimizer="muon"``: the family of the params Muon does not take (not 2-D, embedding/output,
-    ``use_muon=False``): "adam" or "lion" ("adamw" is read as "adam")."""
-
-    muon_tp_mode: str = "blockwise"
-    """Muon on a matrix split over the tensor-parallel group (``tensor_model_parallel``, ``partition_dim``):
-    "blockwise" (Megatron-Core's default) orthogonalises each slice alone, "duplicated" all-gathers it and
-    orthogonalises the whole matrix on every TP rank, "distributed" runs Newton–Schulz on the slices with
-    its Gram matrices all-reduced over the group. The update scale uses the whole matrix's shape in every
-    mode."""
-
-    soap_shampoo_beta: float = 0.95
-    """Megatron-Core's, for its "soap" optimizer, which graphstep does not offer: accepted, no effect."""
-
-    soap_precondition_frequency: int = 1
-    """As ``soap_shampoo_beta``: accepted, no effect."""
-
-    soap_use_kl_shampoo: bool = True
-    """As ``soap_shampoo_beta``: accepted, no effect."""
-
-    adaptive_muon_moment2_method: str = "adamuon"
-    """Megatron-Core's, for its "adaptive_muon" optimizer, which graphstep does not offer: accepted, no
-    effect."""
-
-    adaptive_muon_beta2: float = 0.95
-    """As ``adaptive_muon_moment2_method``: accepted, no effect."""
-
-    adaptive_muon_eps: float = 1e-8
-    """As ``adaptive_muon_moment2_method``: accepted, no effect."""
-
-    lion_beta1: float = 0.95
-    """Lion's interpolation β1 in [0, 1) (the sign of ``β1·m + (1 − β1)·g`` is the update)."""
-
-    lion_beta2: float = 0.98
-    """Lion's momentum decay β2 in [0, 1)."""
-
-    ademamix_beta3: float = 0.9999
-    """AdEMAMix's slow-EMA decay β3 in [0, 1); the initial ``beta3`` of AdEMAMix groups (live: the paper's
-    warm-up schedules it). Its β1, β2 and ε are ``adam_beta1``, ``adam_beta2``, ``adam_eps``."""
-
-    ademamix_alpha: float = 5.0
-    """AdEMAMix's slow-EMA weight α >= 0 (0: AdamW); the initial ``alpha`` of AdEMAMix groups (live)."""
-
+    # ---- QK-clip (graphstep.qk_clip) -----------------------------------------------------------------
     qk_clip: bool = False
     """After each step, shrink W_q / W_k of registered attention layers whose max logit exceeded
     ``qk_clip_threshold`` (graphstep.qk_clip.register; MuonClip)."""
@@ -324,9 +251,6 @@ class OptimizerConfig:
     """QK-clip's α in (0, 1): W_q rows scale by η^α, W_k rows by η^(1−α)."""
 
     # ---- fp8 primary weights (graphstep.fp8) ---------------------------------------------------------
-    reuse_grad_buf_for_mxfp8_param_ag: bool = False
-    """Megatron-Core's, for mxfp8 weights, which graphstep does not offer: True is refused."""
-
     fp8_recipe: Optional[str] = None
     """How the step requantizes fp8 weights (made by ``graphstep.fp8.convert``) after the update: None (the
     model has no fp8 weights), "tensorwise" (current scaling: the scale from the new values' amax) or
@@ -341,24 +265,7 @@ class OptimizerConfig:
     fp8_amax_compute_algo: str = "most_recent"
     """Delayed recipe: the next scale from the history's "max" or its "most_recent" amax."""
 
-    # ---- Megatron-Core's logging, accepted and without effect here ----------------------------------
-    barrier_with_L1_time: bool = False
-    """Megatron-Core's timers: no effect (graphstep's step reports through ``StepResult`` and NVTX ranges)."""
-
-    timers: Optional[Callable] = None
-    """Megatron-Core's timers: no effect."""
-
-    config_logger_dir: str = ""
-    """Megatron-Core's config dump directory: no effect."""
-
     def __post_init__(self) -> None:
-        # Megatron-Core's spellings of graphstep fields, folded into them so one field holds each setting.
-        if self.muon_use_nesterov is not None:
-            if not isinstance(self.muon_use_nesterov, bool):
-                raise ValueError(f"OptimizerConfig.muon_use_nesterov={self.muon_use_nesterov!r}: must be a bool "
-                                 "(True or False) or None")
-            object.__setattr__(self, "muon_nesterov", self.muon_use_nesterov)
-            object.__setattr__(self, "muon_use_nesterov", None)
         # Megatron-Core annotates loss_scale_window as a float and its command line parses it so (1000.0).
         if isinstance(self.loss_scale_window, float) and self.loss_scale_window.is_integer():
             object.__setattr__(self, "loss_scale_window", int(self.loss_scale_window))
@@ -372,8 +279,11 @@ class OptimizerConfig:
         if self.use_layer_wise_distributed_optimizer is True:
             object.__setattr__(self, "use_distributed_optimizer", True)
         # Other spellings of a family ("adamw"): the family's own name, so everything downstream sees one.
-        for field in ("optimizer", "muon_scalar_optimizer"):
-            object.__setattr__(self, field, family_name(getattr(self, field), self, field))
+        object.__setattr__(self, "optimizer", family_name(self.optimizer, self, "optimizer"))
+        if isinstance(self.muon, MuonOptions):  # another type is refused by validate, naming the field
+            scalar = family_name(self.muon.scalar_optimizer, self, "muon_scalar_optimizer")
+            if scalar != self.muon.scalar_optimizer:
+                object.__setattr__(self, "muon", dataclasses.replace(self.muon, scalar_optimizer=scalar))
         validate(self)
 
     def replace(self, **changes) -> "OptimizerConfig":
@@ -396,5 +306,11 @@ class OptimizerConfig:
         return self.loss_scale is None and self.fp16
 
 
-# A misspelled field is a TypeError naming the closest fields, from the constructor and from replace.
-OptimizerConfig.__init__ = refusing_unknown_fields(OptimizerConfig, "graphstep/config/__init__.py")
+# The constructor (and so replace and dataclasses.replace) first maps Megatron-Core's flat names onto the fields
+# (config/megatron.py), then refuses a misspelled keyword with the closest names, flat ones included. The
+# families' options classes get the same "did you mean": they are this config's fields.
+_REFERENCE = "`graphstep config --list`, or graphstep/config/__init__.py and the family modules"
+OptimizerConfig.__init__ = accepting_megatron_names(
+    OptimizerConfig, refusing_unknown_fields(OptimizerConfig, _REFERENCE, also=accepted_names(OptimizerConfig)))
+for _options in (AdamOptions, SGDOptions, LionOptions, MuonOptions, AdEMAMixOptions):
+    _options.__init__ = refusing_unknown_fields(_options, _REFERENCE)

@@ -13,16 +13,18 @@ from typing import Sequence
 _CUTOFF = 0.6
 
 
-def refusing_unknown_fields(cls, fields_doc: str) -> object:
+def refusing_unknown_fields(cls, fields_doc: str, also: Sequence[str] = ()) -> object:
     """``cls.__init__`` (a dataclass's generated one), refusing a keyword that is no field of ``cls`` before it
-    runs; ``fields_doc`` says where the fields are described. ``dataclasses.replace`` builds the copy through
+    runs, with the closest of its fields and of ``also`` (names an outer wrapper accepts: Megatron-Core's flat
+    ones); ``fields_doc`` says where the fields are described. ``dataclasses.replace`` builds the copy through
     ``__init__``, so a misspelled change is caught too."""
     init = cls.__init__
-    names = tuple(field.name for field in dataclasses.fields(cls))
+    fields = tuple(field.name for field in dataclasses.fields(cls))
+    names = fields + tuple(also)
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
-        unknown = [name for name in kwargs if name not in names]
+        unknown = [name for name in kwargs if name not in fields]
         if unknown:
             raise TypeError(unknown_fields_message(cls.__name__, unknown, names, fields_doc))
         init(self, *args, **kwargs)

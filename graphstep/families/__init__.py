@@ -5,17 +5,18 @@ Each family module (``adam.py``, ``sgd.py``, ``lion.py``, ``muon.py``, ``ademami
 
 - its **name** (``OptimizerConfig.optimizer``, a param group's ``optimizer`` key) and MuP **aliases**
   (other spellings the config and the groups accept are ``_SPELLINGS`` below: "adamw");
-- the **config fields** it reads and their **validation** (run by graphstep/config/validation.py), and
-  what it refuses as the config's family (fp16 params, fp64 main params, CPU offload);
+- its **options** (``MuonOptions``: a frozen dataclass, held by ``OptimizerConfig.muon``) and their
+  **validation** (run by graphstep/config/validation.py), and what it refuses as the config's family (fp16
+  params, fp64 main params, CPU offload);
 - its **param-group keys** (``betas``, ``momentum``, ...: graphstep/plan/overrides.py and routing.py put them
   into its groups) and the torch **defaults** schedulers see (``torch_defaults``: OneCycleLR cycles
   ``betas`` or ``momentum`` only where they are);
-- its **MuP rule** (``MupRule``), and, for a family that takes only some params (Muon), which ones;
+- its **MuP rule** (``MupRule``), and, for a family that updates whole matrices (Muon), one ``MatrixRules``:
+  which params it takes, its views and build check, what its options say about fused QKV and split matrices;
 - its **hyperparameter fields**: the live table's columns (graphstep/state/hyperparams.py) are derived here,
   from the registered families, by ``hyper_columns``;
 - its **state** (``StateSpec``: names, invariants the checkpoint formats check on load);
-- its **kernel call** (and its own kernels module, where it has one: Lion, Muon), its **view builder**
-  (Muon: whole matrices) and its build-time **checks**.
+- its **kernel call** (and its own kernels module, where it has one: Lion, Muon).
 
 Which hyperparameters are live (0-d device tensors a captured step reads anew every replay) and which are
 baked (Python floats the kernel takes; a capture records them, the engine guards them and recaptures on
@@ -23,9 +24,9 @@ change) is the implementation's declaration, ``LIVE_FIELDS`` of its kernels modu
 family's fields at build by ``Family.live_fields``.
 
 Adding a family: its kernel (in each implementation module of graphstep/kernels/, or a kernels module of
-its own, ``Family.kernels``), a module here filling in every rule, and its entry in ``_MODULES`` below;
-fields of its own (AdEMAMix's ``ademamix_beta3`` / ``ademamix_alpha``) are declared in ``OptimizerConfig``
-too, since a frozen dataclass lists every field, while their validation stays in the family module.
+its own, ``Family.kernels``), a module here filling in every rule, its entry in ``_MODULES`` below, and, for
+options of its own (``AdEMAMixOptions``), one ``OptimizerConfig`` field named after it holding them (their
+Megatron-Core-style flat names, ``ademamix_beta3``, follow from it).
 Nothing else changes: an unknown family name is an error everywhere (``get_family``), never another
 family's rules, and no other module names a family (tests/test_family_registry.py).
 """
@@ -35,11 +36,11 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Sequence
 
 from . import adam, ademamix, lion, muon, sgd
-from .base import (LR, WEIGHT_DECAY, Family, GroupViews, HyperField, MupRule, StateSpec, StepScalars, ViewSources,
-                   flat_views)
+from .base import (LR, WEIGHT_DECAY, Family, GroupViews, HyperField, MatrixRules, MupRule, StateSpec, StepScalars,
+                   ViewSources, flat_views)
 
-__all__ = ["FAMILIES", "Family", "GroupViews", "HyperField", "MupRule", "StateSpec", "StepScalars", "ViewSources",
-           "check_registry", "families_of", "family_name", "flat_views", "get_family", "group_keys",
+__all__ = ["FAMILIES", "Family", "GroupViews", "HyperField", "MatrixRules", "MupRule", "StateSpec", "StepScalars",
+           "ViewSources", "check_registry", "families_of", "family_name", "flat_views", "get_family", "group_keys",
            "hyper_columns", "state_names", "state_spec", "torch_defaults"]
 
 # Registration order is the live table's column order (hyper_columns): keep new families at the end.
@@ -114,7 +115,7 @@ def get_family(name: str, *, aliases: bool = False) -> Family:
     return family
 
 
-# Names ``OptimizerConfig.optimizer`` (and ``muon_scalar_optimizer``) and an override's ``optimizer`` key accept
+# Names ``OptimizerConfig.optimizer`` (and ``MuonOptions.scalar_optimizer``) and an override's ``optimizer`` key accept
 # beside the families' own, each standing for a family under one setting of the config: spelling ->
 # (family, config field, its value, what the spelling means). They are normalised where they are read, so a
 # config, a param group and a checkpoint only ever carry the family's own name.

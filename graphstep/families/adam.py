@@ -1,14 +1,15 @@
 """Adam / AdamW (``OptimizerConfig.optimizer="adam"``): every rule graphstep has about it.
 
-Config fields: ``adam_beta1``, ``adam_beta2``, ``adam_eps`` (at least ``MIN_EPS``, 2^-126), ``decoupled_weight_decay``
-(AdamW when True). Groups carry ``betas`` (and ``eps``, which every group has), checked before each step
-(``group_problem``); the kernel is each implementation's
+Options: ``AdamOptions`` (``OptimizerConfig.adam``; Megatron-Core's ``adam_beta1``, ``adam_beta2``, ``adam_eps``),
+and the config's ``decoupled_weight_decay`` (AdamW when True). Groups carry ``betas`` (and ``eps``, which every
+group has), checked before each step (``group_problem``); the kernel is each implementation's
 ``adam`` / ``adam_groups`` (graphstep/kernels/), all of a step's Adam groups in one call. State:
 ``exp_avg`` and ``exp_avg_sq`` (never negative). MuP: matrix-like params get lr / m and ε / m.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from .base import (BETA1, BETA2, LR, MIN_EPS, WEIGHT_DECAY, Family, GroupViews, HyperField, MupRule, StateSpec,
@@ -19,12 +20,29 @@ EPS = HyperField("eps", "eps")
 STATES = (StateSpec("exp_avg"), StateSpec("exp_avg_sq", nonnegative=True))
 
 
+@dataclass(frozen=True)
+class AdamOptions:
+    """Adam's own options, ``OptimizerConfig(adam=AdamOptions(...))``; AdEMAMix reads them too (its β1, β2
+    and ε mean what they mean for Adam)."""
+
+    beta1: float = 0.9
+    """First-moment decay, in [0, 1); the initial ``betas[0]`` of Adam groups."""
+
+    beta2: float = 0.999
+    """Second-moment decay, in [0, 1); the initial ``betas[1]`` of Adam groups."""
+
+    eps: float = 1e-8
+    """Denominator term, at least 2**-126 (the smallest normal float32: the update adds it in float32); the
+    ``eps`` of every param group, whatever its family."""
+
+
 def _validate(config, checks) -> None:
-    checks.number(config, "adam_beta1", low=0.0, low_open=False, high=1.0)
-    checks.number(config, "adam_beta2", low=0.0, low_open=False, high=1.0)
-    checks.number(config, "adam_eps", low=0.0, low_open=True)
-    if config.adam_eps < MIN_EPS:
-        checks.fail("adam_eps", config.adam_eps, f"must be at least 2**-126 ({MIN_EPS:.4g}), the smallest normal "
+    options = config.adam
+    checks.number(options, "beta1", low=0.0, low_open=False, high=1.0)
+    checks.number(options, "beta2", low=0.0, low_open=False, high=1.0)
+    checks.number(options, "eps", low=0.0, low_open=True)
+    if options.eps < MIN_EPS:
+        checks.fail(options, "eps", options.eps, f"must be at least 2**-126 ({MIN_EPS:.4g}), the smallest normal "
                     "float32: the update adds it to √v in float32, where a smaller eps is 0 (or a subnormal that "
                     "flush-to-zero arithmetic reads as 0) and an element whose grads were all 0 gets 0 / 0 = NaN")
 
@@ -53,9 +71,9 @@ FAMILY = Family(
     fields=(LR, BETA1, BETA2, WEIGHT_DECAY, EPS),
     states=STATES,
     validate=_validate,
-    group_defaults=lambda config: {"betas": (config.adam_beta1, config.adam_beta2)},
-    torch_defaults=lambda config: {"eps": config.adam_eps, "betas": (config.adam_beta1, config.adam_beta2)},
-    mup=MupRule("matrix_like", eps=lambda config: config.adam_eps),
+    group_defaults=lambda config: {"betas": (config.adam.beta1, config.adam.beta2)},
+    torch_defaults=lambda config: {"eps": config.adam.eps, "betas": (config.adam.beta1, config.adam.beta2)},
+    mup=MupRule("matrix_like", eps=lambda config: config.adam.eps),
     call=_call,
     call_groups=_call_groups,
     group_problem=group_problem,

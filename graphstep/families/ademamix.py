@@ -5,11 +5,11 @@ bias-corrected fast EMA m1 (β1) and second moment ν (β2), plus a slow EMA m2 
 added to m̂1 with weight α; decoupled weight decay. The kernel is its own module,
 graphstep/kernels/ademamix.py, whatever ``OptimizerConfig.kernel`` says (there is no fused AdEMAMix).
 
-Config fields. β1, β2 and ε mean exactly what they mean for Adam (the same EMA with the same bias
-correction, the same denominator term), so they are Adam's: ``adam_beta1``, ``adam_beta2``, ``adam_eps``
-(validated by Adam's rule; every group's ``eps`` already comes from ``adam_eps``). AdEMAMix's own:
-``ademamix_beta3`` in [0, 1) and ``ademamix_alpha`` >= 0. Weight decay is always decoupled (the paper's
-rule): ``decoupled_weight_decay=False`` with ``optimizer="ademamix"`` is refused.
+Options. β1, β2 and ε mean exactly what they mean for Adam (the same EMA with the same bias
+correction, the same denominator term), so they are Adam's: ``AdamOptions`` (``OptimizerConfig.adam``,
+validated by Adam's rule; every group's ``eps`` already comes from it). AdEMAMix's own: ``AdEMAMixOptions``
+(``OptimizerConfig.ademamix``; flat names ``ademamix_beta3``, ``ademamix_alpha``). Weight decay is always
+decoupled (the paper's rule): ``decoupled_weight_decay=False`` with ``optimizer="ademamix"`` is refused.
 
 Groups carry ``betas`` = (β1, β2), as Adam's (torch's OneCycleLR cycles ``betas[0]``, the fast EMA's
 β1, which the kernel reads live), and ``beta3`` and ``alpha`` as keys of their own: the live table
@@ -26,6 +26,7 @@ never negative). MuP: Adam's rule (matrix-like params get lr / m and ε / m): th
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from ..kernels import ademamix as ademamix_kernels
 from . import adam
@@ -57,17 +58,30 @@ def beta3_warmup(step: int, beta3: float, warmup_steps: int, beta_start: float) 
     return min(math.exp(start * end / ((1 - frac) * end + frac * start)), beta3)
 
 
+@dataclass(frozen=True)
+class AdEMAMixOptions:
+    """AdEMAMix's own options, ``OptimizerConfig(ademamix=AdEMAMixOptions(...))``; its β1, β2 and ε are
+    Adam's (``OptimizerConfig.adam``)."""
+
+    beta3: float = 0.9999
+    """Slow-EMA decay β3 in [0, 1); the initial ``beta3`` of AdEMAMix groups (live: the paper's warm-up
+    schedules it, ``beta3_warmup``)."""
+
+    alpha: float = 5.0
+    """Slow-EMA weight α >= 0 (0: AdamW); the initial ``alpha`` of AdEMAMix groups (live, ``alpha_warmup``)."""
+
+
 def _validate(config, checks) -> None:
-    checks.number(config, "ademamix_beta3", low=0.0, low_open=False, high=1.0)
-    checks.number(config, "ademamix_alpha", low=0.0, low_open=False)
+    checks.number(config.ademamix, "beta3", low=0.0, low_open=False, high=1.0)
+    checks.number(config.ademamix, "alpha", low=0.0, low_open=False)
     if config.optimizer == NAME and not config.decoupled_weight_decay:
-        checks.fail("decoupled_weight_decay", False, "AdEMAMix decays the params directly (decoupled, the paper's "
-                    "rule): leave it True with optimizer='ademamix'")
+        checks.fail(config, "decoupled_weight_decay", False, "AdEMAMix decays the params directly (decoupled, the "
+                    "paper's rule): leave it True with optimizer='ademamix'")
 
 
 def _group_keys(config) -> dict:
-    return {"betas": (config.adam_beta1, config.adam_beta2), "beta3": config.ademamix_beta3,
-            "alpha": config.ademamix_alpha}
+    return {"betas": (config.adam.beta1, config.adam.beta2), "beta3": config.ademamix.beta3,
+            "alpha": config.ademamix.alpha}
 
 
 def _call(kernels, views: GroupViews, scalars: StepScalars, config, grad_scale, **hyper) -> None:
@@ -82,8 +96,8 @@ FAMILY = Family(
     states=tuple(StateSpec(name, nonnegative=name in _NONNEGATIVE) for name in ademamix_kernels.STATE_NAMES),
     validate=_validate,
     group_defaults=_group_keys,
-    torch_defaults=lambda config: {"eps": config.adam_eps, **_group_keys(config)},
-    mup=MupRule("matrix_like", eps=lambda config: config.adam_eps),
+    torch_defaults=lambda config: {"eps": config.adam.eps, **_group_keys(config)},
+    mup=MupRule("matrix_like", eps=lambda config: config.adam.eps),
     call=_call,
     kernels=ademamix_kernels,
     group_problem=adam.group_problem,  # β1, β2 and ε mean what they mean for Adam, and break its update alike

@@ -139,7 +139,7 @@ def betas_problem(group: dict, *, unit_interval_why: Optional[str] = None) -> Op
 
 
 def eps_problem(group: dict) -> Optional[str]:
-    """What is wrong with ``group["eps"]`` (at least ``MIN_EPS``, as the config's ``adam_eps``), or None."""
+    """What is wrong with ``group["eps"]`` (at least ``MIN_EPS``, as ``AdamOptions.eps``), or None."""
     if not _outside(group.get("eps"), MIN_EPS, float("inf")):
         return None
     return (f"eps={group['eps']!r} must be at least 2**-126 ({MIN_EPS:.4g}), the smallest normal float32: the update "
@@ -184,6 +184,26 @@ class MupRule:
 
 
 @dataclass(frozen=True)
+class MatrixRules:
+    """What a family that updates whole 2-D matrices (Muon) declares beside the rules every family has: the params
+    it takes, its views and build check, and what its options say about fused QKV and split matrices."""
+
+    takes: Callable[[torch.Tensor], bool]
+    """As the config's family: which params it updates itself (Muon: 2-D hidden matrices); the rest go to
+    ``scalar_family(config)`` (graphstep/plan/routing.py)."""
+    scalar_family: Callable[[object], str]
+    views: Callable[..., GroupViews]
+    """views(ctx, group, segments, sources) -> whole-matrix views for ``call``."""
+    check: Callable[..., None]
+    """check(ctx, group): raise at build when this rank cannot hold the group's matrices whole."""
+    splits_fused_qkv: Callable[[object], bool]
+    """config -> whether fused QKV weights are updated as separate Q, K and V matrices."""
+    updates_split_matrices_by_slice: Callable[[object], bool]
+    """config -> whether a matrix split across ranks is updated slice by slice, each rank's alone, which differs
+    from the update of the whole matrix (Muon's ``MuonOptions.tp_mode="blockwise"``)."""
+
+
+@dataclass(frozen=True)
 class Family:
     """Everything graphstep knows about one update rule. Every field without a default must be given:
     a family that forgets a rule does not get another family's by default."""
@@ -195,8 +215,9 @@ class Family:
     states: tuple[StateSpec, ...]  # every per-element state buffer it may keep
     validate: Callable[[object, object], None]
     """validate(config, checks): raise (through ``checks.number``/``choice``/``fail``, those of
-    graphstep/config/validation.py) when one of the config fields it reads is out of range. Runs for
-    every config, whichever family it names, as a field is a field."""
+    graphstep/config/validation.py, each given the object holding the field: the family's options, such as
+    ``config.muon``, or the config) when an option or a config field it reads is out of range. Runs for
+    every config, whichever family it names, as an option is a field."""
     group_defaults: Callable[[object], dict]
     """config -> the keys a param group of this family carries for it (``betas``, ``momentum``, ...),
     after the keys every group has (graphstep/plan/overrides.py)."""
@@ -218,10 +239,6 @@ class Family:
     kernels: Optional[ModuleType] = None
     """The family's own kernels module, used whatever ``OptimizerConfig.kernel`` says; None: the
     configured implementation (fused, compiled, reference)."""
-    views: Callable[..., GroupViews] = flat_views
-    """views(ctx, group, segments, sources) -> the views ``call`` hands to the kernel."""
-    check: Optional[Callable[..., None]] = None
-    """check(ctx, group): raise at build when the family cannot run this group (e.g. sharding)."""
     group_problem: Optional[Callable[[dict, object], Optional[str]]] = None
     """group_problem(param_group, config): what in a group's current values the built step cannot honour
     (a schedule switching on momentum the build gave no buffers for), in words; None when all is well.
@@ -233,20 +250,8 @@ class Family:
     """Whether its state may be stored below fp32 (``use_precision_aware_optimizer``: Adam's moments, as in
     Megatron-Core; graphstep/state/precision.py)."""
     main_params_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
-    takes: Optional[Callable[[torch.Tensor], bool]] = None
-    """As the config's family: which params it updates itself; None: all. The rest go to
-    ``scalar_family(config)`` (Muon: 2-D hidden matrices; graphstep/plan/routing.py)."""
-    scalar_family: Optional[Callable[[object], str]] = None
-    splits_fused_qkv: Callable[[object], bool] = lambda config: False
-    """config -> whether its fused QKV weights are updated as separate Q, K and V matrices (Muon)."""
-    updates_split_matrices_by_slice: Callable[[object], bool] = lambda config: False
-    """config -> whether a matrix split across ranks is updated slice by slice, each rank's alone, which differs
-    from the update of the whole matrix (Muon's ``muon_tp_mode="blockwise"``); False where the update is the
-    whole matrix's."""
-
-    def __post_init__(self) -> None:
-        if (self.takes is None) != (self.scalar_family is None):
-            raise ValueError(f"family {self.name!r}: give both takes and scalar_family, or neither")
+    matrices: Optional[MatrixRules] = None
+    """A family that updates whole matrices (Muon) declares them here; None: it takes every param, as flat views."""
 
     @property
     def hyperparameters(self) -> tuple[tuple[str, str], ...]:
@@ -258,10 +263,29 @@ class Family:
         return tuple(spec.name for spec in self.states if spec.needed(config))
 
     @property
+    def views(self) -> Callable[..., GroupViews]:
+        """views(ctx, group, segments, sources) -> the views ``call`` hands to the kernel."""
+        return self.matrices.views if self.matrices is not None else flat_views
+
+    @property
+    def check(self) -> Optional[Callable[..., None]]:
+        """check(ctx, group): raise at build when the family cannot run this group; None: it runs any."""
+        return self.matrices.check if self.matrices is not None else None
+
+    @property
     def batch_by_shape(self) -> bool:
-        """Whether the family needs whole matrices (its own view builder): the layout then sorts its groups'
-        params by shape so same-shape matrices are evenly spaced."""
-        return self.views is not flat_views
+        """Whether the family needs whole matrices: the layout then sorts its groups' params by shape so
+        same-shape matrices are evenly spaced."""
+        return self.matrices is not None
+
+    def splits_fused_qkv(self, config) -> bool:
+        """Whether its fused QKV weights are updated as separate Q, K and V matrices under ``config``."""
+        return self.matrices is not None and self.matrices.splits_fused_qkv(config)
+
+    def updates_split_matrices_by_slice(self, config) -> bool:
+        """Whether a matrix split across ranks is updated slice by slice under ``config``; False where the update
+        is the whole matrix's."""
+        return self.matrices is not None and self.matrices.updates_split_matrices_by_slice(config)
 
     def kernels_for(self, configured: ModuleType) -> ModuleType:
         """The kernels module this family's groups run: its own, else the configured implementation."""

@@ -1,12 +1,15 @@
-"""Lion (``OptimizerConfig.optimizer="lion"``, or Muon's ``muon_scalar_optimizer="lion"``): every rule
+"""Lion (``OptimizerConfig.optimizer="lion"``, or Muon's ``MuonOptions.scalar_optimizer="lion"``): every rule
 graphstep has about it.
 
-Config fields: ``lion_beta1``, ``lion_beta2``. Groups carry ``betas`` (live); the kernel is its own
-module, graphstep/kernels/lion.py, whatever ``OptimizerConfig.kernel`` says. State: ``exp_avg``. MuP:
-matrix-like params get lr / m. Trains fp32 main params only, and no fp16 params (Megatron-Core's rule).
+Options: ``LionOptions`` (``OptimizerConfig.lion``; flat names ``lion_beta1``, ``lion_beta2``). Groups carry
+``betas`` (live); the kernel is its own module, graphstep/kernels/lion.py, whatever ``OptimizerConfig.kernel``
+says. State: ``exp_avg``. MuP: matrix-like params get lr / m. Trains fp32 main params only, and no fp16
+params (Megatron-Core's rule).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -16,9 +19,20 @@ from .base import BETA1, BETA2, LR, WEIGHT_DECAY, Family, GroupViews, MupRule, S
 NAME = "lion"
 
 
+@dataclass(frozen=True)
+class LionOptions:
+    """Lion's own options, ``OptimizerConfig(lion=LionOptions(...))`` (Megatron-Core's names and defaults)."""
+
+    beta1: float = 0.95
+    """Interpolation β1 in [0, 1): the update is the sign of ``β1·m + (1 − β1)·g``."""
+
+    beta2: float = 0.98
+    """Momentum decay β2 in [0, 1)."""
+
+
 def _validate(config, checks) -> None:
-    checks.number(config, "lion_beta1", low=0.0, low_open=False, high=1.0)
-    checks.number(config, "lion_beta2", low=0.0, low_open=False, high=1.0)
+    checks.number(config.lion, "beta1", low=0.0, low_open=False, high=1.0)
+    checks.number(config.lion, "beta2", low=0.0, low_open=False, high=1.0)
 
 
 def _call(kernels, views: GroupViews, scalars: StepScalars, config, grad_scale, **hyper) -> None:
@@ -32,8 +46,8 @@ FAMILY = Family(
     fields=(LR, BETA1, BETA2, WEIGHT_DECAY),
     states=tuple(StateSpec(name) for name in lion_kernels.STATE_NAMES),
     validate=_validate,
-    group_defaults=lambda config: {"betas": (config.lion_beta1, config.lion_beta2)},
-    torch_defaults=lambda config: {"betas": (config.lion_beta1, config.lion_beta2)},
+    group_defaults=lambda config: {"betas": (config.lion.beta1, config.lion.beta2)},
+    torch_defaults=lambda config: {"betas": (config.lion.beta1, config.lion.beta2)},
     mup=MupRule("matrix_like"),
     call=_call,
     kernels=lion_kernels,

@@ -15,9 +15,9 @@ rank's shard holds whole matrices, and the views here cover only this rank's own
 
 Tensor parallelism: a param marked ``tensor_model_parallel`` (Megatron's mark, with ``partition_dim``) holds
 one slice of a matrix split over the tensor-parallel group; its runs carry a ``TensorParallelSplit`` and the
-kernel handles them as ``OptimizerConfig.muon_tp_mode`` says (graphstep/kernels/muon.py).
+kernel handles them as ``MuonOptions.tp_mode`` says (graphstep/kernels/muon.py).
 
-Fused QKV weights: with ``OptimizerConfig.muon_split_qkv`` a param carrying ``qkv_split`` (a
+Fused QKV weights: with ``MuonOptions.split_qkv`` a param carrying ``qkv_split`` (a
 ``graphstep.QKVSplit``; ``graphstep.qk_clip.register(..., qkv=...)`` sets it from the head layout) is
 orthogonalised as separate Q, K and V matrices. A param named like Megatron's ``linear_qkv.weight``
 without one is refused: its head layout cannot be read off the tensor.
@@ -72,7 +72,7 @@ def check_whole_matrices(ctx, group: int) -> None:
 
 def qkv_split_of(param: torch.Tensor, name: str, shape: tuple, config) -> Optional[QKVSplit]:
     """The split a fused QKV weight is orthogonalised with, or None (see the module docstring)."""
-    if not config.muon_split_qkv:
+    if not config.muon.split_qkv:
         return None
     split = getattr(param, "qkv_split", None)
     if split is None:

@@ -19,6 +19,7 @@ from typing import Callable, Optional, Sequence, TypedDict, Union
 
 import torch
 
+from ..config.megatron import held_names, held_value
 from ..families import get_family
 from ..families import muon as muon_family
 from ..families.base import MIN_EPS
@@ -127,7 +128,7 @@ def _whole_optimizer_settings(config, override: dict) -> set:
     """Keys of ``override`` that are settings of the whole optimizer (``OptimizerConfig`` fields that are
     not override keys), e.g. ``optimizer``."""
     return {field for field in override if field not in OVERRIDE_KEYS and field not in _RENAMED
-            and isinstance(field, str) and hasattr(config, field)}
+            and isinstance(field, str) and field in held_names(type(config))}
 
 
 def _effective_override(config, override: dict) -> dict:
@@ -156,7 +157,7 @@ def check_config_overrides_consistency(config, config_overrides) -> bool:
             if field in _RENAMED:
                 raise ValueError(f"override for {key}: {field!r} is not an override key; use {_RENAMED[field]}")
         for field in _whole_optimizer_settings(config, override) if isinstance(override, dict) else ():
-            base = getattr(config, field)
+            base = held_value(config, field)  # Megatron-Core's flat names too: "adam_beta1" is config.adam.beta1
             if override[field] != base or isinstance(override[field], bool) != isinstance(base, bool):
                 raise ValueError(f"override for {key}: {field}={override[field]!r} differs from the config's "
                                  f"{base!r}; {field!r} is a setting of the whole optimizer and cannot be overridden "
@@ -389,7 +390,7 @@ def _new_group(config, override: dict, first_param_name: str) -> dict:
         "lr_mult": lr_mult, "wd_mult": wd_mult,
         "weight_decay": start_wd * wd_mult, "start_wd": start_wd, "end_wd": override.get("end_wd", config.weight_decay),
         # Every group carries eps (Megatron-Core's groups do; MuP's eps override sets it), whatever its family.
-        "eps": override.get("eps", config.adam_eps),
+        "eps": override.get("eps", config.adam.eps),
         "overrides": dict(override),
     }
     group.update(get_family(config.optimizer).group_defaults(config))  # betas, momentum, ...: its family's own

@@ -119,14 +119,14 @@ def build_family_param_groups(named_params: Sequence[tuple[str, torch.nn.Paramet
                              "keys disjoint")
         if picked:
             return picked.pop()
-        if base.takes is None:  # the family takes every param
+        if base.matrices is None:  # the family takes every param
             return base.name
-        if not base.takes(param):
-            return base.scalar_family(config)
+        if not base.matrices.takes(param):
+            return base.matrices.scalar_family(config)
         reason = None if facts.marked else _embedding_or_head_reason(param, name, facts)
         if reason is not None:
             inferred[name] = reason
-            return base.scalar_family(config)
+            return base.matrices.scalar_family(config)
         return base.name
 
     routed = []
@@ -197,7 +197,7 @@ def fused_qkv_kind(name: str, param) -> Optional[str]:
 def _split_or_refuse_fused_qkv(routed: list[dict], config) -> list[str]:
     """Give torch's in_proj_weight left to Muon its known split; refuse any other fused QKV weight left to
     Muon without a ``qkv_split`` (its layout is unknown). Returns the names given a split. (A family splits
-    fused QKV weights when its ``splits_fused_qkv(config)`` says so: Muon with ``muon_split_qkv``; without
+    fused QKV weights when its ``splits_fused_qkv(config)`` says so: Muon with ``MuonOptions.split_qkv``; without
     it the user asked for fused weights orthogonalised whole, as Megatron-Core allows.)"""
     known, unknown = [], []
     for group in routed:
@@ -259,7 +259,7 @@ def _log_routing(config, routed: list[dict], inferred: dict, split: list) -> Non
     told = []
     if inferred:
         told.append(f"{len(inferred)} embedding/output params recognised by module, tie or name went to "
-                    f"{get_family(config.optimizer).scalar_family(config)}")
+                    f"{get_family(config.optimizer).matrices.scalar_family(config)}")
     if split:
         told.append(f"{len(split)} nn.MultiheadAttention in_proj_weight split as [W_q; W_k; W_v] for Muon")
     logger.warning("%s. The model carries none of Megatron's marks (%s), so %s. To route a param otherwise, mark "
