@@ -8,6 +8,7 @@
     graphstep profile [--steps 10] [--preset tiny] [--capture eager|graph] [--precision ...] [--out DIR]
                       [--device auto]
     graphstep bench   [flags of the optimizer-step benchmark, graphstep.app.bench] [--device auto]
+    graphstep config  --list
 
 ``demo`` trains the built-in GPT (graphstep.app.models) on its synthetic corpus with the engine, by default
 twice, eager and captured (same seed, same batches); it says up front roughly how long that takes and
@@ -17,7 +18,8 @@ demo.py, the table and the plot in demo_report.py, the ranks of ``--world-size N
 ``profile`` runs profiling.run_profile. Without ``--out`` both write to options.default_out_dir: out/<kind>
 from the root of a checkout (git ignores out/), else the system temp dir. ``--device`` is one definition
 (options.add_device_argument) in all three, default "auto": the accelerator torch finds, else the CPU;
-the demo's gloo ranks (``--world-size`` > 1) train on the CPU unless it names another device.
+the demo's gloo ranks (``--world-size`` > 1) train on the CPU unless it names another device. ``config --list``
+prints every OptimizerConfig field, its default and meaning (graphstep/config/reference.py; docs/config.md).
 """
 
 
@@ -43,6 +45,7 @@ from .options import (AUTO_DEVICE, add_device_argument, default_out_dir, out_hel
 from .precision import PRECISIONS
 
 CAPTURES = ("both", "eager", "graph", "auto")
+SCOPES = ("step", "iteration")
 
 # ---- demo ------------------------------------------------------------------------------------------------
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +62,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capture", choices=CAPTURES, default="both",
                         help="how the optimizer step runs (OptimizerConfig.capture); 'both' (default) trains "
                              "twice, eager then graph, and checks that the two are bitwise equal")
+    parser.add_argument("--scope", choices=SCOPES, default="step",
+                        help="what --capture captures: 'step' (default) the optimizer step, or 'iteration' the whole "
+                             "iteration (forward, backward and step as one graph, graphstep.Iteration)")
     parser.add_argument("--optimizer", choices=("adam", "sgd", "muon"), default="adam",
                         help="default adam; muon trains the hidden matrices with Muon and the rest with Adam")
     parser.add_argument("--qk-clip", action="store_true",
@@ -90,7 +96,7 @@ def settings_from(args: argparse.Namespace) -> DemoSettings:
     ranks_on_cpu = args.world_size > 1 and args.device == AUTO_DEVICE
     return DemoSettings(steps=args.steps, preset=args.preset, precision=args.precision, moments=args.moments,
                         optimizer=args.optimizer, qk_clip=args.qk_clip, batch_size=args.batch_size, seed=args.seed,
-                        lr=args.lr, log_every=args.log_every,
+                        lr=args.lr, log_every=args.log_every, scope=args.scope,
                         device="cpu" if ranks_on_cpu else resolve_device(args.device))
 
 
@@ -171,7 +177,8 @@ def _print_intro(settings: DemoSettings, captures: Sequence[str], world: int, ou
           f"d_model {model_config.d_model}), {settings.optimizer} lr {config.lr:g} wd {config.weight_decay:g}"
           f"{f', qk-clip at {config.qk_clip_threshold:g}' if config.qk_clip else ''}, "
           f"{settings.precision}, {ranks}x{model_config.seq_len}, {settings.steps} steps on {settings.device}"
-          f"{thread_note}, capture: {' then '.join(captures)}", file=out, flush=True)
+          f"{thread_note}, capture{' of the whole iteration' * (settings.scope == 'iteration')}: "
+          f"{' then '.join(captures)}", file=out, flush=True)
     if settings.precision == "fp8":
         print(_fp8_param_bytes(settings), file=out, flush=True)
     floor = models.SyntheticCorpus(model_config.vocab_size, seed=settings.seed).entropy_rate()
@@ -258,6 +265,17 @@ def cmd_bench(args: argparse.Namespace, forwarded: Sequence[str] = ()) -> int:
     return int(bench_main(list(forwarded)) or 0)
 
 
+# ---- config ----------------------------------------------------------------------------------------------
+def cmd_config(args: argparse.Namespace, out=None) -> int:
+    from ..config.reference import reference_markdown
+
+    if not args.list:
+        args.command_parser.print_help(out or sys.stdout)
+        return 2
+    (out or sys.stdout).write(reference_markdown())
+    return 0
+
+
 # ---- entry point -----------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphstep",
@@ -278,6 +296,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", add_help=False, help="optimizer-step benchmark "
                                 "('graphstep bench --help' for its flags)")
     bench.set_defaults(func=cmd_bench)
+    config = commands.add_parser("config", help="OptimizerConfig's fields: --list prints each, default and meaning",
+                                 description="OptimizerConfig's fields, each family's options and Megatron-Core's "
+                                             "names, generated from the code.")
+    config.add_argument("--list", action="store_true",
+                        help="print every field, its default and meaning (Markdown: the text of docs/config.md)")
+    config.set_defaults(func=cmd_config, command_parser=config)
     return parser
 
 

@@ -20,6 +20,7 @@ import torch
 from capture.devices import is_cuda, synchronize
 
 import graphstep as gs
+from graphstep.iteration import Iteration
 
 from . import models
 from .precision import cast_by_the_optimizer, config_flags, prepare
@@ -50,6 +51,7 @@ class DemoSettings:
     log_every: Optional[int] = None
     device: str = "cpu"
     timeout_s: float = 120.0  # distributed_timeout_s with --world-size > 1
+    scope: str = "step"  # what is captured: "step" (opt.step()) or "iteration" (forward, backward and step)
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,8 @@ def train(settings: DemoSettings, capture: str, report: Optional[Callable[[Progr
     corpus = models.SyntheticCorpus(model_config.vocab_size, seed=settings.seed)
     with cast_by_the_optimizer():
         opt = gs.get_optimizer(optimizer_config(settings, capture, world_size > 1), model)  # params -> flat buffers
+    # --scope iteration: forward, backward and step in one graph (gs.Iteration), fed this rank's slice of each batch
+    iteration = Iteration(model, opt, _gpt_loss, capture=capture) if settings.scope == "iteration" else None
     warmup = max(1, min(50, settings.steps // 10))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(settings.steps, warmup))
     per_rank = settings.batch_size // world_size
@@ -209,11 +213,15 @@ def train(settings: DemoSettings, capture: str, report: Optional[Callable[[Progr
     for step in range(settings.steps):
         inputs, targets = corpus.batch(step, settings.batch_size, model_config.seq_len, device)
         started = timer.start()
-        loss = model(inputs[rows], targets[rows])
-        opt.scale_loss(loss).backward()  # times the loss scale with fp16; the loss itself otherwise
-        result = opt.step()  # device tensors only: no sync
+        if iteration is None:
+            loss = model(inputs[rows], targets[rows])
+            opt.scale_loss(loss).backward()  # times the loss scale with fp16; the loss itself otherwise
+            result = opt.step()  # device tensors only: no sync
+            opt.zero_grad()  # in place
+        else:
+            result = iteration(batch=(inputs[rows], targets[rows]))  # device tensors only: no sync
+            loss = result.loss
         sched.step()  # writes the next lr into param_groups; the engine copies it to a device tensor
-        opt.zero_grad()  # in place
         losses[step] = loss.detach()
         timer.stop(started)
         done = step + 1
@@ -240,12 +248,21 @@ def train(settings: DemoSettings, capture: str, report: Optional[Callable[[Progr
         digests = [None] * world_size
         dist.all_gather_object(digests, digest)
         same = all(d == digests[0] for d in digests)
-    run = RunResult(label=capture, backend=opt.capture_backend, losses=losses_cpu, times_ms=timer.collect(),
+    backend = opt.capture_backend if iteration is None else iteration.capture_backend
+    run = RunResult(label=capture, backend=backend, losses=losses_cpu, times_ms=timer.collect(),
                     skipped=int(result.skipped_steps.item()) if result is not None else 0,
                     loss_scale=float(opt.loss_scale.item()) if opt.scaler is not None else None,
                     params_sha256=digest, world_size=world_size, params_same_on_all_ranks=same)
+    if iteration is not None:
+        iteration.close()
     opt.close()  # free this run's captured graph (and its pool) before the next run builds its own
     return run
+
+
+def _gpt_loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    """The loss function an iteration calls per micro-batch: the GPT's mean cross-entropy."""
+    inputs, targets = batch
+    return model(inputs, targets)
 
 
 class ProgressBar:

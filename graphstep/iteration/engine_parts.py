@@ -1,0 +1,144 @@
+"""What an iteration needs from the optimizer, split where a whole-iteration graph splits the step.
+
+``opt.step()`` runs the host checks of graphstep/pre_step.py (``CHECKS``, in their order) and then the device
+step, after the backward. A captured iteration holds the backward *and* the step in one graph, so the checks
+run before the graph (before the forward), except the folded norm's two, which look at what the backward left:
+they run inside the graph, between the last backward and the update, where a capture records their device work.
+``IterationParts`` is that split, as plain callables over the optimizer's build record.
+
+This module reads the optimizer's build record (``optimizer._build``): it is the body of a method the engine
+should own (``GraphstepOptimizer.iteration_parts()``), kept here in one place until it moves there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from .. import pre_step
+from ..parallel.agreement import agreement_for
+from ..step.stages import baked_values, chain
+
+# Checks that look at what the backward left: inside the graph, after the last backward (in CHECKS' order).
+AFTER_BACKWARD = ("fold_notes_writes", "fold_stale")
+# Checks an iteration runs otherwise: it runs its backward itself (never "a step before any backward"); it takes
+# the names of the params it binds again, to capture over them (``_bind_buffers``).
+NOT_RUN = ("grads_seen", "buffers_bound")
+
+
+@dataclass(frozen=True)
+class IterationParts:
+    prepare: Callable[[], list]
+    """Host side, before the graph: the optimizer's pre-step checks (replaced, frozen or cast params; edited
+    groups), params and buffers replaced by the user taken back into the static buffers, what a user wrote into
+    bf16/fp16 params taken into the main params, the hyperparameter refresh. Returns the names taken back: a
+    captured iteration over them must be captured again."""
+    zero_grads: Callable[[], None]
+    """Inside the graph, first: every grad zeroed in place (``opt.zero_grad()``)."""
+    before_update: Callable[[], None]
+    """Inside the graph, after the last backward: the folded norm's sums the backward did not fold."""
+    update: Callable[[], None]
+    """Inside the graph: the optimizer's device step (the chain of stages), without profiler ranges."""
+    after_update: Callable[[], None]
+    """Inside the graph, last (host bookkeeping only)."""
+    baked: Callable[[], tuple]
+    """The host values the step bakes into a capture (``capture.baked.BakedValues`` guards them)."""
+    static_inputs: Callable[[], dict]
+    """The optimizer's static buffers and scalars by name (what a capture guards before each replay)."""
+    agree: Optional[Callable[[bool], bool]]
+    """With several ranks: ``agree(stale)`` is True when any rank's iteration went stale (collective: every rank
+    calls it at the same iteration), so that all capture again together; None on one process."""
+
+
+def iteration_parts(optimizer, model: torch.nn.Module, captures: bool) -> IterationParts:
+    """The parts of a ``GraphstepOptimizer`` an iteration runs (see the module docstring); ``captures``: whether the
+    iteration may be captured (ranks then agree on recapturing). The one reader of the optimizer's private build
+    record: the engine should own this as ``opt.iteration_parts(model, captures)``, calling ``parts_over``."""
+
+    def live() -> pre_step.LiveValues:
+        return pre_step.LiveValues(optimizer.param_groups, optimizer.state, optimizer.__dict__,
+                                   {"clip_grad": optimizer.clip_grad,
+                                    "grad_norm_skip_threshold": optimizer.grad_norm_skip_threshold})
+
+    def stepped() -> None:
+        optimizer._opt_called = True  # what torch's LR schedulers look for: the optimizer has stepped
+
+    return parts_over(optimizer._build, live, stepped, model, captures)
+
+
+def parts_over(build, live: Callable[[], pre_step.LiveValues], stepped: Callable[[], None], model: torch.nn.Module,
+               captures: bool) -> IterationParts:
+    """The parts over an optimizer's build record (graphstep/assembly.py ``Build``); ``live()``: what the user may
+    change between steps, as pre_step's checks read it; ``stepped()``: tells torch's LR schedulers a step ran."""
+    refuse_unsupported(build)
+    before = [check for check in pre_step.CHECKS if check.name not in AFTER_BACKWARD]
+    after = [check for check in pre_step.CHECKS if check.name in AFTER_BACKWARD]
+
+    def prepare() -> list:
+        values, replaced = live(), []
+        for check in before:
+            if check.name == "buffers_bound":
+                replaced = _bind_buffers(build)
+            elif check.name not in NOT_RUN:
+                check.run(build, values)
+        stepped()
+        return replaced
+
+    def zero_grads() -> None:
+        for buffers in build.domain_buffers:
+            buffers.zero_grad()
+        build.fold.invalidate()
+        if build.shard_bindings is not None:
+            build.shard_bindings.rebind_grads()
+
+    def before_update() -> None:
+        values = live()
+        for check in after:
+            check.run(build, values)
+
+    def after_update() -> None:
+        build.fold.after_step(stacklevel=6)
+
+    return IterationParts(prepare=prepare, zero_grads=zero_grads, before_update=before_update,
+                          update=chain(build.stages), after_update=after_update, baked=baked_values(build.stages),
+                          static_inputs=lambda: {"hyperparameters": build.hyper.values, **build.tensors.named(),
+                                                 **{k: v for d in build.domains for k, v in d.addresses().items()}},
+                          agree=_agreement(build, model) if captures else None)
+
+
+def _bind_buffers(build) -> list:
+    """pre_step's "buffers_bound", returning the names it took back (rather than telling the step's runner)."""
+    replaced = []
+    for buffers in build.domain_buffers:
+        restored = buffers.restore_replaced_buffers()
+        if restored:
+            build.fold.grads_rewritten()
+            replaced += restored
+        if not buffers.bindings_intact():
+            build.fold.forget_unbound_grads()
+            replaced += buffers.readopt_params()
+    if replaced:
+        build.model_state_dict.adopt(build.domain_buffers)
+    return replaced
+
+
+def _agreement(build, model: torch.nn.Module) -> Optional[Callable[[bool], bool]]:
+    """The ranks that share the iteration's collectives: the optimizer's groups, or else DDP's."""
+    comm, timeout_s = build.comm, build.config.distributed_timeout_s
+    agreement = agreement_for(comm.dp_group, comm.mp_group, timeout_s, comm.host_group)
+    if agreement is None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        agreement = agreement_for(model.process_group, None, timeout_s)
+    return None if agreement is None else agreement.any
+
+
+def refuse_unsupported(build) -> None:
+    """What an iteration does not run yet, refused at construction with what to do instead."""
+    config = build.config
+    if build.host_stages or config.optimizer_cpu_offload:
+        raise ValueError("graphstep.Iteration: CPU offload (optimizer_cpu_offload) runs host work after the device "
+                         "step, which a graph cannot contain; train with opt.step() instead")
+    if config.overlap_grad_reduce or config.overlap_param_gather:
+        raise ValueError("graphstep.Iteration: overlap_grad_reduce / overlap_param_gather launch work from backward "
+                         "and forward hooks outside any graph; turn them off (the whole iteration is one graph, so "
+                         "the reduce runs inside it after the last backward)")
