@@ -43,6 +43,7 @@ import torch
 from .checkpoint.optimizer_hooks import runs_load_state_dict_hooks, runs_state_dict_hooks
 from .hooks.requires_grad_watch import RequiresGradWatch
 from .parallel.collectives import Collectives
+from .run.memory import memory_stats_by_kind
 from .run.runner import StepRunner
 from .state.hyperparams import scalar_dtype
 from .step.stages import StepTensors
@@ -108,7 +109,29 @@ class CapturedOptimizer(torch.optim.Optimizer):
 
     @property
     def captured(self) -> bool:
+        """Whether the step is captured now (later steps replay it)."""
         return self._runner.captured
+
+    @property
+    def capture_backend(self) -> str:
+        """What runs the step: the capture backend's name (a CUDA graph, the CPU replay backend, or eager;
+        see ``capture.devices.backend_for``), as ``GraphstepOptimizer.capture_backend``."""
+        return self._runner.backend
+
+    def memory_stats(self) -> dict[str, dict[str, int]]:
+        """Bytes the wrapped optimizer's step holds, by kind (its params, the static grads, each state by its
+        name, the scalars) with totals, as ``GraphstepOptimizer.memory_stats`` (graphstep.run.memory)."""
+        state: dict[str, list] = {}
+        for p in self._params:
+            for key, value in self.optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    state.setdefault(key, []).append(value)
+        scalars = [*self._lr_tensors, *self.tensors.named().values()]
+        if self.scaler is not None:
+            scalars += [t for t in vars(self.scaler).values() if isinstance(t, torch.Tensor)]
+        kinds = {"params": self._params, "grads": [g for g in self._grads if g is not None], **state,
+                 "scalars": scalars}
+        return memory_stats_by_kind(kinds, self._runner.pool_bytes())
 
     @property
     def recaptures(self) -> int:

@@ -269,7 +269,7 @@ def test_bad_input_is_refused_with_a_clear_message():
 def test_compiled_kernel_without_warm_up_is_refused_where_the_default_capture_would_capture(monkeypatch):
     # capture="auto" captures on CUDA, where the compiled kernel would compile inside the capture; the
     # config alone cannot tell (it refuses capture="graph" so). Here the device is made to look like CUDA.
-    import graphstep.engine as engine_module
+    import graphstep.assembly as engine_module
 
     monkeypatch.setattr(engine_module, "backend_for",
                         lambda device, mode: ("eager", None) if mode == "eager" else ("cuda", None))

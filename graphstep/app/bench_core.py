@@ -13,7 +13,6 @@ percentiles, a ratio's bootstrap interval) is in ``bench_stats``.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import math
 import platform
@@ -26,7 +25,7 @@ from capture.profile import OpCounter
 
 from capture.devices import accelerator_available, is_cuda, synchronize
 
-from . import bench_shapes
+from . import bench_engines, bench_shapes
 
 LR, WEIGHT_DECAY, BETAS, EPS, CLIP = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
 LOSS_SCALE = 1024.0
@@ -70,7 +69,7 @@ def device_name(device: torch.device) -> str:
 
 def free_memory(device: torch.device) -> None:
     """Drop what the last pipeline left behind (its caching-allocator blocks too on a GPU)."""
-    _SHARED_ENGINES.clear()
+    bench_engines.forget_shared_engines()
     gc.collect()
     if is_cuda(device):
         torch.cuda.empty_cache()
@@ -307,58 +306,6 @@ def backward_stand_in(opt, params: list, sources: list) -> Callable[[], None]:
     return backward
 
 
-@dataclass
-class _Engine:
-    """One graphstep optimizer over a fresh model of the shape set, warmed up, with its two grad refills."""
-
-    opt: object
-    copy_grads: Callable[[], None]  # the grads restored by a copy from the sources
-    backward: Callable[[], None]  # the backward stand-in: the same grads through autograd (and its hooks)
-    notes: str
-
-    @property
-    def refill(self) -> Callable[[], None]:
-        """What restores the grads before a step: with a folded norm, backward (its hooks fold), else a copy."""
-        return self.backward if self.opt.config.fold_grad_norm else self.copy_grads
-
-
-# Rows that time different parts of one configuration (its step, its backward, both, its norm stage) share
-# one engine while they are built together (``--interleave``): at GPT-2 small each engine holds ~2 GB, and
-# a table of a dozen rows would not fit in memory otherwise. Emptied by ``free_memory``.
-_SHARED_ENGINES: dict = {}
-
-
-def _engine(inputs: Inputs, config) -> _Engine:
-    key = (id(inputs), config)
-    if key in _SHARED_ENGINES:
-        shared = _SHARED_ENGINES[key]
-        return dataclasses.replace(shared, notes=shared.notes + " (engine shared with an earlier row)")
-    import graphstep as gs
-    from graphstep.kernels import compiled
-
-    compile_before = compiled.compile_seconds()
-    params = inputs.new_params()
-    opt = gs.get_optimizer(config, inputs.module(params))
-    grads = [p.main_grad for p in params]  # views of the engine's flat grad buffer (p.grad too, for fp32)
-    sources = inputs.views(inputs.grad_flat)
-
-    def copy_grads():
-        torch._foreach_copy_(grads, sources)
-    engine = _Engine(opt, copy_grads, backward_stand_in(opt, params, sources), notes="")
-    with torch.no_grad():
-        engine.refill()
-        for _ in range(config.capture_warmup_steps + 1 if config.capture == "graph" else 1):
-            opt.step()  # eager: one step here, so a compile is not timed (graph: the warm-up and the capture)
-            engine.refill()
-    choice = opt.kernel_choice
-    notes = f"kernel={choice.name} ({choice.reason}); compile {choice.compile_s + compiled.compile_seconds() - compile_before:.1f} s"
-    if config.capture == "graph":
-        notes += f"; captured={opt.captured}, backend={opt.capture_backend}"
-    engine.notes = notes
-    _SHARED_ENGINES[key] = engine
-    return engine
-
-
 def build_graphstep(inputs: Inputs, *, clip_grad: float = CLIP, capture: str = "eager", loss_scale=None,
                     kernel: Optional[str] = "fused", fold: bool = False, timed: str = "step") -> Pipeline:
     """graphstep's step over a fresh model of the shape set; with ``capture="graph"`` the warm-up steps and
@@ -370,7 +317,7 @@ def build_graphstep(inputs: Inputs, *, clip_grad: float = CLIP, capture: str = "
     "norm" (the norm stage alone, refilled by a copy), "step-after-copy" (the step, its grads refilled by a
     copy even with ``fold``: no backward, so the step folds the norm itself)."""
     config = graphstep_config(clip_grad=clip_grad, capture=capture, loss_scale=loss_scale, kernel=kernel, fold=fold)
-    engine = _engine(inputs, config)
+    engine = bench_engines.shared_engine(inputs, config, backward_stand_in)
     opt, backward = engine.opt, engine.backward
     if timed == "backward":
         return Pipeline(backward, None, opt, engine.notes)

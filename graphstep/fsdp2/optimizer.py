@@ -4,19 +4,21 @@ params are DTensors.
 It is the plain engine laid out over each param's padded local shard (graphstep/fsdp2/shards.py) with no
 data-parallel sharding of its own (FSDP2 reduce-scatters the grads in backward and all-gathers the params in
 forward), the grad statistics summed over the device mesh, FSDP2's tensors bound to the flat buffers
-(bindings.py), and torch's state-dict format for torch.distributed.checkpoint (state_dict.py).
+(bindings.py), and torch's state-dict format for torch.distributed.checkpoint (state_dict.py). The shards, the
+check of the families over them and the binding reach the build as its input (graphstep/assembly.py
+``LocalShardInput``); the engine runs the bindings' checks before each step like its own.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import functools
 
 from ..plan.model_params import as_chunks, named_trainable_params
 from ..checkpoint.optimizer_hooks import runs_load_state_dict_hooks, runs_state_dict_hooks
 from ..config import OptimizerConfig
+from ..assembly import LocalShardInput
 from ..engine import GraphstepOptimizer
-from ..hooks import weak_hooks
 from . import state_dict as fsdp_state_dict
 from .bindings import FsdpBindings
 from .shards import local_shards, statistics_group
@@ -51,82 +53,20 @@ class Fsdp2Optimizer(GraphstepOptimizer):
         if not isinstance(config, OptimizerConfig):
             raise TypeError(f"get_optimizer: config must be an OptimizerConfig, got {type(config).__name__}")
         _check_config(config)
-        chunks = as_chunks(model_chunks)
-        self.local_shards = local_shards(named_trainable_params(model_chunks, dtensors=True), chunks)
-        group = statistics_group(self.local_shards)
-        self._one_dim_mesh = all(s.param.device_mesh.ndim == 1 for s in self.local_shards)
-        if self._one_dim_mesh:
+        shards = local_shards(named_trainable_params(model_chunks, dtensors=True), as_chunks(model_chunks))
+        group = statistics_group(shards)
+        one_dim_mesh = all(s.param.device_mesh.ndim == 1 for s in shards)
+        if one_dim_mesh:
             # Each rank holds other rows of every param: Megatron's mark for a split param, with the mesh's group
             # as the tensor-parallel one, so that Muon gathers (or orthogonalises across) a matrix's rows.
-            for shard in self.local_shards:
+            for shard in shards:
                 shard.local.tensor_model_parallel, shard.local.partition_dim = True, 0
+        laid_out = LocalShardInput(tuple(shards), functools.partial(_check_families, shards, config, one_dim_mesh),
+                                   functools.partial(FsdpBindings, shards))
         super().__init__(dataclasses.replace(config, fold_grad_norm=False), model_chunks, config_overrides,
-                         model_parallel_group=group, tensor_parallel_group=group if self._one_dim_mesh else None)
-        self._fsdp = FsdpBindings(self.local_shards, self.buffers)
+                         model_parallel_group=group, tensor_parallel_group=group if one_dim_mesh else None,
+                         local_shards=laid_out)
         self._mesh_group = group
-        self._arrival_hooks = []
-        if self._fsdp.grads_taken_at_build:
-            self._grads_seen.seen = True
-        else:
-            self._arrival_hooks = [s.param.register_post_accumulate_grad_hook(
-                weak_hooks.calling(self, "_grads_arrived")) for s in self.local_shards]
-
-    def _laid_out(self, named: list, group_index: list[int]) -> list:
-        if [name for name, _ in named] != [s.name for s in self.local_shards]:
-            raise ValueError("graphstep: the FSDP2 model's params changed while the optimizer was being built")
-        for shard, g in zip(self.local_shards, group_index):
-            family = self._families[g]
-            if not family.batch_by_shape:
-                continue
-            if not self._one_dim_mesh:
-                raise ValueError(f"graphstep: param '{shard.name}': {family.title} updates whole matrices, gathered "
-                                 "over one mesh dimension: not on a mesh of several dimensions")
-            if family.updates_split_matrices_by_slice(self.config):
-                raise ValueError(f"graphstep: param '{shard.name}': {family.title} with muon_tp_mode='blockwise' "
-                                 "would orthogonalise each rank's rows alone; with FSDP2 set muon_tp_mode="
-                                 "'duplicated' (each rank gathers the matrix) or 'distributed' (Newton-Schulz on "
-                                 "the rows, Gram matrices summed over the ranks)")
-            rows, world = shard.fsdp_param._orig_size[0], shard.param.device_mesh.size()
-            if rows % world:
-                raise ValueError(f"graphstep: param '{shard.name}' has {rows} rows over {world} ranks: {family.title} "
-                                 "needs matrices FSDP2 splits evenly")
-        return [(s.name, s.local) for s in self.local_shards]
-
-    def _param_state(self) -> dict:
-        """torch's plain mapping: torch.distributed.checkpoint reads this optimizer (state_dict.py)."""
-        return collections.defaultdict(dict)
-
-    def _grads_arrived(self, _param) -> None:
-        """FSDP2 handed over a grad (its post-accumulate-grad hooks): a backward ran, as the engine's own hooks on
-        the local shards, which FSDP2 never calls, would have told.
-
-        Only a flag: FSDP2 calls these hooks while iterating the param's live hook dict (torch's autograd
-        iterates a copy), so removing a handle here would break that loop wherever another hook follows ours
-        (``OrderedDict mutated during iteration``). They go at the next step, outside any backward."""
-        self._grads_seen.seen = True
-
-    def _remove_arrival_hooks(self) -> None:
-        for handle in self._arrival_hooks:
-            handle.remove()
-        self._arrival_hooks = []
-
-    def _prepare(self) -> None:
-        if self._grads_seen.seen:
-            self._remove_arrival_hooks()  # done with: later backwards pay nothing for them
-        self._fsdp.check()  # before the engine's own checks: FSDP2's grads and params back in the flat buffers
-        super()._prepare()
-
-    def recapture(self) -> None:
-        self._fsdp.check()
-        super().recapture()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        self._fsdp.rebind_grads()
-
-    def close(self) -> None:
-        self._remove_arrival_hooks()
-        super().close()
 
     @runs_state_dict_hooks
     def state_dict(self) -> dict:
@@ -137,4 +77,23 @@ class Fsdp2Optimizer(GraphstepOptimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's optimizer format, int or FQN keys: checked whole, then copied into the buffers in place."""
         fsdp_state_dict.load_state_dict(self, state_dict, mesh_group=self._mesh_group,
-                                        group_problem=self._group_watch.problem)
+                                        group_problem=self._build.group_watch.unfollowable_edit)
+
+
+def _check_families(shards: list, config: OptimizerConfig, one_dim_mesh: bool, families: list) -> None:
+    """Refuses a family (``families``: each shard's) that cannot update these local shards."""
+    for shard, family in zip(shards, families):
+        if not family.batch_by_shape:
+            continue
+        if not one_dim_mesh:
+            raise ValueError(f"graphstep: param '{shard.name}': {family.title} updates whole matrices, gathered "
+                             "over one mesh dimension: not on a mesh of several dimensions")
+        if family.updates_split_matrices_by_slice(config):
+            raise ValueError(f"graphstep: param '{shard.name}': {family.title} with muon_tp_mode='blockwise' "
+                             "would orthogonalise each rank's rows alone; with FSDP2 set muon_tp_mode="
+                             "'duplicated' (each rank gathers the matrix) or 'distributed' (Newton-Schulz on "
+                             "the rows, Gram matrices summed over the ranks)")
+        rows, world = shard.fsdp_param._orig_size[0], shard.param.device_mesh.size()
+        if rows % world:
+            raise ValueError(f"graphstep: param '{shard.name}' has {rows} rows over {world} ranks: {family.title} "
+                             "needs matrices FSDP2 splits evenly")

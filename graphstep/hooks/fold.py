@@ -136,9 +136,9 @@ class Fold:
         if self._repeated and self.fold_in_backward and not self._warned:
             self._warned = True
             warnings.warn("graphstep: fold_grad_norm: backward ran more than once outside opt.no_sync() between "
-                          "steps (grad accumulation), so the norm folded in the first was folded again before the step. "
-                          "While steps see that, the "
-                          "norm is folded right before the step instead (one read of the grads, as with "
+                          "steps (grad accumulation), so the norm folded in the first was folded again before the "
+                          "step. While steps see that, the norm is folded right before the step instead (one read of "
+                          "the grads, as with "
                           "fold_grad_norm=False). Run the earlier micro-batches under opt.no_sync() to fold in "
                           "the last backward only", RuntimeWarning, stacklevel=stacklevel)
         self.fold_in_backward = not (self._repeated or self._rewritten_after_backward)

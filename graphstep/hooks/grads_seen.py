@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import warnings
 
+from . import weak_hooks
+
 
 class GradsSeen:
     """Warns once when a step runs with no grad since the build: no backward ran since, and none had left
@@ -16,28 +18,48 @@ class GradsSeen:
     Held weakly there, like every listener: the model's hooks never keep this (or its optimizer) alive.
     """
 
-    def __init__(self, hooks, domains):
-        """``hooks``: the optimizer's ``GradHooks``; ``domains``: its ``StaticBuffers`` (every param of each)."""
+    def __init__(self, hooks, domains, *, taken_at_build: bool = False, foreign_params=()):
+        """``hooks``: the optimizer's ``GradHooks``; ``domains``: its ``StaticBuffers`` (every param of each).
+        ``taken_at_build``: grads a backward left before the build were taken in elsewhere (FSDP2's bindings).
+        ``foreign_params``: params whose grads arrive without the buffers' params' hooks firing (an FSDP2 model's
+        DTensor params, whose local shards the buffers hold): a post-accumulate-grad hook on each sets the flag."""
         self._warned = False
         self._hooks = hooks
         # Grads a backward left before the build are in the buffers already (state/allocation.py): seen.
-        self.seen = any(buffers.grads_taken_at_build for buffers in domains)
+        self.seen = taken_at_build or any(buffers.grads_taken_at_build for buffers in domains)
         for buffers in domains:
             for index in range(len(buffers.params)):
                 hooks.listen("grads_seen", buffers, index, self, "_arrived")
+        self._foreign_handles = [] if self.seen else [
+            p.register_post_accumulate_grad_hook(weak_hooks.calling(self, "_foreign_arrived"))
+            for p in foreign_params]
 
     def _arrived(self, _param) -> None:
         self.seen = True
         self.remove()
 
+    def _foreign_arrived(self, _param) -> None:
+        """Only a flag: FSDP2 calls these hooks while iterating the param's live hook dict (torch's autograd
+        iterates a copy), so removing a handle here would break that loop wherever another hook follows ours
+        (``OrderedDict mutated during iteration``). They go at the next step, outside any backward."""
+        self.seen = True
+
+    def _remove_foreign(self) -> None:
+        for handle in self._foreign_handles:
+            handle.remove()
+        self._foreign_handles = []
+
     def remove(self) -> None:
         self._hooks.remove(self)
+        self._remove_foreign()
 
     def check(self) -> None:
+        if self.seen:
+            self._remove_foreign()  # done with: later backwards pay nothing for them
         if not self.seen and not self._warned:
             self._warned = True
             warnings.warn("graphstep: step() ran before any backward: unless the grads were written by hand, "
                           "every grad is zero, so this step applies only weight decay (and momentum) to every "
                           "param. graphstep steps all the params it holds (torch's optimizers skip params "
                           "without grads); run backward first",
-                          RuntimeWarning, stacklevel=6)
+                          RuntimeWarning, stacklevel=8)  # the user's step() call, through graphstep/pre_step.py

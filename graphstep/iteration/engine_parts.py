@@ -6,8 +6,8 @@ run before the graph (before the forward), except the folded norm's two, which l
 they run inside the graph, between the last backward and the update, where a capture records their device work.
 ``IterationParts`` is that split, as plain callables over the optimizer's build record.
 
-This module reads the optimizer's build record (``optimizer._build``): it is the body of a method the engine
-should own (``GraphstepOptimizer.iteration_parts()``), kept here in one place until it moves there.
+The engine hands its build record over (``GraphstepOptimizer.iteration_parts``); this module knows which checks
+go where.
 """
 from __future__ import annotations
 
@@ -49,22 +49,6 @@ class IterationParts:
     agree: Optional[Callable[[bool], bool]]
     """With several ranks: ``agree(stale)`` is True when any rank's iteration went stale (collective: every rank
     calls it at the same iteration), so that all capture again together; None on one process."""
-
-
-def iteration_parts(optimizer, model: torch.nn.Module, captures: bool) -> IterationParts:
-    """The parts of a ``GraphstepOptimizer`` an iteration runs (see the module docstring); ``captures``: whether the
-    iteration may be captured (ranks then agree on recapturing). The one reader of the optimizer's private build
-    record: the engine should own this as ``opt.iteration_parts(model, captures)``, calling ``parts_over``."""
-
-    def live() -> pre_step.LiveValues:
-        return pre_step.LiveValues(optimizer.param_groups, optimizer.state, optimizer.__dict__,
-                                   {"clip_grad": optimizer.clip_grad,
-                                    "grad_norm_skip_threshold": optimizer.grad_norm_skip_threshold})
-
-    def stepped() -> None:
-        optimizer._opt_called = True  # what torch's LR schedulers look for: the optimizer has stepped
-
-    return parts_over(optimizer._build, live, stepped, model, captures)
 
 
 def parts_over(build, live: Callable[[], pre_step.LiveValues], stepped: Callable[[], None], model: torch.nn.Module,

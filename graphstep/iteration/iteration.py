@@ -38,7 +38,6 @@ import capture
 from capture.baked import BakedValues
 from capture.devices import backend_for, device_scope, is_cuda
 
-from .engine_parts import iteration_parts
 from .inputs import StaticBatch, describe, signature
 from .model_watch import ModelWatch
 
@@ -93,7 +92,7 @@ class Iteration:
         self._backend, reason = backend_for(self.device, mode)
         if self._backend != "eager":
             _refuse_fsdp2(model)
-        self._parts = iteration_parts(optimizer, model, captures=self._backend != "eager")
+        self._parts = optimizer.iteration_parts(model, captures=self._backend != "eager")
         if reason is not None:
             logger.info("graphstep: %s", reason.replace("the step", "the iteration"))
         self._auto = mode == "auto"

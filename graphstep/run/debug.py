@@ -152,9 +152,10 @@ def _grad_finite(grad) -> bool:
     return type(grad) not in (torch.Tensor, torch.nn.Parameter) or _finite(grad)
 
 
-def _named_modules(opt) -> list[tuple[str, torch.nn.Module]]:
-    """Every module of the model chunks the optimizer was given, once each, named like their params."""
-    chunks = [ref() for ref in getattr(opt, "_model_chunks", ())]
+def _named_modules(model_chunks) -> list[tuple[str, torch.nn.Module]]:
+    """Every module of the model chunks the optimizer was given (weak references), once each, named like their
+    params."""
+    chunks = [ref() for ref in model_chunks]
     named, seen = [], set()
     for c, chunk in enumerate(chunks):
         if chunk is None:  # the model was dropped: nothing to hook
@@ -283,12 +284,13 @@ class _Tracer:
             self.backward_source = self._source(call, "backward", f"grad of its param '{pname}'")
 
 
-def trace_closure(opt, closure: Optional[Callable]) -> Optional[ClosureTrace]:
-    """Run ``closure`` (forward and backward) with grad enabled and hooks on every module of the model;
-    return what they found (None when there is no closure). The hooks are removed even if it raises."""
+def trace_closure(model_chunks, closure: Optional[Callable]) -> Optional[ClosureTrace]:
+    """Run ``closure`` (forward and backward) with grad enabled and hooks on every module of the model
+    (``model_chunks``: weak references to its modules); return what they found (None when there is no closure).
+    The hooks are removed even if it raises."""
     if closure is None:
         return None
-    tracer = _Tracer(_named_modules(opt))
+    tracer = _Tracer(_named_modules(model_chunks))
     try:
         tracer.install()
         with torch.enable_grad():
@@ -300,8 +302,8 @@ def trace_closure(opt, closure: Optional[Callable]) -> Optional[ClosureTrace]:
 
 
 # ---- the optimizer's side: which param and tensor, after which stage -------------------------------------
-def _first_non_finite(opt, stage: str, *, grads_only: bool) -> Optional[NanOrigin]:
-    for domain in opt.domains:  # dense, then MoE expert params (graphstep/step/domains.py): each its own buffers
+def _first_non_finite(domains, stage: str, *, grads_only: bool) -> Optional[NanOrigin]:
+    for domain in domains:  # dense, then MoE expert params (graphstep/step/domains.py): each its own buffers
         origin = _first_in_domain(domain.buffers, domain.layout, domain.rank, stage, grads_only)
         if origin is not None:
             return origin
@@ -339,21 +341,23 @@ def _with_source(origin: NanOrigin, trace: Optional[ClosureTrace]) -> NanOrigin:
                                source=source.describe(), traced=True)
 
 
-def run_debug_step(opt, trace: Optional[ClosureTrace] = None) -> StepReport:
-    """The step, stage by stage; ``trace``: what ``trace_closure`` found while the closure ran, if one did."""
-    origin = _first_non_finite(opt, "backward", grads_only=True)
+def run_debug_step(domains, stages, device, tensors, trace: Optional[ClosureTrace] = None) -> StepReport:
+    """The step's ``stages`` (the device stages, then the host ones: CPU offload's host update), one by one, over
+    the sharding ``domains`` and the step's scalar ``tensors``; ``trace``: what ``trace_closure`` found while the
+    closure ran, if one did."""
+    origin = _first_non_finite(domains, "backward", grads_only=True)
     if origin is not None:
         origin = _with_source(origin, trace)
     stats = []
-    for stage in (*opt.stages, *opt.host_stages):  # host stages: CPU offload's host update (never captured)
-        synchronize(opt.device)
+    for stage in stages:
+        synchronize(device)
         start = time.perf_counter()
         stage.apply()
-        synchronize(opt.device)
+        synchronize(device)
         ms = (time.perf_counter() - start) * 1e3
-        scalars = {name: float(getattr(opt.tensors, name)) for name in SCALARS}
+        scalars = {name: float(getattr(tensors, name)) for name in SCALARS}
         stats.append(StageStats(stage.name, ms, scalars))
         if origin is None:
-            origin = _first_non_finite(opt, stage.name, grads_only=False)
+            origin = _first_non_finite(domains, stage.name, grads_only=False)
     source = None if trace is None else trace.source
-    return StepReport(tuple(stats), origin, bool(opt.tensors.update_successful), source)
+    return StepReport(tuple(stats), origin, bool(tensors.update_successful), source)

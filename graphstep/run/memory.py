@@ -100,3 +100,14 @@ def memory_stats(domains, host_tensors: dict, scalars: list, graph_pool_bytes: O
     if graph_pool_bytes is not None:
         device.kinds["graph_pool"] = graph_pool_bytes
     return {"device": device.result(), "host": host.result()}
+
+
+def memory_stats_by_kind(device_tensors: dict[str, list], graph_pool_bytes: Optional[int]) -> dict[str, dict[str, int]]:
+    """The same count over device tensors listed by kind (``graphstep.wrap``'s optimizer: its params, grads and
+    state), each storage once, under the first kind that lists it; no host memory."""
+    device = _Ledger()
+    for kind, tensors in device_tensors.items():
+        device.add(kind, tensors)
+    if graph_pool_bytes is not None:
+        device.kinds["graph_pool"] = graph_pool_bytes
+    return {"device": device.result(), "host": _Ledger().result()}

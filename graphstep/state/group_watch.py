@@ -20,7 +20,7 @@ class GroupWatch:
         self._groups = len(groups)
         self._params = [(group["params"], len(group["params"])) for group in groups]
 
-    def problem(self, groups: list[dict]) -> Optional[str]:
+    def unfollowable_edit(self, groups: list[dict]) -> Optional[str]:
         """What in ``groups`` (``opt.param_groups`` now) the step cannot follow, naming the group; or None."""
         if len(groups) != self._groups:
             return (f"opt.param_groups has {len(groups)} groups, the optimizer was built with {self._groups}: "

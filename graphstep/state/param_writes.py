@@ -17,8 +17,8 @@ weight. The choice is a device-side select, not a host read. The step writes an 
 flat buffer and its scales in place, neither of which moves the param's or its alias's counter.
 
 Not covered: main params stored as bf16 remainders (a write there changes the main params' high bits already,
-and keeps the old low bits). A write through ``p.data`` moves no counter: ``take(everything=True)`` compares
-all.
+and keeps the old low bits). A write through ``p.data`` moves no counter:
+``copy_writes_into_main(everything=True)`` compares all.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class ParamWrites:
         none): two C-level maps, no per-param Python, as this runs before every step."""
         return list(map(_VERSION, self._watched)), list(map(_VERSION, self._alias_tensors))
 
-    def take(self, everything: bool = False) -> None:
+    def copy_writes_into_main(self, everything: bool = False) -> None:
         """Copy into this rank's main params every element written into the params (or through their
         state-dict aliases) since the last call (``everything``: compare every watched param, written or not;
         so is every one after the aliases changed)."""
