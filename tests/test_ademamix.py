@@ -87,6 +87,8 @@ def test_a_skipped_step_leaves_params_and_every_state_bitwise_unchanged_even_the
 def test_declarations():
     assert kernels.LIVE_FIELDS == {column for _, column in FAMILIES["ademamix"].hyperparameters}
     assert kernels.STATE_NAMES == ("exp_avg", "exp_avg_slow", "exp_avg_sq")
+    twin = kernels.compiled_twin()
+    assert (twin.LIVE_FIELDS, twin.STATE_NAMES) == (kernels.LIVE_FIELDS, kernels.STATE_NAMES)
     assert [s.nonnegative for s in FAMILIES["ademamix"].states] == [False, False, True]
     params, states, gen = problem(2)
     with pytest.raises(ValueError, match="one of each per view"):
@@ -236,8 +238,8 @@ def test_checkpoint_round_trip_then_training_continues_bitwise(fmt, tmp_path):
 
 @pytest.mark.parametrize("kernel", ["fused", "reference", "auto"])
 def test_every_kernel_setting_runs_the_ademamix_kernel(kernel):
-    """There is no fused or compiled AdEMAMix: the family brings its own module (Family.kernels), as Lion
-    does, so every setting runs it, bitwise alike, all hyperparameters live; "auto" probes no compile."""
+    """There is no fused AdEMAMix: the family brings its own module (Family.kernels), as Lion does, so every
+    setting but "compiled" runs it, bitwise alike, all hyperparameters live; "auto" probes no compile."""
     runs = []
     for setting in ("reference", kernel):
         net = tiny_transformer()
@@ -249,6 +251,70 @@ def test_every_kernel_setting_runs_the_ademamix_kernel(kernel):
             opt.step()
         assert opt.recaptures == 0
         runs.append([p.detach().clone() for p in net.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def correctly_rounded_sqrt(monkeypatch):
+    """The eager kernel's ``sqrt_`` rounded correctly (through fp64, exact for fp32 inputs). torch's CPU sqrt is
+    not: this build's rounds one fp32 value in six an ulp off, where the compiled loop's
+    is the processor's exact instruction. That is the one difference between the compiled twin and the eager
+    kernel, which the tests below pin by patching it out."""
+    monkeypatch.setattr(torch.Tensor, "sqrt_", lambda self: self.copy_(self.double().sqrt()))
+
+
+def twin_problem_steps(module, params, states, gen_seed):
+    gen = torch.Generator().manual_seed(gen_seed)
+    for step in range(1, 12):
+        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        module.ademamix(params, grads, *states, step=torch.tensor(float(step)),
+                        found_inf=torch.tensor(1.0 if step == 5 else 0.0),
+                        grad_scale=torch.tensor(2.0) if step % 2 else None,
+                        **{k: hp(v) for k, v in schedule(step).items()})
+
+
+def test_the_compiled_twin_is_the_eager_kernel_bitwise_with_every_hyperparameter_moving(monkeypatch):
+    """graphstep/kernels/compiled_ademamix.py: the eager kernel's ops traced into one loop, bitwise the eager kernel
+    with a correctly rounded sqrt, over views of odd lengths (tails), a grad scale and a skipped step; against the
+    eager kernel as it is, only its sqrt's last bits apart."""
+    from graphstep.kernels import compiled_ademamix
+    params, states, _ = problem(3)
+    start = copy.deepcopy(params)
+    runs = {}
+    for name, module, exact in (("twin", compiled_ademamix, False), ("eager", kernels, False),
+                                ("eager_exact_sqrt", kernels, True)):
+        ps, ss = copy.deepcopy(params), copy.deepcopy(states)
+        with monkeypatch.context() as patch:
+            if exact:
+                correctly_rounded_sqrt(patch)
+            twin_problem_steps(module, ps, ss, 7)
+        runs[name] = ps + sum(ss, [])
+    for k, (got, want) in enumerate(zip(runs["twin"], runs["eager_exact_sqrt"])):
+        assert torch.equal(got, want), f"tensor {k}"
+    assert 0 < relative_drift(runs["twin"][:3], runs["eager"][:3], start) < 1e-5
+
+
+def test_kernel_compiled_runs_the_compiled_twin_captured_bitwise(monkeypatch):
+    from graphstep.kernels import compiled_ademamix
+    calls = []
+    op = compiled_ademamix._ademamix_op
+    monkeypatch.setattr(compiled_ademamix, "_ademamix_op", lambda *a: (calls.append(1), op(*a)))
+    runs = []
+    for setting, capture in (("compiled", "graph"), ("reference", "eager")):
+        net = tiny_transformer()
+        opt = ademamix_engine(net, kernel=setting, capture=capture)
+        with monkeypatch.context() as patch:
+            if setting == "reference":
+                correctly_rounded_sqrt(patch)
+            for step in range(5):
+                set_warmups(opt, step)
+                opt.zero_grad()
+                loss_fn(net, step).backward()
+                if step == 3:
+                    net[1].linear1.weight.main_grad[0, 0] = float("nan")
+                opt.step()
+        assert opt.recaptures == 0 and opt.captured == (capture == "graph")
+        runs.append([p.detach().clone() for p in net.parameters()])
+    assert calls, "kernel='compiled' did not run the compiled AdEMAMix"
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 

@@ -18,8 +18,10 @@ tensor rounds like the Python float (tests/test_ademamix.py). α and β3 are rea
 so the paper's warm-up schedules of α and β3 (``graphstep.families.ademamix.alpha_warmup`` /
 ``beta3_warmup``) change them every step without a recapture.
 
-There is no torch.optim AdEMAMix and no fused or compiled variant: the family runs this module whatever
-``OptimizerConfig.kernel`` says (``Family.kernels``), as Lion and Muon run theirs.
+There is no torch.optim AdEMAMix and no fused variant: the family runs this module (``Family.kernels``) under
+every ``OptimizerConfig.kernel`` but "compiled", where the update runs its compiled twin (``compiled_twin``:
+graphstep/kernels/compiled_ademamix.py, the same ops in one loop, bitwise this kernel but for the last bit of its
+square roots, which torch's CPU sqrt does not round correctly).
 
 ``grad_scale`` (0-d, or None for 1) divides the grads; the grads are only read. ``found_inf`` (0-d fp32,
 1.0 = skip) leaves params and all three states bitwise unchanged (a skipped first step divides by
@@ -34,6 +36,12 @@ import torch
 
 LIVE_FIELDS = frozenset({"lr", "beta1", "beta2", "beta3", "alpha", "weight_decay", "eps"})
 STATE_NAMES = ("exp_avg", "exp_avg_slow", "exp_avg_sq")  # m1, m2, ν
+
+
+def compiled_twin():
+    """The module that runs this kernel compiled (same signature and declarations), for ``kernel="compiled"``."""
+    from . import compiled_ademamix  # lazily: importing it loads graphstep/kernels/compiled.py
+    return compiled_ademamix
 
 
 def ademamix(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],

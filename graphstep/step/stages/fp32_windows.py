@@ -21,13 +21,13 @@ def scratch(ctx, segments) -> dict[str, torch.Tensor]:
     chunks are read into: as long as the longest chunk of any segment."""
     buffers, longest = ctx.buffers, 0
     for segment in segments:
-        stored = _stored_in(buffers, segment.buffer)
+        stored = stored_in(buffers, segment.buffer)
         if stored:
             kind, state = next(iter(stored.items()))
-            offset = _offset(buffers, kind, segment)
-            runs = precision.chunks(state, offset, offset + segment.numel)
+            start = offset(buffers, kind, segment)
+            runs = precision.chunks(state, start, start + segment.numel)
             longest = max([longest] + [end - start for start, end in runs])
-    kinds = {kind for segment in segments for kind in _stored_in(buffers, segment.buffer)}
+    kinds = {kind for segment in segments for kind in stored_in(buffers, segment.buffer)}
     scratch = {kind: torch.empty(longest, dtype=torch.float32, device=buffers.grad_flat[0].device)
                for kind in sorted(kinds)}
     if scratch:
@@ -35,12 +35,12 @@ def scratch(ctx, segments) -> dict[str, torch.Tensor]:
     return scratch
 
 
-def _stored_in(buffers, buffer: int) -> dict:
+def stored_in(buffers, buffer: int) -> dict:
     """kind -> its ``StoredState`` in ``buffer``, for each kind kept below fp32 there."""
     return {kind: per_buffer[buffer] for kind, per_buffer in buffers.stored.items() if per_buffer[buffer] is not None}
 
 
-def _offset(buffers, kind: str, segment) -> int:
+def offset(buffers, kind: str, segment) -> int:
     """Where ``segment`` starts in ``kind``'s buffer (a compact state buffer, or the main params' shard)."""
     if kind == "main":
         return segment.shard_start
@@ -52,17 +52,17 @@ def chunks(ctx, views: GroupViews, segments, scratch: dict[str, torch.Tensor]) -
     each ``(views over the chunk, [(StoredState, start, end, fp32 window)])``, the stored kinds' views
     replaced by windows onto their scratch. None for a group with everything in full precision."""
     buffers = ctx.buffers
-    if not any(_stored_in(buffers, segment.buffer) for segment in segments):
+    if not any(stored_in(buffers, segment.buffer) for segment in segments):
         return None
     chunks = []
     for k, segment in enumerate(segments):
-        stored = {kind: state for kind, state in _stored_in(buffers, segment.buffer).items()
+        stored = {kind: state for kind, state in stored_in(buffers, segment.buffer).items()
                   if kind == "main" or kind in views.state}
         if not stored:  # a buffer of other params in the same group: its segment whole, as it lies
             chunks.append((GroupViews([views.params[k]], [views.grads[k]],
                                       {name: [tensors[k]] for name, tensors in views.state.items()}), []))
             continue
-        offsets = {kind: _offset(buffers, kind, segment) for kind in stored}
+        offsets = {kind: offset(buffers, kind, segment) for kind in stored}
         first = next(iter(stored))  # every stored kind of a buffer has the same pieces: chunk by any
         for start, end in precision.chunks(stored[first], offsets[first], offsets[first] + segment.numel):
             lo, numel = start - offsets[first], end - start

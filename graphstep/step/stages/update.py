@@ -5,7 +5,9 @@ loop), over that group's segments of this rank's shard (a few large views: one p
 layout.py; Muon's groups: one (n, r, c) view per run of same-shape matrices, see matrix_views.py),
 through the group's optimizer family (graphstep/families/), whose view builder cuts the views once,
 here, at build (for main params or state kept below fp32, chunk by chunk through fp32 windows:
-fp32_windows.py). The step count advances by ``1 - found_inf`` before the kernels, so a skipped step
+fp32_windows.py; under ``kernel="compiled"`` an Adam group's in one compiled call over the stored bytes:
+stored_kernel.py). A family's own kernels module with a compiled twin (AdEMAMix's) runs the twin under
+``kernel="compiled"``. The step count advances by ``1 - found_inf`` before the kernels, so a skipped step
 leaves it, like the params and the state, bitwise unchanged.
 
 Hyperparameters: each group's kernel arguments are resolved here once, at build: a live field is the
@@ -26,8 +28,9 @@ import dataclasses
 import torch
 
 from ...families import StepScalars, ViewSources
+from ...kernels import compiled
 from ...state import precision
-from . import Stage, grad_prescale, fp32_windows
+from . import Stage, fp32_windows, grad_prescale, stored_kernel
 from .requantize import is_fp8_buffer
 
 
@@ -47,7 +50,7 @@ def build(ctx, *, advance_step: bool = True) -> Stage:
     calls = []
     baked_sources = []  # (group, field, row, column), for the baked report
     segments = device_segments(ctx)
-    decode_scratch = fp32_windows.scratch(ctx, segments)
+    planned = []  # (group, family, its kernels, views, segments, the stored-state kernels or None)
     for group, family in enumerate(ctx.families):
         if family.check is not None:
             family.check(ctx, group)
@@ -55,7 +58,14 @@ def build(ctx, *, advance_step: bool = True) -> Stage:
         if not mine:
             continue  # this rank owns nothing of the group
         views = family.views(ctx, group, mine, sources.only(family.state_names(config)))
-        stored_chunks = fp32_windows.chunks(ctx, views, mine, decode_scratch)
+        family_kernels = _compiled_twin(family.kernels_for(kernels), kernels)
+        planned.append((group, family, family_kernels, views, mine,
+                        stored_kernel.build(ctx, family, family_kernels, views, mine)))
+    # The fp32 windows' scratch only for the groups the compiled stored-state kernel does not run.
+    decode_scratch = fp32_windows.scratch(ctx, [s for *_, mine, on_bytes in planned if on_bytes is None
+                                                for s in mine])
+    for group, family, family_kernels, views, mine, on_bytes in planned:
+        stored_chunks = None if on_bytes is not None else fp32_windows.chunks(ctx, views, mine, decode_scratch)
         live = family.live_fields(kernels)
         live_kwargs, baked = {}, []
         for keyword, field in family.hyperparameters:
@@ -65,7 +75,8 @@ def build(ctx, *, advance_step: bool = True) -> Stage:
                 row, column = hyper.position(field, group)
                 baked.append((keyword, row, column))
                 baked_sources.append((group, field, row, column))
-        family_kernels = family.kernels_for(kernels)
+        if on_bytes is not None:  # its own call: the compiled kernel over this group's stored bytes
+            family_kernels = on_bytes
         call = next((c for c in calls if c[0] is family and c[1] is family_kernels), None)
         if call is None:
             call = (family, family_kernels, [])
@@ -115,6 +126,14 @@ def build(ctx, *, advance_step: bool = True) -> Stage:
                          ("step", "loss-scaled grads (the grad scale split where it overflows)", loss_scaled()))
 
     return Stage("update", apply, baked_values)
+
+
+def _compiled_twin(family_kernels, configured):
+    """A family's own kernels module, or under ``kernel="compiled"`` its compiled twin where it has one
+    (``compiled_twin()``: AdEMAMix's)."""
+    if configured is compiled and family_kernels is not configured and hasattr(family_kernels, "compiled_twin"):
+        return family_kernels.compiled_twin()
+    return family_kernels
 
 
 def device_segments(ctx) -> list:
