@@ -116,12 +116,14 @@ class QKVSplit:
 
 def orthogonalize(update: torch.Tensor, *, ns_steps: int, coefficient_type: str, scale_mode: str,
                   extra_scale_factor: float, fp32_matmul_prec: str, eps: float = NS_EPS,
-                  tp: Optional[TensorParallelSplit] = None, distributed: bool = False) -> torch.Tensor:
+                  tp: Optional[TensorParallelSplit] = None, distributed: bool = False,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """NS of each matrix of ``update`` (n, r, c) times its shape scale and ``extra_scale_factor``.
 
     ``tp``: ``update`` is this rank's slice of matrices split over the tensor-parallel group; the scale is
     the whole matrix's, and with ``distributed`` Newton–Schulz runs on the slices together
-    (``newton_schulz_split``), else on the slice alone (blockwise)."""
+    (``newton_schulz_split``), else on the slice alone (blockwise). ``out``: where ``newton_schulz`` writes
+    the result (it may be ``update``); the result is returned either way."""
     rows, cols = update.size(-2), update.size(-1)
     if tp is not None:
         rows, cols = tp.global_shape(rows, cols)
@@ -131,10 +133,14 @@ def orthogonalize(update: torch.Tensor, *, ns_steps: int, coefficient_type: str,
                                    fp32_matmul_prec=fp32_matmul_prec, eps=eps)
     else:
         orth = newton_schulz(update, num_steps=ns_steps, coefficient_type=coefficient_type,
-                             fp32_matmul_prec=fp32_matmul_prec, eps=eps)
-    # Two multiplies by Python floats, as EO does: `update * scale_factor * extra_scale_factor`.
-    orth = orth * scale_factor(rows, cols, scale_mode)
-    return orth * extra_scale_factor if extra_scale_factor != 1.0 else orth
+                             fp32_matmul_prec=fp32_matmul_prec, eps=eps, out=out)
+    # Two multiplies by Python floats, as EO does: `update * scale_factor * extra_scale_factor`; in place, as
+    # ``orth`` is this call's own tensor (or ``out``), and skipped for a factor of 1.0 (x * 1.0 == x in IEEE
+    # arithmetic).
+    for factor in (scale_factor(rows, cols, scale_mode), extra_scale_factor):
+        if factor != 1.0:
+            orth.mul_(factor)
+    return orth
 
 
 def orthogonalize_qkv(update: torch.Tensor, split: QKVSplit, **ns_options) -> torch.Tensor:
@@ -183,7 +189,9 @@ def _orthogonalize_entry(update: torch.Tensor, qkv: Optional[QKVSplit], tp: Opti
         return tp.local(orthogonalize_qkv(whole, whole_qkv, **ns_options))
     if tp is not None:
         ns_options = dict(ns_options, tp=tp, distributed=tp_mode == "distributed")
-    return orthogonalize(update, **ns_options) if qkv is None else orthogonalize_qkv(update, qkv, **ns_options)
+    if qkv is not None:
+        return orthogonalize_qkv(update, qkv, **ns_options)
+    return orthogonalize(update, **ns_options, out=update)  # the caller is done with ``update``
 
 
 def muon(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], momentum_buffers: Sequence[torch.Tensor],
@@ -210,16 +218,25 @@ def muon(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], momentum
     momentum_weight = (1 - momentum).to(torch.float32)
     nesterov_weight = momentum.to(torch.float32)
     for param, grad, buf, split, tp in zip(params, grads, momentum_buffers, qkv_splits, tp_splits, strict=True):
+        # Results go through out= into tensors this step already holds, not into a fresh tensor per op (on the
+        # CPU replay backend each would be allocated anew at every replay): the Nesterov update into the
+        # step's own grad (scaled or with L2 decay), the momentum now, the orthogonalised update into
+        # ``update`` (whole matrices, no QKV split), the new params into ``new_buf`` (or that grad) once nothing
+        # reads it.
+        own_grad = {}
         if grad_scale is not None:
             grad = grad / grad_scale
-        if decoupled:
-            decayed = torch.addcmul(param, neg_decay, param)
-        else:
-            grad = grad + weight_decay * param
-            decayed = param
+            own_grad = {"out": grad}
+        if not decoupled:
+            grad = torch.mul(param, weight_decay).add_(grad)  # wd·p + g: the sum g + wd·p rounds to
+            own_grad = {"out": grad}
         new_buf = buf.lerp(grad, momentum_weight)
-        update = grad.lerp(new_buf, nesterov_weight) if nesterov else new_buf
+        update = torch.lerp(grad, new_buf, nesterov_weight, **own_grad) if nesterov else new_buf
+        torch.where(keep, new_buf, buf, out=buf)
         orth = _orthogonalize_entry(update, split, tp, tp_mode, ns_options)
-        new_param = torch.addcmul(decayed, neg_lr, orth)
-        param.copy_(torch.where(keep, new_param, param))
-        buf.copy_(torch.where(keep, new_buf, buf))
+        spare = next(({"out": t} for t in (new_buf, own_grad.get("out")) if t is not None and t is not orth), {})
+        if decoupled:
+            new_param = torch.addcmul(param, neg_decay, param, **spare).addcmul_(neg_lr, orth)
+        else:
+            new_param = torch.addcmul(param, neg_lr, orth, **spare)
+        torch.where(keep, new_param, param, out=param)

@@ -24,6 +24,7 @@ Everything here is capture-safe: no host reads; the coefficients are Python floa
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 
@@ -164,13 +165,19 @@ def _summed(t: torch.Tensor, all_reduce) -> torch.Tensor:
 
 
 def newton_schulz(x: torch.Tensor, *, num_steps: int, coefficient_type: str = "quintic",
-                  fp32_matmul_prec: str = "medium", eps: float = NS_EPS) -> torch.Tensor:
-    """Orthogonalise each matrix of ``x`` (n, r, c), fp32; returns a new fp32 (n, r, c) tensor."""
+                  fp32_matmul_prec: str = "medium", eps: float = NS_EPS,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Orthogonalise each matrix of ``x`` (n, r, c), fp32; returns a new fp32 (n, r, c) tensor, or ``out``
+    holding the result when given (fp32, ``x``'s shape; it may be ``x`` itself: ``x`` is read only before the
+    iterations, so a caller done with its input saves a batch-sized temporary)."""
     if x.dim() != 3:
         raise ValueError(f"newton_schulz expects a batch of matrices (n, rows, cols), got shape {tuple(x.shape)}; "
                          f"use x.unsqueeze(0) for a single matrix")
     if x.dtype != torch.float32:
         raise TypeError(f"newton_schulz expects float32 input (Muon runs on fp32 main params), got {x.dtype}")
+    if out is not None and (out.shape != x.shape or out.dtype != torch.float32):
+        raise ValueError(f"newton_schulz: out must be float32 of the input's shape {tuple(x.shape)}, got "
+                         f"{out.dtype} {tuple(out.shape)}")
     if fp32_matmul_prec not in MATMUL_PRECISIONS:
         raise ValueError(f"muon fp32_matmul_prec={fp32_matmul_prec!r}: must be one of "
                          f"{', '.join(map(repr, MATMUL_PRECISIONS))}")
@@ -178,14 +185,44 @@ def newton_schulz(x: torch.Tensor, *, num_steps: int, coefficient_type: str = "q
     transpose = x.size(-2) > x.size(-1)
     if transpose:
         x = x.mT
-    # Same op form as torch.nn.functional.normalize over the last two dims (what EO calls).
-    X = x / x.norm(2, dim=(-2, -1), keepdim=True).clamp_min(eps)
+    # Same op form as torch.nn.functional.normalize over the last two dims (what EO calls). The quotient is
+    # written straight into the matmul dtype: one rounding of the fp32 quotient either way, and no fp32 copy.
+    norm = x.norm(2, dim=(-2, -1), keepdim=True).clamp_min(eps)
+    X = torch.div(x, norm, out=torch.empty_like(x, dtype=_matmul_dtype(fp32_matmul_prec)))
+    # fp32 matmuls write their last iterate straight into ``out`` where it has the layout a fresh result has.
+    oriented = None if out is None else out.mT if transpose else out
+    last = oriented if oriented is not None and X.dtype == torch.float32 and oriented.is_contiguous() else None
     with matmul_precision(fp32_matmul_prec):
-        if fp32_matmul_prec == "medium":
-            X = X.to(torch.bfloat16)
-        for a, b, c in schedule:
-            A = torch.bmm(X, X.mT)
-            B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-            X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)
-    X = X.to(torch.float32)
-    return X.mT if transpose else X
+        X = _iterate(X, schedule, last)
+    if out is None:
+        X = X.to(torch.float32)
+        return X.mT if transpose else X
+    if X is not last:
+        oriented.copy_(X)  # bf16 to fp32 is exact: the values .to(torch.float32) gives
+    return out
+
+
+def _matmul_dtype(fp32_matmul_prec: str) -> torch.dtype:
+    return torch.bfloat16 if fp32_matmul_prec == "medium" else torch.float32
+
+
+def _iterate(X: torch.Tensor, schedule, last: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The Newton–Schulz steps on the normalised ``X`` (n, r, c), r <= c; returns the last iterate, written
+    into ``last`` when given (contiguous, ``X``'s shape and dtype, none of ``X``'s memory).
+
+    Each matmul writes through ``out=`` into one of four scratch tensors allocated here (the Gram matrix, its
+    polynomial, two iterates taking turns), not into a fresh tensor per op: on the CPU replay backend every
+    temporary is allocated anew at each replay, page by page for a large batch. The scratch tensors are
+    contiguous, as each op's own result would be, so the kernels and their rounding are the ones the
+    functional calls run (checked bitwise against one matrix at a time in the tests)."""
+    n, rows, cols = X.shape
+    gram = X.new_empty((n, rows, rows))
+    poly = X.new_empty((n, rows, rows))
+    final = (len(schedule) - 1) % 2
+    turns = [last if last is not None and turn == final else X.new_empty((n, rows, cols))
+             for turn in range(min(2, len(schedule)))]
+    for i, (a, b, c) in enumerate(schedule):
+        torch.bmm(X, X.mT, out=gram)
+        torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
+        X = torch.baddbmm(X, poly, X, beta=a, alpha=1.0, out=turns[i % 2])
+    return X
