@@ -34,7 +34,7 @@ from .hooks.micro_batches import NoSync
 from .hooks.param_hooks import GradHooks
 from .hooks.replaced_params import ReplacedParams
 from .hooks.requires_grad_watch import RequiresGradWatch
-from .kernels import choose_kernels
+from .kernels import auto, choose_kernels
 from .parallel import teardown
 from .parallel.agreement import agreement_for
 from .parallel.collectives import Collectives, data_parallel_group
@@ -162,7 +162,7 @@ def build(routed: Routed, param_groups: list, groups: ProcessGroups,
     hyper, scaler, tensors, torch_amp = _scalars(config, params.device, len(param_groups))
     param_state = _param_state(routed.model_named, tensors, local_shards)
     comm = _collectives(config, params, plan, groups)  # the one build-time exchange with the other ranks
-    kernels, kernel_choice = _kernels(config, params, comm, hyper, plan.layout)
+    kernels, kernel_choice = _kernels(config, params, comm, hyper, plan, scaled=scaler is not None)
     ctx = StepContext(config, plan.layout, buffers, hyper, kernels, params.families, tensors, scaler, comm, plan.rank,
                       torch_amp=torch_amp,
                       compile_scalars=compiled_scalar_math.wanted(kernel_choice.name, params.device),
@@ -312,10 +312,19 @@ def _collectives(config, params: _Params, plan: _Plan, groups: ProcessGroups) ->
     return comm
 
 
-def _kernels(config, params: _Params, comm: Collectives, hyper: HyperParams, layout: Layout) -> tuple:
+def _kernels(config, params: _Params, comm: Collectives, hyper: HyperParams, plan: _Plan, *, scaled: bool) -> tuple:
     """(the update kernels, the choice: which one runs with ``kernel="auto"`` resolved, why, compile seconds)."""
+    layout = plan.layout
+    # The probe of the compiled kernel runs over views cut like the step's, so that it compiles the step's own
+    # variant and a cold process compiles once. The grad scale is guessed from the build (a loss scaler or a
+    # clip): torch's GradScaler hands one over only at the step; a wrong guess costs a second compile, never a
+    # different result.
+    one_loop_groups = [g for g, family in enumerate(params.families)
+                       if family.kernels is None and family.call_groups is not None]
+    like = auto.step_shape(layout.segments(plan.rank), one_loop_groups, decoupled=config.decoupled_weight_decay,
+                           scaled=scaled or config.clip_grad > 0)
     kernels, choice = choose_kernels(config, params.device, params.families, comm, hyper.values.dtype,
-                                     numel=sum(buffer.shard_numel for buffer in layout.buffers))
+                                     numel=sum(buffer.shard_numel for buffer in layout.buffers), like=like)
     if choice.name == "compiled" and config.capture_warmup_steps < 1 \
             and backend_for(params.device, config.capture)[0] != "eager":
         # The config refuses capture="graph" so; "auto" captures where the device has CUDA graphs.

@@ -84,17 +84,40 @@ def _key(device: torch.device, hyper_dtype: torch.dtype) -> tuple[str, int, torc
     return device.type, -1 if device.index is None else device.index, hyper_dtype
 
 
-def probe_compiled(device: torch.device, hyper_dtype: torch.dtype = torch.float64) -> tuple[bool, str, float]:
+@dataclass(frozen=True)
+class StepShape:
+    """What the step's compiled Adam call will look like: per param group, the lengths of its views, and the
+    call's flags. A probe shaped like it (``probe_compiled(like=...)``) compiles the variant the first step
+    then runs (over small stand-in views, ``stand_in_numels``), so that a process with a cold
+    compile cache compiles once at build instead of once there and again in the first step."""
+
+    group_numels: tuple[tuple[int, ...], ...]  # per group, the numel of each of its views, in call order
+    decoupled: bool = True  # AdamW
+    scaled: bool = True  # a grad scale is given (a clip or a loss scale)
+
+
+def step_shape(segments, adam_groups, *, decoupled: bool, scaled: bool) -> Optional[StepShape]:
+    """The ``StepShape`` of a step whose Adam groups (indices ``adam_groups``, in order) update ``segments``
+    (``Layout.segments(rank)``: one view per segment of a group); None when no Adam group has any."""
+    numels = tuple(tuple(s.numel for s in segments if s.group == group) for group in adam_groups)
+    numels = tuple(views for views in numels if views)
+    return StepShape(numels, decoupled, scaled) if numels else None
+
+
+def probe_compiled(device: torch.device, hyper_dtype: torch.dtype = torch.float64,
+                   like: Optional[StepShape] = None) -> tuple[bool, str, float]:
     """Whether the compiled Adam, given ``hyper_dtype`` hyperparameter tensors, compiles, runs and agrees
     with the reference on ``device``: (works, why not, seconds). Runs once per device, dtype and process;
-    later calls return the first answer."""
+    later calls return the first answer. ``like``: probe over views shaped like the step's (the answer is
+    the same; the compile is then the step's own)."""
     key = _key(device, hyper_dtype)
     if key not in _probed and _remembered(device, hyper_dtype):
         _probed[key] = (True, "", 0.0)
     if key not in _probed:
         start = time.perf_counter()
         try:
-            problem = _compare_with_reference(device, hyper_dtype)
+            # Called without ``like`` unless given one: the default probe keeps its two-argument form.
+            problem = _compare_with_reference(device, hyper_dtype, *([like] if like else []))
         except Exception as error:  # no compiler, no Triton, an inductor bug: all mean "use fused"
             first_line = (str(error).strip().splitlines() or [""])[0][:200]
             problem = f"{type(error).__name__}: {first_line}"
@@ -166,34 +189,71 @@ def _remember(device: torch.device, hyper_dtype: torch.dtype) -> None:
         pass
 
 
-def _compare_with_reference(device: torch.device, hyper_dtype: torch.dtype):
-    """None when the compiled Adam matches the reference over two views of a few elements, else why not."""
-    sizes = (3 * compiled._ROW + 5, 7)  # a view with rows and a tail, and one with a tail only
+def _compare_with_reference(device: torch.device, hyper_dtype: torch.dtype, like: Optional[StepShape] = None):
+    """None when the compiled Adam matches the reference over a few elements, else why not: over two views
+    of one group (one with rows and a tail, one with a tail only), or over stand-ins for ``like``'s views."""
+    if like is None:
+        like = StepShape(((3 * compiled._ROW + 5, 7),))
+    else:
+        numels = stand_in_numels([n for views in like.group_numels for n in views])
+        cut = iter(numels)
+        like = StepShape(tuple(tuple(next(cut) for _ in views) for views in like.group_numels), like.decoupled,
+                         like.scaled)
     runs = []
     for kernels in (compiled, reference):
         generator = torch.Generator().manual_seed(0)  # the same numbers for both kernels
-        tensors = [[torch.randn(n, generator=generator).to(device) for n in sizes] for _ in range(4)]
-        params, grads, exp_avgs, exp_avg_sqs = tensors
-        exp_avg_sqs = [v.abs() for v in exp_avg_sqs]
-        hyper = {name: torch.tensor(value, dtype=hyper_dtype, device=device)
-                 for name, value in dict(lr=1e-2, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8).items()}
-        kernels.adam(params, grads, exp_avgs, exp_avg_sqs, step=torch.ones((), device=device), decoupled=True,
-                     grad_scale=torch.full((), 2.0, device=device), found_inf=torch.zeros((), device=device),
-                     **hyper)
-        runs.append(torch.cat(params + exp_avgs + exp_avg_sqs))
+        groups = []
+        for index, numels in enumerate(like.group_numels):
+            tensors = [[torch.randn(n, generator=generator).to(device) for n in numels] for _ in range(4)]
+            params, grads, exp_avgs, exp_avg_sqs = tensors
+            values = dict(lr=1e-2 * (index + 1), beta1=0.9, beta2=0.95, weight_decay=0.1 * (index + 1), eps=1e-8)
+            hyper = {name: torch.tensor(value, dtype=hyper_dtype, device=device) for name, value in values.items()}
+            groups.append((params, grads, exp_avgs, [v.abs() for v in exp_avg_sqs], hyper))
+        scalars = dict(step=torch.ones((), device=device), decoupled=like.decoupled,
+                       grad_scale=torch.full((), 2.0, device=device) if like.scaled else None,
+                       found_inf=torch.zeros((), device=device))
+        if len(groups) == 1:  # ``adam`` (one group's call: the same compiled variant as ``adam_groups``'s)
+            kernels.adam(*groups[0][:4], **groups[0][4], **scalars)
+        else:
+            kernels.adam_groups(groups, **scalars)
+        runs.append(torch.cat([t for params, _, exp_avgs, exp_avg_sqs, _ in groups
+                               for t in params + exp_avgs + exp_avg_sqs]))
     if not torch.allclose(runs[0], runs[1], rtol=1e-5, atol=1e-7):
         return "its result differs from the reference kernel's"
     return None
 
 
+def stand_in_numels(numels: list[int]) -> list[int]:
+    """Small view lengths that compile to the same variant as views of ``numels`` elements: each cut the same
+    way (``compiled._cuts``: a body of rows and a tail, each static where it is a single row), with every
+    dynamic row count at least 2 and equal exactly where the originals' are (dynamo gives equal sizes one
+    symbol). A probe over views of these lengths compiles the very graph a step over the originals then runs."""
+    sizes = sorted({rows for n in numels for rows in _dynamic_rows(n)})
+    if len(sizes) + 2 > compiled._ROW:  # a tail's stand-in must stay shorter than a row: no stand-ins then
+        return list(numels)
+    small = {rows: 2 + index for index, rows in enumerate(sizes)}  # distinct, >= 2, in the same order
+    out = []
+    for n in numels:
+        body, tail = divmod(n, compiled._ROW)
+        out.append(compiled._ROW * (small.get(body, body)) + small.get(tail, tail))
+    return out
+
+
+def _dynamic_rows(n: int) -> list[int]:
+    """The row counts of the ``compiled._cuts`` parts of ``n`` that ``compiled._as_rows`` marks dynamic (more than
+    one row)."""
+    return [(hi - lo) // width for lo, hi, width in compiled._cuts(n) if (hi - lo) // width > 1]
+
+
 def choose(configured: str, device: torch.device, *, capture: str, warmup_steps: int,
            needs_kernel: bool = True, hyper_dtype: torch.dtype = torch.float64,
-           numel: Optional[int] = None) -> KernelChoice:
+           numel: Optional[int] = None, like: Optional[StepShape] = None) -> KernelChoice:
     """The implementation to run for ``OptimizerConfig.kernel=configured`` on ``device``, whose step keeps its
     hyperparameters in ``hyper_dtype`` tensors (graphstep/state/hyperparams.py) and updates ``numel``
-    elements on this rank (None: not known, as if large)."""
+    elements on this rank (None: not known, as if large). ``like``: the step's compiled call, when known
+    (``StepShape``): a probe that runs compiles that call's variant, and the first step reuses it."""
     if configured == "compiled" and needs_kernel:  # a miscompile refused at build, not trained on
-        works, why_not, _ = probe_compiled(device, hyper_dtype)
+        works, why_not, _ = probe_compiled(device, hyper_dtype, *([like] if like else []))
         if not works:
             raise _compiled_refused(f"on {device} ({why_not})")
     if configured != "auto":
@@ -207,7 +267,7 @@ def choose(configured: str, device: torch.device, *, capture: str, warmup_steps:
         return KernelChoice("fused", "capture_warmup_steps=0: the compiled kernel must compile in an eager step "
                                      "before a capture")
     fresh = _key(device, hyper_dtype) not in _probed
-    works, why_not, seconds = probe_compiled(device, hyper_dtype)
+    works, why_not, seconds = probe_compiled(device, hyper_dtype, *([like] if like else []))
     if works:
         if fresh:
             logger.info("graphstep: kernel='auto' runs 'compiled' (torch.compile works on %s; probe compile "
