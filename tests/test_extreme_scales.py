@@ -3,8 +3,10 @@ folded into the factor the update divides the grads by, must neither overflow no
 
 Oracle: torch.optim on the unscaled grads after ``clip_grad_norm_`` (the families torch has no optimizer for:
 the same graphstep step without a loss scale). graphstep's own scaler (``loss_scale``) and torch's GradScaler
-(``scaler.step(opt)`` handing its scale to the step). Models of one 4,096-element row and a tail, whose scaled
-grads' sum of squares stays within the norm stage's range at every scale tested (graphstep/step/stages/norm.py).
+(``scaler.step(opt)`` handing its scale to the step). Models of one 4,096-element row and a tail, and wider ones
+of eight rows, more than the norm's rescue takes one by one: their scaled grads' row sums of squares overflow fp32
+under a large scale and underflow under a tiny one unless the norm divides them by the scale's power of two first
+(graphstep/step/norm_prescale.py).
 """
 
 import pytest
@@ -18,11 +20,11 @@ LARGE_SCALES = [2.0**124, 2.0**125, 2.0**126, 2.0**127]
 TINY_SCALES = [2.0**-20, 2.0**-40]
 
 
-def model_and_data(seed=0):
+def model_and_data(seed=0, width=64):
     torch.manual_seed(seed)
-    model = torch.nn.Linear(64, 64)
+    model = torch.nn.Linear(width, 64)
     g = torch.Generator().manual_seed(7)
-    data = [torch.randn(8, 64, generator=g) for _ in range(STEPS)]
+    data = [torch.randn(8, width, generator=g) for _ in range(STEPS)]
     return model, data
 
 
@@ -31,8 +33,8 @@ def loss_of(model, inputs):
     return model(inputs).square().mean()
 
 
-def torch_run(optimizer: str, clip: float):
-    model, data = model_and_data()
+def torch_run(optimizer: str, clip: float, width=64):
+    model, data = model_and_data(width=width)
     start = [p.detach().clone() for p in model.parameters()]
     if optimizer == "adam":
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
@@ -47,16 +49,15 @@ def torch_run(optimizer: str, clip: float):
     return model, start
 
 
-def graphstep_run(optimizer: str, kernel: str, *, loss_scale=None, amp_scale=None, clip=CLIP, **extra):
-    model, data = model_and_data()
+def graphstep_run(optimizer: str, kernel: str, *, loss_scale=None, amp_scale=None, clip=CLIP, width=64, **extra):
+    model, data = model_and_data(width=width)
     config = gs.OptimizerConfig(optimizer=optimizer, lr=LR, weight_decay=0.1, clip_grad=clip, loss_scale=loss_scale,
                                 kernel=kernel, capture="eager", **extra)
     opt = gs.get_optimizer(config, model, config_overrides={})
     amp = grad_scaler(amp_scale)
     for inputs in data:
-        result = backward_and_step(opt, loss_of(model, inputs), amp)
-        if amp is None:
-            assert bool(result.update_successful), f"loss scale {loss_scale}: a finite step was skipped"
+        backward_and_step(opt, loss_of(model, inputs), amp)
+        assert bool(opt.result.update_successful), f"loss scale {loss_scale or amp_scale}: a finite step was skipped"
         opt.zero_grad()
     if amp is not None:
         assert amp.get_scale() == amp_scale  # no step found non-finite by torch's check
@@ -88,6 +89,23 @@ def test_torch_grad_scaler_at_the_ends_of_its_range_clips_as_torch_does_on_unsca
     reference, start = torch_run(optimizer, CLIP)
     model = graphstep_run(optimizer, "fused", amp_scale=scale)
     _assert_tracks(model, reference, start, f"{optimizer} under GradScaler at {scale:g}", BOUNDS[optimizer])
+
+
+# Eight 4,096-element rows of weights (and a tail of biases): under 2**124 to 2**127 every row's fp32 sum of squares
+# overflows, under 2**-100 the squares underflow (the backward itself is exact there down to about 2**-120).
+WIDE = 512
+WIDE_SCALES = [2.0**-100, 2.0**124, 2.0**125, 2.0**126, 2.0**127]
+
+
+@pytest.mark.parametrize("scale", WIDE_SCALES, ids=lambda s: f"2^{int(torch.tensor(s).log2())}")
+@pytest.mark.parametrize("scaler", ["own", "GradScaler"])
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_many_rows_under_an_extreme_scale_clip_as_torch_does_on_unscaled_grads(optimizer, scaler, scale):
+    reference, start = torch_run(optimizer, CLIP, width=WIDE)
+    scales = dict(loss_scale=scale) if scaler == "own" else dict(amp_scale=scale)
+    model = graphstep_run(optimizer, "fused", width=WIDE, **scales)
+    _assert_tracks(model, reference, start, f"{optimizer}, {scaler} loss scale {scale:g}, {WIDE * 64} weights",
+                   BOUNDS[optimizer])
 
 
 def test_the_repro_moves_the_weights_by_the_learning_rate():

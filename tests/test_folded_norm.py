@@ -82,7 +82,7 @@ def assert_same_as_unfolded(folded, plain):
 
 def backward_units(opt) -> int:
     """The units of ``opt``'s rows folded in backward (one row each here: tests/conftest.py)."""
-    return len(opt._fold.hooked.current)
+    return len(opt.build_record.fold.hooked.current)
 
 
 @pytest.mark.parametrize("family", ["sgd", "adam"])

@@ -18,7 +18,9 @@ Where the fold happens, per domain (the dense params, and the MoE expert params 
   step's local average.
 
 Exactness. Both fold the units the unfolded norm reads (a buffer's rows; a bucket's shard) with the norm's
-own ``SumOfSquares``, summed in the same order: the norm, and so the step, is bitwise the unfolded one.
+own ``SumOfSquares``, summed in the same order: the norm, and so the step, is bitwise the unfolded one. Under
+a loss scale outside the norm's band the fold divides the unit's grads by the scale's power of two around its
+row norms and multiplies them back (graphstep/step/norm_prescale.py): the grads leave backward as it wrote them.
 
 The host bookkeeping around them (which sums are current, grad accumulation) is graphstep/hooks/fold.py.
 """
@@ -29,7 +31,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .stages.norm import ROW, SumOfSquares, row_norms
+from .norm_prescale import NormPrescale
+from .stages.norm import ROW, SumOfSquares
 
 
 class FoldedSums:
@@ -48,7 +51,16 @@ class FoldedSums:
 
     def rewritten(self) -> None:
         """The grads were changed in place by a write the version counters did not see, and the engine was told
-        (torch's ``GradScaler.unscale_``): no sum folded before it may count."""
+        (torch's ``GradScaler.unscale_``), or the prescale changed since they were folded: no sum folded before
+        it may count."""
+
+    def use_prescale(self, prescale: NormPrescale) -> None:
+        """Fold under the engine's ``NormPrescale`` (graphstep/step/norm_prescale.py): the norm stage's build."""
+        for sums in self._sums():
+            sums.use_prescale(prescale)
+
+    def _sums(self) -> list[SumOfSquares]:
+        return []
 
 
 class ShardSums(FoldedSums):
@@ -61,6 +73,9 @@ class ShardSums(FoldedSums):
         self._units = [SumOfSquares(grad) for grad in grads]
         self.landed: set[int] = set()
         """Buckets whose reduce-scatter landed and was folded in backward (overlap); the step skips them."""
+
+    def _sums(self) -> list[SumOfSquares]:
+        return self._units
 
     def fold(self, unit: int) -> None:
         self._slots[unit].copy_(self._units[unit]())
@@ -102,35 +117,35 @@ class ParamSums(FoldedSums):
         super().__init__(len(grads), grads[0].device)
         self.names = [f"param '{place.name}'" for place in layout.params]
         self._buffers = [SumOfSquares(grad) for grad in grads]
-        self._unit_views: list[tuple[torch.Tensor, torch.Tensor]] = []  # per backward unit: its rows, their norms
+        self._unit_spans: list[tuple[SumOfSquares, int, int]] = []  # per backward unit: its buffer's sums, its rows
         self._unit_params: list[tuple[int, ...]] = []  # per backward unit: the params with elements in its rows
         self._units_in: list[range] = []  # per buffer: its backward units
-        self._step_rows: list[tuple[torch.Tensor, torch.Tensor]] = []  # runs of rows the step norms itself
+        self._step_rows: list[tuple[SumOfSquares, int, int]] = []  # runs of rows the step norms itself
         for b, sums in enumerate(self._buffers):
             members = sorted((i for i, place in enumerate(layout.params) if place.buffer == b),
                              key=lambda i: layout.params[i].start)
-            first_unit, step_from = len(self._unit_views), None
+            first_unit, step_from = len(self._unit_spans), None
             for first, end in _unit_cuts([layout.params[i].end for i in members], sums.rows.shape[0]):
                 lo, hi = first * ROW, end * ROW
                 params = tuple(i for i in members if layout.params[i].start < hi and layout.params[i].end > lo)
                 if params and (end - first) * ROW >= HOOK_MIN_ELEMENTS * len(params):
                     if step_from is not None:
-                        self._step_rows.append(_row_views(sums, step_from, first))
+                        self._step_rows.append((sums, step_from, first))
                         step_from = None
-                    self._unit_views.append(_row_views(sums, first, end))
+                    self._unit_spans.append((sums, first, end))
                     self._unit_params.append(params)
                 elif step_from is None:
                     step_from = first
             if step_from is not None:
-                self._step_rows.append(_row_views(sums, step_from, sums.rows.shape[0]))
-            self._units_in.append(range(first_unit, len(self._unit_views)))
+                self._step_rows.append((sums, step_from, sums.rows.shape[0]))
+            self._units_in.append(range(first_unit, len(self._unit_spans)))
         units_of: dict[int, list[int]] = {}
         for unit, params in enumerate(self._unit_params):
             for param in params:
                 units_of.setdefault(param, []).append(unit)
         self.units_of = {param: tuple(units) for param, units in units_of.items()}
         """Per param of a backward unit (the params whose hooks fold): its units."""
-        self.current = [False] * len(self._unit_views)
+        self.current = [False] * len(self._unit_spans)
         self._waiting = [len(params) for params in self._unit_params]  # params not yet arrived, per unit
         self._grads = grads
         self._backward_versions: list = [None] * len(grads)
@@ -149,9 +164,12 @@ class ParamSums(FoldedSums):
         for unit in self.units_of[param]:
             self.current[unit] = False
 
+    def _sums(self) -> list[SumOfSquares]:
+        return self._buffers
+
     def fold(self, unit: int) -> None:
-        rows, norms = self._unit_views[unit]
-        row_norms(rows, norms)
+        sums, first, end = self._unit_spans[unit]
+        sums.norm_rows(first, end)
         self.current[unit] = True
 
     def backward_ended(self) -> None:
@@ -169,8 +187,9 @@ class ParamSums(FoldedSums):
         is all stale units is folded in one op, as the unfolded norm reads it."""
         for units, sums in zip(self._units_in, self._buffers):
             stale = [unit for unit in units if not self.current[unit]]
-            if len(stale) > 1 and sum(self._unit_views[u][0].shape[0] for u in stale) == sums.rows.shape[0]:
-                row_norms(sums.rows, sums.row_norms)
+            if len(stale) > 1 and sum(self._unit_spans[u][2] - self._unit_spans[u][1] for u in stale) \
+                    == sums.rows.shape[0]:
+                sums.norm_rows(0, sums.rows.shape[0])
                 self.current[units.start:units.stop] = [True] * len(units)
             else:
                 for unit in stale:
@@ -178,16 +197,16 @@ class ParamSums(FoldedSums):
             self.before_step_folds += len(stale)
 
     def invalidate(self) -> None:
-        self.current = [False] * len(self._unit_views)
+        self.current = [False] * len(self._unit_spans)
         self._waiting = [len(params) for params in self._unit_params]
         self._backward_versions = [None] * len(self._grads)
 
     def rewritten(self) -> None:
-        self.current = [False] * len(self._unit_views)
+        self.current = [False] * len(self._unit_spans)
 
     def finish(self) -> None:
-        for rows, norms in self._step_rows:
-            row_norms(rows, norms)
+        for sums, first, end in self._step_rows:
+            sums.norm_rows(first, end)
         for slot, sums in zip(self._slots, self._buffers):
             slot.copy_(sums.total())
 
@@ -195,14 +214,10 @@ class ParamSums(FoldedSums):
         """Names of the params of every backward unit whose folded row norms differ from norms computed now
         (host reads: debug_step)."""
         # equal_nan: a NaN grad folds to a NaN norm, which is current, not a stale one.
-        stale = [params for (rows, norms), params in zip(self._unit_views, self._unit_params)
-                 if not torch.allclose(torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32), norms,
+        stale = [params for (sums, first, end), params in zip(self._unit_spans, self._unit_params)
+                 if not torch.allclose(sums.row_norms_now(first, end), sums.row_norms[first:end],
                                        rtol=0.0, atol=0.0, equal_nan=True)]
         return [self.names[i] for i in sorted({i for params in stale for i in params})]
-
-
-def _row_views(sums: SumOfSquares, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return sums.rows[first:end], sums.row_norms[first:end]
 
 
 def _unit_cuts(param_ends: Sequence[int], rows: int) -> list[tuple[int, int]]:

@@ -27,6 +27,7 @@ import torch
 
 from ..config import MAX_LOSS_SCALE, MIN_LOSS_SCALE
 from . import compiled_scalar_math
+from .norm_prescale import FromScale, prescales_at
 
 
 def _scalar(value: float, device) -> torch.Tensor:
@@ -79,16 +80,21 @@ def _checked_values(target: dict, state_dict, owner: str, integer_keys: tuple = 
     return values
 
 
-def _load(target: dict, state_dict, owner: str, integer_keys: tuple = ()) -> None:
+def _load(target: dict, state_dict, owner: str, integer_keys: tuple = ()) -> dict:
     """Check everything, then copy into ``target``'s tensors in place (addresses stay: they may be in a
-    graph). A refused state dict leaves the scaler unchanged."""
+    graph). A refused state dict leaves the scaler unchanged. Returns the values copied, as Python floats."""
     values = _checked_values(target, state_dict, owner, integer_keys)
     for key, tensor in target.items():
         tensor.fill_(values[key])
+    return values
 
 
 class ConstantLossScaler:
     """A fixed loss scale (``OptimizerConfig.loss_scale``)."""
+
+    prescales_norm: bool
+    """Host flag: the norm divides the grads by this scale's power of two (graphstep/step/norm_prescale.py);
+    known on the host, so that a scale inside the norm's band costs the step nothing."""
 
     def __init__(self, scale: float, device):
         if not _is_scale(scale):
@@ -96,6 +102,14 @@ class ConstantLossScaler:
                              "(scale and 1 / scale finite in float32)")
         self.scale = _scalar(scale, device)
         self.inv_scale = torch.reciprocal(self.scale)  # what load_state_dict and the rule compute: fp32
+        self.prescales_norm = prescales_at(scale)
+        self._norm_prescale: Optional[FromScale] = None
+
+    def keep_norm_prescale(self, row: torch.Tensor) -> None:
+        """Keep ``row`` (the norm's prescale, graphstep/step/norm_prescale.py) that of this scale, now and after
+        every change of it."""
+        self._norm_prescale = FromScale(row, self.inv_scale)
+        self._norm_prescale()
 
     def update(self, found_inf: torch.Tensor, *, compiled: bool = False) -> None:
         """Nothing changes: a constant scale (the step still skips a non-finite update by itself)."""
@@ -113,8 +127,11 @@ class ConstantLossScaler:
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Validate everything, then copy in place; a refused state dict changes nothing."""
-        _load(self._targets(), state_dict, "ConstantLossScaler")
+        values = _load(self._targets(), state_dict, "ConstantLossScaler")
         torch.reciprocal(self.scale, out=self.inv_scale)
+        self.prescales_norm = prescales_at(values["scale"])  # a flip recaptures: the norm stage reports it
+        if self._norm_prescale is not None:
+            self._norm_prescale()
 
 
 _TRACKERS = ("growth_tracker", "hysteresis_tracker")
@@ -126,6 +143,10 @@ _RULE_SETTINGS = ("min_scale", "growth_interval", "hysteresis", "growth_factor",
 class DynamicLossScaler:
     """Megatron-Core's dynamic loss scale, decided on device. The rule's settings (``_RULE_SETTINGS``) are
     fixed at construction: they are copied to the device there, and assigning one later raises."""
+
+    prescales_norm = True
+    """Host flag: the norm may divide the grads by this scale's power of two (graphstep/step/norm_prescale.py):
+    the scale lives on the device, so the step always makes the (flag-guarded) calls."""
 
     def __init__(self, initial_scale: float, min_scale: float, growth_interval: int, hysteresis: int, device,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5):
@@ -153,6 +174,13 @@ class DynamicLossScaler:
         # an fp32 tensor is rounded to fp32), so that one compiled rule serves every scaler in the process.
         self._constants = torch.tensor([self.growth_interval, self.hysteresis, self.growth_factor,
                                         self.backoff_factor, self.min_scale], dtype=torch.float32, device=device)
+        self._norm_prescale: Optional[FromScale] = None
+
+    def keep_norm_prescale(self, row: torch.Tensor) -> None:
+        """Keep ``row`` (the norm's prescale, graphstep/step/norm_prescale.py) that of this scale, now and after
+        every change of it (each update, in the step, and each load)."""
+        self._norm_prescale = FromScale(row, self.inv_scale)
+        self._norm_prescale()
 
     def __setattr__(self, name: str, value) -> None:
         if name in _RULE_SETTINGS and name in self.__dict__:
@@ -170,6 +198,8 @@ class DynamicLossScaler:
         _check_found_inf(found_inf)
         _DYNAMIC_RULE([self.scale, self.growth_tracker, self.hysteresis_tracker, self.inv_scale],
                       [found_inf, self._constants], compiled=compiled)
+        if self._norm_prescale is not None:
+            self._norm_prescale()
 
     def state_dict(self) -> dict:
         return {"scale": self.scale.clone(), "growth_tracker": self.growth_tracker.clone(),
@@ -187,6 +217,8 @@ class DynamicLossScaler:
         """Validate everything, then copy in place; a refused state dict changes nothing."""
         _load(self._targets(), state_dict, "DynamicLossScaler", _TRACKERS)
         torch.reciprocal(self.scale, out=self.inv_scale)
+        if self._norm_prescale is not None:
+            self._norm_prescale()
 
 
 def scaler_from_config(config, device) -> Optional[ConstantLossScaler | DynamicLossScaler]:

@@ -16,6 +16,14 @@ static tensors before the (captured) step, on the device and without a host read
 which bumps no version counter: the folded norm would keep the sums of the scaled grads. A step told the
 grads were unscaled (``grad_scale`` None) has every folded sum computed again first.
 
+The norm's prescale (graphstep/step/norm_prescale.py) goes by the scale of the last GradScaler step, which the
+norm stage sets at its end for the next backward's folds. Where the grads come under a scale no fold went by (a
+GradScaler's first step, a step after one without it or after ``unscale_``, a step without it after one with
+it), ``copy_scale_and_inf_flag`` sets the prescale from the scale given and asks for every sum to be folded
+again; where the scale given lies more than 2**GUARD_EXPONENT from the prescale the backward folded by (a scale
+the user set by hand between steps), the step is skipped as a non-finite one: its rows may have under- or
+overflowed.
+
 graphstep's own loss scale (``fp16=True`` or ``loss_scale``) and torch's never both apply: a step under a
 GradScaler on an engine that scales the loss itself is refused before anything changes.
 """
@@ -24,11 +32,13 @@ from __future__ import annotations
 
 import torch
 
+from .norm_prescale import FromScale, far_from
+
 _ABSENT = object()
 
 
 class TorchGradScaler:
-    """The engine's side of the protocol: ``take`` before each step."""
+    """The engine's side of the protocol: ``copy_scale_and_inf_flag`` before each step."""
 
     def __init__(self, tensors, own_scaler: bool):
         self._tensors = tensors
@@ -36,19 +46,25 @@ class TorchGradScaler:
         self._written = False  # the static tensors hold a GradScaler's values (reset once it is gone)
         self.scaled = False
         """Host flag: this step's grads come scaled by the GradScaler (the update must then divide them)."""
+        self._prescale_from_scale = FromScale(tensors.norm_prescale, tensors.inv_loss_scale)
+        self._prescale = tensors.norm_prescale[0]  # the power of two the last backward's folds divided by
 
-    def take(self, attributes: dict) -> bool:
+    def copy_scale_and_inf_flag(self, attributes: dict) -> bool:
         """Read ``grad_scale`` / ``found_inf`` from the optimizer's ``attributes`` (its ``__dict__``) into the
-        step's tensors. Returns whether torch unscaled the grads in place, unseen by their version counters."""
+        step's tensors. Returns whether every folded sum must be computed again: torch unscaled the grads in
+        place, unseen by their version counters, or the norm's prescale changed since backward folded."""
         grad_scale = attributes.get("grad_scale", _ABSENT)
         found_inf = attributes.get("found_inf", _ABSENT)
         t = self._tensors
         if grad_scale is _ABSENT and found_inf is _ABSENT:
+            refold = self.scaled  # backward folded by the last GradScaler step's prescale
             if self._written:  # a step without the GradScaler: back to no scale, nothing reported
                 t.inv_loss_scale.fill_(1.0)
                 t.amp_found_inf_nan.zero_()
                 self._written = self.scaled = False
-            return False
+            if refold:
+                self._prescale_from_scale()  # scale 1's
+            return refold
         if self._own_scaler:
             raise RuntimeError(
                 "graphstep: torch's GradScaler is stepping an optimizer that scales the loss itself (fp16=True, or "
@@ -61,11 +77,18 @@ class TorchGradScaler:
                 "graphstep: torch's GradScaler recorded no inf check for this optimizer: it found no .grad on its "
                 "params (a model whose half-precision grads accumulate into fp32 main_grad, bf16=True or "
                 "fp16=True, exposes none). Use graphstep's own loss scale (fp16=True) instead of a GradScaler")
-        reported = found_inf.to(t.amp_found_inf_nan.device).reshape(())
-        t.amp_found_inf_nan.zero_().masked_fill_(reported != 0, float("nan"))
+        reported = found_inf.to(t.amp_found_inf_nan.device).reshape(()) != 0
         if grad_scale is None:  # scaler.unscale_(opt) ran: the grads are unscaled already
             t.inv_loss_scale.fill_(1.0)
         else:
             t.inv_loss_scale.copy_(grad_scale.to(t.inv_loss_scale.device, torch.float64).reshape(()).reciprocal())
-        self._written, self.scaled = True, grad_scale is not None
-        return grad_scale is None
+        scaled = grad_scale is not None
+        # Backward folded by the last step's scale only where that step, too, was scaled by the GradScaler.
+        refold = not (self.scaled and scaled)
+        if refold:
+            self._prescale_from_scale()
+        else:  # a scale set by hand far from the last one: the folds may have under- or overflowed
+            reported = reported | far_from(self._prescale, t.inv_loss_scale)
+        t.amp_found_inf_nan.zero_().masked_fill_(reported, float("nan"))
+        self._written, self.scaled = True, scaled
+        return refold

@@ -32,6 +32,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .. import norm_prescale
+
 
 def _no_baked_values() -> tuple:
     return ()
@@ -58,6 +60,7 @@ class StepTensors:
     kernel_grad_scale: torch.Tensor  # fp32, what the kernel divides loss-scaled grads by: grad_scale, or its rest
     grad_prescale: torch.Tensor  # fp32, a power of two the grads are divided by first where grad_scale overflows
     grad_prescale_off: torch.Tensor  # fp32, 1.0 where the grads are not pre-divided (fused SGD's found_inf)
+    norm_prescale: torch.Tensor  # fp32 (5,), what the norm divides the grads by and its factors (norm_prescale.FIELDS)
     update_successful: torch.Tensor  # bool
     loss_scale: torch.Tensor  # fp32, the scale of the next backward (ones without a scaler)
     inv_loss_scale: torch.Tensor  # fp32, 1 / the scale of this step's backward
@@ -74,7 +77,8 @@ class StepTensors:
         return StepTensors(
             step=scalar(), nonfinite=scalar(), found_inf=scalar(), grad_norm=scalar(), clip_coef=scalar(1.0),
             grad_scale=scalar(1.0), kernel_grad_scale=scalar(1.0), grad_prescale=scalar(1.0),
-            grad_prescale_off=scalar(1.0), update_successful=scalar(True, torch.bool),
+            grad_prescale_off=scalar(1.0), norm_prescale=norm_prescale.unscaled_row(device),
+            update_successful=scalar(True, torch.bool),
             loss_scale=loss_scale if loss_scale is not None else scalar(1.0),
             inv_loss_scale=inv_loss_scale if inv_loss_scale is not None else scalar(1.0),
             amp_found_inf_nan=scalar(0.0, torch.float64),
@@ -83,8 +87,8 @@ class StepTensors:
     def named(self) -> dict[str, torch.Tensor]:
         """Every scalar by name (what a capture guards), ``num_zeros`` when counted."""
         names = ("step", "nonfinite", "found_inf", "grad_norm", "clip_coef", "grad_scale", "kernel_grad_scale",
-                 "grad_prescale", "grad_prescale_off", "update_successful", "loss_scale", "inv_loss_scale",
-                 "amp_found_inf_nan", "num_zeros", "skipped_steps")
+                 "grad_prescale", "grad_prescale_off", "norm_prescale", "update_successful", "loss_scale",
+                 "inv_loss_scale", "amp_found_inf_nan", "num_zeros", "skipped_steps")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 

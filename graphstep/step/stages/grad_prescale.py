@@ -25,10 +25,11 @@ from typing import Optional
 
 import torch
 
+from ..fused_divide import chunks_of, divide_unless
+
 FLOAT32_TINY = 2.0 ** -126  # fp32's smallest normal number
 KERNEL_EXPONENT = 125  # the kernel's part of a split factor lies in [2**(this - 1), 2**(this + 1)]
 MAX_PRESCALE_EXPONENT = 127
-CHUNK = 1 << 20  # elements per scratch chunk: 4 MiB of fp32 scratch at most
 
 
 def split_math(kernel_scale, prescale, untouched, grad_scale, inv_loss_scale, clip_coef, found_inf) -> None:
@@ -54,7 +55,7 @@ class GradPrescale:
 
     def __init__(self, pieces: list[torch.Tensor], t, scratch_registry: dict, name: str = "grad_prescale"):
         self.t, self._name = t, name
-        self.chunks = [piece[start:start + CHUNK] for piece in pieces for start in range(0, piece.numel(), CHUNK)]
+        self.chunks = chunks_of(pieces)
         self._registry = scratch_registry
         self._scratch_chunks: Optional[list[torch.Tensor]] = None
 
@@ -72,9 +73,7 @@ class GradPrescale:
     def __call__(self) -> torch.Tensor:
         """Pre-divide the grads where the clip stage's split says so; return what the kernel divides by."""
         t = self.t
-        torch._fused_sgd_(self._scratch(), self.chunks, [], weight_decay=0.0, momentum=0.0, lr=0.0,
-                          dampening=0.0, nesterov=False, maximize=False, is_first_step=False,
-                          grad_scale=t.grad_prescale, found_inf=t.grad_prescale_off)
+        divide_unless(self.chunks, self._scratch(), t.grad_prescale, t.grad_prescale_off)
         return t.kernel_grad_scale
 
 

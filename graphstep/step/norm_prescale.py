@@ -1,0 +1,147 @@
+"""The power of two the grads are divided by around their norm's fp32 row sums, so that no loss scale the config
+accepts ([2**-126, 2**127]) overflows or underflows the grad norm.
+
+The norm is taken of the still loss-scaled grads (stages/norm.py): fp32 norms of 4,096-element rows, whose sums
+of squares overflow where the scaled grads pass ~2**57 (grads of 1e-3 under a scale above ~2**68) and lose bits
+where the scaled grads fall below ~2**-63 (grads of 1e-3 under a scale below ~2**-53). So where the loss scale
+lies outside [2**LOW_EXPONENT, 2**HIGH_EXPONENT], every fp32 row norm is taken of the grads divided in place by
+``prescale`` = 2**p, the loss scale rounded up to a power of two (at most 2**126, at least 2**-126): the rows then
+hold the grads as if unscaled (times a number in (1/2, 1]), and are multiplied back (``restore`` = 2**-p) right
+after. Powers of two multiply exactly where nothing overflows or underflows, so the grads come back bit for bit
+(a grad loses only bits it would lose unscaled, below fp32's smallest normal number), and the norm is the one of
+the unscaled grads: the same bits wherever the undivided rows would neither have overflowed nor underflowed. The
+norm stage multiplies the norm by ``prescale`` (in fp64) before it unscales it; the row rescue and the fp64 tail
+(stages/norm.py) scale by the row's factors instead of dividing the grads.
+
+Within the band the prescale is 1 and ``off`` 1.0, and each division is torch's fused SGD returning on its flag
+(graphstep/step/fused_divide.py): a call, no pass over the grads, the norm's bits as without it. An engine that
+no loss scale reaches (no scaler, no GradScaler) makes no call at all. The row for a scale is looked up from a
+table by the exponent bits of 1 / scale: two ops on the device, no host read.
+
+fp16 grads are never divided: an fp16 number's square always fits fp32, and a grad unscaled could leave fp16's
+range. Their row norms are scaled by ``restore`` in fp64.
+
+The prescale must stay the same from a backward's first fold to its step's norm. graphstep's own scaler keeps
+it that of its scale, the next backward's (at build, at each update in the step, at each load). torch's
+GradScaler hands the engine its scale only at the step, after backward folded: the norm stage then sets the
+prescale, at its end, from that step's scale, for the next backward (a GradScaler's scale moves by a factor of 2
+per step by default). Where the step's scale lies more than 2**GUARD_EXPONENT from the prescale the backward
+used (a scale the user set by hand between steps), the rows may have under- or overflowed: the step is skipped
+(graphstep/step/torch_amp.py). A GradScaler's first step, and a step after one without it, fold again before
+the step, from the scale given.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import torch
+
+from .fused_divide import CHUNK, chunks_of, divide_unless
+
+LOW_EXPONENT = -16  # loss scales of 2**-16 to 2**40 are normed as they come
+HIGH_EXPONENT = 40
+MAX_EXPONENT = 126  # 2**-126 and 2**126 are both normal fp32 numbers: restore is exact
+GUARD_EXPONENT = 48
+RESCUE_EXPONENT = 64  # stages/norm.py's row rescue scales rows by 2**-64 (2**-126 at the least)
+
+FIELDS = ("prescale", "restore", "off", "rescue_down", "rescue_up")
+"""The prescale row (``StepTensors.norm_prescale``): the divisor, its reciprocal, fused SGD's ``found_inf`` (1.0:
+nothing to divide), and the factors the row rescue scales a picked row of the grads as they are by (down) and its
+fp64 norm by (up), so that it comes out as the norm of the prescaled row."""
+
+
+def _row(biased_exponent: int) -> list[float]:
+    """The prescale row for a loss scale whose reciprocal has ``biased_exponent`` (its fp32 exponent bits)."""
+    power = max(-MAX_EXPONENT, min(MAX_EXPONENT, 127 - biased_exponent))  # the scale lies in (2**(p-1), 2**p]
+    if LOW_EXPONENT <= power <= HIGH_EXPONENT:
+        power = 0
+    down = max(-MAX_EXPONENT, min(MAX_EXPONENT, -power - RESCUE_EXPONENT))
+    return [2.0**power, 2.0**-power, float(power == 0), 2.0**down, 2.0**(-power - down)]
+
+
+@functools.cache
+def _table(device: torch.device) -> torch.Tensor:
+    """Every prescale row, indexed by the fp32 exponent bits of 1 / loss scale: the step's lookup is two ops."""
+    return torch.tensor([_row(e) for e in range(256)], dtype=torch.float32, device=device)
+
+
+def prescales_at(scale: float) -> bool:
+    """Whether the norm divides the grads under the loss scale ``scale`` (a host number: a constant scale)."""
+    inv_bits = torch.tensor(scale, dtype=torch.float32).reciprocal().view(torch.int32).item()
+    return _row(inv_bits >> 23)[2] == 0.0
+
+
+def unscaled_row(device) -> torch.Tensor:
+    """A fresh prescale row for no loss scale (what ``StepTensors.allocate`` starts from)."""
+    return _table(torch.device(device))[127].clone()
+
+
+class FromScale:
+    """Writes the prescale row ``row`` for the loss scale whose reciprocal ``inv_scale`` holds (device work, two
+    ops: its exponent bits index ``_table``); ``inv_scale`` is read through a view made once."""
+
+    def __init__(self, row: torch.Tensor, inv_scale: torch.Tensor):
+        self._out = row.view(1, len(FIELDS))
+        self._bits = inv_scale.view(torch.int32).view(1)  # positive: no sign bit
+        self._table = _table(row.device)
+
+    def __call__(self) -> None:
+        torch.index_select(self._table, 0, torch.bitwise_right_shift(self._bits, 23), out=self._out)
+
+
+def far_from(prescale: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+    """Bool 0-d: ``prescale`` lies more than 2**GUARD_EXPONENT from the loss scale 1 / ``inv_scale``."""
+    ratio = prescale * inv_scale  # an fp32 over- or underflow lies out of the bounds too
+    return ratio.clamp(2.0**-GUARD_EXPONENT, 2.0**GUARD_EXPONENT) != ratio
+
+
+class NormPrescale:
+    """One engine's prescale (the step's tensor ``t.norm_prescale``, a row of ``FIELDS``) and the scratch its
+    divisions share. ``active()``: host flag, whether a loss scale can reach the grads now (graphstep's scaler,
+    or torch's GradScaler handing its scale); while it is False nothing is divided and the row is scale 1's."""
+
+    def __init__(self, t, scratch_registry: dict, active: Callable[[], bool], longest: int):
+        self.t = t
+        self.active = active
+        self.prescale, self.restore, self.off, self.rescue_down, self.rescue_up = t.norm_prescale.unbind(0)
+        self._registry = scratch_registry
+        self._longest = min(CHUNK, max(longest, 1))
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
+
+    def divider(self, grads: torch.Tensor) -> "RowDivider":
+        """The conditional division of ``grads`` (a contiguous view of a grad buffer) around its row norms."""
+        return RowDivider(self, chunks_of([grads.reshape(-1)]))
+
+    def scratch_for(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Scratch "params" for ``chunks``: one shared buffer per dtype, allocated at the first division."""
+        views = []
+        for chunk in chunks:
+            scratch = self._scratch.get(chunk.dtype)
+            if scratch is None:
+                scratch = torch.zeros(self._longest, dtype=chunk.dtype, device=chunk.device)
+                self._scratch[chunk.dtype] = scratch
+                self._registry["norm_prescale"] = list(self._scratch.values())
+            views.append(scratch[:chunk.numel()])
+        return views
+
+
+class RowDivider:
+    """Divide a view of grads by the prescale, run the row norms, multiply it back: ``around(norm)``."""
+
+    def __init__(self, prescale: NormPrescale, chunks: list[torch.Tensor]):
+        self._prescale = prescale
+        self._chunks = chunks
+        self._scratch: Optional[list[torch.Tensor]] = None
+
+    def around(self, norm: Callable[[], None]) -> None:
+        prescale = self._prescale
+        if not self._chunks or not prescale.active():
+            norm()
+            return
+        if self._scratch is None:
+            self._scratch = prescale.scratch_for(self._chunks)
+        divide_unless(self._chunks, self._scratch, prescale.prescale, prescale.off)
+        norm()
+        divide_unless(self._chunks, self._scratch, prescale.restore, prescale.off)
