@@ -16,8 +16,10 @@ from capture.devices import device_scope
 from . import assembly
 from . import families as families_mod
 from . import pre_step
+from .checkpoint import sharded
 from .checkpoint import state_dict as state_dict_mod
 from .checkpoint.optimizer_hooks import runs_load_state_dict_hooks, runs_state_dict_hooks
+from .checkpoint.view import CheckpointView
 from .config import OptimizerConfig
 from .run.debug import StepReport, run_debug_step, trace_closure
 from .run.memory import memory_stats
@@ -71,6 +73,13 @@ class GraphstepOptimizer(torch.optim.Optimizer):
                              "range per stage of eager steps and one around each replay.")
     result = _part("result", "The StepResult every step returns (static device tensors).")
     local_shards = _part("local_shards", "An FSDP2 model's local shards (graphstep/fsdp2/shards.py), else None.")
+
+    @property
+    def build_record(self) -> assembly.Build:
+        """Every part the build made (graphstep/assembly.py ``Build``), frozen: for tools and tests that inspect
+        the engine's insides (its hooks, the fold, CPU offload's chunks). Read-only; its parts are internals whose
+        shape may change between versions."""
+        return self._build
 
     def add_param_group(self, param_group: dict) -> None:
         if not self._building:
@@ -253,36 +262,37 @@ class GraphstepOptimizer(torch.optim.Optimizer):
     experts = property(lambda self: domains_mod.with_role(self.domains, domains_mod.EXPERTS))
 
     # ---- checkpoints -----------------------------------------------------------------------------------
+    def checkpoint_view(self) -> CheckpointView:
+        """What this optimizer's checkpoints read and write (graphstep/checkpoint/view.py): the checkpoint
+        functions (``gs.checkpoint``, torch's state-dict API) take it instead of the optimizer."""
+        build = self._build
+
+        def set_thresholds(clip_grad, grad_norm_skip_threshold) -> None:
+            self.clip_grad, self.grad_norm_skip_threshold = clip_grad, grad_norm_skip_threshold
+
+        return CheckpointView(
+            config=build.config, param_groups=self.param_groups, domains=build.domains, step=build.tensors.step,
+            scaler=build.scaler, comm=build.comm, rank=build.rank, device=build.device,
+            local_shards=build.local_shards,
+            thresholds=lambda: (self.clip_grad, self.grad_norm_skip_threshold), set_thresholds=set_thresholds,
+            finish_param_gather=self.finish_param_gather, publish_params=self.publish_params)
+
     @runs_state_dict_hooks
     def state_dict(self) -> dict:
         """This rank's flat buffers, exact, for ``torch.save`` flows at the same layout
         (graphstep.checkpoint.state_dict)."""
-        return state_dict_mod.state_dict(self)
+        return state_dict_mod.state_dict(self.checkpoint_view())
 
     @runs_load_state_dict_hooks
     def load_state_dict(self, state_dict: dict) -> None:
         """Load by copying into the existing buffers (addresses never change), then refresh model params."""
-        state_dict_mod.load_state_dict(self, state_dict)
+        state_dict_mod.load_state_dict(self.checkpoint_view(), state_dict)
 
     def sharded_state_dict(self) -> dict:
         """The reshardable per-param checkpoint format, this rank's slices as views of the live buffers
         (like torch's state dicts; ``gs.checkpoint.sharded_state_dict(opt, snapshot=True)`` copies)."""
-        from .checkpoint import sharded
-        return sharded.sharded_state_dict(self)
+        return sharded.entries(self.checkpoint_view())
 
     def load_sharded_state_dict(self, state_dict: dict) -> None:
         """Load the reshardable format from any data-parallel size or layout: validated, copied in place."""
-        from .checkpoint import sharded
-        sharded.load_sharded_state_dict(self, state_dict)
-
-
-# The record's parts under the private names that tests, perf/ scripts and graphstep/iteration/ still read: they go
-# once those read the record (tests/test_layering.py already refuses private reads in the library).
-_STILL_READ_PRIVATELY = {"_fold": "fold", "_grad_hooks": "grad_hooks", "_grads_seen": "grads_seen",
-                         "_offload": "offload", "_runner": "runner", "_model_chunks": "model_chunks",
-                         "_requires_grad": "requires_grad", "_replaced_params": "replaced_params",
-                         "_group_watch": "group_watch", "_model_state_dict": "model_state_dict",
-                         "_param_writes": "param_writes", "_families": "families", "_state": "param_state"}
-for _name, _record_part in _STILL_READ_PRIVATELY.items():
-    setattr(GraphstepOptimizer, _name, _part(_record_part, f"The build record's {_record_part!r}."))
-GraphstepOptimizer._domain_buffers = lambda self: self._build.domain_buffers
+        sharded.load(self.checkpoint_view(), state_dict)

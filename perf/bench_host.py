@@ -30,7 +30,7 @@ def run(count: int, rounds: int) -> list[dict]:
     inputs = core.Inputs(bench_shapes.many_tensors(count, NUMEL), torch.device("cpu"))
     graphstep = core.build_graphstep(inputs, kernel=None, fold=True)
     buffers = [domain.buffers for domain in graphstep.optimizer.domains]
-    requires_grad = graphstep.optimizer._requires_grad  # the step's own watch, timed as the step runs it
+    requires_grad = graphstep.optimizer.build_record.requires_grad  # the step's own watch, timed as the step runs it
 
     def per_param_checks() -> bool:
         requires_grad.check()

@@ -61,8 +61,9 @@ def part_offload(device, small: bool) -> list[dict]:
                        config_extra={**HALF, "overlap_cpu_optimizer_d2h_h2d": True})
     overlapped.opt.finish_param_gather()
     ok = _same(overlapped, captured)
+    offload = overlapped.opt.build_record.offload
     out.append(record("offload-overlap", "pass" if ok else "fail",
-                      f"{len(overlapped.opt._offload.chunks)} chunks, {overlapped.opt._offload.waited_chunks} waited"))
+                      f"{len(offload.chunks)} chunks, {offload.waited_chunks} waited"))
 
     if not is_cuda(device):
         out.append(record("offload-pinned-and-memory", NO_CUDA))

@@ -4,7 +4,9 @@
 capture/ imports nothing from graphstep (docs/design.md §2, law 6): it captures any callable over static
 tensors, and graphstep depends on it, never the reverse. Inside graphstep each folder imports only the
 folders below it (``ALLOWED``), no module takes part in an import circle, and no library module reads an
-optimizer's private attributes: the engine passes the parts a module needs."""
+optimizer's private attributes or its parts: the engine passes the parts a module needs. Tests and perf scripts
+read no private attribute of an object: they use the public API, or the build record through
+``opt.build_record``."""
 
 import ast
 from pathlib import Path
@@ -201,23 +203,10 @@ def _record_parts() -> set:
 
 # The façades hold the record; the app (like the tests) is a user of their public read-only attributes.
 _FACADES = {"graphstep.engine", "graphstep.fsdp2.optimizer", "graphstep.wrap"}
-# Modules that still take the whole optimizer and read its parts, with why they are not moved yet.
+# Modules that take the whole optimizer and read its parts, with why.
 _READ_OPTIMIZER_PARTS = {
-    # Being reworked by another change: they take the optimizer (torch's checkpoint API hands them one).
-    "graphstep.checkpoint.torch_format": "torch's checkpoint API calls it with the optimizer",
-    "graphstep.checkpoint.torch_api": "torch's checkpoint API calls it with the optimizer",
-    "graphstep.checkpoint.param_pieces": "reworked with torch_format.py",
-    "graphstep.checkpoint.checks": "its shared load checks take the optimizer (reworked with torch_format.py)",
-    # They hand the optimizer to checks.py's shared load checks, so they move with it.
-    "graphstep.checkpoint.state_dict": "hands the optimizer to checks.py",
-    "graphstep.checkpoint.sharded": "hands the optimizer to checks.py",
-    "graphstep.fsdp2.state_dict": "hands the optimizer to checks.py",
-    "graphstep.checkpoint.torch_entries": "split from torch_format.py, reworked with it",
-    "graphstep.fp8.checkpoint": "called by the checkpoint formats above with the optimizer",
-    "graphstep.step.domains": "refuse_checkpoint is called by sharded.py with the optimizer: it moves with it",
-    # The body of a method the engine should own (graphstep/iteration/engine_parts.py says so).
-    "graphstep.iteration.engine_parts": "to become the engine's iteration_parts(), over the record",
-    "graphstep.iteration.iteration": "to take the parts from iteration_parts()",
+    "graphstep.iteration.iteration": "graphstep.Iteration is handed the user's optimizer and reads what a user reads "
+                                     "(device, config, result); the engine's parts come from iteration_parts()",
 }
 
 
@@ -247,3 +236,92 @@ def test_no_source_file_is_over_400_lines():
     sources = sorted((ROOT / "graphstep").rglob("*.py")) + sorted((ROOT / "capture").rglob("*.py"))
     long = {str(p.relative_to(ROOT)): n for p in sources if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long
+
+
+# ---- tests and perf scripts use the public API, or the build record through ``opt.build_record`` ---------------
+def test_the_engine_keeps_no_private_aliases_of_its_record():
+    # Tools and tests read the record through the one documented accessor, ``opt.build_record``.
+    from graphstep.engine import GraphstepOptimizer
+    from graphstep.fsdp2.optimizer import Fsdp2Optimizer
+
+    aliases = [name for cls in (GraphstepOptimizer, Fsdp2Optimizer) for name, value in vars(cls).items()
+               if name.startswith("_") and not name.startswith("__") and (isinstance(value, property)
+                                                                           or name.lstrip("_") in _record_parts())]
+    assert not aliases
+
+
+# Private attributes a test or perf script may read on an object, by name: other libraries' own (what graphstep's
+# tests inspect to see what graphstep did to them), and graphstep's internals no public reader offers yet.
+_PRIVATE_READS_ALLOWED = {
+    "_local_tensor": "torch's DTensor: the local shard a rank holds, what FSDP2's tests compare",
+    "_forward_hooks": "torch's nn.Module hook dicts: tests check graphstep's hooks are installed and removed",
+    "_forward_pre_hooks": "torch's nn.Module hook dicts (as above)",
+    "_backward_hooks": "torch's Tensor hook dict (as above)",
+    "_post_accumulate_grad_hooks": "torch's Tensor hook dict (as above)",
+    "_state_dict_hooks": "torch's nn.Module state-dict hooks (as above)",
+    "_parameters": "torch's nn.Module param dict: a test replaces a param behind nn.Module's back",
+    "_actions": "argparse's parser actions: the CLI tests walk every option (argparse lists them nowhere else)",
+    "_scale_inv": "TransformerEngine's Float8Tensor scale, compared with graphstep's",
+    "_clip_linear_qkv": "Megatron-Core's SelfAttention method, bound onto a stand-in layer by the parity test",
+    "_reset_state": "accelerate's AcceleratorState, reset between tests",
+    "_get_param_groups": "Megatron-Core's param grouping: the oracle the parity test compares graphstep's with",
+    # graphstep's own, with no public reader yet.
+    "_graphs": "graphstep.Iteration's graphs by input signature (replays, shapes): no public reader yet",
+    "_backend": "capture/'s Graph's backend, read by capture/'s own tests and the iteration benchmark",
+    "_program": "capture/'s replay backend's recorded program (op counts), as above",
+    "_options": "capture/'s CUDA backend's options, as above",
+    "_graph": "capture/'s CUDA backend's graph (None after close), as above",
+    "_stream": "capture/'s CUDA backend's stream (None after close), as above",
+    "_pool": "capture/'s CUDA backend's memory pool (None after close), as above",
+}
+
+
+def _private_reads(path: Path) -> list:
+    """(line, expression) of every private attribute read on an object in ``path``: not on a module or a name
+    the file imports (a module's private helpers are another matter), nor on the file's own ``self``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported |= {alias.asname or alias.name for alias in node.names}
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and node.attr.startswith("_")
+                and not node.attr.startswith("__") and node.attr not in _PRIVATE_READS_ALLOWED):
+            continue
+        root = node.value
+        while isinstance(root, (ast.Attribute, ast.Subscript, ast.Call)):
+            root = root.func if isinstance(root, ast.Call) else root.value
+        name = root.id if isinstance(root, ast.Name) else None
+        if name in imported or name == "self" or _is_module_local(tree, name, imported):
+            continue
+        found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def _is_module_local(tree: ast.AST, name, imported: set) -> bool:
+    """``name`` is bound to a module: ``pytest.importorskip(...)``, or a module's attribute (``torch.ops.aten``)."""
+    def module_like(value: ast.AST) -> bool:
+        if isinstance(value, ast.Call):
+            return ast.unparse(value.func) in ("pytest.importorskip", "importlib.import_module")
+        while isinstance(value, ast.Attribute):
+            value = value.value
+        return isinstance(value, ast.Name) and value.id in imported
+
+    return any(isinstance(node, ast.Assign) and module_like(node.value)
+               and any(isinstance(t, ast.Name) and t.id == name for t in node.targets) for node in ast.walk(tree))
+
+
+def test_no_test_or_perf_file_reads_a_private_attribute_of_an_object():
+    # ``opt._fold``: a test reads what a user could, or the build record through ``opt.build_record``.
+    sources = sorted((ROOT / "tests").rglob("*.py")) + sorted((ROOT / "perf").rglob("*.py"))
+    found = {str(p.relative_to(ROOT)): reads for p in sources if (reads := _private_reads(p))}
+    assert not found
+
+
+def test_the_allowed_private_reads_are_still_made():
+    sources = sorted((ROOT / "tests").rglob("*.py")) + sorted((ROOT / "perf").rglob("*.py"))
+    text = "\n".join(p.read_text() for p in sources)
+    assert not [name for name in _PRIVATE_READS_ALLOWED if f".{name}" not in text]

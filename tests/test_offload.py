@@ -184,8 +184,8 @@ def test_overlapped_host_update_matches_and_the_next_forward_waits_for_its_chunk
     monkeypatch.setattr(Offload, "update_chunk", update_chunk_slowly)
     overlapped = train(1.0, "adam", "bf16", steps=15, overlap_cpu_optimizer_d2h_h2d=True)
     opt = overlapped[1]
-    assert len(opt._offload.chunks) > 1
-    assert opt._offload.waited_chunks > 0  # forward pre-hooks waited for chunks the worker had not finished
+    assert len(opt.build_record.offload.chunks) > 1
+    assert opt.build_record.offload.waited_chunks > 0  # forward pre-hooks waited for chunks the worker had not finished
     monkeypatch.setattr(Offload, "update_chunk", slow)
     assert_same_run(overlapped, train(None, "adam", "bf16", steps=15))
 

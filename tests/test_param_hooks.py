@@ -59,7 +59,8 @@ def test_every_param_has_one_hook_from_the_optimizer(name):
     train(model, opt, steps=2)
     # After a backward the grads-seen listener is gone: a hook stays where a main grad or the fold listens
     # (the fold: on the params of the units folded in backward, not on those only in a buffer's tail).
-    folded = [CONFIGS[name]["fold_grad_norm"] and "fold" in opt._grad_hooks.stages_of(p) for p in model.parameters()]
+    hooks = opt.build_record.grad_hooks
+    folded = [CONFIGS[name]["fold_grad_norm"] and "fold" in hooks.stages_of(p) for p in model.parameters()]
     assert any(folded) == CONFIGS[name]["fold_grad_norm"]
     stays = [CONFIGS[name].get("bf16", False) or fold for fold in folded]
     assert hook_counts(model) == [int(s) for s in stays]
@@ -94,7 +95,7 @@ def test_the_listeners_run_in_the_declared_order_whatever_order_they_were_added_
 def test_an_engine_listens_in_the_declared_order():
     model = mlp("bf16_fold")
     opt = gs.get_optimizer(config(**CONFIGS["bf16_fold"]), model)
-    stages = [opt._grad_hooks.stages_of(p) for p in model.parameters()]
+    stages = [opt.build_record.grad_hooks.stages_of(p) for p in model.parameters()]
     assert all(s in (("main_grad", "grads_seen", "fold"), ("main_grad", "grads_seen")) for s in stages)
     assert ("main_grad", "grads_seen", "fold") in stages
     # The fold reads the grad main_grad just accumulated: the folded norm is the unfolded one's.
@@ -139,7 +140,7 @@ def test_a_dropped_optimizer_is_collected_and_leaves_no_hook(name, trained):
     opt = gs.get_optimizer(config(**CONFIGS[name]), model)
     if trained:
         train(model, opt, steps=1)
-    refs = [weakref.ref(o) for o in (opt, opt.buffers, opt._grads_seen, opt._fold)]
+    refs = [weakref.ref(o) for o in (opt, opt.buffers, opt.build_record.grads_seen, opt.build_record.fold)]
     del opt
     gc.collect()
     assert [r() for r in refs] == [None] * len(refs)
@@ -170,7 +171,7 @@ def test_close_keeps_only_the_main_grads_hook_and_trains_as_before():
         opt = gs.get_optimizer(config(**CONFIGS["bf16_fold"]), model)
         if close:
             opt.close()
-            assert all(opt._grad_hooks.stages_of(p) == ("main_grad",) for p in model.parameters())
+            assert all(opt.build_record.grad_hooks.stages_of(p) == ("main_grad",) for p in model.parameters())
             assert hook_counts(model) == [1] * len(hook_counts(model))
         runs.append(train(model, opt))
         assert opt.fold_counts["before_step" if close else "in_backward"] > 0

@@ -150,19 +150,20 @@ def _check_group_value(key: str, value: Any, current: Any, where: str) -> None:
         raise _fail(where, f"holds a {type(current).__name__}, which graphstep does not load")
 
 
-def check_param_groups(opt, saved: Any, where: str, *, check_indices: bool) -> list[dict]:
-    """The saved groups match the live ones by their params' names; every hyperparameter is valid.
+def check_param_groups(view, saved: Any, where: str, *, check_indices: bool) -> list[dict]:
+    """The saved groups match ``view``'s (a CheckpointView's) live ones by their params' names; every
+    hyperparameter is valid.
 
     Returns, per group, the values to copy into it (identity keys excluded). ``check_indices``: the saved
     groups also hold ``params`` as indices into this optimizer's params (the flat format).
     """
     if not isinstance(saved, (list, tuple)):
         raise _fail(where, f"must be a list of dicts, got {type(saved).__name__}")
-    if len(saved) != len(opt.param_groups):
-        raise _fail(where, f"has {len(saved)} param groups, this optimizer {len(opt.param_groups)}")
-    index = {id(p): i for i, p in enumerate(_all_params(opt))}
+    if len(saved) != len(view.param_groups):
+        raise _fail(where, f"has {len(saved)} param groups, this optimizer {len(view.param_groups)}")
+    index = {id(p): i for i, p in enumerate(all_params(view.domains))}
     updates = []
-    for g, (group, saved_group) in enumerate(zip(opt.param_groups, saved)):
+    for g, (group, saved_group) in enumerate(zip(view.param_groups, saved)):
         at = f"{where}[{g}]"
         # Every key the live group holds (a checkpoint of the same config has them all): a missing one
         # would otherwise keep its live value silently, and the round trip would not be exact.
@@ -186,26 +187,26 @@ def check_param_groups(opt, saved: Any, where: str, *, check_indices: bool) -> l
         for key in ("lr", "eps"):
             if key in values and values[key] < 0:
                 raise _fail(f"{at}[{key!r}]", f"is {values[key]}: must be >= 0")
-        family = families_of([group], opt.config.optimizer)[0]
-        problem = None if family.group_problem is None else family.group_problem({**group, **values}, opt.config)
+        family = families_of([group], view.config.optimizer)[0]
+        problem = None if family.group_problem is None else family.group_problem({**group, **values}, view.config)
         if problem is not None:  # the next step would refuse the group: refused here, with nothing loaded
             raise _fail(at, problem)
         updates.append(values)
     return updates
 
 
-def check_scaler(opt, saved: Any, where: str, name=None) -> None:
-    """The loss-scaler state: None without a scaler; else exactly its keys, 0-d fp32, sane values.
-    ``name(key)`` says how a key is named in messages (default ``where[key]``)."""
+def check_scaler(scaler, saved: Any, where: str, name=None) -> None:
+    """The loss-scaler state: None without a ``scaler`` (the optimizer's, or None); else exactly its keys, 0-d
+    fp32, sane values. ``name(key)`` says how a key is named in messages (default ``where[key]``)."""
     name = name or (lambda key: f"{where}[{key!r}]")
-    if opt.scaler is None:
+    if scaler is None:
         if saved is not None:
             raise _fail(where, "holds loss-scaler state but this optimizer does not scale the loss (the "
                                "checkpoint was saved with fp16 or loss_scale set: use the same config)")
         return
     if saved is None:
         raise _fail(where, "is None: the checkpoint has no loss-scaler state, this optimizer scales the loss")
-    live = opt.scaler.state_dict()
+    live = scaler.state_dict()
     if isinstance(saved, Mapping):
         missing = [k for k in live if k not in saved]
         if missing:
@@ -214,28 +215,28 @@ def check_scaler(opt, saved: Any, where: str, name=None) -> None:
     for key, like in live.items():
         check_tensor(saved[key], name(key), like)
     try:  # the values: exactly the scaler's own rules (scale in [2**-126, 2**127], whole trackers, ...)
-        opt.scaler.validate_state_dict(saved)
+        scaler.validate_state_dict(saved)
     except ValueError as exc:
         key = next((k for k in live if f"'{k}'" in str(exc)), None)  # the scaler names the key it refused
         raise _fail(where if key is None else name(key), f"is refused by the loss scaler: {exc}") from None
 
 
-def apply_common(opt, step, group_updates, scaler_state, clip_grad, skip_threshold) -> None:
-    """Copy the validated step, groups, scaler and thresholds (call only after every check passed)."""
-    opt.tensors.step.copy_(step)
-    if opt.scaler is not None:
-        opt.scaler.load_state_dict(scaler_state)
-    for group, values in zip(opt.param_groups, group_updates):
+def apply_common(view, step, group_updates, scaler_state, clip_grad, skip_threshold) -> None:
+    """Copy the validated step, groups, scaler and thresholds into ``view``'s optimizer (a CheckpointView's; call
+    only after every check passed)."""
+    view.step.copy_(step)
+    if view.scaler is not None:
+        view.scaler.load_state_dict(scaler_state)
+    for group, values in zip(view.param_groups, group_updates):
         group.update(copy.deepcopy(values))  # the live groups never alias the checkpoint's objects
-    opt.clip_grad = clip_grad
-    opt.grad_norm_skip_threshold = skip_threshold
+    view.set_thresholds(clip_grad, skip_threshold)
 
 
-def refuse_together(opt, validate: Callable[[], Any], what: str) -> Any:
-    """``validate()`` on this rank, then agree with the other data-parallel ranks (``refuse_over``). Returns what
-    ``validate`` returned."""
-    group = opt.comm.dp_group if opt.layout.dp_size > 1 else None
-    return refuse_over(group, validate, opt.tensors.step.device, opt.rank,
+def refuse_together(view, validate: Callable[[], Any], what: str) -> Any:
+    """``validate()`` on this rank, then agree with the other data-parallel ranks of ``view``'s optimizer (a
+    CheckpointView's; ``refuse_over``). Returns what ``validate`` returned."""
+    group = view.comm.dp_group if view.layout.dp_size > 1 else None
+    return refuse_over(group, validate, view.step.device, view.rank,
                        f"{what}: data-parallel rank {{rank}} refused the checkpoint")
 
 
@@ -260,6 +261,6 @@ def refuse_over(group, validate: Callable[[], Any], device, rank: int, refusal: 
     return validated
 
 
-def _all_params(opt) -> list:
+def all_params(domains) -> list:
     """The params the flat format indexes: every domain's, the dense params' first."""
-    return [p for domain in opt.domains for p in domain.buffers.params]
+    return [p for domain in domains for p in domain.buffers.params]

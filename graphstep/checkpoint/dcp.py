@@ -278,7 +278,7 @@ def read_metadata(path: str) -> Metadata:
     return SafeFileSystemReader(_resolve(os.fspath(path))).read_metadata()
 
 
-def _check_keys(opt, metadata: Metadata, model, path: str) -> dict:
+def _check_keys(metadata: Metadata, model, path: str) -> dict:
     """Refuse before reading data: pickled objects, unknown version, other params. Returns JSON sizes."""
     items = metadata.state_dict_metadata
     pickled = [k for k, v in items.items() if isinstance(v, BytesStorageMetadata)]
@@ -329,16 +329,17 @@ def load(opt, path: str, model: Optional[torch.nn.Module] = None) -> None:
     (and ``model``): validated entirely first, then copied in place; the captured step stays valid.
 
     Collective: call it on every rank."""
+    view = opt.checkpoint_view()
     where = _resolve(os.fspath(path))
     metadata = SafeFileSystemReader(where).read_metadata()
-    sizes = _check_keys(opt, metadata, model, where)
+    sizes = _check_keys(metadata, model, where)
     integrity.check_data_files(metadata, where)
     # The metadata entry first (small): the version and the params are checked before the big read.
     head = {sharded.META_KEY: torch.empty(sizes[sharded.META_KEY], dtype=torch.uint8)}
     _dcp_load(head, where)
     with _naming(where):
-        sharded.check_meta(opt, sharded.decode_json(head[sharded.META_KEY], f"[{sharded.META_KEY!r}]"))
-    template = sharded.load_template(opt, sizes)
+        sharded.check_meta(view, sharded.decode_json(head[sharded.META_KEY], f"[{sharded.META_KEY!r}]"))
+    template = sharded.load_template(view, sizes)
     model_sd = {}
     if model is not None:
         model_sd = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
@@ -358,10 +359,10 @@ def load(opt, path: str, model: Optional[torch.nn.Module] = None) -> None:
         for key, value in model_sd.items():
             if not checks.all_finite(value):
                 raise checks.StateDictError(f"load: model entry '{key}' holds NaN or inf")
-        plan = sharded.validate_everywhere(opt, opt_sd)  # every check, on every rank, before anything changes
+        plan = sharded.validate_everywhere(view, opt_sd)  # every check, on every rank, before anything changes
     if model is not None:
         model.load_state_dict(model_sd)  # in place; the params are then published from the main params
-    sharded.apply_validated(opt, plan)
+    sharded.apply_validated(view, plan)
 
 
 class OptimizerState:

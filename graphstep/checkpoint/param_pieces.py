@@ -118,12 +118,6 @@ def ownership(layout) -> dict[int, list]:
     return owners
 
 
-def dp_global_ranks(opt) -> list[int]:
-    """The global rank of each data-parallel rank of the dense params (ShardedTensor placements name global
-    ranks)."""
-    return group_ranks(getattr(getattr(opt, "comm", None), "dp_group", None), opt.layout.dp_size)
-
-
 def group_ranks(group, size: int) -> list[int]:
     """The global ranks of ``group`` in its order; this process alone without one."""
     if group is not None:

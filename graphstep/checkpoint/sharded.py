@@ -41,7 +41,8 @@ from ..families import state_spec
 from ..fp8 import checkpoint as fp8_checkpoint
 from ..step.domains import refuse_checkpoint
 from . import checks
-from .param_pieces import dp_global_ranks, ownership
+from .param_pieces import group_ranks, ownership
+from .view import CheckpointView
 
 FORMAT = "graphstep-sharded"
 FORMAT_VERSION = 1
@@ -57,36 +58,38 @@ def state_key(kind: str, param_name: str) -> str:
     return f"{STATE_PREFIX}{kind}.{param_name}"
 
 
-def state_kinds(opt) -> tuple[str, ...]:
-    return (MAIN_PARAM,) + tuple(opt.buffers.state)
+def state_kinds(view) -> tuple[str, ...]:
+    """The per-param kinds saved: the main params, then the dense buffers' states. ``view``: a CheckpointView, or
+    the optimizer (tools and tests call it with one): anything with the dense ``buffers``."""
+    return (MAIN_PARAM,) + tuple(view.buffers.state)
 
 
 def _buffer_kind(kind: str) -> str:
     return "main" if kind == MAIN_PARAM else kind
 
 
-def _kind_part(opt, kind: str, buffer: int, start: int, size: int) -> torch.Tensor:
+def _kind_part(buffers, kind: str, buffer: int, start: int, size: int) -> torch.Tensor:
     """The values of this rank's shard elements [start, start + size) of ``kind``, on the device or (CPU
     offload) host: a view, or a copy of the fp32 values of a kind kept below fp32 (graphstep/state/precision.py)."""
-    return opt.buffers.read_part(_buffer_kind(kind), buffer, start, size)
+    return buffers.read_part(_buffer_kind(kind), buffer, start, size)
 
 
-def _kind_dtype(opt, kind: str, buffer: int) -> torch.dtype:
+def _kind_dtype(buffers, kind: str, buffer: int) -> torch.dtype:
     """The dtype ``kind`` is saved in: its buffer's, fp32 for a kind kept below it."""
-    return opt.buffers.shard_like(_buffer_kind(kind), buffer).dtype
+    return buffers.shard_like(_buffer_kind(kind), buffer).dtype
 
 
-def _kept(opt, kind: str, buffer: int, start: int, size: int) -> bool:
+def _kept(buffers, kind: str, buffer: int, start: int, size: int) -> bool:
     """Whether ``kind`` has elements there: a state only for the params of the families that keep it
     (graphstep/state/state_ranges.py). The format still holds every state for every param, as it always has:
     a state another family keeps is saved as the zeros it has always been, and not loaded."""
-    return kind == MAIN_PARAM or opt.buffers.keeps_state(kind, buffer, start, size)
+    return kind == MAIN_PARAM or buffers.keeps_state(kind, buffer, start, size)
 
 
-def _saved_part(opt, kind: str, buffer: int, start: int, size: int) -> torch.Tensor:
-    if _kept(opt, kind, buffer, start, size):
-        return _kind_part(opt, kind, buffer, start, size)
-    return torch.zeros(size, dtype=_kind_dtype(opt, kind, buffer), device=opt.buffers.state[kind][buffer].device)
+def _saved_part(buffers, kind: str, buffer: int, start: int, size: int) -> torch.Tensor:
+    if _kept(buffers, kind, buffer, start, size):
+        return _kind_part(buffers, kind, buffer, start, size)
+    return torch.zeros(size, dtype=_kind_dtype(buffers, kind, buffer), device=buffers.state[kind][buffer].device)
 
 
 def encode_json(value: Any) -> torch.Tensor:
@@ -119,69 +122,75 @@ def _sharded(local: torch.Tensor | None, place, owners: list, global_ranks: list
         return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata)
 
 
-def _build(opt, slice_fn: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+def _build(view: CheckpointView, slice_fn: Callable[[torch.Tensor], torch.Tensor]) -> dict:
     """The per-param entries, each rank's slice produced by ``slice_fn(view of the live slice)``."""
-    layout, rank = opt.layout, opt.rank
+    layout, rank, buffers = view.layout, view.rank, view.buffers
     owners = ownership(layout)
     sharded = layout.dp_size > 1
-    global_ranks = dp_global_ranks(opt) if sharded else None
+    global_ranks = group_ranks(view.comm.dp_group, layout.dp_size) if sharded else None
     out = {}
-    for kind in state_kinds(opt):
+    for kind in state_kinds(view):
         for place in layout.params:
             mine = [o for r, o in owners[place.index] if r == rank]
             local = None
             if mine:
                 o = mine[0]
-                local = slice_fn(_saved_part(opt, kind, place.buffer, o.shard_start, o.param_end - o.param_start))
-            dtype = _kind_dtype(opt, kind, place.buffer)
+                local = slice_fn(_saved_part(buffers, kind, place.buffer, o.shard_start, o.param_end - o.param_start))
+            dtype = _kind_dtype(buffers, kind, place.buffer)
             out[state_key(kind, place.name)] = (
                 _sharded(local, place, owners[place.index], global_ranks, rank, dtype) if sharded else local)
     return out
 
 
-def _meta(opt) -> dict:
-    return {"format": FORMAT, "version": FORMAT_VERSION, "optimizer": opt.config.optimizer,
-            "state": list(opt.buffers.state), "params": {p.name: list(p.shape) for p in opt.layout.params},
-            "scaler": None if opt.scaler is None else sorted(opt.scaler.state_dict()),
-            "clip_grad": opt.clip_grad, "grad_norm_skip_threshold": opt.grad_norm_skip_threshold}
+def _meta(view: CheckpointView) -> dict:
+    clip_grad, skip_threshold = view.thresholds()
+    return {"format": FORMAT, "version": FORMAT_VERSION, "optimizer": view.config.optimizer,
+            "state": list(view.buffers.state), "params": {p.name: list(p.shape) for p in view.layout.params},
+            "scaler": None if view.scaler is None else sorted(view.scaler.state_dict()),
+            "clip_grad": clip_grad, "grad_norm_skip_threshold": skip_threshold}
 
 
-def _groups(opt) -> list[dict]:
+def _groups(view: CheckpointView) -> list[dict]:
     return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
-            for g in opt.param_groups]
+            for g in view.param_groups]
 
 
 def sharded_state_dict(opt, *, snapshot: bool = False) -> dict:
-    """This rank's part of the reshardable checkpoint (see the module docstring).
+    """This rank's part of the reshardable checkpoint of the optimizer ``opt`` (see the module docstring).
 
     The per-param entries are views of the live buffers (no copy; a kind kept below fp32 is a copy of its
     values) unless ``snapshot``: then they are copies, so the dict keeps the state of this call while training
     goes on (what an async save needs).
     """
-    refuse_checkpoint(opt, "sharded_state_dict")
-    opt.finish_param_gather()
+    return entries(opt.checkpoint_view(), snapshot=snapshot)
+
+
+def entries(view: CheckpointView, *, snapshot: bool = False) -> dict:
+    """``sharded_state_dict`` of the optimizer ``view`` shows."""
+    refuse_checkpoint(view, "sharded_state_dict")
+    view.finish_param_gather()
     take = (lambda part: part.clone()) if snapshot else (lambda part: part)
-    sd = _build(opt, take)
-    sd[STEP_KEY] = opt.tensors.step.clone()
-    if opt.scaler is not None:
-        for key, value in opt.scaler.state_dict().items():
+    sd = _build(view, take)
+    sd[STEP_KEY] = view.step.clone()
+    if view.scaler is not None:
+        for key, value in view.scaler.state_dict().items():
             sd[SCALER_PREFIX + key] = value.clone()
-    sd.update(fp8_checkpoint.sharded_entries(opt, snapshot=snapshot))  # replicated: plain tensors, saved once
-    sd[GROUPS_KEY] = encode_json(_groups(opt))
-    sd[META_KEY] = encode_json(_meta(opt))
+    sd.update(fp8_checkpoint.sharded_entries(view.fp8_weights(), snapshot=snapshot))  # replicated: saved once
+    sd[GROUPS_KEY] = encode_json(_groups(view))
+    sd[META_KEY] = encode_json(_meta(view))
     return sd
 
 
-def load_template(opt, json_sizes: dict[str, int]) -> dict:
-    """Fresh tensors shaped like ``sharded_state_dict(opt)`` for DCP to load into (``json_sizes``: the
-    saved lengths of the JSON entries, from the checkpoint's metadata)."""
-    refuse_checkpoint(opt, "load")
-    sd = _build(opt, torch.empty_like)
-    sd[STEP_KEY] = torch.empty_like(opt.tensors.step)
-    if opt.scaler is not None:
-        for key, value in opt.scaler.state_dict().items():
+def load_template(view: CheckpointView, json_sizes: dict[str, int]) -> dict:
+    """Fresh tensors shaped like ``entries(view)`` for DCP to load into (``json_sizes``: the saved lengths of the
+    JSON entries, from the checkpoint's metadata)."""
+    refuse_checkpoint(view, "load")
+    sd = _build(view, torch.empty_like)
+    sd[STEP_KEY] = torch.empty_like(view.step)
+    if view.scaler is not None:
+        for key, value in view.scaler.state_dict().items():
             sd[SCALER_PREFIX + key] = torch.empty_like(value)
-    sd.update(fp8_checkpoint.sharded_template(opt))
+    sd.update(fp8_checkpoint.sharded_template(view.fp8_weights()))
     for key in (GROUPS_KEY, META_KEY):
         sd[key] = torch.empty(json_sizes[key], dtype=torch.uint8)
     return sd
@@ -191,7 +200,7 @@ def _fail(where: str, problem: str) -> checks.StateDictError:
     return checks.StateDictError(f"load_sharded_state_dict: {where} {problem}")
 
 
-def check_meta(opt, meta: Any) -> None:
+def check_meta(view: CheckpointView, meta: Any) -> None:
     """Format and version known; the same params (names and shapes) and state kinds as this optimizer."""
     checks.check_mapping(meta, f"[{META_KEY!r}]", ("format", "version", "params", "state", "scaler", "clip_grad",
                                                   "grad_norm_skip_threshold"))
@@ -200,13 +209,13 @@ def check_meta(opt, meta: Any) -> None:
     if meta["version"] != FORMAT_VERSION or type(meta["version"]) is not int:
         raise _fail(f"[{META_KEY!r}]['version']", f"is {meta['version']!r:.30}: this graphstep reads format "
                                                    f"version {FORMAT_VERSION} only (upgrade graphstep?)")
-    if meta.get("optimizer") != opt.config.optimizer:
+    if meta.get("optimizer") != view.config.optimizer:
         raise _fail(f"[{META_KEY!r}]['optimizer']", f"is {meta.get('optimizer')!r:.30}, this optimizer is "
-                                                     f"{opt.config.optimizer!r}")
+                                                     f"{view.config.optimizer!r}")
     saved = meta["params"]
     if not isinstance(saved, dict):
         raise _fail(f"[{META_KEY!r}]['params']", "must be a dict of param name to shape")
-    live = {p.name: list(p.shape) for p in opt.layout.params}
+    live = {p.name: list(p.shape) for p in view.layout.params}
     where = f"[{META_KEY!r}]['params']"
     for name in live:
         if name not in saved:
@@ -219,15 +228,15 @@ def check_meta(opt, meta: Any) -> None:
         if name not in live:
             raise _fail(f"param '{name}'", f"is in the checkpoint's {where} but not in this model (another "
                                            "model?)")
-    if meta["state"] != list(opt.buffers.state):
+    if meta["state"] != list(view.buffers.state):
         raise _fail(f"[{META_KEY!r}]['state']", f"is {meta['state']!r:.80}, this optimizer keeps "
-                                                 f"{list(opt.buffers.state)} (another optimizer family?)")
+                                                 f"{list(view.buffers.state)} (another optimizer family?)")
 
 
-def _check_entry(opt, value: Any, key: str, place, owned, nonnegative: bool) -> torch.Tensor | None:
+def _check_entry(buffers, value: Any, key: str, place, owned, nonnegative: bool) -> torch.Tensor | None:
     """This rank's slice of one per-param entry, validated; None where this rank owns none of it."""
     size = 0 if owned is None else owned.param_end - owned.param_start
-    like = torch.empty(size, dtype=opt.buffers.shard_like("main", place.buffer).dtype)
+    like = torch.empty(size, dtype=buffers.shard_like("main", place.buffer).dtype)
     if value is None and owned is None:
         return None
     if hasattr(value, "local_shards"):  # a ShardedTensor: exactly this rank's range
@@ -252,51 +261,57 @@ def _check_entry(opt, value: Any, key: str, place, owned, nonnegative: bool) -> 
 
 @torch.no_grad()
 def load_sharded_state_dict(opt, sd: Any) -> None:
-    """Validate ``sd`` (see the module docstring) entirely, then copy into the static buffers and publish
-    the params (collective with several ranks). A refused checkpoint names the key; nothing changed."""
-    refuse_checkpoint(opt, "load_sharded_state_dict")
-    apply_validated(opt, validate_everywhere(opt, sd))
+    """Validate ``sd`` (see the module docstring) entirely, then copy into the optimizer ``opt``'s static buffers
+    and publish the params (collective with several ranks). A refused checkpoint names the key; nothing changed."""
+    load(opt.checkpoint_view(), sd)
 
 
-def validate_everywhere(opt, sd: Any) -> dict:
+def load(view: CheckpointView, sd: Any) -> None:
+    """``load_sharded_state_dict`` into the optimizer ``view`` shows."""
+    refuse_checkpoint(view, "load_sharded_state_dict")
+    apply_validated(view, validate_everywhere(view, sd))
+
+
+def validate_everywhere(view: CheckpointView, sd: Any) -> dict:
     """``validate`` on this rank, refusing together with the other data-parallel ranks."""
-    return checks.refuse_together(opt, lambda: validate(opt, sd), "load_sharded_state_dict")
+    return checks.refuse_together(view, lambda: validate(view, sd), "load_sharded_state_dict")
 
 
-def validate(opt, sd: Any) -> dict:
+def validate(view: CheckpointView, sd: Any) -> dict:
     """Every check of a load, nothing copied; returns what ``apply_validated`` copies."""
     checks.check_mapping(sd, "sharded state dict", (META_KEY, GROUPS_KEY, STEP_KEY))
     meta = decode_json(sd[META_KEY], f"[{META_KEY!r}]")
-    check_meta(opt, meta)
-    owned = {o.param: o for o in opt.layout.owned_ranges(opt.rank)}
+    check_meta(view, meta)
+    buffers = view.buffers
+    owned = {o.param: o for o in view.layout.owned_ranges(view.rank)}
     copies = []
-    for kind in state_kinds(opt):
-        for place in opt.layout.params:
+    for kind in state_kinds(view):
+        for place in view.layout.params:
             key = state_key(kind, place.name)
             if key not in sd:
                 raise _fail(f"[{key!r}]", "is missing")
             mine = owned.get(place.index)
             nonnegative = kind != MAIN_PARAM and state_spec(kind).nonnegative  # as its family declares
-            source = _check_entry(opt, sd[key], key, place, mine, nonnegative=nonnegative)
-            if source is not None and _kept(opt, kind, place.buffer, mine.shard_start, source.numel()):
-                copies.append(functools.partial(opt.buffers.write_part, _buffer_kind(kind), place.buffer,
+            source = _check_entry(buffers, sd[key], key, place, mine, nonnegative=nonnegative)
+            if source is not None and _kept(buffers, kind, place.buffer, mine.shard_start, source.numel()):
+                copies.append(functools.partial(buffers.write_part, _buffer_kind(kind), place.buffer,
                                                 mine.shard_start, source.numel(), source))
-    checks.check_step(sd[STEP_KEY], f"[{STEP_KEY!r}]", opt.tensors.step)
+    checks.check_step(sd[STEP_KEY], f"[{STEP_KEY!r}]", view.step)
     scaler = None
     if meta["scaler"] is not None:
         if not isinstance(meta["scaler"], list) or not all(isinstance(k, str) for k in meta["scaler"]):
             raise _fail(f"[{META_KEY!r}]['scaler']", "must be a list of the scaler's keys")
         scaler = {k: sd.get(SCALER_PREFIX + k) for k in meta["scaler"]}
-    checks.check_scaler(opt, scaler, "[optimizer.scaler.*]", name=lambda key: f"[{SCALER_PREFIX + key!r}]")
-    groups = _match_groups(opt, decode_json(sd[GROUPS_KEY], f"[{GROUPS_KEY!r}]"))
-    updates = checks.check_param_groups(opt, groups, f"[{GROUPS_KEY!r}]", check_indices=False)
-    for values, group in zip(updates, opt.param_groups):
+    checks.check_scaler(view.scaler, scaler, "[optimizer.scaler.*]", name=lambda key: f"[{SCALER_PREFIX + key!r}]")
+    groups = _match_groups(view.param_groups, decode_json(sd[GROUPS_KEY], f"[{GROUPS_KEY!r}]"))
+    updates = checks.check_param_groups(view, groups, f"[{GROUPS_KEY!r}]", check_indices=False)
+    for values, group in zip(updates, view.param_groups):
         for key, value in values.items():  # JSON has no tuples: give back the live group's type
             if isinstance(group.get(key), tuple) and isinstance(value, list):
                 values[key] = tuple(value)
     checks.check_thresholds(meta["clip_grad"], meta["grad_norm_skip_threshold"], f"[{META_KEY!r}]")
     try:
-        fp8_copies = fp8_checkpoint.check_sharded(opt, sd)
+        fp8_copies = fp8_checkpoint.check_sharded(view.fp8_weights(), sd)
     except fp8_checkpoint.Fp8StateError as exc:
         raise checks.StateDictError(f"load_sharded_state_dict: {exc}") from None
     return {"copies": copies, "fp8_copies": fp8_copies, "step": sd[STEP_KEY], "groups": updates, "scaler": scaler,
@@ -304,18 +319,18 @@ def validate(opt, sd: Any) -> dict:
 
 
 @torch.no_grad()
-def apply_validated(opt, plan: dict) -> None:
+def apply_validated(view: CheckpointView, plan: dict) -> None:
     """Copy what ``validate`` accepted into the static buffers, then publish the params (collective)."""
     for write in plan["copies"]:
         write()
-    checks.apply_common(opt, plan["step"], plan["groups"], plan["scaler"], plan["clip_grad"],
-                      plan["grad_norm_skip_threshold"])
-    opt.publish_params()
+    checks.apply_common(view, plan["step"], plan["groups"], plan["scaler"], plan["clip_grad"],
+                        plan["grad_norm_skip_threshold"])
+    view.publish_params()
     fp8_checkpoint.apply(plan["fp8_copies"])  # the saved fp8 bytes and scales replace the publish's recast
 
 
-def _match_groups(opt, saved: Any) -> list:
-    """The saved groups in this optimizer's group order, matched by their params' names."""
+def _match_groups(param_groups: list, saved: Any) -> list:
+    """The saved groups in the order of ``param_groups`` (the optimizer's), matched by their params' names."""
     if not isinstance(saved, list) or not all(isinstance(g, dict) for g in saved):
         raise _fail(f"[{GROUPS_KEY!r}]", "must be a list of dicts")
     by_names = {}
@@ -325,11 +340,11 @@ def _match_groups(opt, saved: Any) -> list:
             raise _fail(f"[{GROUPS_KEY!r}]['param_names']", "must be a list of param names in every group")
         by_names[frozenset(names)] = g
     ordered = []
-    for i, group in enumerate(opt.param_groups):
+    for i, group in enumerate(param_groups):
         match = by_names.get(frozenset(group.get("param_names", ())))
         if match is None:
             raise _fail(f"[{GROUPS_KEY!r}]", f"has no group with the params of this optimizer's group {i} "
                                              f"({group.get('param_names', [])[:3]}...): other overrides?")
         ordered.append({**match, "param_names": list(group["param_names"])})
     return ordered + [g for g in saved if frozenset(g["param_names"]) not in
-                      {frozenset(x.get("param_names", ())) for x in opt.param_groups}]
+                      {frozenset(x.get("param_names", ())) for x in param_groups}]

@@ -23,8 +23,9 @@ import torch
 from ..families import state_spec
 from ..fp8 import checkpoint as fp8_checkpoint
 from . import torch_format
-from .checks import (StateDictError, _all_params, _fail, apply_common, check_mapping, check_param_groups, check_scaler,
+from .checks import (StateDictError, _fail, all_params, apply_common, check_mapping, check_param_groups, check_scaler,
                      check_step, check_tensor_list, check_thresholds, plain_equal, refuse_together)
+from .view import CheckpointView
 
 STATE_DICT_FORMAT = "graphstep/1"
 _TOP_KEYS = ("format", "layout", "rank", "step", "main_params", "state", "param_groups", "scaler", "clip_grad",
@@ -35,31 +36,32 @@ _FP8_KEY = "fp8"  # only with fp8 weights (graphstep.fp8.checkpoint): their byte
 _DOMAIN_KEYS = ("layout", "rank", "main_params", "state")
 
 
-def state_dict(opt) -> dict:
+def state_dict(view: CheckpointView) -> dict:
     """This rank's flat buffers, exact, for ``torch.save`` flows at the same layout: every domain's entries
     (graphstep/step/domains.py; the expert params' under ``"experts"``), then the step-wide ones. Called by
     torch's checkpoint API, torch's optimizer format instead (``torch_format.py``)."""
     caller = torch_format.torch_api_caller()
     if caller is not None:
-        return torch_format.state_dict(opt, caller)
-    opt.finish_param_gather()
+        return torch_format.state_dict(view, caller)
+    view.finish_param_gather()
     groups = []
-    index = {id(p): i for i, p in enumerate(_all_params(opt))}
-    for group in opt.param_groups:
+    index = {id(p): i for i, p in enumerate(all_params(view.domains))}
+    for group in view.param_groups:
         saved = {k: v for k, v in group.items() if k != "params"}
         saved["params"] = [index[id(p)] for p in group["params"]]
         groups.append(saved)
+    clip_grad, skip_threshold = view.thresholds()
     saved = {
         "format": STATE_DICT_FORMAT,
-        "step": opt.tensors.step.clone(),
+        "step": view.step.clone(),
         "param_groups": groups,
-        "scaler": None if opt.scaler is None else opt.scaler.state_dict(),
-        "clip_grad": opt.clip_grad,
-        "grad_norm_skip_threshold": opt.grad_norm_skip_threshold,
+        "scaler": None if view.scaler is None else view.scaler.state_dict(),
+        "clip_grad": clip_grad,
+        "grad_norm_skip_threshold": skip_threshold,
     }
-    for domain in opt.domains:
+    for domain in view.domains:
         _at(saved, domain.role.checkpoint_path).update(_domain_entries(domain))
-    fp8_state = fp8_checkpoint.flat_state(opt)
+    fp8_state = fp8_checkpoint.flat_state(view.fp8_weights())
     if fp8_state is not None:
         saved[_FP8_KEY] = fp8_state
     # The top-level keys in their documented order, then the expert domains' and fp8's.
@@ -112,15 +114,15 @@ def _kept_state(buffers, name: str, saved: Any) -> Any:
 
 # ---- load -----------------------------------------------------------------------------------------------
 @torch.no_grad()
-def load_state_dict(opt, state_dict: Any) -> None:
+def load_state_dict(view: CheckpointView, state_dict: Any) -> None:
     """Validate everything (on every data-parallel rank, refusing together), then copy into the existing
     buffers (addresses never change) and refresh the model params. A refused checkpoint raises
     ``StateDictError`` naming the key; nothing has changed on any rank. A dict in torch's optimizer format
     (``{"state", "param_groups"}``: torch's ``set_state_dict`` passes one) loads through ``torch_format.py``."""
     if torch_format.is_torch_format(state_dict):
-        torch_format.load_state_dict(opt, state_dict)
+        torch_format.load_state_dict(view, state_dict)
         return
-    states, updates, fp8_copies = refuse_together(opt, lambda: _validate(opt, state_dict), "load_state_dict")
+    states, updates, fp8_copies = refuse_together(view, lambda: _validate(view, state_dict), "load_state_dict")
 
     # Everything is valid: copy. Nothing below can fail on a checked value.
     for buffers, saved, saved_states in states:
@@ -129,9 +131,9 @@ def load_state_dict(opt, state_dict: Any) -> None:
         for name in buffers.state:
             for b, source in enumerate(saved_states[name]):
                 buffers.load_shard(name, b, source)
-    apply_common(opt, state_dict["step"], updates, state_dict["scaler"], state_dict["clip_grad"],
+    apply_common(view, state_dict["step"], updates, state_dict["scaler"], state_dict["clip_grad"],
                  state_dict["grad_norm_skip_threshold"])
-    opt.publish_params()
+    view.publish_params()
     fp8_checkpoint.apply(fp8_copies)  # the saved fp8 bytes and scales replace the publish's recast
 
 
@@ -148,21 +150,21 @@ def _check_domain(domain, state_dict: Mapping, where: str) -> tuple:
     return domain.buffers, saved, _check_buffers(domain.buffers, saved, where)
 
 
-def _validate(opt, state_dict: Any) -> tuple:
+def _validate(view: CheckpointView, state_dict: Any) -> tuple:
     """Every check of a flat load, nothing copied: ((buffers, saved entries, state tensors by name) per
     domain, the group updates, the fp8 copies)."""
     where = "state_dict"
-    keys = _TOP_KEYS + tuple(d.role.checkpoint_path[0] for d in opt.domains if d.role.checkpoint_path)
+    keys = _TOP_KEYS + tuple(d.role.checkpoint_path[0] for d in view.domains if d.role.checkpoint_path)
     check_mapping(state_dict, where, keys, allowed=keys + (_FP8_KEY,))
     if not plain_equal(state_dict["format"], STATE_DICT_FORMAT):
         raise _fail(f"{where}['format']", f"is {state_dict['format']!r:.60}, expected {STATE_DICT_FORMAT!r}")
-    check_step(state_dict["step"], f"{where}['step']", opt.tensors.step)
-    states = [_check_domain(domain, state_dict, where) for domain in opt.domains]
-    updates = check_param_groups(opt, state_dict["param_groups"], f"{where}['param_groups']", check_indices=True)
-    check_scaler(opt, state_dict["scaler"], f"{where}['scaler']")
+    check_step(state_dict["step"], f"{where}['step']", view.step)
+    states = [_check_domain(domain, state_dict, where) for domain in view.domains]
+    updates = check_param_groups(view, state_dict["param_groups"], f"{where}['param_groups']", check_indices=True)
+    check_scaler(view.scaler, state_dict["scaler"], f"{where}['scaler']")
     check_thresholds(state_dict["clip_grad"], state_dict["grad_norm_skip_threshold"], where)
     try:
-        fp8_copies = fp8_checkpoint.check_flat(opt, state_dict.get(_FP8_KEY), f"{where}[{_FP8_KEY!r}]")
+        fp8_copies = fp8_checkpoint.check_flat(view.fp8_weights(), state_dict.get(_FP8_KEY), f"{where}[{_FP8_KEY!r}]")
     except fp8_checkpoint.Fp8StateError as exc:
         raise StateDictError(f"load_state_dict: {exc}") from None
     return states, updates, fp8_copies

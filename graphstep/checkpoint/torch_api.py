@@ -23,10 +23,10 @@ from .torch_entries import param_entries
 
 
 def _single(optimizers):
-    # A graphstep optimizer is known by its sharded state dict: this module sits below the engine and does
-    # not import it.
+    # A graphstep optimizer is known by its checkpoint view: this module sits below the engine and does not
+    # import it.
     opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-    if len(opts) != 1 or not callable(getattr(opts[0], "load_sharded_state_dict", None)):
+    if len(opts) != 1 or not callable(getattr(opts[0], "checkpoint_view", None)):
         raise TypeError("graphstep.checkpoint.get/set_optimizer_state_dict take one graphstep optimizer (from "
                         "gs.get_optimizer); for torch.optim optimizers use torch.distributed.checkpoint's own")
     return opts[0]
@@ -43,13 +43,13 @@ def get_optimizer_state_dict(model, optimizers, *, submodules=None, options=None
     """``sharded_state_dict(opt)`` (``model`` is accepted for torch's call shape; the names come from the
     optimizer, which recorded them at ``get_optimizer``)."""
     _check_options(options)
-    return sharded.sharded_state_dict(_single(optimizers))
+    return sharded.entries(_single(optimizers).checkpoint_view())
 
 
 def set_optimizer_state_dict(model, optimizers, optim_state_dict: dict, *, options=None) -> None:
     """``load_sharded_state_dict(opt, optim_state_dict)``: validated, copied in place, params published."""
     _check_options(options)
-    sharded.load_sharded_state_dict(_single(optimizers), optim_state_dict)
+    sharded.load(_single(optimizers).checkpoint_view(), optim_state_dict)
 
 
 def placed_model_state_dict(opt, model_state_dict: dict) -> dict:
@@ -62,7 +62,7 @@ def placed_model_state_dict(opt, model_state_dict: dict) -> dict:
     result to ``dcp.save`` / ``dcp.load`` and the original dict to ``set_state_dict``. Other entries are kept
     as they are (the same dict without tensor parallelism). Collective over the optimizer's ranks, like
     ``get_state_dict`` on it."""
-    entries = param_entries(opt, "placed_model_state_dict", with_grid=False)
+    entries = param_entries(opt.checkpoint_view().domains, "placed_model_state_dict", with_grid=False)
     split = {}
     for entry in entries.values():
         if entry.where.split:

@@ -57,12 +57,12 @@ class ParamEntry:
         return self.grid.holders(self.where, self.where.part)[self.owners[0][0]]
 
 
-def param_entries(opt, what: str, *, with_grid: bool) -> dict[int, ParamEntry]:
-    """id(param) -> its entry, for every param of ``opt``; refuses the models above (collective: every rank of
-    the optimizer calls it, as torch's functions are called)."""
-    refuse_pipeline_stages(opt, what)
+def param_entries(domains: tuple, what: str, *, with_grid: bool) -> dict[int, ParamEntry]:
+    """id(param) -> its entry, for every param of an optimizer's ``domains`` (the dense one first); refuses the
+    models above (collective: every rank of the optimizer calls it, as torch's functions are called)."""
+    refuse_pipeline_stages(domains[0].comm, what)
     out = {}
-    for domain in opt.domains:
+    for domain in domains:
         comm, layout = domain.comm, domain.layout
         split_elsewhere = getattr(comm, "experts_split_elsewhere", frozenset())
         grid = RankGrid.of(group_ranks(comm.dp_group if layout.dp_size > 1 else None, layout.dp_size),
@@ -79,17 +79,19 @@ def param_entries(opt, what: str, *, with_grid: bool) -> dict[int, ParamEntry]:
                     "torch.save")
             where = slice_of_whole(p, place.name, comm.tp_size, comm.tp_rank)
             out[id(p)] = ParamEntry(domain, place, where, mine.get(place.index), owners[place.index], grid)
-    refuse_shared_expert_names(opt, what)
+    refuse_shared_expert_names(domains, what)
     return out
 
 
-def refuse_pipeline_stages(opt, what: str) -> None:
-    mp_group = opt.comm.mp_group
+def refuse_pipeline_stages(comm, what: str) -> None:
+    """Refuses pipeline stages: a model-parallel group beyond the tensor-parallel one (``comm``: the dense
+    params' collectives)."""
+    mp_group = comm.mp_group
     mp_size = 1 if mp_group is None else dist.get_world_size(mp_group)
-    if mp_size > opt.comm.tp_size:
+    if mp_size > comm.tp_size:
         raise NotImplementedError(
             f"{what}: the model is split into pipeline stages (a model_parallel_group of {mp_size} ranks, beyond "
-            f"the tensor-parallel group of {opt.comm.tp_size}). Each stage's param_groups list its own params "
+            f"the tensor-parallel group of {comm.tp_size}). Each stage's param_groups list its own params "
             "under the same keys ('param_groups.0.params', ...), and DCP saves one rank's copy of such an entry, "
             "so the other stages' groups could not be found at load (and stages that number their layers from 0 "
             "share param names). Tensor parallelism alone works (pass tensor_parallel_group, no pipeline "
@@ -97,13 +99,13 @@ def refuse_pipeline_stages(opt, what: str) -> None:
             "opt.load_state_dict()")
 
 
-def expert_parallel_size(opt) -> int:
+def expert_parallel_size(domains: tuple) -> int:
     """How many expert-parallel ranks share a pipeline stage: its ranks (data- times tensor-parallel) over
     those holding the same experts (expert data- times expert tensor-parallel); 1 without experts."""
-    experts = [d for d in opt.domains if d is not opt.domains[0]]
+    dense, experts = domains[0], domains[1:]
     if not experts:
         return 1
-    stage = opt.layout.dp_size * opt.comm.tp_size
+    stage = dense.layout.dp_size * dense.comm.tp_size
     same = experts[0].layout.dp_size * experts[0].comm.tp_size
     return max(1, stage // same)
 
@@ -116,20 +118,20 @@ def _gather(group, value) -> list:
     return out
 
 
-def refuse_shared_expert_names(opt, what: str) -> None:
+def refuse_shared_expert_names(domains: tuple, what: str) -> None:
     """With several expert-parallel ranks, no expert param name on two ranks that hold different experts.
     Collective over the stage's ranks (the dense data-parallel group, then the tensor-parallel group)."""
-    if expert_parallel_size(opt) == 1:
+    if expert_parallel_size(domains) == 1:
         return
-    experts = opt.domains[1]
+    dense, experts = domains[0], domains[1]
     me = dist.get_rank()
     mine = {"rank": me,
             "expert_dp": group_ranks(experts.comm.dp_group if experts.layout.dp_size > 1 else None,
                                      experts.layout.dp_size),
             "expert_tp": group_ranks(experts.comm.tp_group, 1),
             "names": sorted(place.name for place in experts.layout.params)}
-    dp_group = opt.comm.dp_group if opt.layout.dp_size > 1 else None
-    stage = [info for row in _gather(opt.comm.tp_group, _gather(dp_group, mine)) for info in row]
+    dp_group = dense.comm.dp_group if dense.layout.dp_size > 1 else None
+    stage = [info for row in _gather(dense.comm.tp_group, _gather(dp_group, mine)) for info in row]
     by_rank = {info["rank"]: info for info in stage}
     same_experts = {r for peer in mine["expert_tp"] if peer in by_rank for r in by_rank[peer]["expert_dp"]}
     same_experts |= set(mine["expert_tp"]) | {me}

@@ -57,6 +57,7 @@ from .checks import (StateDictError, apply_common, check_mapping, check_param_gr
                      check_tensor, check_thresholds, refuse_together)
 from .param_pieces import global_shape, local_boxes, sharded_param
 from .torch_entries import ParamEntry, param_entries
+from .view import CheckpointView
 
 TORCH_API = "torch.distributed.checkpoint.state_dict"
 EXTRA = "graphstep"
@@ -95,12 +96,12 @@ def is_torch_format(value: Any) -> bool:
     return isinstance(value, Mapping) and set(value) == {"state", "param_groups"}
 
 
-def _kinds(opt, entry: ParamEntry, families) -> tuple[str, ...]:
+def _kinds(config, entry: ParamEntry, families) -> tuple[str, ...]:
     """The entries of a param besides its step: its main params where they are not the model param
     (``fp32_param``), then the states its group's family keeps."""
     buffers = entry.domain.buffers
     separate = not buffers.main_is_param[entry.place.buffer] or buffers.host is not None
-    return ((MAIN_PARAM,) if separate else ()) + tuple(families[entry.place.group].state_names(opt.config))
+    return ((MAIN_PARAM,) if separate else ()) + tuple(families[entry.place.group].state_names(config))
 
 
 def _buffer_kind(kind: str) -> str:
@@ -116,18 +117,19 @@ def _copy_of(buffers, kind: str, buffer: int, start: int, size: int) -> torch.Te
     return part if buffers.stored_kind(_buffer_kind(kind), buffer) is not None else part.clone()
 
 
-def _extras(opt, first: bool) -> dict:
-    return {"clip_grad": opt.clip_grad, "grad_norm_skip_threshold": opt.grad_norm_skip_threshold,
-            "loss_scaler": None if opt.scaler is None else {k: v.clone() for k, v in opt.scaler.state_dict().items()},
+def _extras(view: CheckpointView, first: bool) -> dict:
+    clip_grad, skip_threshold = view.thresholds()
+    return {"clip_grad": clip_grad, "grad_norm_skip_threshold": skip_threshold,
+            "loss_scaler": None if view.scaler is None else {k: v.clone() for k, v in view.scaler.state_dict().items()},
             # None, not {}: an empty dict does not survive torch's full_state_dict gather or a DCP round trip.
-            "fp8": (fp8_checkpoint.sharded_entries(opt, snapshot=True) or None) if first else None}
+            "fp8": (fp8_checkpoint.sharded_entries(view.fp8_weights(), snapshot=True) or None) if first else None}
 
 
-def _refuse_split_fp8(opt, entries: dict, what: str) -> None:
+def _refuse_split_fp8(view: CheckpointView, entries: dict, what: str) -> None:
     """The fp8 weights' state is saved whole per param name: a tensor-parallel slice of one would meet its
     peers' under that name."""
     split = [e.place.name for e in entries.values() if e.where.split]
-    if split and fp8_checkpoint.weights(opt):
+    if split and view.fp8_weights():
         raise NotImplementedError(
             f"{what}: fp8 weights with tensor-parallel slices (e.g. '{split[0]}'): their fp8 state is saved whole "
             "under each param's name, and the slices would overwrite each other. Save each rank's opt.state_dict() "
@@ -135,9 +137,9 @@ def _refuse_split_fp8(opt, entries: dict, what: str) -> None:
 
 
 # ---- get ------------------------------------------------------------------------------------------------
-def state_dict(opt, caller: FrameType) -> dict:
+def state_dict(view: CheckpointView, caller: FrameType) -> dict:
     """torch's optimizer format (see the module docstring), for torch's functions."""
-    entries = param_entries(opt, "get_state_dict", with_grid=True)
+    entries = param_entries(view.domains, "get_state_dict", with_grid=True)
     if _wants_full(caller) and any(e.sharded for e in entries.values()):
         raise NotImplementedError(
             "torch's get_state_dict / set_state_dict with StateDictOptions(full_state_dict=True): with the "
@@ -145,40 +147,40 @@ def state_dict(opt, caller: FrameType) -> dict:
             "and torch's gather of sharded entries assumes an even split over all ranks. Use the default options "
             "(sharded entries, which DCP saves and reshards to any data-parallel or tensor-parallel size), or "
             "gs.checkpoint.save / load")
-    _refuse_split_fp8(opt, entries, "get_state_dict")
-    opt.finish_param_gather()
-    families = families_of(opt.param_groups, opt.config.optimizer)
+    _refuse_split_fp8(view, entries, "get_state_dict")
+    view.finish_param_gather()
+    families = families_of(view.param_groups, view.config.optimizer)
     state, groups = {}, []
-    for g, group in enumerate(opt.param_groups):
+    for g, group in enumerate(view.param_groups):
         saved = copy.deepcopy({k: v for k, v in group.items() if k != "params"})
         saved["params"] = list(range(len(state), len(state) + len(group["params"])))
-        saved[EXTRA] = _extras(opt, first=g == 0)
+        saved[EXTRA] = _extras(view, first=g == 0)
         groups.append(saved)
         for p in group["params"]:
-            state[len(state)] = _param_entry(opt, entries[id(p)], families)
+            state[len(state)] = _param_entry(view, entries[id(p)], families)
     return {"state": state, "param_groups": groups}
 
 
-def _param_entry(opt, entry: ParamEntry, families) -> dict:
+def _param_entry(view: CheckpointView, entry: ParamEntry, families) -> dict:
     """One param's entry: plain tensors of all of it where this rank holds it whole and alone, else
     ShardedTensors of the whole param holding this rank's range of its slice."""
     buffers, place, mine = entry.domain.buffers, entry.place, entry.mine
-    out = {"step": opt.tensors.step.clone()}
-    for kind in _kinds(opt, entry, families):
+    out = {"step": view.step.clone()}
+    for kind in _kinds(view.config, entry, families):
         local = None
         if mine is not None:
             local = _copy_of(buffers, kind, place.buffer, mine.shard_start, mine.param_end - mine.param_start)
         if not entry.sharded and entry.domain.layout.dp_size > 1:  # a 0-d param: the owner's value, everywhere
             value = local if local is not None else torch.empty((), dtype=_saved_dtype(buffers, kind, place.buffer),
-                                                                 device=opt.device)
-            value = value.to(opt.device).view(())
+                                                                 device=view.device)
+            value = value.to(view.device).view(())
             torch.distributed.broadcast(value, entry.owner_rank(), group=entry.domain.comm.dp_group)
             out[kind] = value
         elif not entry.sharded:
             out[kind] = local.view(place.shape)
         else:
             out[kind] = sharded_param(local, entry.where, _saved_dtype(buffers, kind, place.buffer), entry.owners,
-                                      entry.grid, entry.domain.rank, opt.device)
+                                      entry.grid, entry.domain.rank, view.device)
     return out
 
 
@@ -188,31 +190,31 @@ def _fail(where: str, problem: str) -> StateDictError:
 
 
 @torch.no_grad()
-def load_state_dict(opt, sd: Mapping) -> None:
+def load_state_dict(view: CheckpointView, sd: Mapping) -> None:
     """Validate ``sd`` whole on every data-parallel rank (refusing together), then copy in place and publish
     the params (collective with several ranks). A refused load names the key; nothing changed anywhere."""
-    entries = param_entries(opt, "set_state_dict", with_grid=False)  # collective: before any rank can refuse
-    _refuse_split_fp8(opt, entries, "set_state_dict")
-    plan = refuse_together(opt, lambda: validate(opt, sd, entries), "load_state_dict")
+    entries = param_entries(view.domains, "set_state_dict", with_grid=False)  # collective: before any rank can refuse
+    _refuse_split_fp8(view, entries, "set_state_dict")
+    plan = refuse_together(view, lambda: validate(view, sd, entries), "load_state_dict")
     for write in plan["copies"]:
         write()
-    apply_common(opt, plan["step"], plan["groups"], plan["scaler"], plan["clip_grad"],
+    apply_common(view, plan["step"], plan["groups"], plan["scaler"], plan["clip_grad"],
                  plan["grad_norm_skip_threshold"])
-    opt.publish_params()
+    view.publish_params()
     fp8_checkpoint.apply(plan["fp8_copies"])  # the saved fp8 bytes and scales replace the publish's recast
 
 
-def validate(opt, sd: Mapping, entries: dict) -> dict:
+def validate(view: CheckpointView, sd: Mapping, entries: dict) -> dict:
     """Every check of a load in torch's format, nothing copied; returns what ``load_state_dict`` copies."""
     saved_groups, state = sd["param_groups"], sd["state"]
-    if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(opt.param_groups):
-        raise _fail("['param_groups']", f"must be a list of {len(opt.param_groups)} groups, one per param group "
+    if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(view.param_groups):
+        raise _fail("['param_groups']", f"must be a list of {len(view.param_groups)} groups, one per param group "
                                         "of this optimizer")
     if not isinstance(state, Mapping):
         raise _fail("['state']", f"must be a dict, got {type(state).__name__}")
-    families = families_of(opt.param_groups, opt.config.optimizer)
+    families = families_of(view.param_groups, view.config.optimizer)
     copies, steps = [], []
-    for g, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
+    for g, (saved, group) in enumerate(zip(saved_groups, view.param_groups)):
         keys = saved.get("params") if isinstance(saved, Mapping) else None
         if not isinstance(keys, (list, tuple)) or len(keys) != len(group["params"]):
             raise _fail(f"['param_groups'][{g}]['params']", f"must list the group's {len(group['params'])} params "
@@ -229,7 +231,7 @@ def validate(opt, sd: Mapping, entries: dict) -> dict:
             where = f"['state'][{key!r}]"
             if key not in state:
                 raise _fail(where, f"is missing (the state of param '{entry.place.name}')")
-            kinds = _kinds(opt, entry, families)
+            kinds = _kinds(view.config, entry, families)
             if kinds and isinstance(state[key], Mapping) and set(state[key]) == {"step"}:
                 raise _fail(where, f"holds only 'step', not {list(kinds)}. torch's set_state_dict / "
                                    "set_optimizer_state_dict with StateDictOptions(flatten_optimizer_state_dict=True) "
@@ -245,14 +247,14 @@ def validate(opt, sd: Mapping, entries: dict) -> dict:
                 if source is not None:
                     copies.append(functools.partial(buffers.write_part, _buffer_kind(kind), buffer,
                                                     entry.mine.shard_start, source.numel(), source))
-    step = _one_step(opt, steps)
-    extra = _extra(opt, saved_groups)
-    groups = [_hyperparameters(saved, group) for saved, group in zip(saved_groups, opt.param_groups)]
-    updates = check_param_groups(opt, groups, "['param_groups']", check_indices=False)
-    check_scaler(opt, extra["loss_scaler"], f"['param_groups'][0][{EXTRA!r}]['loss_scaler']")
+    step = _one_step(view.step, steps)
+    extra = _extra(saved_groups)
+    groups = [_hyperparameters(saved, group) for saved, group in zip(saved_groups, view.param_groups)]
+    updates = check_param_groups(view, groups, "['param_groups']", check_indices=False)
+    check_scaler(view.scaler, extra["loss_scaler"], f"['param_groups'][0][{EXTRA!r}]['loss_scaler']")
     check_thresholds(extra["clip_grad"], extra["grad_norm_skip_threshold"], f"['param_groups'][0][{EXTRA!r}]")
     try:
-        fp8_copies = fp8_checkpoint.check_sharded(opt, extra["fp8"] or {})
+        fp8_copies = fp8_checkpoint.check_sharded(view.fp8_weights(), extra["fp8"] or {})
     except fp8_checkpoint.Fp8StateError as exc:
         raise _fail(f"['param_groups'][0][{EXTRA!r}]['fp8']", str(exc)) from None
     return {"copies": copies, "fp8_copies": fp8_copies, "step": step, "groups": updates,
@@ -303,20 +305,20 @@ def _hyperparameters(saved: Mapping, group: dict) -> dict:
     return {**values, "param_names": group.get("param_names")}
 
 
-def _one_step(opt, steps: list) -> torch.Tensor:
+def _one_step(step_like: torch.Tensor, steps: list) -> torch.Tensor:
     """graphstep keeps one step count for every param: the entries' must agree."""
     if not steps:
         raise _fail("['state']", "holds no param's 'step'")
     first_where, first = steps[0]
     for where, value in steps:
-        check_step(value, f"{where}['step']", opt.tensors.step)
+        check_step(value, f"{where}['step']", step_like)
         if not torch.equal(value, first):
             raise _fail(f"{where}['step']", f"is {float(value)}, {first_where}['step'] is {float(first)}: graphstep "
                                             "keeps one step count for every param")
     return first
 
 
-def _extra(opt, saved_groups) -> dict:
+def _extra(saved_groups) -> dict:
     where = f"['param_groups'][0][{EXTRA!r}]"
     if not isinstance(saved_groups[0], Mapping) or EXTRA not in saved_groups[0]:
         raise _fail(where, "is missing: graphstep's step-wide state (clip_grad, grad_norm_skip_threshold, the loss "

@@ -31,10 +31,10 @@ class Fp8StateError(ValueError):
     """fp8 state in a checkpoint refused (the loaders re-raise it as their own error, key named)."""
 
 
-def weights(opt) -> list[tuple[str, torch.nn.Parameter]]:
-    """(model name, param) of every fp8 weight the optimizer trains, in layout order."""
-    return [(place.name, opt.buffers.params[place.index]) for place in opt.layout.params
-            if is_fp8(opt.buffers.params[place.index])]
+def weights(layout, params) -> list[tuple[str, torch.nn.Parameter]]:
+    """(model name, param) of every fp8 weight among ``params`` (the dense flat buffers' params, laid out by
+    ``layout``), in layout order: what the functions below take as ``named``."""
+    return [(place.name, params[place.index]) for place in layout.params if is_fp8(params[place.index])]
 
 
 def _live(param: torch.nn.Parameter, kind: str) -> torch.Tensor:
@@ -48,10 +48,9 @@ def sharded_key(kind: str, name: str) -> str:
 
 
 # ---- save -----------------------------------------------------------------------------------------------
-def flat_state(opt) -> Optional[dict]:
-    """The flat format's ``fp8`` entry: the weights' names and one list per kind (copies); None without fp8
-    weights."""
-    named = weights(opt)
+def flat_state(named: list) -> Optional[dict]:
+    """The flat format's ``fp8`` entry of the fp8 weights ``named`` (``weights``): their names and one list per
+    kind (copies); None without fp8 weights."""
     if not named:
         return None
     state = {"params": [name for name, _ in named]}
@@ -60,16 +59,16 @@ def flat_state(opt) -> Optional[dict]:
     return state
 
 
-def sharded_entries(opt, *, snapshot: bool = True) -> dict:
-    """The reshardable format's fp8 entries, ``optimizer.fp8.<kind>.<param name>`` (copies when
-    ``snapshot``, else views of the live tensors)."""
+def sharded_entries(named: list, *, snapshot: bool = True) -> dict:
+    """The reshardable format's fp8 entries of the fp8 weights ``named`` (``weights``),
+    ``optimizer.fp8.<kind>.<param name>`` (copies when ``snapshot``, else views of the live tensors)."""
     take = (lambda t: t.clone()) if snapshot else (lambda t: t)
-    return {sharded_key(kind, name): take(_live(p, kind)) for name, p in weights(opt) for kind in KINDS}
+    return {sharded_key(kind, name): take(_live(p, kind)) for name, p in named for kind in KINDS}
 
 
-def sharded_template(opt) -> dict:
+def sharded_template(named: list) -> dict:
     """Fresh tensors shaped like ``sharded_entries`` for DCP to load into."""
-    return {sharded_key(kind, name): torch.empty_like(_live(p, kind)) for name, p in weights(opt) for kind in KINDS}
+    return {sharded_key(kind, name): torch.empty_like(_live(p, kind)) for name, p in named for kind in KINDS}
 
 
 # ---- load -----------------------------------------------------------------------------------------------
@@ -88,10 +87,9 @@ def _check(value: Any, where: str, like: torch.Tensor, kind: str) -> torch.Tenso
     return value
 
 
-def check_flat(opt, saved: Any, where: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Validate the flat format's ``fp8`` entry against this optimizer; returns the (target, source) copies.
-    Raises ValueError (the caller wraps it into its own error type) naming the key."""
-    named = weights(opt)
+def check_flat(named: list, saved: Any, where: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Validate the flat format's ``fp8`` entry against the fp8 weights ``named`` (``weights``); returns the
+    (target, source) copies. Raises ValueError (the caller wraps it into its own error type) naming the key."""
     if not named:
         if saved is not None:
             raise Fp8StateError(f"{where} holds fp8 state but this model has no fp8 weights (graphstep.fp8.convert "
@@ -117,10 +115,11 @@ def check_flat(opt, saved: Any, where: str) -> list[tuple[torch.Tensor, torch.Te
     return copies
 
 
-def check_sharded(opt, sd: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Validate the reshardable format's fp8 entries; returns the (target, source) copies."""
+def check_sharded(named: list, sd: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Validate the reshardable format's fp8 entries against the fp8 weights ``named`` (``weights``); returns the
+    (target, source) copies."""
     copies = []
-    for name, p in weights(opt):
+    for name, p in named:
         for kind in KINDS:
             key = sharded_key(kind, name)
             if key not in sd:
@@ -129,7 +128,7 @@ def check_sharded(opt, sd: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
             live = _live(p, kind)
             copies.append((live, _check(sd[key], f"[{key!r}]", live, kind)))
     unknown = sorted(k for k in sd if k.startswith(SHARDED_PREFIX) and
-                     k not in {sharded_key(kind, name) for name, _ in weights(opt) for kind in KINDS})
+                     k not in {sharded_key(kind, name) for name, _ in named for kind in KINDS})
     if unknown:
         raise Fp8StateError(f"[{unknown[0]!r}] is fp8 state of a weight this model does not hold in fp8 "
                        "(convert the same layers, with graphstep.fp8.convert, before get_optimizer)")

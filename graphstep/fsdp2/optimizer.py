@@ -71,13 +71,13 @@ class Fsdp2Optimizer(GraphstepOptimizer):
     @runs_state_dict_hooks
     def state_dict(self) -> dict:
         """torch's optimizer format, state as DTensors over the live buffers (graphstep/fsdp2/state_dict.py)."""
-        return fsdp_state_dict.state_dict(self)
+        return fsdp_state_dict.entries(self.checkpoint_view())
 
     @runs_load_state_dict_hooks
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's optimizer format, int or FQN keys: checked whole, then copied into the buffers in place."""
-        fsdp_state_dict.load_state_dict(self, state_dict, mesh_group=self._mesh_group,
-                                        group_problem=self._build.group_watch.unfollowable_edit)
+        fsdp_state_dict.load(self.checkpoint_view(), state_dict, mesh_group=self._mesh_group,
+                             group_problem=self._build.group_watch.unfollowable_edit)
 
 
 def _check_families(shards: list, config: OptimizerConfig, one_dim_mesh: bool, families: list) -> None:

@@ -140,23 +140,23 @@ def with_role(domains: Sequence[Domain], role: Role) -> Optional[Domain]:
     return next((domain for domain in domains if domain.role is role), None)
 
 
-def refuse_checkpoint(opt, what: str) -> None:
+def refuse_checkpoint(view, what: str) -> None:
     """The reshardable format refuses an optimizer with a domain it does not cover, rather than save half
     an optimizer, and one whose model is split over model-parallel ranks: it names state by param, and the
     tensor-parallel slices and pipeline stages of one param name share the name, so their entries would
-    overwrite each other in one checkpoint."""
-    if getattr(opt, "local_shards", None) is not None:  # an FSDP2 model's optimizer
+    overwrite each other in one checkpoint. ``view``: the optimizer's ``CheckpointView``."""
+    if view.local_shards is not None:  # an FSDP2 model's optimizer
         raise TypeError(f"{what}: an FSDP2 model's optimizer checkpoints through torch.distributed.checkpoint: "
                         "get_state_dict(model, opt) / set_state_dict(model, opt, ...) with dcp.save / dcp.load, or "
                         "opt.state_dict() (torch's format)")
-    mp_groups = [d.comm.mp_group for d in opt.domains if d.comm.mp_group is not None]
+    mp_groups = [d.comm.mp_group for d in view.domains if d.comm.mp_group is not None]
     if any(torch.distributed.get_world_size(group) > 1 for group in mp_groups):
         raise NotImplementedError(f"{what}: the reshardable checkpoint format (graphstep.checkpoint) names state by "
                                   "param, and with a model_parallel_group of several ranks the tensor-parallel slices "
                                   "and pipeline stages share param names, so one rank's entries would overwrite "
                                   "another's: save each rank's opt.state_dict() (torch.save to a per-rank file) "
                                   "instead")
-    for domain in opt.domains:
+    for domain in view.domains:
         if domain.role.unreshardable is not None:
             raise NotImplementedError(f"{what}: the reshardable checkpoint format (graphstep.checkpoint) "
                                       f"{domain.role.unreshardable}")

@@ -11,6 +11,7 @@ import torch
 
 import capture
 import graphstep as gs
+from graphstep.step.stages import chain
 from _bitwise import assert_state_equal
 from _training import PRECISIONS, tiny_model, train
 
@@ -66,7 +67,7 @@ def test_offload_matches_the_device_only_step_within_the_motion():
 def test_overlapped_chunks_on_side_streams_match_plain_offload_bitwise():
     plain = run("graph", **HALF)
     overlapped = run("graph", **HALF, overlap_cpu_optimizer_d2h_h2d=True)
-    assert len(overlapped[1]._offload.chunks) > 1
+    assert len(overlapped[1].build_record.offload.chunks) > 1
     for p, q in zip(plain[0].parameters(), overlapped[0].parameters()):
         assert torch.equal(p, q)
     assert_state_equal(plain[1], overlapped[1])
@@ -75,7 +76,7 @@ def test_overlapped_chunks_on_side_streams_match_plain_offload_bitwise():
 def test_auto_captures_the_offloaded_step_its_d2h_copies_are_capture_safe():
     model = tiny_model()
     opt = gs.get_optimizer(gs.OptimizerConfig(bf16=True, capture="auto", capture_warmup_steps=1, **HALF), model)
-    findings = capture.check(opt._runner._step_fn)
+    findings = capture.check(chain(opt.stages))  # the step the runner captures: its stages, chained
     assert findings == [], findings  # non_blocking D2H into pinned memory is recorded, not a host sync
     for _ in range(4):
         for p in model.parameters():
@@ -90,7 +91,7 @@ def test_the_replayed_step_has_no_hidden_host_sync():
         p.main_grad.fill_(1e-3)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        opt._runner.run()  # the captured device step alone: D2H copies included, no sync
+        opt.build_record.runner.run()  # the captured device step alone: D2H copies included, no sync
     finally:
         torch.cuda.set_sync_debug_mode("default")
 

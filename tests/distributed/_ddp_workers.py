@@ -66,7 +66,7 @@ def scenarios(rank: int, world_size: int) -> dict:
                 wrapped = DDP(net)
             train(wrapped, opt, rows)
         out[order] = {"params": [p.detach().clone() for p in net.parameters()], "folds": opt.fold_counts,
-                      "units": len(opt._fold.hooked.current), "captured": opt.captured,
+                      "units": len(opt.build_record.fold.hooked.current), "captured": opt.captured,
                       "warnings": [str(w.message) for w in seen if "graphstep" in str(w.message)]}
 
     # Neither DDP nor the distributed optimizer: warned at the first forward.

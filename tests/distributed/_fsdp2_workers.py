@@ -218,7 +218,7 @@ def capture_and_skip(rank: int, world: int) -> dict:
 def state_full(opt) -> dict:
     """Every state tensor as a full tensor (collective), by FQN, and the step."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    model = opt._model_chunks[0]()
+    model = opt.build_record.model_chunks[0]()
     _, osd = get_state_dict(model, opt)
     return {f"{fqn}.{name}": (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
             for fqn, entry in osd["state"].items() for name, v in entry.items()}
