@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from ..config import OptimizerConfig
+from ..config.warn import warn_user
 from ..fp8 import is_fp8
 from .layout import ParamSpec
 
@@ -79,9 +78,9 @@ def warn_dtype_conversion(config: OptimizerConfig, named) -> None:
     source = "params_dtype" if config.params_dtype is not None else ("bf16=True" if config.bf16 else "fp16=True")
     what = "; ".join(f"{len(names)} from {dtype} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
                      for dtype, names in cast.items())
-    warnings.warn(f"graphstep: {source} casts the model's params to {target}: {what}. The model now computes in "
-                  f"{target} (fp32 main params stay inside the optimizer): feed it {target} inputs, or build the model "
-                  f"in {target} yourself (model.to({target})) to make the choice visible", UserWarning, stacklevel=4)
+    warn_user(f"graphstep: {source} casts the model's params to {target}: {what}. The model now computes in "
+              f"{target} (fp32 main params stay inside the optimizer): feed it {target} inputs, or build the model "
+              f"in {target} yourself (model.to({target})) to make the choice visible")
 
 
 def param_spec(config: OptimizerConfig, name: str, p: torch.nn.Parameter, group: int,
