@@ -191,7 +191,8 @@ def build(routed: Routed, param_groups: list, groups: ProcessGroups,
     group_watch = GroupWatch(param_groups)
     fold = Fold([d.ctx.folded for d in domains], buffers, no_sync, grad_hooks)  # inert without the fold
     ddp_watch = ddp.DdpWatch(routed.chunks, distributed_optimizer=config.use_distributed_optimizer,
-                             explicit_groups=groups.any_given(), on_ddp=fold.fold_before_step)
+                             explicit_groups=groups.any_given(), on_ddp=fold.fold_before_step,
+                             hooks=grad_hooks)
     result = StepResult(tensors.update_successful, tensors.grad_norm, tensors.num_zeros, tensors.loss_scale,
                         tensors.skipped_steps)
     # bf16/fp16 params' writes, through the params or their state-dict aliases

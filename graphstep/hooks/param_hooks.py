@@ -6,19 +6,16 @@ the overlapped reduce-scatter (grad_overlap.py). Each listens here at its stage 
 param's one hook runs them in that order, whatever order they were added in: the order is this tuple, not
 the order of statements in the engine's build.
 
-Lifetime (as graphstep/hooks/weak_hooks.py): the model outlives optimizers. The hook on a param reaches the
-dispatcher only through a weak reference, and the dispatcher reaches each listener's owner and the
-param's buffers only through weak references too. So the model never keeps a dropped optimizer's buffers
-alive; a hook that fires after an owner died skips that owner; and the dispatcher's collection (it lives
-as long as its optimizer) removes its hooks. An owner's ``remove`` (the engine's ``close()``) drops its
-listeners, and a param left without any loses its hook, so later backwards pay nothing for it.
+The model outlives optimizers (as graphstep/hooks/weak_hooks.py): the hooks reach an optimizer only through
+weak references, and go with it (``GradHooks``). Under DDP the main-grad stage runs after backward instead
+(``GradHooks.postpone``).
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -75,13 +72,21 @@ def _remove_all(handles: dict) -> None:
 
 
 class GradHooks:
-    """One optimizer's post-accumulate-grad hooks: at most one per param, registered at its first listener."""
+    """One optimizer's post-accumulate-grad hooks: at most one per param, registered at its first listener.
+
+    The hook on a param reaches this dispatcher only through a weak reference, and the dispatcher reaches each
+    listener's owner and the param's buffers only through weak references too. So the model never keeps a
+    dropped optimizer's buffers alive; a hook that fires after an owner died skips that owner; and collecting
+    the dispatcher (it lives as long as its optimizer) removes its hooks. An owner's ``remove`` (the engine's
+    ``close()``) drops its listeners, and a param left without any loses its hook, so later backwards pay
+    nothing for it."""
 
     def __init__(self):
         # Keyed by id(param): the optimizer holds its params (param_groups, buffers) as long as it holds this,
         # so an id is never reused under it.
         self._entries: dict[int, _ParamEntry] = {}
         self._handles: dict[int, Any] = {}
+        self._postponed: dict[str, Callable[[], None]] = {}  # stage -> what a hook calls instead of its listener
         weakref.finalize(self, _remove_all, self._handles)  # holds the handles, never this object
 
     def listen(self, stage: str, buffers, index: int, owner: Any, method: str, *args) -> None:
@@ -113,6 +118,37 @@ class GradHooks:
                 del self._entries[key]
                 self._handles.pop(key).remove()
 
+    def postpone(self, stage: str, arrived: Callable[[], None]) -> None:
+        """From now on a param's hook skips ``stage``'s listener and calls ``arrived()`` instead; the listeners run
+        from ``run_postponed``. Only for a stage whose later stages do not read what it writes.
+
+        torch's DistributedDataParallel averages ``.grad`` after these hooks ran (its reducer's hooks follow a
+        param's post-accumulate-grad hooks), so under DDP the main-grad stage must not take the half grad out of
+        ``.grad`` in backward: graphstep/hooks/ddp.py postpones it and runs it once DDP wrote the averaged grads
+        back. The stages after it then run before it; under DDP they read nothing it writes (the fold only marks
+        its sums stale, for the step to fold; the overlap is refused with DDP)."""
+        if stage not in _STAGE_NAMES:
+            raise ValueError(f"graphstep: unknown grad-hook stage {stage!r}: one of {_STAGE_NAMES}")
+        self._postponed[stage] = arrived
+
+    def listening(self, stage: str) -> bool:
+        """Whether any param has a ``stage`` listener."""
+        return any(stage in entry.listeners for entry in self._entries.values())
+
+    def run_postponed(self, stage: str) -> None:
+        """Run ``stage``'s listener for every param that has a ``.grad`` now and is still owned (as its hook would
+        have, stage by stage). Outside any hook: from a callback at the end of backward."""
+        owned_stage = STAGES[_STAGE_NAMES.index(stage)].owned
+        for entry in list(self._entries.values()):
+            listener = entry.listeners.get(stage)
+            buffers = entry.buffers()
+            if listener is None or buffers is None:
+                continue
+            param = buffers.params[entry.index]
+            if param.grad is None or (owned_stage and not entry.owned_by_buffers(param)):
+                continue
+            listener(param)
+
     def stages_of(self, param: torch.nn.Parameter) -> tuple[str, ...]:
         """The stages listening to ``param``, in the order its hook runs them (for tests and debugging)."""
         entry = self._entries.get(id(param))
@@ -132,5 +168,9 @@ class GradHooks:
                     owned = entry.owned_by_buffers(param)
                 if not owned:
                     continue
+            postponed = self._postponed.get(stage.name)
+            if postponed is not None:  # its listener runs later, from run_postponed
+                postponed()
+                continue
             listener(param)
 
