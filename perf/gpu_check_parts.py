@@ -3,7 +3,8 @@
 The order puts what settles correctness first, so that if the machine runs out of time the cut falls on
 speed: preflight, the CUDA tests, the bitwise eager-vs-captured rows, the negative control, memory,
 pinned-thread, NCCL and multi-rank, the optimizer families (the precision-aware optimizer and offload among
-them), fp8, FSDP2, then the profile CLI and the speed rows.
+them), fp8, FSDP2, the whole iteration captured (bitwise, then its time), then the profile CLI and the speed
+rows.
 
 Limits and expectations are for one H100 from a cold inductor cache, all parts in one worker process (its
 torch import and CUDA context paid once, in the preflight). The expectations come from the CPU dry run's
@@ -72,6 +73,10 @@ PARTS = (
          ("family-fp8",)),
     Part("fsdp2", "gpu_check_fsdp2", "part_fsdp2", True, 20, 8,
          "a one-rank FSDP2 mesh: init, 2 runs of 12 steps", ("fsdp2-one-rank-captured-vs-eager",)),
+    Part("iteration", "gpu_check_iteration", "part_iteration", True, 10, 5,
+         "a 4-layer narrow GPT, 4 micro-batches: 2 runs of 12 iterations and 3 evaluations (a third where they "
+         "differ), then 10 interleaved rounds of 5 iterations, eager and captured",
+         ("iteration-captured-vs-eager-bitwise", "iteration-captured-vs-eager-time")),
     Part("profile-cli", "gpu_check_env", "part_profile_cli", False, 20, 12,
          "graphstep profile: its own interpreter, 5 steps", ("graphstep-profile-capture-graph",)),
     Part("kernels", "gpu_check_speed", "part_kernels", True, 20, 10,

@@ -25,17 +25,18 @@ import gpu_check_runner  # noqa: E402
 
 # The parts in the order the check runs them: correctness first, so that a time cut falls on speed.
 ORDER = ["preflight", "cuda-tests", "bitwise", "recapture", "negative-control", "memory", "pinned-thread", "nccl",
-         "multi", "families", "offload", "fp8", "fsdp2", "profile-cli", "kernels", "speed", "fold"]
+         "multi", "families", "offload", "fp8", "fsdp2", "iteration", "profile-cli", "kernels", "speed", "fold"]
 # Every row; the ones that only mean something on a GPU are skipped in the dry run.
 GPU_ONLY = {"pytest-tests-cuda", "replay-without-host-sync", "captured-10k-tensors-vs-flat", "flat-64M-vs-hbm-floor",
             "memory-flat-over-10-recaptures", "capture-with-pinned-memory-thread", "nccl-world1-collectives-captured",
             "graphstep-profile-capture-graph", "offload-pinned-and-memory",
             "fold-step-vs-fused-floor", "fold-backward-plus-step", "default-step-vs-torch-amp",
-            "default-step-vs-adamw-fused-clip"}
+            "default-step-vs-adamw-fused-clip", "iteration-captured-vs-eager-time"}
 CPU_RUNNABLE = {f"bitwise-{p}-{k}" for p in ("fp32", "bf16", "fp16") for k in ("fused", "compiled")} | {
     "preflight", "preflight-torch-private-api", "bitwise-negative-control", "forced-recapture", "cpu-time-per-replay",
     "kernels-per-replay-independent-of-tensor-count", "kernels-negative-control", "offload-eager-vs-captured",
-    "offload-vs-device-only", "offload-overlap", "fsdp2-one-rank-captured-vs-eager"}
+    "offload-vs-device-only", "offload-overlap", "fsdp2-one-rank-captured-vs-eager",
+    "iteration-captured-vs-eager-bitwise"}
 # Rows for features: they run where OptimizerConfig accepts them, else skip saying so.
 FEATURE_ROWS = {"family-muon", "family-fp8", "family-offload", "family-precision-aware"}
 # Two or more ranks: skipped in the default run, saying why; ``--multi`` runs them (two gloo ranks with --cpu).

@@ -1,25 +1,13 @@
-"""``graphstep`` on the command line: one function per subcommand.
+"""``graphstep`` on the command line: one function per subcommand (``demo``, ``profile``, ``bench``, ``config``)
+and ``main``, which parses the arguments and routes them. docs/command-line.md says what each subcommand does;
+``graphstep COMMAND --help`` lists its flags and defaults.
 
-    graphstep --version
-    graphstep demo    [--steps 200] [--preset tiny] [--precision fp32|bf16|fp16|fp8] [--moments fp32|bf16|fp16|fp8]
-                      [--capture both|eager|graph|auto]
-                      [--optimizer adam|sgd|muon] [--qk-clip] [--world-size 1] [--batch-size 16] [--seed 0] [--lr ...]
-                      [--log-every ...] [--out DIR] [--threads N] [--device auto]
-    graphstep profile [--steps 10] [--preset tiny] [--capture eager|graph] [--precision ...] [--out DIR]
-                      [--device auto]
-    graphstep bench   [flags of the optimizer-step benchmark, graphstep.app.bench] [--device auto]
-    graphstep config  --list
-
-``demo`` trains the built-in GPT (graphstep.app.models) on its synthetic corpus with the engine, by default
-twice, eager and captured (same seed, same batches); it says up front roughly how long that takes and
-where its output goes, shows a progress bar, writes a loss-curve PNG (matplotlib, the ``app`` extra) and
-prints a summary table; the two runs must be bitwise equal (exit status 1 if not). The training loop is in
-demo.py, the table and the plot in demo_report.py, the ranks of ``--world-size N`` in demo_dist.py.
-``profile`` runs profiling.run_profile. Without ``--out`` both write to options.default_out_dir: out/<kind>
-from the root of a checkout (git ignores out/), else the system temp dir. ``--device`` is one definition
-(options.add_device_argument) in all three, default "auto": the accelerator torch finds, else the CPU;
-the demo's gloo ranks (``--world-size`` > 1) train on the CPU unless it names another device. ``config --list``
-prints every OptimizerConfig field, its default and meaning (graphstep/config/reference.py; docs/config.md).
+``profile`` runs profiling.run_profile; ``bench`` hands every argument to graphstep.app.bench's own parser;
+``config --list`` prints every OptimizerConfig field, its default and meaning (graphstep/config/reference.py;
+docs/config.md). Without ``--out``, ``demo`` and ``profile`` write to options.default_out_dir: out/<kind> from
+the root of a checkout (git ignores out/), else the system temp dir. ``--device`` is one definition
+(options.add_device_argument) in ``demo``, ``profile`` and ``bench``, default "auto": the accelerator torch
+finds, else the CPU; the demo's gloo ranks (``--world-size`` > 1) train on the CPU unless it names another device.
 """
 
 
@@ -101,6 +89,11 @@ def settings_from(args: argparse.Namespace) -> DemoSettings:
 
 
 def cmd_demo(args: argparse.Namespace, out=None) -> int:
+    """Train the built-in GPT (graphstep.app.models) on its synthetic corpus with the engine, by default twice,
+    eager and captured (same seed, same batches). Says up front roughly how long that takes and where its
+    output goes, shows a progress bar, writes a loss-curve PNG (matplotlib, the ``app`` extra) and prints a
+    summary table; exit status 1 when the runs are not bitwise equal. The training loop is in demo.py, the
+    table and the plot in demo_report.py, the ranks of ``--world-size N`` in demo_dist.py."""
     from .demo_report import compare, plot_losses, summary_table
 
     out = out or sys.stdout
@@ -116,7 +109,8 @@ def cmd_demo(args: argparse.Namespace, out=None) -> int:
         torch.set_num_threads(args.threads)
     elif world == 1 and torch.device(settings.device).type == "cpu" and torch.get_num_threads() > 1:
         busy = _busy_cores()
-        if busy:  # measured on 2 shared cores: 2 threads 10-15x slower per step than 1 (and ~8x the CPU time)
+        # With another job on a core, the threads wait on each other at every parallel op (docs/perf-notes.md).
+        if busy:
             notes.append(f"{busy}, so 1 intra-op thread: {torch.get_num_threads()} would wait on each other for "
                          f"many times the step time while another job holds a core (--threads N to choose)")
             torch.set_num_threads(1)
@@ -244,6 +238,12 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
                         help="eager shows one range per stage; graph one range per replayed step (default eager)")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="default fp32")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step (default 8)")
+    parser.add_argument("--scope", choices=SCOPES, default="step",
+                        help="'step' (default): the loop calls opt.step(); 'iteration': graphstep.Iteration runs "
+                             "forward, backward and step (eager: a range per micro-batch's forward and backward "
+                             "and one around the step; graph: one range per replay)")
+    parser.add_argument("--micro-batches", type=positive_int, default=2,
+                        help="--scope iteration: micro-batches each batch is split into (default 2)")
     parser.add_argument("--out", default=None, help=out_help("profile", "trace.json"))
     add_device_argument(parser)
 
@@ -253,7 +253,7 @@ def cmd_profile(args: argparse.Namespace, out=None) -> int:
 
     run_profile(steps=args.steps, preset=args.preset, capture=args.capture, precision=args.precision,
                 batch_size=args.batch_size, out_dir=args.out, device=resolve_device(args.device),
-                out=out or sys.stdout)
+                out=out or sys.stdout, scope=args.scope, micro_batches=args.micro_batches)
     return 0
 
 

@@ -40,6 +40,11 @@ class IterationParts:
     """Inside the graph, after the last backward: the folded norm's sums the backward did not fold."""
     update: Callable[[], None]
     """Inside the graph: the optimizer's device step (the chain of stages), without profiler ranges."""
+    ranged_update: Callable[[], None]
+    """The same step with a profiler range per stage while ``opt.ranges`` is on: what eager iterations run."""
+    take_back: Callable[[], list]
+    """Host side, before an evaluation: params and buffers replaced by the user taken back into the static
+    buffers (``prepare``'s part of it, without the step's checks and refresh). Returns the names taken back."""
     after_update: Callable[[], None]
     """Inside the graph, last (host bookkeeping only)."""
     baked: Callable[[], tuple]
@@ -85,7 +90,9 @@ def parts_over(build, live: Callable[[], pre_step.LiveValues], stepped: Callable
         build.fold.after_step(stacklevel=6)
 
     return IterationParts(prepare=prepare, zero_grads=zero_grads, before_update=before_update,
-                          update=chain(build.stages), after_update=after_update, baked=baked_values(build.stages),
+                          update=chain(build.stages), ranged_update=chain(build.stages, ranges=build.ranges),
+                          take_back=lambda: _bind_buffers(build), after_update=after_update,
+                          baked=baked_values(build.stages),
                           static_inputs=lambda: {"hyperparameters": build.hyper.values, **build.tensors.named(),
                                                  **{k: v for d in build.domains for k, v in d.addresses().items()}},
                           agree=_agreement(build, model) if captures else None)

@@ -1,28 +1,15 @@
 """``graphstep.Iteration``: the whole training iteration (every micro-batch's forward and backward, the
-data-parallel reduce, clip, skip and update) as one captured graph, with an eager twin running the same code.
+data-parallel reduce, clip, skip and update) as one captured graph, with an eager twin running the same code;
+``Iteration.evaluate``: the forward only, captured the same way (evaluation.py).
 
-    opt = gs.get_optimizer(config, model)
-    def loss_fn(model, batch):                     # your forward: returns the micro-batch's mean loss
-        inputs, targets = batch
-        return model(inputs, targets)
-    iteration = gs.Iteration(model, opt, loss_fn)  # capture: as config.capture, or capture="graph"|"eager"|"auto"
-    for micro_batches in data:                     # a list of micro-batches (or iteration(batch=...) for one)
-        result = iteration(micro_batches)          # device tensors: loss, grad_norm, update_successful; no sync
-        sched.step()
-
-What one call runs (the function a capture records): every grad zeroed in place; for each of the k
-micro-batches its forward (``loss_fn``) and backward of ``opt.scale_loss(loss / k)``, all but the last under
-``opt.no_sync()`` (and DDP's ``no_sync()``), so grads are reduced once, after the last; the optimizer's step.
-``result.loss`` is the mean of the k losses, unscaled. The batch is copied first into static tensors of its
-signature (``inputs.py``); each signature (shapes, dtypes, number of micro-batches, the model's train/eval
-flags) gets its own graph, captured on first sight after ``warmup`` eager runs, and at most ``max_graphs``
-are kept: one more is refused, never padded.
-
-Before each run, on the host: the optimizer's checks and hyperparameter refresh (schedules work as with
-``opt.step()``), then what would make a graph stale: params replaced by the user (taken back into the static
-buffers), a value the step bakes in (a fused kernel's betas or weight decay), a module hook added or removed.
-Each makes every graph capture again (after one eager run), with a warning. A host sync in ``loss_fn`` (an
-``.item()``, ``if loss > x:``) cannot be captured: the capture refuses it, naming the line.
+One call zeroes every grad in place, runs each of the k micro-batches' ``loss_fn`` and the backward of
+``opt.scale_loss(loss / k)`` (all but the last under ``opt.no_sync()`` and DDP's ``no_sync()``, so grads are
+reduced once), then the optimizer's step. The batch is first copied into static tensors of its signature
+(inputs.py: shapes, dtypes, the number of micro-batches; with the model's train/eval flags): each signature gets
+its own graph, captured on first sight after ``warmup`` eager runs, up to ``max_graphs``; one more is refused,
+never padded. Before each run, on the host: the optimizer's checks and hyperparameter refresh, then what would
+make a graph stale (params replaced by the user, a value the step bakes in, a module hook added or removed),
+each making every graph capture again, with a warning. A host sync in ``loss_fn`` is refused, naming the line.
 """
 from __future__ import annotations
 
@@ -38,6 +25,7 @@ import capture
 from capture.baked import BakedValues
 from capture.devices import backend_for, device_scope, is_cuda
 
+from .evaluation import StaticOutputs, evaluation_fn
 from .inputs import StaticBatch, describe, signature
 from .model_watch import ModelWatch
 
@@ -48,6 +36,11 @@ DEFAULT_MAX_GRAPHS = 8
 RECAPTURE_WARMUP = 1
 # Recaptures in a row with no replay between: something the graph reads changes at every iteration.
 RECAPTURE_WARNING_STREAK = 3
+# What runs a signature: a training iteration, or an evaluation (graphstep/iteration/evaluation.py); each kind's
+# profiler range around every call, eager or replayed.
+TRAIN, EVALUATE = "train", "evaluate"
+RANGE_NAMES = {TRAIN: "graphstep.iteration", EVALUATE: "graphstep.evaluate"}
+_NO_RANGE = contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -62,10 +55,13 @@ class IterationResult:
 
 
 class _Entry:
-    """One signature's static batch and graph."""
+    """One signature's static batch, the function its graph records, the graph, and (evaluations) its outputs."""
 
-    def __init__(self, batch: StaticBatch, graph: "capture.Graph", k: int):
-        self.batch, self.graph, self.k = batch, graph, k
+    def __init__(self, kind: str, batch: StaticBatch, k: int):
+        self.kind, self.batch, self.k = kind, batch, k
+        self.outputs = StaticOutputs() if kind == EVALUATE else None
+        self.fn: Callable[[], None] = lambda: None
+        self.graph: Optional[capture.Graph] = None
 
 
 class Iteration:
@@ -76,17 +72,29 @@ class Iteration:
     capture:    "graph" (a CUDA graph on CUDA, the replay backend elsewhere), "eager" (the same code, never
                 captured) or "auto" (captured on CUDA, eager elsewhere); default: the optimizer's config.capture
     warmup:     eager runs of each signature before its capture; default: config.capture_warmup_steps
-    max_graphs: signatures kept (each its graph and static inputs); one more is refused
+    max_graphs: signatures kept (each its graph and static inputs), training and evaluation together; one more
+                is refused
+    eval_fn:    ``eval_fn(model, batch) -> tensor or nest of tensors``, what ``evaluate`` runs (default: loss_fn)
+
+    Profiling: while ``optimizer.ranges.enabled``, each call runs in a range "graphstep.iteration" (evaluations:
+    "graphstep.evaluate"); an eager call (eager mode, the warm-up) also has a range per micro-batch's forward
+    and backward and one around the step, with the step's stage ranges in it. A replay is that one range: the
+    graph replays no Python.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], *,
                  capture: Optional[str] = None, warmup: Optional[int] = None, max_graphs: int = DEFAULT_MAX_GRAPHS,
-                 name: str = "graphstep.iteration"):
+                 name: str = "graphstep.iteration",
+                 eval_fn: Optional[Callable[[torch.nn.Module, Any], Any]] = None):
         if not callable(loss_fn):
             raise TypeError(f"graphstep.Iteration: loss_fn must be callable (model, batch) -> loss, got {loss_fn!r}")
+        if eval_fn is not None and not callable(eval_fn):
+            raise TypeError(f"graphstep.Iteration: eval_fn must be callable (model, batch) -> tensors, got {eval_fn!r}")
         if not isinstance(max_graphs, int) or max_graphs < 1:
             raise ValueError(f"graphstep.Iteration: max_graphs must be a positive int, got {max_graphs!r}")
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.eval_fn = loss_fn if eval_fn is None else eval_fn
+        self._ranged = False  # whether the call running now is eager with profiler ranges on
         self.device = optimizer.device
         mode = optimizer.config.capture if capture is None else capture
         self._backend, reason = backend_for(self.device, mode)
@@ -141,38 +149,66 @@ class Iteration:
                             "one batch as batch=...")
         with torch.no_grad():
             replaced = self._parts.prepare()
-        key = (signature(micro_batches), self._watch.mode())
-        entry = self._graphs.get(key)
-        if entry is None:
-            entry = self._add(key, micro_batches)
-        self._settle_staleness(replaced, entry)
-        entry.batch.copy_in(micro_batches)
-        with device_scope(self.device):
-            self._run(entry)
+        self._run_signature(TRAIN, micro_batches, replaced)
         return self.result
 
-    def _add(self, key: tuple, micro_batches: Sequence[Any]) -> _Entry:
+    def evaluate(self, batch: Any) -> Any:
+        """Run ``eval_fn(model, batch)`` under ``torch.no_grad()``: the forward only (no grads touched, no step),
+        with the model in the mode it is in (call ``model.eval()`` first for dropout off). Captured like
+        training, a graph per signature; the first evaluation of a signature runs eagerly. Returns what
+        ``eval_fn`` returned, as static device tensors that the next evaluation of this signature overwrites
+        (clone what you keep; no host sync). With several ranks every rank must call it at the same time."""
+        with torch.no_grad():
+            replaced = self._parts.take_back()
+        entry = self._run_signature(EVALUATE, [batch], replaced)
+        return entry.outputs.result
+
+    def _run_signature(self, kind: str, micro_batches: Sequence[Any], replaced: list) -> _Entry:
+        key = (signature(micro_batches), self._watch.mode(), kind)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._add(key, kind, micro_batches)
+        self._settle_staleness(replaced, entry)
+        with device_scope(self.device):
+            entry.batch.copy_in(micro_batches)
+            self._run(entry)
+        return entry
+
+    def _add(self, key: tuple, kind: str, micro_batches: Sequence[Any]) -> _Entry:
         if len(self._graphs) >= self.max_graphs:
-            seen = "; ".join(describe(k[0]) for k in self._graphs)
+            seen = "; ".join(f"{describe(k[0])}{' (evaluation)' * (k[2] == EVALUATE)}" for k in self._graphs)
             raise RuntimeError(f"graphstep.Iteration: a new input signature ({describe(key[0])}, "
                                f"{len(micro_batches)} micro-batches) would be graph {len(self._graphs) + 1}, over "
                                f"max_graphs={self.max_graphs} (seen: {seen}). Bucket sequence lengths into fewer "
                                "shapes, drop or pad the last partial batch yourself, or raise max_graphs (each graph "
                                "keeps its static inputs)")
         static = StaticBatch(micro_batches, self.device)
-        entry = _Entry(static, None, len(micro_batches))  # type: ignore[arg-type]
+        entry = _Entry(kind, static, len(micro_batches))
+        if kind == EVALUATE:
+            # At least one eager run: it allocates the outputs, outside the pool a training replay reuses.
+            entry.fn = evaluation_fn(self.model, self.eval_fn, static, entry.outputs,
+                                     lambda: self._range("graphstep.forward"))
+            warmup, outputs = max(self._warmup, 1), entry.outputs.named
+        else:
+            entry.fn, warmup, outputs = self._iteration_fn(entry), self._warmup, lambda: {"loss": self._loss}
         entry.graph = capture.graph(
-            self._iteration_fn(entry), warmup=self._warmup, backend=self._backend, pool=self._pool,
+            entry.fn, warmup=warmup, backend=self._backend, pool=self._pool,
             static_inputs=lambda: {**self._parts.static_inputs(), **static.named("batch"),
-                                   **self._watch.named_buffers(), "loss": self._loss},
-            name=f"{self.name}[{describe(key[0])}]", allow_rng=True, device=self.device,
+                                   **self._watch.named_buffers(), **outputs()},
+            name=f"{self.name}{'.evaluate' * (kind == EVALUATE)}[{describe(key[0])}]", allow_rng=True,
+            device=self.device,
             stale_hint="the iteration captures again by itself when params are replaced; call iteration.recapture() "
                        "after replacing other tensors it reads")
         self._graphs[key] = entry
         return entry
 
+    def _range(self, name: str):
+        """A profiler range inside the function a graph records: only on an eager call (a capture records the
+        function without them)."""
+        return self.optimizer.ranges(name) if self._ranged else _NO_RANGE
+
     def _iteration_fn(self, entry: _Entry) -> Callable[[], None]:
-        parts, model, loss_fn, loss_sum = self._parts, self.model, self.loss_fn, self._loss
+        parts, model, loss_fn, loss_sum, ranged = self._parts, self.model, self.loss_fn, self._loss, self._range
         scale_loss, no_sync = self.optimizer.scale_loss, self._no_sync
 
         def iteration() -> None:
@@ -181,15 +217,17 @@ class Iteration:
             micro_batches, k = entry.batch.micro_batches, entry.k
             for i, micro_batch in enumerate(micro_batches):
                 with no_sync() if i < k - 1 else contextlib.nullcontext():
-                    loss = loss_fn(model, micro_batch)
-                    _check_loss(loss)
-                    loss_sum.add_(loss.detach())
-                    scale_loss(loss / k if k > 1 else loss).backward()
+                    with ranged("graphstep.forward"):
+                        loss = loss_fn(model, micro_batch)
+                        _check_loss(loss)
+                        loss_sum.add_(loss.detach())
+                    with ranged("graphstep.backward"):
+                        scale_loss(loss / k if k > 1 else loss).backward()
             if k > 1:
                 loss_sum.div_(k)
-            with torch.no_grad():
+            with torch.no_grad(), ranged("graphstep.step"):
                 parts.before_update()
-                parts.update()
+                (parts.ranged_update if self._ranged else parts.update)()
             parts.after_update()
 
         return iteration
@@ -207,16 +245,28 @@ class Iteration:
             yield
 
     def _run(self, entry: _Entry) -> None:
+        with self.optimizer.ranges(RANGE_NAMES[entry.kind]):
+            self._run_graph(entry)
+
+    def _call(self, graph: "capture.Graph") -> None:
+        """One call of ``graph``; profiler ranges inside only where it runs the function eagerly."""
+        self._ranged = self.optimizer.ranges.enabled and not graph.captured and not graph.capture_due
+        try:
+            graph()
+        finally:
+            self._ranged = False
+
+    def _run_graph(self, entry: _Entry) -> None:
         graph = entry.graph
         was_captured, capturing = graph.captured, graph.capture_due
         try:
-            graph()
+            self._call(graph)
         except capture.StaleInputError as error:
             # A tensor the graph reads moved without the engine seeing it (a model buffer replaced, say): capture
             # again over the current tensors; the replay refused before running anything.
             logger.warning("graphstep: a tensor the captured iteration reads moved; capturing again: %s", error)
             self._invalidate_all("a tensor the captured iteration reads moved")
-            graph()
+            self._call(graph)
             was_captured = False
         except capture.CaptureError as error:
             if not (capturing and self._auto and not graph.capture_runs_ops):
@@ -224,7 +274,7 @@ class Iteration:
             logger.warning("graphstep: capture='auto' could not capture the iteration (%s); it runs eagerly",
                            (str(error).splitlines() or [""])[0])
             self._to_eager()
-            entry.graph()
+            self._call(entry.graph)
             return
         if was_captured and graph.captured:
             self._streak = 0  # a replay went through
@@ -272,7 +322,7 @@ class Iteration:
     def _to_eager(self) -> None:
         for entry in self._graphs.values():
             entry.graph.close()
-            entry.graph = capture.graph(self._iteration_fn(entry), backend="eager", name=self.name)
+            entry.graph = capture.graph(entry.fn, backend="eager", name=self.name)
         self._backend = "eager"
 
     def recapture(self) -> None:
