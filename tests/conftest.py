@@ -7,7 +7,7 @@ The shared helpers live in importable modules next to this file, one copy each:
 - ``_ports.py``: ``free_port()``, the one free-port lookup for a gloo rendezvous on 127.0.0.1;
 - ``distributed/_harness.py``: ``spawn``, the one way a test starts gloo ranks, bounded in time;
 - ``_source.py``: the line a marker stands on in a test's own source (capture's findings name it);
-- ``_kernel_pin.py``: ``kernel="auto"`` runs as "fused" in tests not marked ``default_kernel``;
+- ``_auto_kernel.py``: the default kernel's verdict as tests check it (``auto_as_large``);
 - ``_dispatched.py``: ``DispatchedOps``, the operators a block sends to the dispatcher.
 
 This conftest puts tests/ on ``sys.path`` (pytest does so for a conftest's folder), so ``import toy``
@@ -24,8 +24,6 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from _kernel_pin import pin_auto_to_fused
-
 sys.path.append(str(Path(__file__).parent / "distributed"))
 
 # CI (CI=true): the property tests draw the same examples every run and have no per-example deadline, so
@@ -36,26 +34,23 @@ if os.environ.get("CI"):
 
 
 @pytest.fixture(autouse=True)
-def _auto_kernel_is_fused_unless_marked(request, monkeypatch):
-    # Compiling in every test would cost minutes of CI; the default's own tests are marked (_kernel_pin.py).
-    if request.node.get_closest_marker("default_kernel") is None:
-        pin_auto_to_fused(monkeypatch.setattr)
-    else:
+def _auto_kernel_judges_small_as_large_where_marked(request, monkeypatch):
+    # Tests run kernel="auto" for real: their small models run "fused", as a user's do. Tests of the compiled
+    # choice mark themselves ``auto_as_large``: their model stands for a large one, and "auto" probes afresh in
+    # this process (a verdict remembered on the machine would skip their probes).
+    if request.node.get_closest_marker("auto_as_large") is not None:
         from graphstep.kernels import auto
 
-        # The default's tests build small models standing for large ones: "auto" compiles for any size, and
-        # probes afresh in this process (a verdict remembered on the machine would skip their probes).
         monkeypatch.setattr(auto, "COMPILE_MIN_NUMEL", 0)
         monkeypatch.setattr(auto, "verdict_file", lambda: None)
 
 
-
 @pytest.fixture(autouse=True)
-def _fold_units_of_one_row_unless_marked(request, monkeypatch):
-    # The test models are far smaller than a fold unit: at the real sizes none of their params would be
-    # folded in backward. Units of one row, every one folded by hooks, make them exercise the backward fold
-    # the way large models do; tests of the real sizes are marked ``default_fold_units``.
-    if request.node.get_closest_marker("default_fold_units") is None:
+def _fold_units_of_one_row_where_marked(request, monkeypatch):
+    # Tests run the folded norm's real unit sizes, at which a test model's params are too small to be folded
+    # in backward (the step folds them). Tests of the backward fold itself mark themselves ``small_fold_units``:
+    # units of one row, every param folded by hooks, as large models' params are.
+    if request.node.get_closest_marker("small_fold_units") is not None:
         from graphstep.step import folded_sums
 
         monkeypatch.setattr(folded_sums, "UNIT_ROWS", 1)

@@ -133,6 +133,7 @@ def paper_twin_step(twin, opt, states, step_count):
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.small_fold_units
 def test_engine_equals_the_paper_bitwise_under_one_cycle_lr_and_the_papers_warmups(mode):
     net = tiny_transformer()
     twin = copy.deepcopy(net)
@@ -318,10 +319,10 @@ def test_kernel_compiled_runs_the_compiled_twin_captured_bitwise(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
-@pytest.mark.default_kernel
+@pytest.mark.auto_as_large
 def test_auto_kernel_runs_the_compiled_twin_where_torch_compile_works():
     # AdEMAMix has its own kernels module, with a compiled twin: "auto" probes as for Adam.
-    from _kernel_pin import assert_compiled_unless_inductor_cannot_compile
+    from _auto_kernel import assert_compiled_unless_inductor_cannot_compile
 
     opt = ademamix_engine(tiny_transformer(), kernel="auto")
     assert_compiled_unless_inductor_cannot_compile(opt.kernel_choice)

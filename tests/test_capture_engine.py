@@ -15,7 +15,7 @@ from graphstep.step import compiled_scalar_math
 # The capture tests run the default kernel (kernel="auto": "compiled" here), as users do: a capture that would
 # compile, or a variant first needed at a recapture, fails here as it would on a GPU. Tests of the fused
 # kernel's own behaviour pass kernel="fused".
-pytestmark = pytest.mark.default_kernel
+pytestmark = pytest.mark.auto_as_large
 
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True, "initial_loss_scale": 2.0**12,
                                                            "loss_scale_window": 7}}

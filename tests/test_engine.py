@@ -7,7 +7,7 @@ import torch
 
 import graphstep as gs
 from _engine import make_engine
-from _kernel_pin import assert_compiled_unless_inductor_cannot_compile
+from _auto_kernel import assert_compiled_unless_inductor_cannot_compile
 from _parity import assert_bitwise
 from toy import decay_groups, loss_fn, relative_drift, relative_error, tiny_transformer
 
@@ -76,7 +76,7 @@ def _train_torch_clipped_scaled(model, opt, steps, scale, clip):
         opt.step()
 
 
-@pytest.mark.default_kernel
+@pytest.mark.auto_as_large
 def test_default_step_with_clip_and_loss_scale_drifts_from_torch_amp_no_more_than_torchs_own_for_loop():
     # The default kernel ("auto") is "compiled" here (or "fused" where torch.compile cannot compile: its documented
     # fallback); a user who changes nothing gets it, so its parity with torch's clipped, loss-scaled AdamW is

@@ -166,7 +166,7 @@ def test_grad_scaler_at_2_127_is_the_unscaled_run_bitwise(optimizer, kernel):
     _assert_bitwise(model, reference, f"{optimizer}/{kernel} under GradScaler at 2**127")
 
 
-@pytest.mark.default_kernel
+@pytest.mark.auto_as_large
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 def test_compiled_kernel_under_2_127_is_the_unscaled_run_bitwise(optimizer):
     reference, _ = family_run(optimizer, "compiled")

@@ -1,6 +1,6 @@
 """fold_grad_norm on one rank: each buffer's rows folded a unit at a time by the hook of the unit's last
-param to arrive (graphstep/step/folded_sums.py; these tests fold units of one row, tests/conftest.py, except
-those marked ``default_fold_units``).
+param to arrive (graphstep/step/folded_sums.py; the tests marked ``small_fold_units`` fold units of one row,
+tests/conftest.py, the others run the real unit sizes).
 
 The oracle is the unfolded step, and the folded one equals it bitwise: the same rows normed by the same op,
 summed in the same order, so the same norm, skip decisions and params. The folded step is exact across
@@ -87,6 +87,7 @@ def backward_units(opt) -> int:
 
 @pytest.mark.parametrize("family", ["sgd", "adam"])
 @pytest.mark.parametrize("micro_batches", [1, 2, 3, 4])
+@pytest.mark.small_fold_units
 def test_folded_norm_is_the_unfolded_step_bitwise_with_grad_accumulation(micro_batches, family):
     changes = SGD if family == "sgd" else {}
     folded = train(True, micro_batches=micro_batches, **changes)
@@ -97,6 +98,7 @@ def test_folded_norm_is_the_unfolded_step_bitwise_with_grad_accumulation(micro_b
 
 
 @pytest.mark.parametrize("micro_batches", [2, 4])
+@pytest.mark.small_fold_units
 def test_no_sync_only_saves_folds_the_result_is_bitwise_the_same(micro_batches):
     marked = train(True, micro_batches=micro_batches)
     with pytest.warns(RuntimeWarning, match="more than once outside opt.no_sync"):
@@ -161,6 +163,7 @@ def test_bf16_params_fold_their_fp32_main_grads():
 
 # The output layer gets two backwards outside no_sync(): the unmarked-accumulation warning, expected here.
 @pytest.mark.filterwarnings("ignore:graphstep. fold_grad_norm. backward ran more than once")
+@pytest.mark.small_fold_units
 def test_grads_that_did_not_come_through_backward_are_folded_before_the_step():
     # Hand-written grads, a param unused in the last micro-batch, and a step with no backward at all: the
     # step folds every slot that is not current, so the norm is still that of the grads the update reads.
@@ -200,6 +203,7 @@ def test_model_zero_grad_to_none_then_backward_folds_the_fresh_grads():
     assert results[True][1]["before_step"] == 0
 
 
+@pytest.mark.small_fold_units
 def test_the_step_reads_only_the_folded_sums():
     # Poison a grad after backward folded it, through .data (which bypasses the version counter, so the fold
     # cannot see it): the step's norm is the folded one, not the poisoned grads'.
@@ -213,6 +217,7 @@ def test_the_step_reads_only_the_folded_sums():
 
 
 @pytest.mark.parametrize("change", ["mul_", "clip_grad_norm_", "small_param_add_"])
+@pytest.mark.small_fold_units
 def test_grads_changed_in_place_after_backward_are_folded_again(change):
     # Any in-place write to a grad bumps its buffer's version counter: the step refolds that buffer, so the
     # norm is that of the grads the update reads. "small_param_add_" writes a small (unhooked) param's grad.
@@ -238,6 +243,7 @@ def test_grads_changed_in_place_after_backward_are_folded_again(change):
     assert counts["before_step"] == counts["in_backward"] > 0  # every unit refolded, every step
 
 
+@pytest.mark.small_fold_units
 def test_debug_step_warns_naming_a_grad_changed_after_its_fold():
     model, opt = build(True)
     loss_fn(model, 0).backward()
@@ -333,7 +339,6 @@ def _vector_norms(block) -> int:
     return sum(name.startswith("aten.linalg_vector_norm") for name in ops.names)
 
 
-@pytest.mark.default_fold_units
 @pytest.mark.parametrize("count, numel, in_backward", [(2000, ROW, 0), (6, 2**20 + 100, 6)],
                          ids=["many-small", "few-large"])
 def test_the_fold_costs_one_op_per_unit_and_none_for_small_params(count, numel, in_backward):
@@ -356,7 +361,6 @@ def test_the_fold_costs_one_op_per_unit_and_none_for_small_params(count, numel, 
     assert norms[True] == norms[False]
 
 
-@pytest.mark.default_fold_units
 @pytest.mark.parametrize("backward", [True, False], ids=["backward", "grads-by-hand"])
 def test_ops_per_step_do_not_grow_with_the_number_of_params(backward):
     ops = []
@@ -406,6 +410,7 @@ def test_cpu_offload_with_the_folded_norm_is_bitwise_the_folded_step(changes, mo
     assert all(torch.equal(a, b) for a, b in zip(offloaded["params"], plain["params"]))
 
 
+@pytest.mark.small_fold_units
 def test_muon_with_the_folded_norm_is_the_unfolded_step():
     changes = dict(optimizer="muon", lr=0.02, muon_momentum=0.9, muon_fp32_matmul_prec="highest")  # no bf16 NS
     folded, plain = train(True, micro_batches=2, **changes), train(False, micro_batches=2, **changes)
@@ -413,6 +418,7 @@ def test_muon_with_the_folded_norm_is_the_unfolded_step():
     assert_same_as_unfolded(folded, plain)
 
 
+@pytest.mark.small_fold_units
 def test_fp8_weights_fold_their_main_grads_in_backward():
     from graphstep import fp8
 

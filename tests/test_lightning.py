@@ -182,6 +182,7 @@ REFOLD_WARNING = "fold_grad_norm: backward ran more than once outside opt.no_syn
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.small_fold_units
 def test_gradient_accumulation_is_torch_fused_adamw_bitwise(precision):
     # Lightning divides each micro-batch's loss by 2 and steps every second batch; the grads accumulate in
     # place in graphstep's grad buffer as in torch's .grad: bitwise equal. Lightning's plugins cannot tell
@@ -195,6 +196,7 @@ def test_gradient_accumulation_is_torch_fused_adamw_bitwise(precision):
 
 
 @pytest.mark.parametrize("batches", [BATCHES, BATCHES - 1], ids=["even-epoch", "odd-epoch"])
+@pytest.mark.small_fold_units
 def test_graphstep_accumulation_callback_folds_in_the_last_backward_only(batches):
     # GraphstepAccumulation runs the earlier micro-batches' backward under opt.no_sync(): no warning, every
     # fold in the last backward, none before a step after the first (a wrong guess of Lightning's rule leaves

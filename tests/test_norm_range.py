@@ -86,6 +86,7 @@ def own_scale_norms(model, opt, coeffs, steps=1):
 
 @pytest.mark.parametrize("scale", EXTREME, ids=scale_id)
 @pytest.mark.parametrize("fold", [True, False], ids=["folded", "unfolded"])
+@pytest.mark.small_fold_units
 def test_norm_under_an_extreme_own_loss_scale_is_clip_grad_norm_s_of_the_unscaled_grads(fold, scale):
     coeffs = coefficients(scale)
     model, opt = engine(loss_scale=scale, fold=fold)
@@ -171,6 +172,7 @@ def test_a_grad_scaler_scale_forced_far_down_between_steps_skips_instead_of_clip
 
 
 @pytest.mark.parametrize("scale", [2.0**-100, 2.0**127], ids=scale_id)
+@pytest.mark.small_fold_units
 def test_the_fold_leaves_the_grads_as_backward_wrote_them(scale):
     coeffs = coefficients(scale)
     model, opt = engine(loss_scale=scale)

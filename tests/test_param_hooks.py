@@ -52,6 +52,7 @@ def train(model, opt, steps: int = 3, first_step: int = 0) -> list:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.small_fold_units
 def test_every_param_has_one_hook_from_the_optimizer(name):
     model = mlp(name)
     opt = gs.get_optimizer(config(**CONFIGS[name]), model)
@@ -92,6 +93,7 @@ def test_the_listeners_run_in_the_declared_order_whatever_order_they_were_added_
         hooks.listen("offload", opt.buffers, 1, owners[0], "arrived", "offload")
 
 
+@pytest.mark.small_fold_units
 def test_an_engine_listens_in_the_declared_order():
     model = mlp("bf16_fold")
     opt = gs.get_optimizer(config(**CONFIGS["bf16_fold"]), model)
@@ -150,6 +152,7 @@ def test_a_dropped_optimizer_is_collected_and_leaves_no_hook(name, trained):
 
 
 @pytest.mark.parametrize("name", ["fp32_fold", "bf16_fold"])
+@pytest.mark.small_fold_units
 def test_a_second_optimizer_takes_the_params_over(name):
     model = mlp(name)
     first = gs.get_optimizer(config(**CONFIGS[name]), model)
@@ -162,6 +165,7 @@ def test_a_second_optimizer_takes_the_params_over(name):
 
 
 @pytest.mark.filterwarnings("ignore:graphstep. step.. ran before any backward")  # close() dropped that flag too
+@pytest.mark.small_fold_units
 def test_close_keeps_only_the_main_grads_hook_and_trains_as_before():
     # close() drops the fold's and the grads-seen listeners; the fp32 main grads still accumulate through the
     # one remaining hook, and a step folds the norm itself: bitwise the optimizer that was not closed.

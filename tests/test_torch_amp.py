@@ -74,6 +74,7 @@ def test_unclipped_amp_step_is_torch_fused_adamw_bitwise(unscale):
 
 
 @pytest.mark.parametrize("unscale", [False, True], ids=["scaler.step", "unscale_+step"])
+@pytest.mark.small_fold_units
 def test_graphsteps_clip_under_amp_tracks_torchs_unscale_and_clip_grad_norm(unscale):
     # torch: unscale_, clip_grad_norm_, fused AdamW; graphstep: its own clip_grad inside the step. With
     # unscale_ the grads are unscaled in place without a version bump: the folded norm must be refolded,

@@ -110,6 +110,7 @@ def test_eager_and_captured_steps_are_bitwise_equal_under_trainer(run):
     assert torch.equal(run("eager"), run("graph"))
 
 
+@pytest.mark.small_fold_units
 def test_grad_accumulation_under_trainer_tracks_trainers_default_adamw(tmp_path):
     # Trainer does not mark its earlier micro-batches with opt.no_sync(): the folded norm sees two backwards
     # a step, says so once, and from then on folds right before the step. The run still tracks Trainer's

@@ -48,7 +48,7 @@ def single_process() -> list:
 def scenarios(rank: int, world_size: int) -> dict:
     from graphstep.step import folded_sums
 
-    folded_sums.UNIT_ROWS, folded_sums.HOOK_MIN_ELEMENTS = 1, 1  # units of one row, as tests/conftest.py sets
+    folded_sums.UNIT_ROWS, folded_sums.HOOK_MIN_ELEMENTS = 1, 1  # units of one row, as small_fold_units (tests/conftest.py)
     rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
     out = {"reference": single_process(), "start": [p.detach().clone() for p in model().parameters()]}
 

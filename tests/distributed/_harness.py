@@ -59,8 +59,6 @@ def _adopt_environment(environ: dict) -> None:
 def _entry(rank: int, world_size: int, port: int, outdir: str, environ: dict, fn, args) -> None:
     _adopt_environment(environ)
     torch.set_num_threads(1)
-    from _kernel_pin import pin_auto_to_fused  # kernel="auto" runs as "fused" in ranks too (tests/_kernel_pin.py)
-    pin_auto_to_fused()
     import torch.distributed as dist
 
     path = os.path.join(outdir, f"rank{rank}.pkl")
