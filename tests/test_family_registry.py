@@ -177,6 +177,14 @@ def test_families_sharing_a_column_or_a_state_must_agree():
         families.check_registry([*FAMILIES.values(), dataclasses.replace(adam.FAMILY, name="fake")])
 
 
+
+def test_a_family_on_the_configured_kernels_names_the_entry_points_it_calls():
+    # The kernel contract names no family: each family says what it calls, each implementation what it offers.
+    with pytest.raises(ValueError, match="'fake': declare the entry points of the configured kernels"):
+        dataclasses.replace(FAMILIES["adam"], name="fake", aliases=(), entry_points=())
+    with pytest.raises(ValueError, match="'fake': declare the entry points"):
+        dataclasses.replace(FAMILIES["lion"], name="fake", entry_points=("sgd",))
+
 MUON_ONLY = {"takes", "scalar_family", "views", "check", "splits_fused_qkv", "updates_split_matrices_by_slice"}
 
 

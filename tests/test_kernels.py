@@ -1,15 +1,18 @@
 """Update kernels: fused and compiled against the reference, the reference against torch.optim, skips bitwise."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import graphstep as gs
+from graphstep import kernels as kernels_package
+from graphstep.families import FAMILIES, GroupViews, StepScalars
 from graphstep.kernels import auto, compiled, fused, get_kernels, reference
 from graphstep.step import compiled_scalar_math
 from _dispatched import DispatchedOps
-from _kernel_pin import assert_compiled_unless_inductor_cannot_compile
+from _auto_kernel import assert_compiled_unless_inductor_cannot_compile
 
 SIZES = [129, 1000, 64]
 
@@ -253,6 +256,60 @@ def test_get_kernels_names_choices():
         get_kernels("triton")
 
 
+
+# ---- the contract: an implementation offers entry points, a family names those it calls ------------------
+IMPLEMENTATIONS = {"fused": fused, "compiled": compiled, "reference": reference}
+
+
+@pytest.mark.parametrize("name", sorted(IMPLEMENTATIONS))
+def test_an_implementation_declares_the_entry_points_it_offers(name):
+    module = IMPLEMENTATIONS[name]
+    assert module.ENTRY_POINTS and all(function is getattr(module, entry)
+                                       for entry, function in module.ENTRY_POINTS.items())
+
+
+def _calls_only_its_entry_points(family):
+    """Run ``family``'s call through a stand-in implementation that offers only the entry points the family
+    declares: a call of any other one fails (AttributeError)."""
+    called = []
+    offered = {entry: (lambda *args, entry=entry, **kwargs: called.append(entry)) for entry in family.entry_points}
+    stand_in = SimpleNamespace(**offered, ENTRY_POINTS=offered, LIVE_FIELDS=frozenset())
+    config = gs.OptimizerConfig(optimizer=family.name)
+    views = GroupViews([torch.zeros(4)], [torch.zeros(4)], {n: [torch.zeros(4)] for n in family.state_names(config)})
+    hyper = {column: 0.5 for _, column in family.hyperparameters}
+    family.run(stand_in, [(views, hyper)], StepScalars(torch.ones(()), torch.zeros(())), config, None)
+    return called
+
+
+def test_each_family_on_the_configured_kernels_declares_the_entry_points_it_calls():
+    on_configured = [family for family in FAMILIES.values() if family.kernels is None]
+    assert on_configured
+    for family in on_configured:
+        assert family.entry_points, family.name
+        assert set(_calls_only_its_entry_points(family)) == set(family.entry_points), family.name
+        for name, module in IMPLEMENTATIONS.items():
+            assert set(family.entry_points) <= set(module.ENTRY_POINTS), (family.name, name)
+    # A family with a kernels module of its own asks nothing of the configured implementation.
+    assert all(not family.entry_points for family in FAMILIES.values() if family.kernels is not None)
+
+
+def test_an_implementation_lacking_an_entry_point_a_family_needs_is_refused(monkeypatch):
+    partial = SimpleNamespace(ENTRY_POINTS={"adam_groups": reference.adam_groups}, LIVE_FIELDS=reference.LIVE_FIELDS)
+    monkeypatch.setitem(kernels_package.IMPLEMENTATIONS, "reference", partial)
+    needing = [family for family in FAMILIES.values() if family.kernels is None
+               and not set(family.entry_points) <= set(partial.ENTRY_POINTS)]
+    assert needing
+    for family in needing:
+        config = gs.OptimizerConfig(optimizer=family.name, kernel="reference")
+        with pytest.raises(ValueError, match=rf"kernel='reference' offers no {family.entry_points[0]!r} entry point, "
+                                             rf"which {family.title}'s update calls"):
+            kernels_package.choose_kernels(config, CPU, [family])
+    # Families it offers everything for run on it.
+    config = gs.OptimizerConfig(kernel="reference")
+    offered = [family for family in FAMILIES.values() if family.kernels is not None
+               or set(family.entry_points) <= set(partial.ENTRY_POINTS)]
+    assert kernels_package.choose_kernels(config, CPU, offered)[0] is partial
+
 def test_compiled_kernel_layouts_of_many_view_counts_do_not_share_one_recompile_limit(monkeypatch):
     # Each view count compiles its own function: with a limit of 2 variants, four counts still run.
     # (Fresh functions, so that variants other tests compiled do not count here.)
@@ -272,7 +329,7 @@ def test_compiled_kernel_layouts_of_many_view_counts_do_not_share_one_recompile_
 CPU = torch.device("cpu")
 
 
-@pytest.mark.default_kernel
+@pytest.mark.auto_as_large
 def test_auto_runs_the_compiled_kernel_where_torch_compile_works(monkeypatch):
     # Probed afresh: a verdict another test took from the machine's remembered file carries no compile time.
     monkeypatch.setattr(auto, "_probed", {})
@@ -286,7 +343,7 @@ def test_auto_runs_the_compiled_kernel_where_torch_compile_works(monkeypatch):
         assert not works and why_not in choice.reason
 
 
-@pytest.mark.default_kernel
+@pytest.mark.auto_as_large
 def test_auto_falls_back_to_fused_with_one_warning_where_torch_compile_fails(monkeypatch):
     def no_compiler(device, hyper_dtype):
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
@@ -300,7 +357,7 @@ def test_auto_falls_back_to_fused_with_one_warning_where_torch_compile_fails(mon
     assert first.name == second.name == "fused" and "does not work" in second.reason
 
 
-@pytest.mark.default_kernel
+@pytest.mark.auto_as_large
 def test_auto_falls_back_to_fused_when_the_compiled_result_differs_from_the_reference(monkeypatch):
     monkeypatch.setattr(auto, "_probed", {})
     monkeypatch.setattr(compiled, "adam", lambda *args, **kwargs: None)  # a "miscompile": nothing updated
@@ -308,7 +365,7 @@ def test_auto_falls_back_to_fused_when_the_compiled_result_differs_from_the_refe
         assert auto.choose("auto", CPU, capture="eager", warmup_steps=3).name == "fused"
 
 
-@pytest.mark.default_kernel
+@pytest.mark.auto_as_large
 def test_compiled_set_explicitly_is_refused_at_build_where_its_result_differs_from_the_reference(monkeypatch):
     monkeypatch.setattr(auto, "_probed", {})
     monkeypatch.setattr(compiled, "adam", lambda *args, **kwargs: None)  # a "miscompile": nothing updated
@@ -338,7 +395,7 @@ def test_a_compile_error_at_the_first_call_says_what_to_build_with_instead():
         compiled.call_compiled(user_error, variant=("another variant never called before", object()))
 
 
-@pytest.mark.default_kernel
+@pytest.mark.auto_as_large
 def test_auto_probes_with_the_hyperparameter_dtype_the_step_will_use(monkeypatch):
     # A GPU step keeps fp32 hyperparameter tensors (fp64 only on the CPU): the probe must compile that variant.
     seen = []
@@ -363,7 +420,7 @@ def test_scalar_graphs_stay_eager_with_a_warning_where_inductor_lacks_their_opti
     assert compiled.missing_compile_options(compiled.COMPILE_OPTIONS) == []
 
 
-@pytest.mark.default_kernel
+@pytest.mark.auto_as_large
 def test_auto_picks_fused_without_probing_when_compiling_first_is_impossible_or_useless(monkeypatch):
     def must_not_probe(device):
         raise AssertionError("probed")
@@ -386,7 +443,7 @@ def test_compile_seconds_count_the_first_call_of_each_compiled_variant():
     assert after_first > before and compiled.compile_seconds() == after_first
 
 
-@pytest.mark.default_kernel
+@pytest.mark.auto_as_large
 def test_auto_runs_fused_without_probing_below_the_size_a_compile_pays_for(monkeypatch):
     def must_not_probe(device, hyper_dtype):
         raise AssertionError("probed")
@@ -403,9 +460,6 @@ def test_auto_runs_fused_without_probing_below_the_size_a_compile_pays_for(monke
 
 def test_a_small_model_builds_and_steps_without_compiling(monkeypatch):
     # The README's kind of model: the real default choice, no compile, no probe.
-    from _kernel_pin import _real_choose
-
-    monkeypatch.setattr(auto, "choose", _real_choose)
     monkeypatch.setattr(auto, "probe_compiled", lambda *args: pytest.fail("probed"))
     compiles = compiled.compile_seconds()
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10))
@@ -416,7 +470,7 @@ def test_a_small_model_builds_and_steps_without_compiling(monkeypatch):
     assert compiled.compile_seconds() == compiles
 
 
-@pytest.mark.default_kernel
+@pytest.mark.auto_as_large
 def test_a_passed_probe_is_remembered_across_processes_and_a_failed_one_is_not(monkeypatch, tmp_path):
     calls = []
 

@@ -236,3 +236,18 @@ def test_unclipped_groups_stay_bitwise_unchanged_for_every_threshold(alpha):
                 torch.testing.assert_close(q_factor, oracle_q, rtol=2e-7, atol=0)
                 torch.testing.assert_close(k_factor, oracle_k, rtol=2e-7, atol=0)
             assert not torch.equal(new_q[4:], wq[4:]) and not torch.equal(new_k[2:], wk[2:])  # group 1 clipped
+
+
+def test_qk_clip_lives_in_one_module_that_the_public_one_re_exports():
+    # The math, the registration and the step's stage in graphstep/step/qk_clip.py; gs.qk_clip is that module's.
+    from pathlib import Path
+
+    import graphstep as gs
+    from graphstep.step import qk_clip as owner
+    from graphstep.step.stages import Stage
+
+    assert gs.qk_clip.__all__ and all(getattr(gs.qk_clip, name) is getattr(owner, name)
+                                      for name in gs.qk_clip.__all__)
+    assert owner.build_stage.__annotations__["return"] in (Stage, "Stage")
+    stages = Path(owner.__file__).parent / "stages"
+    assert not [p.name for p in stages.glob("*.py") if "qk" in p.name]

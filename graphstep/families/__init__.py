@@ -1,34 +1,14 @@
 """Optimizer families: one module per update rule, and the registry every other module asks.
 
 Each family module (``adam.py``, ``sgd.py``, ``lion.py``, ``muon.py``, ``ademamix.py``) fills in one ``Family``
-(graphstep/families/base.py) with everything graphstep knows about its rule:
+(graphstep/families/base.py) with everything graphstep knows about its rule: name and aliases, options and their
+validation, param-group keys and torch defaults, MuP rule, hyperparameter fields (the live table's columns,
+``hyper_columns``), state and kernel call. Which hyperparameters are live device tensors and which are baked
+floats is the kernel module's ``LIVE_FIELDS``.
 
-- its **name** (``OptimizerConfig.optimizer``, a param group's ``optimizer`` key) and MuP **aliases**
-  (other spellings the config and the groups accept are ``_SPELLINGS`` below: "adamw");
-- its **options** (``MuonOptions``: a frozen dataclass, held by ``OptimizerConfig.muon``) and their
-  **validation** (run by graphstep/config/validation.py), and what it refuses as the config's family (fp16
-  params, fp64 main params, CPU offload);
-- its **param-group keys** (``betas``, ``momentum``, ...: graphstep/plan/overrides.py and routing.py put them
-  into its groups) and the torch **defaults** schedulers see (``torch_defaults``: OneCycleLR cycles
-  ``betas`` or ``momentum`` only where they are);
-- its **MuP rule** (``MupRule``), and, for a family that updates whole matrices (Muon), one ``MatrixRules``:
-  which params it takes, its views and build check, what its options say about fused QKV and split matrices;
-- its **hyperparameter fields**: the live table's columns (graphstep/state/hyperparams.py) are derived here,
-  from the registered families, by ``hyper_columns``;
-- its **state** (``StateSpec``: names, invariants the checkpoint formats check on load);
-- its **kernel call** (and its own kernels module, where it has one: Lion, Muon).
-
-Which hyperparameters are live (0-d device tensors a captured step reads anew every replay) and which are
-baked (Python floats the kernel takes; a capture records them, the engine guards them and recaptures on
-change) is the implementation's declaration, ``LIVE_FIELDS`` of its kernels module, met with the
-family's fields at build by ``Family.live_fields``.
-
-Adding a family: its kernel (in each implementation module of graphstep/kernels/, or a kernels module of
-its own, ``Family.kernels``), a module here filling in every rule, its entry in ``_MODULES`` below, and, for
-options of its own (``AdEMAMixOptions``), one ``OptimizerConfig`` field named after it holding them (their
-Megatron-Core-style flat names, ``ademamix_beta3``, follow from it).
-Nothing else changes: an unknown family name is an error everywhere (``get_family``), never another
-family's rules, and no other module names a family (tests/test_family_registry.py).
+Adding a family: its kernel, a module here, its entry in ``_MODULES``, and, for options of its own, one
+``OptimizerConfig`` field named after it. Nothing else changes: an unknown family name is an error everywhere
+(``get_family``), and no other module names a family (tests/test_family_registry.py).
 """
 
 from __future__ import annotations

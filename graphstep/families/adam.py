@@ -2,8 +2,8 @@
 
 Options: ``AdamOptions`` (``OptimizerConfig.adam``; Megatron-Core's ``adam_beta1``, ``adam_beta2``, ``adam_eps``),
 and the config's ``decoupled_weight_decay`` (AdamW when True). Groups carry ``betas`` (and ``eps``, which every
-group has), checked before each step (``group_problem``); the kernel is each implementation's
-``adam`` / ``adam_groups`` (graphstep/kernels/), all of a step's Adam groups in one call. State:
+group has), checked before each step (``group_problem``); the kernel is the configured implementation's
+``adam_groups`` (``ENTRY_POINTS``), all of a step's Adam groups in one call. State:
 ``exp_avg`` and ``exp_avg_sq`` (never negative). MuP: matrix-like params get lr / m and ε / m.
 """
 
@@ -59,6 +59,12 @@ def _call(kernels, views: GroupViews, scalars: StepScalars, config, grad_scale, 
     _call_groups(kernels, [(views, hyper)], scalars, config, grad_scale)
 
 
+# The entry point of the configured kernels implementation (graphstep/kernels/) Adam's update calls:
+#   adam_groups(groups, *, step, decoupled, grad_scale, found_inf), each group (params, grads, exp_avgs,
+#   exp_avg_sqs, {lr, beta1, beta2, weight_decay, eps}): all of a step's Adam groups in one call.
+ENTRY_POINTS = ("adam_groups",)
+
+
 def _call_groups(kernels, groups: Sequence, scalars: StepScalars, config, grad_scale) -> None:
     kernels.adam_groups([(views.params, views.grads, views.state["exp_avg"], views.state["exp_avg_sq"], hyper)
                          for views, hyper in groups], step=scalars.step, decoupled=config.decoupled_weight_decay,
@@ -76,6 +82,7 @@ FAMILY = Family(
     mup=MupRule("matrix_like", eps=lambda config: config.adam.eps),
     call=_call,
     call_groups=_call_groups,
+    entry_points=ENTRY_POINTS,
     group_problem=group_problem,
     offload=True,
     torch_shaped_groups=True,

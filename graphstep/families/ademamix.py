@@ -1,26 +1,12 @@
 """AdEMAMix (``OptimizerConfig.optimizer="ademamix"``): every rule graphstep has about it.
 
-Pagliardini, Ablin, Grangier, "The AdEMAMix Optimizer: Better, Faster, Older" (arXiv:2409.03137): Adam's
-bias-corrected fast EMA m1 (β1) and second moment ν (β2), plus a slow EMA m2 (β3, not bias-corrected)
-added to m̂1 with weight α; decoupled weight decay. The kernel is its own module,
-graphstep/kernels/ademamix.py, whatever ``OptimizerConfig.kernel`` says (there is no fused AdEMAMix).
-
-Options. β1, β2 and ε mean exactly what they mean for Adam (the same EMA with the same bias
-correction, the same denominator term), so they are Adam's: ``AdamOptions`` (``OptimizerConfig.adam``,
-validated by Adam's rule; every group's ``eps`` already comes from it). AdEMAMix's own: ``AdEMAMixOptions``
-(``OptimizerConfig.ademamix``; flat names ``ademamix_beta3``, ``ademamix_alpha``). Weight decay is always
-decoupled (the paper's rule): ``decoupled_weight_decay=False`` with ``optimizer="ademamix"`` is refused.
-
-Groups carry ``betas`` = (β1, β2), as Adam's (torch's OneCycleLR cycles ``betas[0]``, the fast EMA's
-β1, which the kernel reads live), and ``beta3`` and ``alpha`` as keys of their own: the live table
-gives every group every column, so a third ``betas`` entry would be out of range in Adam's and Lion's
-groups. Every hyperparameter is live (a device tensor read anew each replay): the paper's warm-up
-schedules of α and β3 (``alpha_warmup``, ``beta3_warmup`` below) set ``group["alpha"]`` /
-``group["beta3"]`` each step without a recapture.
-
-State: ``exp_avg`` (m1, Adam's first moment, the same name), ``exp_avg_slow`` (m2), ``exp_avg_sq`` (ν,
-never negative). MuP: Adam's rule (matrix-like params get lr / m and ε / m): the update is normalised by
-√ν̂ as Adam's is. No CPU offload (its host update runs torch's fused CPU kernels; there is none for it).
+Adam's bias-corrected fast EMA and second moment plus a slow EMA (β3, not bias-corrected) added with weight α
+(Pagliardini, Ablin, Grangier, arXiv:2409.03137); the kernel is graphstep/kernels/ademamix.py whatever
+``OptimizerConfig.kernel`` says. β1, β2 and ε mean what they mean for Adam, so they are Adam's options; its own
+are ``AdEMAMixOptions``. Weight decay is always decoupled (the paper's rule). Groups carry ``beta3`` and
+``alpha`` as keys of their own (a third ``betas`` entry would be out of range in other families' columns);
+every hyperparameter is live, so the warm-up schedules of α and β3 below need no recapture. No CPU offload:
+torch has no fused CPU kernel for it.
 """
 
 from __future__ import annotations

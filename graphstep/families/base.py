@@ -239,6 +239,9 @@ class Family:
     kernels: Optional[ModuleType] = None
     """The family's own kernels module, used whatever ``OptimizerConfig.kernel`` says; None: the
     configured implementation (fused, compiled, reference)."""
+    entry_points: tuple[str, ...] = ()
+    """With ``kernels`` None: the entry points of the configured implementation its call uses (keys of the
+    implementation's ``ENTRY_POINTS``, graphstep/kernels/); the build refuses an implementation lacking one."""
     group_problem: Optional[Callable[[dict, object], Optional[str]]] = None
     """group_problem(param_group, config): what in a group's current values the built step cannot honour
     (a schedule switching on momentum the build gave no buffers for), in words; None when all is well.
@@ -252,6 +255,11 @@ class Family:
     main_params_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
     matrices: Optional[MatrixRules] = None
     """A family that updates whole matrices (Muon) declares them here; None: it takes every param, as flat views."""
+
+    def __post_init__(self) -> None:
+        if (self.kernels is None) != bool(self.entry_points):
+            raise ValueError(f"optimizer family {self.name!r}: declare the entry points of the configured kernels "
+                             "it calls (entry_points) when it has no kernels module of its own, and only then")
 
     @property
     def hyperparameters(self) -> tuple[tuple[str, str], ...]:

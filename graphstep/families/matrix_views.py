@@ -1,26 +1,12 @@
 """Whole-matrix views for Muon: a group's params as (n, rows, cols) batches, one per run of equal shapes.
 
-Newton–Schulz orthogonalises whole matrices, so Muon cannot run over the flat segments the elementwise
-families use. The layout places a Muon group's params in each bucket sorted by shape (layout.py), each
-starting on a multiple of ``PARAM_ALIGNMENT``, so n same-shape matrices sit at evenly spaced offsets. One
-``as_strided`` view (n, r, c) with batch stride = that spacing covers all of them in every buffer kind
-(main params, grads, momentum) without a copy: the kernel then runs one batched Newton–Schulz per run,
-and the step's op count depends on the number of distinct shapes, not of matrices.
-
-A run breaks where the shape, the buffer or the QKV split changes, or the spacing is uneven; each run is
-one entry of the kernel's lists. Nothing here assumes the layout's order for correctness, only for speed.
-
-With several data-parallel ranks the layout shards Muon's params layer-wise (graphstep.plan.layerwise): each
-rank's shard holds whole matrices, and the views here cover only this rank's own.
-
-Tensor parallelism: a param marked ``tensor_model_parallel`` (Megatron's mark, with ``partition_dim``) holds
-one slice of a matrix split over the tensor-parallel group; its runs carry a ``TensorParallelSplit`` and the
-kernel handles them as ``MuonOptions.tp_mode`` says (graphstep/kernels/muon.py).
-
-Fused QKV weights: with ``MuonOptions.split_qkv`` a param carrying ``qkv_split`` (a
-``graphstep.QKVSplit``; ``graphstep.qk_clip.register(..., qkv=...)`` sets it from the head layout) is
-orthogonalised as separate Q, K and V matrices. A param named like Megatron's ``linear_qkv.weight``
-without one is refused: its head layout cannot be read off the tensor.
+Newton–Schulz orthogonalises whole matrices, so Muon cannot run over the flat segments the elementwise families
+use. The layout places a Muon group's same-shape matrices at evenly spaced offsets, so one ``as_strided`` view
+covers a run of them in every buffer without a copy, and the step's op count follows the number of distinct
+shapes, not of matrices. The layout's order matters for speed only: a run breaks wherever shape, buffer, QKV
+split or spacing changes. A fused QKV weight with ``MuonOptions.split_qkv`` is split by its ``qkv_split``; one
+named like Megatron's ``linear_qkv.weight`` without one is refused, since its head layout cannot be read off
+the tensor.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Options: ``SGDOptions`` (``OptimizerConfig.sgd``; flat names ``sgd_momentum``, ``sgd_nesterov``): momentum (0: no
 momentum buffer at all) and Nesterov (fixed at build).
 Groups carry ``momentum`` (live; 0 between steps runs the fused kernel without buffers, as torch's fused SGD)
-and ``nesterov``; the kernel is each implementation's ``sgd`` (graphstep/kernels/). State: ``momentum_buffer``
+and ``nesterov``; the kernel is the configured implementation's ``sgd`` (``ENTRY_POINTS``). State: ``momentum_buffer``
 when momentum > 0. MuP: vector-like params get lr x m.
 """
 
@@ -33,6 +33,12 @@ def _validate(config, checks) -> None:
     checks.number(options, "momentum", low=0.0, low_open=False, high=1.0)
     if options.nesterov and options.momentum == 0:
         checks.fail(options, "nesterov", True, "needs momentum > 0")
+
+
+# The entry point of the configured kernels implementation (graphstep/kernels/) SGD's update calls:
+#   sgd(params, grads, momentum_buffers, *, lr, weight_decay, momentum, nesterov, grad_scale, found_inf),
+#   ``momentum_buffers`` empty without momentum.
+ENTRY_POINTS = ("sgd",)
 
 
 def _call(kernels, views: GroupViews, scalars: StepScalars, config, grad_scale, **hyper) -> None:
@@ -71,6 +77,7 @@ FAMILY = Family(
     torch_defaults=_momentum,
     mup=MupRule("vector_like"),
     call=_call,
+    entry_points=ENTRY_POINTS,
     group_problem=_group_problem,
     offload=True,
     torch_shaped_groups=True,

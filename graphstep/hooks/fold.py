@@ -1,29 +1,12 @@
 """The fold's listeners and host bookkeeping (the sums themselves: graphstep/step/folded_sums.py).
 
-Which sums are current (one rank). The sums are folded a unit of rows at a time (folded_sums.ParamSums); a
-unit's norms are current when they were folded after its params' grads last changed. The host keeps a flag
-per unit: a fold sets it; a backward under ``no_sync()`` (an earlier micro-batch: no fold), a grad arriving
-twice, ``zero_grad``, a step and a broken grad binding clear it. It also keeps, per grad buffer, the
-buffer's version counter as backward left it: the first hook of a backward queues a callback that records
-them when the backward ends (params without a hook may accumulate after the last hook). Every in-place write
-to a grad bumps the counter of its whole buffer (grads are views of it), so a count that moved on by the
-step means a grad changed after backward (``p.grad.mul_(...)``, ``clip_grad_norm_``, a hand unscale): the
-buffer's units are then no longer current. Before each step every unit that is not current is folded then,
-as eager device work ahead of the (captured) step: such changed grads, units with a param that got no grad
-in the last backward, grads written by hand, a step with no backward (a buffer with no current unit in one
-op, as unfolded). ``fold_counts`` says how many units were folded in backward and how many before the step
-(none there in a loop that gets the fold's benefit). torch's ``GradScaler.unscale_`` rewrites the grads
-without bumping their counters (``_amp_foreach_non_finite_check_and_unscale_``), but ``scaler.step(opt)``
-then tells the engine so (graphstep/step/torch_amp.py): every sum is folded again before that step. Not
-detectable: any other write that bypasses the version counter (through ``.data``, or into the buffer's
-memory by an extension or collective); ``debug_step()`` warns, naming the params, when a folded norm no
-longer matches its grad.
-
-Grad accumulation without ``no_sync()``. The first backward folds the units; a grad arriving again in a
-later one makes its units stale, and they are folded again before the step: two reads of the grads where
-the unfolded norm reads them once. A step that saw a param's grad arrive twice outside ``no_sync()`` warns
-once and sends the next steps' fold to the step itself (one read), until a step sees a single backward
-again.
+The host keeps, per unit of rows, whether its folded norms are current: a fold sets the flag; ``no_sync()``,
+a grad arriving twice, ``zero_grad``, a step or a broken grad binding clear it. Grads are views of one buffer,
+so any in-place write to a grad bumps the buffer's version counter; a counter that moved on after backward
+means a grad changed, and its units are folded again before the step (eager device work, ahead of the captured
+step). ``GradScaler.unscale_`` bumps no counter, but ``scaler.step(opt)`` tells the engine
+(graphstep/step/torch_amp.py). Writes through ``.data`` or raw memory cannot be seen: ``debug_step()`` warns.
+Accumulating without ``no_sync()`` would read the grads twice, so it warns once and folds at the step instead.
 """
 
 from __future__ import annotations

@@ -1,29 +1,15 @@
-"""The update math over lists of flat views, with interchangeable implementations of one signature.
+"""The update math over lists of flat views, with interchangeable implementations (fused, compiled, reference).
 
-Each optimizer family (graphstep/families/) has one kernel function per implementation module; the
-family declares which hyperparameter feeds which argument, the module declares (``LIVE_FIELDS``) which
-of them it reads from device tensors. Every implementation module provides::
-
-    adam(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, weight_decay, eps,
-         decoupled, grad_scale, found_inf) -> None
-    adam_groups(groups, *, step, decoupled, grad_scale, found_inf) -> None
-        several param groups at once, each (params, grads, exp_avgs, exp_avg_sqs, {lr, beta1, beta2,
-        weight_decay, eps}): one compiled call for all of them, else one ``adam`` call per group
-    sgd(params, grads, momentum_buffers, *, lr, weight_decay, momentum, nesterov,
-        grad_scale, found_inf) -> None
-    LIVE_FIELDS: frozenset of the hyperparameters it reads from device tensors
-
-All updates are in place. ``grad_scale`` (0-d fp32, or None for 1) divides the grads: it folds
-loss-scale unscaling and the clip coefficient into the update, so no separate pass rewrites the grads.
-The fused and reference kernels leave the grads divided by ``grad_scale`` on an applied step, as torch's
-fused kernels do; the compiled kernel leaves them as they were (not writing them saves 4 B per param):
-after the step the grads are spent, to be zeroed. ``found_inf`` (0-d fp32, 1.0 = skip) leaves params and
-state bitwise unchanged. Hyperparameters in ``LIVE_FIELDS`` are 0-d device tensors;
-the others are Python floats, which a capture bakes in (the engine guards them and recaptures on change).
-``momentum_buffers`` is empty when momentum is 0.
-
-``OptimizerConfig.kernel="auto"`` (the default) is not a module but a choice between two of them, made
-once at build (kernels/auto.py).
+An implementation module offers ``ENTRY_POINTS`` (entry name -> function; the signatures are documented where a
+family declares that it calls them, graphstep/families/) and ``LIVE_FIELDS`` (the hyperparameters it reads from
+0-d device tensors; the others are Python floats a capture bakes in, guarded by the engine). A family declares
+the entry points it calls (``Family.entry_points``); ``choose_kernels`` refuses an implementation lacking one.
+Every entry updates in place. ``grad_scale`` (0-d fp32, or None for 1) divides the grads, folding loss-scale
+unscaling and the clip coefficient into the update; the fused and reference kernels leave the grads divided on
+an applied step (as torch's fused kernels do), the compiled one leaves them as they were (the grads are spent
+after the step). ``found_inf`` (0-d fp32, 1.0 = skip) leaves params and state bitwise unchanged.
+``OptimizerConfig.kernel="auto"`` (the default) is a choice between two implementations, made once at build
+(kernels/auto.py).
 """
 
 from types import ModuleType
@@ -46,9 +32,11 @@ def choose_kernels(config, device, families, comm=None, hyper_dtype=None,
                    numel=None, like=None) -> tuple[ModuleType, "auto.KernelChoice"]:
     """The implementation module ``config.kernel`` means on ``device`` ("auto" resolved), and why. ``comm``
     (graphstep.parallel.collectives.Collectives): with several data-parallel ranks, "auto" is agreed across them
-    (``auto.agree``: a build-time collective), and so is the refusal of a "compiled" that fails anywhere. ``hyper_dtype``: the step's hyperparameter dtype, which "auto"
-    probes the compiled kernel with (float64 if None). ``numel``: elements this rank's update covers. ``like``:
-    the step's ``auto.StepShape``, for a probe that compiles the step's own variant."""
+    (``auto.agree``: a build-time collective), and so is the refusal of a "compiled" that fails anywhere.
+    ``hyper_dtype``: the step's hyperparameter dtype, which "auto" probes the compiled kernel with (float64 if
+    None). ``families``: the step's, each of whose ``entry_points`` the implementation must offer. ``numel``:
+    elements this rank's update covers. ``like``: the step's ``auto.StepShape``, for a probe that compiles the
+    step's own variant."""
     # A family with a kernels module of its own needs the configured one only where it has a compiled twin.
     needs_kernel = any(family.kernels is None or hasattr(family.kernels, "compiled_twin") for family in families)
     hyper_dtype = hyper_dtype or torch.float64
@@ -59,4 +47,17 @@ def choose_kernels(config, device, families, comm=None, hyper_dtype=None,
                          needs_kernel=needs_kernel, hyper_dtype=hyper_dtype, numel=numel, like=like)
     if config.kernel == "auto" and several:
         choice = auto.agree(choice, comm, device)
-    return get_kernels(choice.name), choice
+    module = get_kernels(choice.name)
+    _check_offers(choice.name, module, families)
+    return module, choice
+
+
+def _check_offers(name: str, module, families) -> None:
+    """Refuse ``module`` (``kernel=name``) when it lacks an entry point a family of the step calls."""
+    for family in families:
+        missing = [entry for entry in family.entry_points if entry not in module.ENTRY_POINTS]
+        if family.kernels is None and missing:
+            offering = [other for other, candidate in IMPLEMENTATIONS.items()
+                        if all(entry in candidate.ENTRY_POINTS for entry in family.entry_points)]
+            raise ValueError(f"kernel={name!r} offers no {missing[0]!r} entry point, which {family.title}'s update "
+                             f"calls: use kernel= one of {', '.join(map(repr, offering))}")

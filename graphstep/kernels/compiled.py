@@ -6,18 +6,10 @@ decay only as Python floats, which a capture bakes in. Here the per-step scalars
 size, decay factor, the grad scale, the skip flag) are computed from device tensors into one small
 coefficient tensor, and the compiled loop reads them from it: it reads param, grad and state once and
 writes param and state once (28 B for Adam over fp32), never the grads, and no hyperparameter is baked
-into anything. Adam computes its coefficients inside the compiled graph, for all its param groups at
-once (on a GPU no separate small kernels); SGD's few are packed by two device ops before its call. A
-skipped step selects the old values with ``torch.where`` inside the same loop, so skips are bitwise.
-
-The loops are compiled on first use (inductor: C++/OpenMP on the CPU, Triton on a GPU; a few seconds,
-then cached for the process), over views reshaped to rows of a fixed length with a dynamic row count,
-so views of any length share one compile. One call per step for all of Adam's param groups (each view
-reads its group's row of the coefficients; ``adam_groups``), one per group for SGD, wrapped in a
-``torch.library`` custom op so that it is one operator to the dispatcher: capture's replay backend
-records and replays it like any aten op, and ``capture.check`` sees what it reads and writes.
-
-Grads are left as they were (not divided by the grad scale), unlike the fused and reference kernels.
+into anything. A skipped step selects the old values with ``torch.where`` inside the same loop, so skips
+are bitwise. Grads are left as they were (not divided by the grad scale), unlike the fused and reference
+kernels. One compile serves views of every length (``_ROW``), and each call is one operator to the
+dispatcher (``_adam_op``, ``_sgd_op``).
 """
 
 from __future__ import annotations
@@ -117,7 +109,8 @@ _RECOMPILE_LIMIT = 32
 @functools.cache
 def _compiled(views_fn, count: int, flags: tuple = (), device_type: str = "cpu"):
     """``views_fn`` compiled for lists of ``count`` views on ``device_type`` (and Adam's ``flags``: decoupled,
-    grad scale given).
+    grad scale given). Inductor compiles it on its first call (C++/OpenMP on the CPU, Triton on a GPU), then
+    it is cached for the process.
 
     Dynamo keeps its compiled variants, and its recompile limit, per code object: one code object per
     view count and flags keeps optimizers of different layouts and configs in one process (a sweep, a
@@ -273,6 +266,9 @@ def call_compiled(fn, *args, variant) -> None:
             _first_call_seconds[0] += time.perf_counter() - start
 
 
+# Each compiled call is wrapped in a ``torch.library`` custom op, so that it is one operator to the dispatcher:
+# capture's replay backend records and replays it like any aten op, and ``capture.check`` sees what it reads
+# and writes. One call per step covers all of Adam's param groups (``adam_groups``); SGD runs one per group.
 @torch.library.custom_op("graphstep::compiled_adam_", mutates_args=("params", "exp_avgs", "exp_avg_sqs"))
 def _adam_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
              exp_avg_sqs: list[torch.Tensor], hypers: torch.Tensor, step: torch.Tensor,
@@ -381,9 +377,15 @@ def _adam_coefficients(hypers: torch.Tensor, step, grad_scale, found_inf, decoup
 
 
 def sgd(params, grads, momentum_buffers, *, lr, weight_decay, momentum, nesterov, grad_scale, found_inf):
+    """One param group's SGD in one compiled call; its few coefficients are packed by two device ops before it
+    (``_pack``)."""
     if not params:
         return
     lr, weight_decay, momentum = _scalars(lr, weight_decay, momentum, like=_precision(lr, params[0].device))
     scale = torch.ones_like(lr) if grad_scale is None else grad_scale.to(lr.dtype)
     coefficients = _pack((lr, weight_decay, momentum, scale, found_inf == 0), params[0].dtype)
     _sgd_op(list(params), list(grads), list(momentum_buffers), coefficients, nesterov)
+
+
+# What this implementation offers the families (graphstep/kernels/__init__.py): entry point -> function.
+ENTRY_POINTS = dict(adam=adam, adam_groups=adam_groups, sgd=sgd)

@@ -38,3 +38,7 @@ def sgd(params, grads, momentum_buffers, *, lr, weight_decay, momentum, nesterov
     torch._fused_sgd_(params, grads, list(momentum_buffers), weight_decay=_float("weight_decay", weight_decay),
                       momentum=_float("momentum", momentum), lr=lr, dampening=0.0, nesterov=nesterov,
                       maximize=False, is_first_step=False, grad_scale=grad_scale, found_inf=found_inf)
+
+
+# What this implementation offers the families (graphstep/kernels/__init__.py): entry point -> function.
+ENTRY_POINTS = dict(adam=adam, adam_groups=adam_groups, sgd=sgd)

@@ -2,7 +2,8 @@
 
 
 def one_call_per_group(adam):
-    """``adam_groups`` (graphstep/kernels/__init__.py) as one ``adam`` call per group, in order."""
+    """``adam_groups`` (the entry point graphstep/families/adam.py calls) as one ``adam`` call per group, in
+    order."""
 
     def adam_groups(groups, **step_wide) -> None:
         for params, grads, exp_avgs, exp_avg_sqs, hyper in groups:

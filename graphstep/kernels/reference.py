@@ -59,3 +59,7 @@ def sgd(params, grads, momentum_buffers, *, lr, weight_decay, momentum, nesterov
             # Momentum 0 (a schedule's) leaves the buffer as it is, as torch's SGD does: the step is plain SGD.
             buf.copy_(torch.where(keep & (momentum != 0), new_buf, buf))
         param.copy_(torch.where(keep, param - lr * grad, param))
+
+
+# What this implementation offers the families (graphstep/kernels/__init__.py): entry point -> function.
+ENTRY_POINTS = dict(adam=adam, adam_groups=adam_groups, sgd=sgd)

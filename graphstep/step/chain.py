@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from .stages import Stage, clip, gather, loss_scale, norm, qk_rescale, reduce, requantize, update, zeros
+from . import qk_clip
+from .stages import Stage, clip, gather, loss_scale, norm, reduce, requantize, update, zeros
 
 if TYPE_CHECKING:
     from .domains import Domain
@@ -29,7 +30,7 @@ def default_chain(domains: Sequence["Domain"]) -> list[Stage]:
     stages.append(clip.build(first))
     stages += [domain.named(update.build(domain.ctx, advance_step=domain.ctx is first)) for domain in domains]
     if first.config.qk_clip:
-        stages.append(qk_rescale.build(first))  # dense weights, on the main params: before copy-back and requantize
+        stages.append(qk_clip.build_stage(first))  # dense weights, on the main params: before copy-back and requantize
     for domain in domains:
         stages.append(domain.named(update.build_copy_back(domain.ctx)))
         fp8_requantize = requantize.build(domain.ctx)  # None without fp8 weights

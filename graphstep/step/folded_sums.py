@@ -1,28 +1,17 @@
-"""The folded grad norm (``fold_grad_norm``, on by default): each grad's sum of squares is computed where
-the grad becomes final, so the step reads the grads once, in the update.
+"""The fold (``fold_grad_norm``, on by default), explained here: each grad's sum of squares is computed where the
+grad becomes final, so the step reads the grads once, in the update, and its norm stage only adds the sums up.
 
-Where the fold happens, per domain (the dense params, and the MoE expert params when there are some):
+Where, per domain (the dense params; the MoE expert params): on one rank (``ParamSums``) each grad buffer's rows
+are cut into units of at least ``UNIT_ROWS`` rows ending where a param ends, and a unit of large params is folded
+in backward by the hook of its last param to arrive (one op per unit, while the grads are in cache); the step norms
+the rest. On several ranks (``ShardSums``) each bucket's shard is folded as its reduce-scatter lands: in the
+step's reduce stage, or in backward with ``overlap_grad_reduce``. Both fold with the norm's own ``SumOfSquares``
+in its order, so the step is bitwise the unfolded one (at extreme loss scales through graphstep/step/norm_prescale.py).
 
-- **One rank** (``ParamSums``): each grad buffer's 4,096-element rows (the unfolded norm's rows, counted from
-  the buffer's start) are cut into *units* of at least ``UNIT_ROWS`` rows, ending where a param ends. A
-  unit is folded (one ``vector_norm`` of its rows into the buffer's row-norm vector) in backward, by the
-  post-accumulate-grad hook of the last of its params to arrive (stage "fold",
-  graphstep/hooks/param_hooks.py: after the fp32 main grad's): one op per unit, whatever the number of
-  params, while the grads backward has just written are still in cache. The step's norm stage then
-  rescues rows whose fp32 norm overflowed, adds the buffer's tail (under 4,096 elements) and sums the
-  squares in fp64, per grad buffer.
-- **Several ranks** (``ShardSums``): the norm is of this rank's reduced shard, so each bucket's sum of
-  squares is computed right after its reduce-scatter lands: in the step's reduce stage, or, with
-  ``overlap_grad_reduce`` (eager), in backward, when the hook that launches the next bucket lands the
-  ones launched before it (``Overlap``). An expert domain without a reduce-scatter folds right after the
-  step's local average.
-
-Exactness. Both fold the units the unfolded norm reads (a buffer's rows; a bucket's shard) with the norm's
-own ``SumOfSquares``, summed in the same order: the norm, and so the step, is bitwise the unfolded one. Under
-a loss scale outside the norm's band the fold divides the unit's grads by the scale's power of two around its
-row norms and multiplies them back (graphstep/step/norm_prescale.py): the grads leave backward as it wrote them.
-
-The host bookkeeping around them (which sums are current, grad accumulation) is graphstep/hooks/fold.py.
+Its other parts: the host side (which units are current, grad accumulation, the listeners) is ``Fold``,
+graphstep/hooks/fold.py; the hook stage "fold", graphstep/hooks/param_hooks.py; the landing in backward,
+graphstep/hooks/grad_overlap.py; the norm stage over the folded sums, ``build_folded`` in
+graphstep/step/stages/norm.py.
 """
 
 from __future__ import annotations
@@ -84,6 +73,13 @@ class ShardSums(FoldedSums):
         for bucket in self.landed:  # folded in backward; the others are folded by the step itself
             self.fold(bucket)
             self.before_step_folds += 1
+
+    def land(self, bucket: int) -> None:
+        """Fold ``bucket`` in backward, as its reduce-scatter lands (``overlap_grad_reduce``); the step then skips
+        it (``take_landed``)."""
+        self.fold(bucket)
+        self.landed.add(bucket)
+        self.in_backward_folds += 1
 
     def take_landed(self, bucket: int) -> bool:
         """Whether ``bucket`` was landed (reduced, averaged and folded) in backward; forgets it."""

@@ -1,41 +1,15 @@
-"""QK-clip (Kimi K2's MuonClip, Megatron-Core's ``qk_clip``): the math, capturable, no branches.
+"""QK-clip (Kimi K2's MuonClip, Megatron-Core's ``qk_clip``): its math, the layer registration and the step's stage.
 
-After the optimizer step, every attention layer whose largest pre-softmax logit S exceeded the threshold
-τ gets its query and key projections shrunk so that the same inputs would now produce at most τ. Logits
-are bilinear in W_q and W_k, so scaling the rows of query group g in W_q by η_g^α and its key rows in W_k
-by η_g^(1−α), with η_g = τ / S_g, scales that group's logits by η_g (facts from
-Megatron-Core's clip_qk). V is untouched.
+After the optimizer step, every attention layer whose largest pre-softmax logit S_g exceeded the threshold τ gets
+the rows of query group g in W_q scaled by η_g^α and its key rows in W_k by η_g^(1−α), η_g = τ / S_g: logits are
+bilinear in W_q and W_k, so the same inputs would now give at most τ; V is untouched. Unlike Megatron's
+``clip_qk``, η is selected with ``torch.where`` and the scaling applied unconditionally (a factor of exactly 1
+leaves a weight bitwise unchanged): no host sync, so it runs inside a captured step. A group whose max is ≤ 0,
+±inf or NaN keeps η = 1 (Megatron's ``clamp(τ/S, max=1) ** α`` gives NaN for S < 0).
 
-What differs from Megatron's ``clip_qk``: η is computed for every group with ``torch.where`` and the
-scaling is applied unconditionally (a factor of exactly 1 leaves a weight bitwise unchanged), so there is
-no ``.item()`` / ``if torch.any`` and the whole thing can sit inside a captured step. A group whose max is
-≤ 0, -inf (no logit recorded) or NaN keeps η = 1 and stays finite; Megatron's ``clamp(τ/S, max=1) ** α``
-gives NaN there for S < 0.
-
-The pieces:
-
-* ``HeadLayout``: heads, query groups (GQA), head_dim, separate or Megatron-fused QKV rows;
-* ``reset(buffer)`` / ``record_max_logits(buffer, logits)``: the static per-head running max the model
-  fills during forward (over micro-batches), detached;
-* ``clip_factors``: per group (η^α, η^(1−α)) from the per-head maxima, τ and α (floats or 0-d tensors:
-  a live τ never needs a recapture);
-* ``clip_qk_``: scale a fused QKV weight, or separate W_q / W_k, in place (call it on the fp32 main
-  params and on the model params alike);
-* ``row_factors`` + ``shard_row_index`` + ``scale_flat_rows_``: the same for flat shards of a weight
-  (the distributed optimizer's fp32 main shards), through a build-time element → row index.
-
-The MAX all-reduce of the buffers over data-parallel ranks before ``clip_factors`` is the caller's.
-
-Inside the engine (``OptimizerConfig.qk_clip=True``) the stage ``graphstep/step/stages/qk_rescale.py`` does all of
-it; the model only declares its attention layers and records their logits:
-
-    graphstep.qk_clip.register(attn, layout=HeadLayout(...), q=attn.q.weight, k=attn.k.weight)
-    ...  # in attn.forward, with the masked, scaled pre-softmax scores (b, heads, s_q, s_kv):
-    graphstep.qk_clip.record(attn, scores)
-
-``register`` gives the module a non-persistent buffer ``qk_clip_max_logits`` (num_heads,) at -inf and tags
-the weights, so the engine finds every registered layer among the params it trains, at build. ``record`` on
-a module never registered raises ``NotRegisteredError`` (a ValueError) saying how to register it.
+The model declares its attention layers (``register``) and records their logits in forward (``record``). With
+``OptimizerConfig.qk_clip=True`` the stage (``build_stage``) runs after the update and before the copy-back,
+skipped step or not, as in Megatron-Core. The public side, ``graphstep.qk_clip``, re-exports this module.
 """
 
 from __future__ import annotations
@@ -46,6 +20,7 @@ from typing import Optional, Union
 import torch
 
 from ..kernels.muon import QKVSplit
+from .stages import Stage
 
 Scalar = Union[float, torch.Tensor]
 
@@ -263,3 +238,70 @@ def registrations(params) -> list[Registration]:
         if registration is not None:
             found.setdefault(id(registration), registration)
     return list(found.values())
+
+
+# ---- the stage: after the update, before the copy-back ---------------------------------------------------------
+def _main_param_targets(ctx, registration: Registration) -> list:
+    """(kind, 2-D view or flat slice, row index or None) per registered weight this rank holds fp32 main params
+    of: a (rows, cols) view when the rank holds the whole weight, else a flat slice and its element -> row index
+    (the distributed optimizer's shards cut weights anywhere)."""
+    index = {id(p): i for i, p in enumerate(ctx.buffers.params)}
+    owned = {r.param: r for r in ctx.layout.owned_ranges(ctx.rank)}
+    targets = []
+    for kind, weight in registration.weights:
+        if id(weight) not in index:
+            raise ValueError(f"qk_clip: the {kind} weight registered for {type(registration.module).__name__} is not "
+                             "trained by this optimizer (frozen, or in another model chunk); register trained "
+                             "weights only")
+        place = ctx.layout.params[index[id(weight)]]
+        mine = owned.get(place.index)
+        if mine is None:
+            continue  # another rank holds all of it
+        size = mine.param_end - mine.param_start
+        flat = ctx.buffers.main_range(place.buffer, mine.shard_start, size)
+        rows, cols = place.shape
+        if size == rows * cols:
+            targets.append((kind, flat.view(rows, cols), None))
+        else:
+            targets.append((kind, flat, shard_row_index(mine.param_start, size, cols, device=flat.device)))
+    return targets
+
+
+def build_stage(ctx) -> Stage:
+    """QK-clip inside the step. At build, the registered layers among the params this optimizer trains get their
+    max-logit buffers made views of one static tensor (one MAX all-reduce covers every layer). Each step: that
+    all-reduce over the data-parallel group, per layer ``clip_factors`` (τ and α: the config's, fixed for the
+    optimizer's life), this rank's main-param rows of W_q and W_k scaled, and every buffer back to -inf for the
+    next step's forwards. The copy-back (and the all-gather) carries the scaled main params to the model."""
+    found = registrations(ctx.buffers.params)
+    if not found:
+        raise ValueError("OptimizerConfig.qk_clip=True but no attention layer of the model is registered: call "
+                         "graphstep.qk_clip.register(attention_module, layout=HeadLayout(...), q=..., k=...) (or "
+                         "qkv=...) for each layer before get_optimizer, and graphstep.qk_clip.record(module, "
+                         "scores) in its forward")
+    device = ctx.buffers.main_shard[0].device
+    total = sum(r.layout.num_heads for r in found)
+    maxima = torch.full((total,), float("-inf"), device=device)
+    layers, offset = [], 0
+    for registration in found:
+        heads = registration.layout.num_heads
+        view = maxima[offset:offset + heads]
+        view.copy_(registration.max_logits)  # keep what forwards recorded before the build
+        setattr(registration.module, BUFFER_NAME, view)  # record() now writes into the static tensor
+        layers.append((registration.layout, view, _main_param_targets(ctx, registration)))
+        offset += heads
+    threshold, alpha, comm = ctx.config.qk_clip_threshold, ctx.config.qk_clip_alpha, ctx.comm
+
+    def apply() -> None:
+        comm.all_reduce_max(maxima, "qk-clip max-logit all-reduce")
+        for layout, view, targets in layers:
+            q_factor, k_factor = clip_factors(view, layout, threshold, alpha)
+            factors = row_factors(layout, q_factor, k_factor)
+            for kind, target, row_index in targets:
+                if row_index is None:
+                    target.mul_(factors[kind][:, None])
+                else:
+                    scale_flat_rows_(target, factors[kind], row_index)
+        reset(maxima)
+
+    return Stage("qk_clip", apply)

@@ -1,28 +1,12 @@
 """The step as a chain of stages over static buffers, all on device: the stage contract.
 
-A stage is built once by a factory ``build(ctx) -> Stage`` (its *init*: it allocates whatever static
-tensors it needs and precomputes views, from the typed ``StepContext``) and then applied every step (its
-*apply*: device work only, no host reads, conditionals as arithmetic). Stages talk only through the
-step's scalars (``StepTensors``) and the static buffers. A factory never talks to other ranks: setup
-that does (the layout agreement) happens once, visibly, in the engine's build.
+A stage is built once by a factory ``build(ctx) -> Stage`` (its *init*: static tensors and views, from the typed
+``StepContext``) and applied every step (its *apply*: device work only, no host reads, conditionals as
+arithmetic). Stages talk only through the step's scalars (``StepTensors``) and the static buffers; a factory
+never talks to other ranks. A stage that takes host values into the step reports them through ``Stage.baked``,
+so a captured step is recaptured when one changes (docs/design.md law 3). The order is graphstep/step/chain.py's:
 
-A stage that takes host values into the step (a Python float a fused kernel bakes in, a host choice)
-reports them through ``Stage.baked``, so a captured step is recaptured when one changes and never
-silently keeps a stale value (docs/design.md law 3).
-
-``graphstep/step/chain.py`` orders the stages into the one step every caller runs: the engine (eager,
-captured, profiled), ``debug_step`` and every optimizer family. Single process::
-
-    norm (non-finite check + global grad norm, one read of the grads) → zeros (optional)
-      → clip (coefficient, skip threshold, folded grad scale) → update (per-family kernels)
-      → qk_clip (with ``qk_clip=True``) → copy_back → requantize (fp8 weights only)
-      → loss_scale (scaler update, result flags)
-
-With several data-parallel ranks ``reduce`` (reduce-scatter) runs first and ``gather`` (all-gather)
-after the copy-back. With ``fold_grad_norm`` the norm stage reads no grad: it adds up sums of squares
-folded where the grads became final (backward hooks, or the reduce stage; graphstep/step/folded_sums.py).
-Expert params of MoE models (graphstep/plan/experts.py) are a second domain (graphstep/step/domains.py), whose
-``expert_*`` stages join the same chain.
+    [reduce] → norm → [zeros] → clip → update → [qk_clip] → copy_back → [requantize] → [gather] → loss_scale
 """
 
 from __future__ import annotations
