@@ -1,24 +1,16 @@
 """capture.check(fn): list everything that makes `fn` unsafe to capture.
 
-It runs `fn` ONCE, for real (its side effects happen: a step is taken), under a
-TorchDispatchMode that looks at every aten op and a TorchFunctionMode that looks at
-host reads that dispatch nothing (`.tolist()`, `.numpy()` on CPU tensors). Nothing is
-refused: each op runs normally so one run finds every problem, not just the first.
+It runs `fn` ONCE, for real (a step is taken), under a TorchDispatchMode that sees every aten op and a
+TorchFunctionMode that sees host reads that dispatch nothing (`.tolist()`, `.numpy()`). Nothing is refused, so
+one run finds every problem, not just the first. Findings:
 
-Findings:
   host_sync        the host waits for a device value (`.item()`, `if t:`, nonzero, ...)
-  device_to_host   a copy whose destination is the CPU and whose source is not (unless
-                   non_blocking into pinned memory: an asynchronous copy a CUDA graph records)
-  host_to_device   a copy from the CPU to another device (unless non_blocking from pinned
-                   memory): a sync from pageable memory, which a CUDA capture refuses
-  host_tensor      a tensor made from Python data inside the step (torch.tensor, as_tensor):
-                   a host-to-device copy on a GPU, a value frozen at capture anywhere
-  rng              an op that draws from the RNG: a graph replays the draw pattern,
-                   eager code draws anew; both are fine only if you meant it
-  escaping_tensor  a tensor allocated inside the step and still alive after it returns
-                   without being part of its return value (stored on an object, a
-                   list, a .grad): in a graph it would be memory the next replay
-                   overwrites, in the replay backend a value frozen at capture
+  device_to_host   a copy to the CPU, unless non_blocking into pinned memory
+  host_to_device   a copy from the CPU, unless non_blocking from pinned memory
+  host_tensor      a tensor made from Python data inside the step: a value frozen at capture
+  rng              an op that draws from the RNG: a graph replays the draw pattern
+  escaping_tensor  a tensor made inside the step and kept after it (on an object, a .grad) without being
+                   returned: memory the next replay overwrites, or a value frozen at capture
 """
 from __future__ import annotations
 

@@ -2,16 +2,12 @@
 
     g = capture.graph(step, warmup=1, static_inputs=lambda: {"grad_flat": grad_flat})
     for batch in data:
-        ...
         out = g()      # calls 1..warmup: eager; next: capture; then: replay
 
-Every call applies fn's effects exactly once, the capture call included, on every
-backend. The value returned is what fn returned at capture, as graph-owned tensors
-that each replay updates in place: outputs are graph-owned; clone what you keep.
-
-Each Graph owns its backend (and through it its CUDA graph, pool and stream); there is
-no module- or class-level state, so several graphs can coexist and be closed
-independently.
+Every call applies fn's effects exactly once, the capture call included, on every backend. The value returned
+is what fn returned at capture, as graph-owned tensors each replay updates in place: clone what you keep. Each
+Graph owns its backend (its CUDA graph, pool and stream); no module- or class-level state, so several graphs
+coexist and close independently.
 """
 from __future__ import annotations
 

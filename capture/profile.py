@@ -1,17 +1,10 @@
 """Profiling hooks for any step: named ranges, an Nsight capture window, and GPU telemetry.
 
-- ``ranges``: a ``Ranges`` object hands out context managers for named ranges. Off (the default) it hands
-  out one shared no-op context, so instrumented code pays a method call and nothing else. On, each range
-  is an NVTX range on CUDA builds (what Nsight Systems shows) and a ``torch.profiler.record_function``
-  range (what a torch.profiler Chrome trace shows).
-- ``nsys_window()``: ``cudaProfilerStart``/``Stop`` around a block, for
-  ``nsys profile --capture-range=cudaProfilerApi``; a no-op without CUDA.
-- ``gpu_telemetry()``: memory, SM clock, power and utilisation per GPU through nvidia-ml-py, or a
-  ``Telemetry`` whose ``error`` is "no NVIDIA GPU (NVML not found)" where there is none: never a crash.
-  A field a GPU cannot report (utilisation on a MIG instance) is "n/a".
-
-Ranges are host-side: inside a captured graph they are not replayed, so a captured step is one range
-around the replay, and per-stage ranges belong to eager steps.
+``ranges`` hands out context managers for named ranges: NVTX and ``torch.profiler.record_function`` ranges
+when on; when off, one shared no-op context, so instrumented code pays a method call and nothing else.
+``nsys_window()`` brackets a block for ``nsys profile --capture-range=cudaProfilerApi``; ``gpu_telemetry()``
+reads NVML, and where there is no NVIDIA GPU returns a ``Telemetry`` whose ``error`` says so: never a crash.
+Ranges are host-side: a captured step is one range around the replay; per-stage ranges need eager steps.
 """
 
 from __future__ import annotations

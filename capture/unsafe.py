@@ -1,26 +1,13 @@
-"""The one list of operations that make a step unsafe to capture.
+"""The one list of operations that make a step unsafe to capture: ``check()`` reports them and the replay
+backend refuses them while recording, so both read this module.
 
-`check()` reports them and the replay backend refuses them while recording, so both
-read this module. Two levels are needed:
-
-* aten ops, seen by a TorchDispatchMode: `.item()`, `bool(t)`, `float(t)` and `if t:`
-  all end up as `aten._local_scalar_dense`; `nonzero`, `masked_select`, boolean-mask
-  indexing have data-dependent shapes (their results would need the host to size an
-  allocation); `.cpu()` on a device tensor is a `_to_copy` to the CPU.
-* Host data entering the step: a tensor made from Python data (`torch.tensor(x, device=d)`,
-  `torch.as_tensor(list)`) dispatches `aten.lift_fresh` on a tensor torch has just filled from
-  host memory; on a GPU that is a copy from pageable memory, a sync that a CUDA capture refuses, and
-  on the CPU its value would be baked silently. It is refused on every device (the CPU replay
-  backend is the strict twin). A copy whose source is on the CPU and whose destination is not
-  (`cpu_t.to(device)`, `dev_t.copy_(cpu_t)`) is a host-to-device copy: refused unless it is
-  `non_blocking` from pinned memory, which a CUDA graph can capture (it then re-reads the pinned
-  buffer at every replay, as the replay backend does). Python scalars (`p.add_(1.0)`,
-  `torch.full(..., 0.5)`, `aten.scalar_tensor`) are not host tensors: they become kernel arguments,
-  baked at capture on every backend.
-* Tensor methods that read memory without dispatching anything: on a CPU tensor
-  `.tolist()`, `.numpy()` and `np.asarray(t)` go straight to the storage, so only a
-  TorchFunctionMode sees them. In a CUDA graph they would read whatever the memory
-  held at capture time.
+Two levels are needed. aten ops, seen by a TorchDispatchMode: host syncs all end up as
+``aten._local_scalar_dense``; ``nonzero`` and boolean masks have data-dependent shapes; host data entering the
+step (``aten.lift_fresh`` of a tensor made from Python data, a CPU-to-device copy that is not ``non_blocking``
+from pinned memory) is a sync a CUDA capture refuses, or a value baked silently on the CPU, so it is refused on
+every device. Python scalars are not host tensors: they become kernel arguments, baked on every backend. And
+tensor methods that read memory without dispatching anything (``.tolist()``, ``.numpy()`` on a CPU tensor),
+which only a TorchFunctionMode sees.
 """
 from __future__ import annotations
 

@@ -63,7 +63,9 @@ def _group_edits(build, live: LiveValues) -> None:
 
 def _torch_grad_scaler(build, live: LiveValues) -> None:
     if build.torch_amp.copy_scale_and_inf_flag(live.attributes):
-        build.fold.grads_rewritten()  # scaler.unscale_(opt) rewrote the grads unseen by version counters
+        # scaler.unscale_(opt) rewrote the grads unseen by version counters, or the norm's prescale changed
+        # since backward folded
+        build.fold.grads_rewritten()
 
 
 def _grads_seen(build, live: LiveValues) -> None:

@@ -1,44 +1,15 @@
 """LR and weight-decay schedules with Megatron-Core's semantics (``OptimizerParamScheduler``).
 
-Why a scheduler of its own when torch's work on the engine as is: Megatron users expect its curves
-(warmup, then cosine / WSD / inverse-square-root, floored at a per-group ``min_lr``) and per-group
-``max_lr`` / ``min_lr`` / ``lr_mult`` / ``wd_mult`` / ``start_wd`` / ``end_wd``, which
-``graphstep.plan.overrides.build_param_groups`` puts into every group.
+Megatron users expect its curves (warmup, then constant / linear / cosine / inverse-square-root / WSD, floored at
+a per-group ``min_lr``) and its per-group ``max_lr`` / ``min_lr`` / ``lr_mult`` / ``wd_mult`` / ``start_wd`` /
+``end_wd``, which ``graphstep.plan.overrides.build_param_groups`` puts into every group. The scheduler only
+writes Python floats into each group's ``lr`` and ``weight_decay``; the engine copies them to device tensors
+before the next step (docs/design.md law 3), so a captured step follows the schedule.
 
-The scheduler only writes Python floats into each group's ``lr`` and ``weight_decay``. The engine copies
-them into device tensors before the next step (docs/design.md law 3), so a captured step follows the schedule;
-nothing here touches a tensor.
-
-Learning rate of a group at step ``n`` (W = ``lr_warmup_steps``, D = ``lr_decay_steps``), times its
-``lr_mult``; a group's ``min_lr`` of None (graphstep's and Megatron-Core's groups carry ``config.min_lr``
-as is) counts as 0:
-
-- ``n <= W`` (when W > 0): linear warmup, ``init_lr + (max_lr - init_lr) * n / W``;
-- "constant": ``max_lr`` for ever (no floor, as in Megatron-Core);
-- ``n > D``: ``min_lr`` for every other style;
-- "inverse-square-root": ``max(min_lr, max_lr * max(W, 1)**0.5 / max(n, 1)**0.5)``;
-- "linear" / "cosine": ``min_lr + coeff * (max_lr - min_lr)`` with r = (n - W) / (D - W) and
-  coeff = 1 - r, or 0.5 * (cos(pi * r) + 1);
-- "WSD" (warmup-stable-decay): coeff = 1 until ``D - wsd_decay_steps``, then with
-  r = (n - (D - wsd_decay_steps)) / wsd_decay_steps it anneals by ``lr_wsd_decay_style``:
-  "linear" 1 - r, "cosine" 0.5 * (cos(pi * r) + 1), "exponential" 2 * 0.5**r - 1, "minus_sqrt"
-  1 - sqrt(r). Note r counts from the anneal start, not from the end of warmup. ``wsd_decay_steps`` 0
-  means no anneal: ``max_lr`` through step D, ``min_lr`` after (the stable phase alone, as in Megatron-Core).
-
-Weight decay of a group, times its ``wd_mult``: ``end_wd`` once ``n > wd_incr_steps`` (and always for
-"constant", which requires start_wd == end_wd); before that ``start_wd + coeff * (end_wd - start_wd)`` with
-r = n / wd_incr_steps and coeff = r ("linear") or 0.5 * (cos(pi * (1 - r)) + 1) ("cosine").
-
-Source of the formulas: Megatron-Core's ``OptimizerParamScheduler.get_lr`` / ``get_wd``
-(megatron/core/optimizer_param_scheduler.py in NVIDIA/Megatron-LM; API page
-https://docs.nvidia.com/megatron-core/developer-guide/latest/api-guide/optimizer_param_scheduler.html).
-The order of the checks matters and is theirs: the ``n > D`` floor comes before the inverse-square-root
-branch, so that style also ends at ``min_lr`` after D. The code below is graphstep's own, equal to theirs
-to the last bit (tests/test_scheduler.py runs both) except where it differs on purpose (README,
-"Differences from Megatron-Core"): it applies ``lr_mult`` (theirs carries it in the groups but ignores it),
-refuses a group ``min_lr`` above its ``max_lr`` and a WSD anneal longer than the steps after warmup (both
-typos: the lr would climb, or fall at once after warmup), and ``load_state_dict`` restores the saved schedule
-exactly instead of adding the saved step count to its own.
+The formulas and the order of their checks are Megatron-Core's ``get_lr`` / ``get_wd``
+(megatron/core/optimizer_param_scheduler.py), equal to the last bit (tests/test_scheduler.py runs both) except
+where docs/megatron-differences.md says otherwise: ``lr_mult`` applied, inconsistent settings refused, and
+``load_state_dict`` restoring the saved schedule exactly.
 """
 
 from __future__ import annotations

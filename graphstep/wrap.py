@@ -1,35 +1,13 @@
 """graphstep.wrap: capture the step of a plain torch.optim optimizer (Adam, AdamW, SGD).
 
-What a capture would freeze in a torch optimizer, and what ``wrap`` does about it:
-- ``lr`` as a Python float: converted to a 0-d device tensor that torch's LR schedulers ``fill_`` in
-  place (fp64 on the CPU, where torch's scalar math is double, so the result stays bitwise equal); an lr
-  assigned into a group by hand is copied into that tensor before the next step.
-- the step count: the for-loop and foreach Adam read it on the host for the bias correction; only
-  ``fused=True`` (or ``capturable=True`` on a GPU) keeps it on device. Others are refused.
-- betas, eps, weight decay, momentum: floats that torch's kernels take as floats; recorded at capture
-  and guarded: a change recaptures the step, never freezes it.
-- grads: a user's ``zero_grad()`` (set_to_none) makes backward allocate new grad tensors; before each
-  step their values are copied into the captured grad tensors and the params pointed back at them.
-- state: created by torch on the first step, so at least one warm-up step runs eagerly.
-- torch's capture health check: Adam's and AdamW's ``step`` raise under a CUDA capture when a group has
-  ``capturable=False``, ``fused=True`` included. The fused kernel ignores the flag (its step count is on
-  device either way), so ``wrap`` sets ``capturable=True`` on fused groups.
-
-It stays a torch optimizer where torch's contract says what one does (``wrap_checks`` holds the refusals):
-- ``add_param_group`` adds a group as torch does (defaults, checks), refuses one that would freeze, tensor-ises
-  its lr, and makes the next step an eager one followed by a new capture (torch creates the state then);
-- ``load_state_dict`` keeps this optimizer's implementation flags (``fused``, ``capturable``, ``foreach``,
-  ``differentiable``) over the saved ones: a state dict from a non-fused run or an older torch carries the same
-  math; ``state_dict`` saves each lr as a float, a snapshot, as torch's optimizers do;
-- the step hooks (torch's global ones and this optimizer's, which are the wrapped one's too) run once per
-  ``step()``, outside what is captured; the wrapped optimizer's step is called without its hook wrapper;
-- ``step(closure)`` returns the closure's loss, and ``step()`` None; ``update_successful`` holds the flag;
-- ``copy.deepcopy`` and pickle wrap a copy of the wrapped optimizer (and scaler) anew: the copy warms up and
-  captures its own step, as a fresh ``wrap`` would.
-
-With a graphstep loss scaler (``scaler=``), the step checks the grads for inf/NaN on device, hands
-``grad_scale``/``found_inf`` to the fused kernel (torch's own AMP protocol, so a skipped step changes
-nothing) and updates the scale; without one, a plain bf16 or fp32 loop is captured as is.
+What a capture would freeze, and what ``wrap`` does: ``lr`` becomes a 0-d device tensor that torch's schedulers
+``fill_`` (fp64 on the CPU, so the result stays bitwise equal); only fused (or capturable) Adam keeps its step
+count on device, others are refused; other float hyperparameters are guarded, and a change recaptures; new grad
+tensors from ``zero_grad()`` are copied into the captured ones; the first step runs eagerly, since torch creates
+the state then. Fused groups get ``capturable=True``, which the fused kernel ignores but torch's capture check
+demands. It stays a torch optimizer where torch's contract says what one does (``add_param_group``,
+``load_state_dict``, step hooks run once outside the capture, deepcopy and pickle; refusals in ``wrap_checks``).
+With a graphstep loss scaler (``scaler=``) the grads are checked on device and a skipped step changes nothing.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ read no private attribute of an object: they use the public API, or the build re
 ``opt.build_record``."""
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -325,3 +328,60 @@ def test_the_allowed_private_reads_are_still_made():
     sources = sorted((ROOT / "tests").rglob("*.py")) + sorted((ROOT / "perf").rglob("*.py"))
     text = "\n".join(p.read_text() for p in sources)
     assert not [name for name in _PRIVATE_READS_ALLOWED if f".{name}" not in text]
+
+
+# ---- lean docstrings: a module says what it is for and why; figures live in docs/performance.md ----------------
+MAX_MODULE_DOCSTRING_LINES = 15
+
+# A measured figure: a time, a speed ratio, a bandwidth, a percentage.
+_FIGURE = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)?\s?(?:ms|µs|us|ns|s|seconds|GB/s|GiB/s|MB/s|%)(?![\w/])"
+                     r"|(?<![\w.])\d+(?:\.\d+)?\s?(?:×|x\b)(?!\s*\d)|\btimes (?:slower|faster)\b")
+
+# Numbers that match ``_FIGURE`` but are contracts, not measurements: (file, the matched text) -> why.
+_FIGURES_ALLOWED = {
+    ("graphstep/app/bench_rows.py", "95%"): "the bootstrap interval's confidence level, a parameter",
+    ("graphstep/app/demo.py", "10%"): "the margin estimate_seconds adds for the optimizer step, a constant",
+}
+
+
+def _library_sources() -> list:
+    return sorted((ROOT / "graphstep").rglob("*.py")) + sorted((ROOT / "capture").rglob("*.py"))
+
+
+def _prose(path: Path):
+    """(line, text) of every docstring and comment line of ``path``."""
+    source = path.read_text()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            if (doc := ast.get_docstring(node, clean=False)) is not None:
+                yield from enumerate(doc.splitlines(), node.body[0].lineno)
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            yield token.start[0], token.string
+
+
+def test_no_module_docstring_is_an_essay():
+    long = {}
+    for path in _library_sources():
+        name = str(path.relative_to(ROOT))
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False) or ""
+        if len(doc.splitlines()) > MAX_MODULE_DOCSTRING_LINES:
+            long[name] = len(doc.splitlines())
+    assert not long, f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines: say what the module is for and why"
+
+
+def test_no_docstring_or_comment_holds_a_measured_figure_or_an_outside_file():
+    found = []
+    for path in _library_sources():
+        name = str(path.relative_to(ROOT))
+        for line, text in _prose(path):
+            found += [f"{name}:{line}: {m.group(0)!r} in {text.strip()!r}" for m in _FIGURE.finditer(text)
+                      if (name, m.group(0)) not in _FIGURES_ALLOWED]
+            if "shared/reference" in text:
+                found.append(f"{name}:{line}: cites a file outside the repository")
+    assert not found, "measured figures belong in docs/performance.md:\n" + "\n".join(found)
+
+
+def test_the_docstring_allow_lists_are_still_needed():
+    sources = {str(p.relative_to(ROOT)) for p in _library_sources()}
+    assert not [name for name, _ in _FIGURES_ALLOWED if name not in sources]

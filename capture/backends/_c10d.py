@@ -1,19 +1,11 @@
 """What the replay backend needs to know about torch.distributed's c10d ops.
 
-With torch 2.13, `dist.all_reduce(t)` and friends dispatch as ops such as
-`c10d.allreduce_.default(tensors, process_group, reduce_op, ...)` that return
-`(tensors, Work)`, where Work is a ScriptObject (`__torch__.torch.classes.c10d.Work`).
-The replay backend bakes the ProcessGroup / ReduceOp ScriptObjects by reference and,
-whenever an op hands back a Work, waits on it at once.
-
-Why wait at once: gloo finishes some collectives inside `Work.wait()` by dispatching
-ordinary aten ops (reduce_scatter_tensor ends with `split` + `copy_` from an internal
-buffer into the output). Those ops arrive at the dispatch mode as if the user had
-called them, naming a buffer that belongs to that one Work. Recorded, they would copy
-the capture step's stale result into the output at every replay. So the recorder
-ignores every op dispatched while a `Work.wait()` runs. There is no per-object hook for
-that: `hide_ops_inside_wait()` wraps `Work.wait` for the duration of a recording only
-and restores it afterwards; the flag it sets is per thread.
+``dist.all_reduce(t)`` and friends dispatch as ops such as ``c10d.allreduce_.default(...)`` that return
+``(tensors, Work)``. The replay backend bakes the ProcessGroup / ReduceOp objects by reference and waits on every
+Work at once. Why at once: gloo finishes some collectives inside ``Work.wait()`` by dispatching ordinary aten ops
+(``split`` + ``copy_`` from an internal buffer), which a recorder would bake in as copies of the capture step's
+stale result. So the recorder ignores every op dispatched while a ``Work.wait()`` runs: ``hide_ops_inside_wait()``
+wraps ``Work.wait`` for the duration of a recording only (there is no per-object hook); its flag is per thread.
 """
 from __future__ import annotations
 

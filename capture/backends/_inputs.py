@@ -1,25 +1,12 @@
 """How the replay backend refers to the tensors a step read that existed before the capture.
 
-A CUDA graph keeps raw addresses, not tensors: it does not keep its inputs alive. If the memory is
-freed after the capture, a replay reads and writes freed memory (and whatever reuses it); if a tensor
-is given new memory (`p.data = new`), the graph keeps using the old addresses. The replay backend
-mirrors that strictly instead of being kinder: it holds each pre-existing tensor weakly (a weak
-reference to the Python object, and one to its storage), and before each replay checks that
-
-* the memory is still alive: the storage weak reference has not expired. A view whose Python object
-  died while its storage lives on (another view holds it) is rebuilt from the storage, since the CUDA
-  graph would still be reading valid memory;
-* the tensor still describes the captured memory: a live object whose data pointer, shape, stride or
-  dtype changed was replaced, and the graph would not see the new memory.
-
-Either failure raises `StaleInputError` naming the tensor by the op and user source line that first
-read it during the capture, before any op runs (nothing is half-applied).
-
-Cost: a replay dereferences each weak reference and compares each tensor's data pointer, shape, stride
-and dtype (one list comprehension each, well under a microsecond per tensor); only when an object is
-gone does it look at storages.
-A replaced tensor is recognised by its data pointer: new memory that happens to land at the old
-address, with the old layout, is what the graph reads anyway.
+A CUDA graph keeps raw addresses, not tensors: freed memory is read anyway, and a tensor given new memory
+(``p.data = new``) is not seen. The replay backend mirrors that strictly instead of being kinder: it holds each
+such tensor weakly (its object and its storage), and before each replay checks that the storage is alive and
+the tensor still describes the captured memory (data pointer, shape, stride, dtype). Either failure raises
+``StaleInputError`` naming the tensor by the op and source line that first read it, before any op runs. A view
+whose object died while its storage lives on is rebuilt from the storage, as the graph would still read valid
+memory. New memory at the old address with the old layout is what the graph reads anyway, so it passes.
 """
 from __future__ import annotations
 

@@ -145,8 +145,8 @@ class Program:
         returned = {id(t) for t, _ in self.out_binds}
         refs = [(weakref.ref(t), slot) for slot, t in fresh.items() if id(t) not in returned]
         fresh.clear()
-        # No gc.collect() here (it costs ~0.1-0.3 s in a process that imported torch, at
-        # every recapture): a temporary caught in a reference cycle counts as escaped
+        # No gc.collect() here (in a process that imported torch it costs more than a
+        # recapture should): a temporary caught in a reference cycle counts as escaped
         # until the collector frees it, which only costs a copy per replay meanwhile.
         return [(ref, slot) for ref, slot in refs if ref() is not None]
 

@@ -1,45 +1,14 @@
 """The replay backend's rules for what a CUDA capture would refuse that a plain op recorder would not.
 
-docs/design.md §9: the CPU replay backend is the strict twin of a CUDA graph. The op-level rules (host
-syncs, device-to-host and host-to-device copies, tensors made from Python data, undeclared RNG) are
-classified in `capture.unsafe`; this module holds the rules that need more context than one op:
-
-* **Host work inside a device step.** A CUDA graph records device work only. An op whose tensors all
-  live on the CPU inside a step that runs on a device is run once, at capture, and never replayed; a
-  CPU tensor read by a device op (a 0-d "scalar" tensor) has its capture-time value baked into the
-  kernel's arguments. The replay backend would replay both faithfully, so it refuses them instead.
-  Which device a step runs on is only known once it has run: the first non-CPU tensor any recorded op
-  touches decides; in a CPU-only step the host *is* the device and this rule is silent (the
-  CPU-only analogue is the `host_tensor` rule in `capture.unsafe`: a tensor made from Python data).
-* **Lazy initialisation during the recording** (`LazyInitWatch`): work that a CUDA capture cannot
-  contain because it synchronises or allocates outside the graph.
-  - A torch.compile (dynamo) compilation that starts while recording: Inductor compiles, benchmarks
-    and autotunes with host syncs. Detected with dynamo's compile-start callback.
-  - The first collective on a process group, c10d or functional (``_c10d_functional``, which names
-    its group by a string): NCCL creates its communicator lazily, on a group's first collective
-    (unless the group was bound to a device at init), and that setup cannot be captured. Detected
-    from the group's collective sequence number, which is 0 until the group has run a collective
-    (ProcessGroup._get_sequence_number_for_group, gloo and NCCL).
-  Not detected (documented instead): cuBLAS/cuDNN handle and workspace creation, allocator growth,
-  Triton kernels compiled outside dynamo, a torch.compile'd function called *directly* inside the
-  step (dynamo does not run under a TorchDispatchMode, so it runs eagerly during the recording: wrap
-  compiled kernels in a `torch.library` custom op, as graphstep does, to record them as one op).
-* **Stream and event order** (`StreamRules`, over `StandInStream` / `StandInEvent`). A CUDA capture refuses
-  a side stream it forked (a stream that waited on the capturing stream inside the capture) that is not
-  joined back before the capture ends (``cudaErrorStreamCaptureUnjoined``), a wait on an event recorded
-  outside the capture (``cudaErrorStreamCaptureIsolation``), an event's ``synchronize()``/``query()``
-  inside it (a host sync), and work on a stream the capture never forked (it would run once, at capture).
-  And a captured step that reads a tensor another stream wrote (FSDP2's reduce-scatter writing the grads
-  on its own stream) without waiting for that stream's event first (FSDP2's post-reduce event) reads it
-  before it is written, at every replay. On the CPU every ``torch.Stream`` is one stream and
-  ``torch.Event`` cannot be made, so the rules are modelled on stand-ins with the same methods: work
-  entered under ``with stream:`` is that stream's, and ``wait_stream`` / ``wait_event`` order one stream
-  after another's work, as on CUDA. Only code that uses the stand-ins is checked.
-* **torch.optim's capture health check** (`OptimizerCaptureCheck`). Adam, AdamW and the other
-  optimizers whose step calls `Optimizer._accelerator_graph_capture_health_check` raise when the
-  current CUDA (or XPU) stream is capturing and a param group has `capturable=False`; `fused=True`
-  gets no exemption. On a CPU build the check returns at once (no accelerator), so while recording
-  it is swapped for one that applies the accelerator's rule to any device.
+docs/design.md §9: the CPU replay backend is the strict twin of a CUDA graph. Per-op rules live in
+``capture.unsafe``; this module holds the rules that need more context than one op: host (CPU) work inside a
+step that runs on a device (run once at capture, never replayed, so refused); lazy initialisation during the
+recording (``LazyInitWatch``: a torch.compile compiling, a process group's first collective, which NCCL sets up
+uncapturably); stream and event order (``StreamRules`` over ``StandInStream`` / ``StandInEvent``, since on the
+CPU every ``torch.Stream`` is one stream and ``torch.Event`` cannot be made); and torch.optim's capture health
+check (``OptimizerCaptureCheck``), which a CPU build skips. Not detected (docs/capture.md): cuBLAS/cuDNN setup,
+allocator growth, and a torch.compile'd function called directly in the step (dynamo does not run under a
+TorchDispatchMode): wrap compiled kernels in a ``torch.library`` custom op, as graphstep does.
 """
 from __future__ import annotations
 

@@ -1,43 +1,14 @@
-"""The CUDA backend: torch.cuda.CUDAGraph, owned by one Graph object.
+"""The CUDA backend: torch.cuda.CUDAGraph, owned by one Graph object. Nothing touches CUDA at import time.
 
-Nothing here touches CUDA at import time: a CPU-only torch must be able to import
-capture. The stream and graph are created on first use.
-
-Choices, and why:
-* Warm-up runs on a side stream, the same stream the capture later uses. The first
-  calls of a step do lazy work (cuBLAS handles and workspaces, autograd-free caching
-  allocator growth, optimizer state created on first step); doing it on the capture
-  stream means the capture sees the step in its steady state. The side stream waits on
-  the caller's current stream before, and the caller's stream waits on it after, so
-  ordering with surrounding work is what the caller wrote.
-* Capture uses `torch.cuda.graph(graph, pool=..., stream=...,
-  capture_error_mode="thread_local")`, which synchronizes, collects garbage and
-  captures. "thread_local": only this thread's unsafe CUDA calls invalidate the
-  capture. In "global" mode (torch's default) another thread touching CUDA during the
-  capture, such as a `DataLoader(pin_memory=True)` worker allocating pinned memory,
-  makes the capture fail; NCCL's CUDA-graph guide recommends thread-local mode for
-  multi-threaded processes, and Megatron-Core's full-iteration graphs use it. A sync
-  in *this* thread still fails the capture loudly.
-* Device: the side stream and the graph are created, and warm-up, capture and replay
-  run, under the step's device (`options.device`, by default the static inputs'
-  device, else the current device at first use). Without it, rank 1 of a job that
-  never called `torch.cuda.set_device` would create its capture stream on GPU 0 while
-  its tensors live on GPU 1.
-* NCCL: before capturing while an NCCL process group is initialised, the environment
-  is checked for settings known to break captured collectives
-  (`check_nccl_capture_environment`); they are refused with what to set instead.
-* `pool`: None gives the graph its own private memory pool. Pass a
-  `torch.cuda.graph_pool_handle()` to share one pool between several graphs (less
-  memory); they must then be replayed in the order they were captured, since each one
-  may reuse memory the previous one freed.
-* A step that raises while being captured is reported by its own error. Leaving `torch.cuda.graph`
-  then ends the capture, and `capture_end` raises "operation failed due to a previous error during
-  capture"; that error is kept as the cause, not raised in place of the step's.
-* Capturing does not execute the kernels. We replay once right after capturing, so the
-  capture call applies fn's effects exactly once, like the replay backend's recording
-  and like every other call. (Warm-up calls are real steps too.)
-* Outputs: the tensors fn returned during capture live in the graph's pool; every
-  replay rewrites them in place. They are graph-owned: clone what you keep.
+Choices, and why: warm-up runs on the side stream the capture later uses, so lazy work (cuBLAS handles,
+allocator growth, optimizer state) is done before and the capture sees the steady state. Capture uses
+``capture_error_mode="thread_local"``: in torch's default "global" mode another thread touching CUDA (a
+``pin_memory`` data loader) fails the capture, and NCCL's CUDA-graph guide recommends thread-local for
+multi-threaded processes. Everything runs under the step's device, or a rank that never called
+``set_device`` would capture on GPU 0. NCCL settings known to break captured collectives are refused first
+(``check_nccl_capture_environment``). Capturing does not execute the kernels, so the graph is replayed once
+right after: the capture call applies fn's effects exactly once. A step that raises while captured is reported
+by its own error. Outputs live in the graph's pool and are rewritten by every replay: clone what you keep.
 """
 from __future__ import annotations
 

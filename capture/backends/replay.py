@@ -1,71 +1,15 @@
 """The CPU replay backend: CUDA-graph semantics without a GPU, so CI tests capture.
 
-Recording: one call of fn runs under a TorchDispatchMode that appends every aten op
-(below autograd, after Python decompositions) to a program. Replay: that op list runs
-again on the same storages, and Python is not re-run. This reproduces what a CUDA
-graph would do to a step:
-
-* Python scalars in op arguments are baked in. `p.add_(g, alpha=-lr)` with a Python
-  float lr keeps the capture-time lr forever; a 0-d tensor lr filled in place between
-  replays is read live.
-* Tensors that existed before the capture (closed-over params, buffers, constants) are
-  held weakly, as a CUDA graph holds raw addresses: a freed or replaced one makes the
-  next replay raise StaleInputError naming it, before any op runs (`_inputs.py`).
-  Tensors produced by recorded ops (temporaries, views, slices, list outputs of foreach
-  ops) are placeholders, recomputed at each replay. In-place and out= ops return their
-  input, so they map to that same tensor.
-* Host syncs (`.item()`, `if t:`, `.tolist()`, nonzero, boolean masks, ...) raise
-  CaptureError while recording, naming the op and the user's file:line. The list of
-  unsafe ops is `capture.unsafe`, shared with `capture.check`.
-* Strict twin of a CUDA capture (docs/design.md §9), also refused while recording with the op
-  and the user's file:line: a tensor made from Python data inside the step
-  (`torch.tensor(x, device=d)`: `aten.lift_fresh`), a host-to-device copy other than a
-  non_blocking one from pinned memory, host (CPU) work inside a step that runs on a
-  device, RNG ops unless the graph was built with `allow_rng=True`, and lazy
-  initialisation during the recording (a torch.compile compiling, a process group's
-  first collective), a torch.optim step over a param group with `capturable=False`
-  (torch's own capture health check, which a CPU build skips), and the stream and event
-  order a CUDA capture needs (side streams joined, events recorded inside it, another
-  stream's writes waited for), on the stand-ins of `_strict.py`. The exact rules, and what
-  is not detected: `capture.unsafe` and `_strict.py`. Recording runs the ops, so a
-  refused capture call has already applied the ops before the refused one (for host work
-  and lazy initialisation, decided once fn has returned, the whole step): fix the step
-  rather than retrying it.
-* Custom ops (`torch.library`, any namespace but torch's own) are recorded as one op
-  and called again at each replay; their body runs with the dispatch state of the
-  caller, so a torch.compile'd kernel inside sees what it saw in warm-up. A compile
-  starting during a replay (the kernel's guards failed) raises CaptureError: a CUDA
-  graph would have replayed the captured kernel.
-* Each op replays under the fp32 matmul precision (`torch.set_float32_matmul_precision`)
-  it was recorded under, as a CUDA graph's kernels keep the precision they were launched
-  with; the caller's setting is restored after the replay.
-* c10d collectives (`c10d.allreduce_`, `c10d._reduce_scatter_base_`, ...) are replayed;
-  the ProcessGroup and ReduceOp objects are baked by reference, and every Work an op
-  returns is waited on at once, at recording and at replay (a stronger sync than an
-  async caller's, always safe). See `_c10d.py` for why ops inside Work.wait() are not
-  recorded. Functional collectives (`_c10d_functional.all_reduce` + `wait_tensor`)
-  are ordinary ops returning fresh tensors and replay like any other.
-* A tensor that aliases a temporary without any aten op (`torch.from_dlpack(tmp)`) is
-  recorded as an `as_strided` view of the placeholder, so it follows each replay.
-* fn's return value at capture is graph-owned: each replay copies its fresh tensors'
-  new values into those same objects. Outputs are graph-owned: clone what you keep.
-
-What differs from a CUDA graph:
-* Recording executes the ops, so the capture call is a real step (the CUDA backend
-  replays right after capturing so that both count the capture call as one step).
-* Temporaries are allocated anew at each replay (no private memory pool). A tensor
-  made inside the step and stored somewhere (an escaping tensor, see capture.check)
-  is copied into at each replay, which is what a CUDA graph's pool reuse amounts to;
-  unlike in a CUDA graph, no other tensor can come to share its memory.
-* Ops run one by one through the dispatcher: it saves Python, not kernel launches.
-* Effects Python performs without an aten op (assigning `.data` or `.grad`, setting
-  attributes, printing) happen at capture only.
-* Declared RNG (`allow_rng=True`): ops draw from their generator at each replay, so a
-  replayed run draws the same numbers as the eager run would; a CUDA graph advances
-  Philox offsets of the generators registered with it instead (torch registers the
-  default CUDA generator; others need `CUDAGraph.register_generator_state`).
-* Storage objects passed to ops (`set_(storage)`), ProcessGroups and Generators are held
-  by strong reference; so are fn's returned tensors (they are the graph's outputs).
+Recording runs fn once under a TorchDispatchMode that appends every aten op to a program; a replay runs that op
+list again on the same storages, and Python is not re-run. So, as in a CUDA graph: Python scalars in op
+arguments are baked in, while a 0-d tensor filled in place is read live; tensors from before the capture are
+held weakly (``_inputs.py``); tensors the recorded ops produce are recomputed at each replay; host syncs,
+tensors made from Python data, unsafe copies, undeclared RNG and what ``_strict.py`` checks raise
+``CaptureError`` with the op and the user's file:line while recording (``capture.unsafe``). Recording runs the
+ops, so a refused capture call has already applied the ops before the refused one: fix the step rather than
+retrying it. Custom ops are recorded as one op and called again; c10d collectives are replayed with every Work
+waited on at once (``_c10d.py``). fn's return value is graph-owned: clone what you keep. What differs from a
+CUDA graph (no private pool, Python-only effects at capture only, RNG drawn anew): docs/capture.md.
 """
 from __future__ import annotations
 

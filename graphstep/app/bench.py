@@ -1,37 +1,16 @@
 """The optimizer step, side by side in one process, on GPT-2 small's parameter shapes (``graphstep bench``).
 
-What each row runs over the same ~124M fp32 params in 148 tensors, with the same random fp32 grads, restored
-untimed before every step (a copy; for ``fold_grad_norm`` rows the backward stand-in, whose hooks fold):
+Every row runs over the same params and the same random grads, restored untimed before each step. The rows:
+two bandwidth floors (a memory stream ``x.mul_``, a read-only ``x.sum()``) and graphstep's norm pass alone;
+``torch._fused_adamw_`` over one flat buffer (the floor an Adam step can reach, docs/design.md §6); torch's
+AdamW (fused, foreach, fused after ``clip_grad_norm_``); a backward stand-in with and without the folded norm;
+graphstep's step unclipped and full, eager and captured, with each kernel. graphstep's rows run unfolded unless
+they say folded; "the default config" rows run the defaults.
 
-- memory stream: ``x.mul_(1.0001)`` over one buffer of the same numel: this machine's in-place
-  bandwidth (8 bytes per element, read + write), the context for every GB/s below;
-- read-only reduction ``x.sum()`` over the same numel, and graphstep's norm/inf pass alone: the floor of
-  a read (4 bytes per element) and how close the norm pass comes to it;
-- ``torch._fused_adamw_`` once over one flat buffer: the floor an Adam step can reach (docs/design.md §6);
-- ``torch.optim.AdamW(fused=True)`` and ``AdamW(foreach=True)`` with two param groups (decay and
-  no-decay, the standard overrides), and ``AdamW(fused=True)`` after ``clip_grad_norm_``;
-- the backward stand-in (``zero_grad``, then every grad accumulated through autograd, no model compute)
-  with and without ``fold_grad_norm``, alone and followed by the full step with a loss scale: what the
-  folded norm adds to backward and takes off the step;
-- graphstep's step: without clipping (``clip_grad=0``, no loss scaling; the norm pass still runs, as
-  the non-finite check) and the full step (``clip_grad=1.0``: norm, non-finite check, clip folded into
-  the update), eager, and the full step captured (CPU replay backend, or a CUDA graph on a GPU), with
-  the default kernel (``kernel="auto"``: compiled where torch.compile works, else fused; the row's build
-  prints which ran and its compile seconds) and with ``kernel="fused"`` and ``"compiled"`` by name.
-
-graphstep's rows run ``fold_grad_norm=False`` ("unfolded": the norm pass in the step) unless they say
-folded; the rows called "the default config" run the default, which folds the norm into backward.
-
-Bytes per param: Adam over fp32 must read param, grad, m, v and write param, m, v (28 B); the full step
-also reads the grads once for the norm (32 B) — docs/design.md §6. GB/s is those bytes over the median time:
-how close each row comes to the machine's stream bandwidth for the work it has to do.
-
-One pipeline is built at a time and freed before the next (each holds ~2 GB at GPT-2 small). With
-``--interleave`` all are built at once, and rows that time different parts of one configuration (its step,
-its norm stage, its backward stand-in, both) share that configuration's optimizer.
+GB/s is the bytes a row must move (Adam over fp32: 28 B per param; the full step reads the grads once more
+for the norm: 32 B) over its median time. One pipeline is built at a time; ``--interleave`` builds all at once.
 
     graphstep bench [--quick] [--steps 20] [--warmup 3] [--json out.json] [--only fused-floor,...]
-    graphstep bench --interleave --steps 25 --only read-floor,norm-pass,fused-floor,graphstep-scaled,...
     python perf/bench_step.py [same flags]    # the same, from a checkout
 """
 
@@ -262,7 +241,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 best[key] = row
     rows = [best[key] for key in args.keys]
     add_ratios(rows)
-    # A bootstrap per ratio (about 1 s for all at 200 rounds): computed once, for the table and the JSON.
+    # A bootstrap per ratio: computed once, for the table and the JSON.
     paired = key_ratios(rows) if args.interleave else []
     print(markdown(rows, meta, paired))
     if args.json:

@@ -24,8 +24,8 @@ from graphstep.iteration import Iteration
 
 from . import models
 from .precision import cast_by_the_optimizer, config_flags, prepare
-# Muon: 3e-3 reached a lower loss than 1e-3 on the tiny preset (2.25 against 2.69 after 60 steps; Adam at
-# 1e-3: 2.75), measured when Muon was added. Its other params train with Adam at the same lr.
+# Muon: 3e-3 reached a lower loss than 1e-3 on the tiny preset when Muon was added. Its other params train
+# with Adam at the same lr.
 DEFAULT_LR = {"adam": 1e-3, "sgd": 0.1, "muon": 3e-3}
 # --moments: Megatron-Core's --exp-avg-dtype spellings (fp8 is torch.uint8 there).
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}
@@ -123,8 +123,8 @@ def estimate_seconds(settings: DemoSettings, runs: int, world_size: int = 1) -> 
     """Roughly how long ``runs`` trainings with ``settings`` take here, measured rather than guessed: a
     batch drawn plus forward and backward of this rank's slice at the run's precision, the best of the
     second and third of three passes (the first pays one-time allocations; a busy machine slows any single
-    one). The optimizer step adds a few percent on the built-in presets (2 of ~60 ms on tiny), rounded up
-    to 10%; spawning ranks (each imports torch) a few seconds."""
+    one). The optimizer step adds a few percent on the built-in presets, counted as 10%; spawning ranks (each
+    imports torch) a few seconds."""
     device = torch.device(settings.device)
     model_config = models.preset(settings.preset, qk_clip=settings.qk_clip)
     model = models.GPT(model_config, seed=settings.seed).to(device)

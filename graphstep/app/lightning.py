@@ -1,16 +1,9 @@
 """Lightning and graphstep: ``Trainer(callbacks=[GraphstepAccumulation(), GraphstepSkippedSteps()])``.
 
-Lightning's own precision plugins step a graphstep optimizer as they are (the README's "With Lightning").
-What they cannot do is tell graphstep which backward is an earlier micro-batch of
-``accumulate_grad_batches``: graphstep's folded norm (``fold_grad_norm``) then folds in every backward,
-warns once, and folds right before the step instead, one more read of the grads per step. This callback
-runs the backward of every micro-batch Lightning does not step after under ``opt.no_sync()``, so the norm
-is folded in the last backward only, as in a hand-written loop.
-
-Lightning never shows the engine's ``StepResult``; ``GraphstepSkippedSteps`` reports its run-level count of
-skipped steps (``StepResult.skipped_steps``) in the module's logged metrics and once when ``fit`` ends.
-
-This module imports ``lightning``; nothing in graphstep imports it.
+Lightning cannot tell graphstep which backward is an earlier micro-batch of ``accumulate_grad_batches``, so
+the folded norm would fold in every backward; ``GraphstepAccumulation`` runs those backwards under
+``opt.no_sync()``, as a hand-written loop does. ``GraphstepSkippedSteps`` logs ``StepResult.skipped_steps``,
+which Lightning never shows. This module imports ``lightning``; nothing in graphstep imports it.
 """
 
 from __future__ import annotations

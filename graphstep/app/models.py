@@ -1,19 +1,9 @@
 """The built-in model and data: a small GPT-style decoder and a synthetic corpus it can learn.
 
-Used by ``graphstep demo`` and the examples; nothing in the engine depends on it. No downloads: the
-corpus is a fixed random Markov chain over the vocabulary, generated from a seed, so the loss falls from
-``ln(vocab_size)`` towards the chain's entropy rate within a few hundred steps.
-
-    config = models.tiny()
-    model = models.GPT(config, seed=0)
-    corpus = models.SyntheticCorpus(config.vocab_size, seed=0)
-    inputs, targets = corpus.batch(step=0, batch_size=16, seq_len=config.seq_len)
-    loss = model(inputs, targets)
-
-The model follows nanoGPT's layout (pre-LN blocks, GELU MLP, final LN), with an untied output head so
-every param is a separate tensor. Embedding and output weights carry
-``is_embedding_or_output_parameter = True``, which graphstep's standard overrides read for
-``decoupled_lr``.
+Used by ``graphstep demo`` and the examples; nothing in the engine depends on it. No downloads: the corpus is
+a fixed random Markov chain generated from a seed, so the loss falls from ``ln(vocab_size)`` towards the
+chain's entropy rate. The model follows nanoGPT's layout with an untied output head (every param a separate
+tensor); embedding and output weights carry ``is_embedding_or_output_parameter = True`` for ``decoupled_lr``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """CRC-32 of every stored item of a checkpoint, so that damaged bytes are refused instead of loaded.
 
-DCP stores no checksum, and a tensor's raw bytes decode whatever they hold: a flipped bit or an overwritten
-block inside a data file of the right size would load as quietly different optimizer state (the size and
-decoding checks of ``integrity.py`` cannot see it). So ``gs.checkpoint.save`` adds one:
-
-- after DCP has written the checkpoint, each of the ``n`` saving ranks takes its share of the data files
-  (every ``n``-th, in name order), computes the CRC-32 of every stored item in them (one saved tensor slice:
-  the byte range DCP's metadata gives it), rank 0 that of the ``.metadata`` file too, and writes them to
-  ``__checksums_<rank>_of_<n>.json`` in the checkpoint directory before it is committed;
-- the checkpoint holds the entry ``checkpoint.checksummed``, so a load knows the checksum files must be
-  there (a checkpoint written by DCP directly, e.g. with ``OptimizerState``, has neither and loads
-  unchecked);
-- a load checks before any data is read that the checksum files are all there and cover every item the
-  metadata lists (a damaged range in the metadata has none), and the ``.metadata`` file's CRC; then every
-  item a rank reads is checked before it is decoded. That reads its bytes twice; the second read comes
-  from the page cache, and CRC-32 runs at a few GB/s.
+DCP stores no checksum, and a tensor's raw bytes decode whatever they hold: a flipped bit inside a data file
+of the right size would load as quietly different state. After DCP writes, each saving rank checksums its
+share of the data files (rank 0 the ``.metadata`` too) into ``__checksums_<rank>_of_<n>.json``; the entry
+``checkpoint.checksummed`` tells a load they must be there. A load checks that they cover every item before
+reading any data, then checks every item a rank reads before decoding it.
 """
 
 from __future__ import annotations

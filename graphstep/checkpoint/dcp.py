@@ -1,23 +1,10 @@
 """Save and load graphstep checkpoints with torch.distributed.checkpoint (DCP), atomically and safely.
 
-``save(opt, path, model=None)``: every rank writes its slices (``sharded_state_dict``) into
-``<path>.saving``, then the CRC-32 of its share of the stored items (``checksums.py``); the files are
-fsynced; once every rank is done, rank 0 swaps the directory in by renames (the previous checkpoint moves to
-``<path>.old``, the new one to ``path``, then the old one is deleted). A save killed at any point leaves a
-loadable checkpoint: ``path`` itself until the swap, or ``<path>.old`` during it, which ``load`` falls back
-to.
-
-``load(opt, path, model=None)``: reads DCP's metadata with an unpickler that admits DCP's own metadata
-classes only, refuses checkpoints holding pickled objects (graphstep's format has none: everything
-non-tensor is JSON in a uint8 tensor), checks the format version and the params (names, shapes) before
-reading any data, reads exactly this rank's ranges into fresh tensors, validates them, and only then
-copies into the static buffers (so a refused checkpoint changes nothing) and publishes the params.
-A damaged checkpoint (missing, empty, truncated or garbage files, bytes that do not match their checksum)
-raises ``CheckpointError`` naming the file (``integrity.py``, ``checksums.py``), before anything is copied.
-
-``async_save(...)`` snapshots the state (a copy, at the call) and saves it in a background thread over a
-dedicated gloo group, so training steps go on meanwhile; the returned future completes once the
-checkpoint is committed on every rank.
+``save`` writes into ``<path>.saving`` and swaps it in by renames once every rank is done, so a save killed
+at any point leaves a loadable checkpoint (``path``, or ``<path>.old``, which ``load`` falls back to).
+``load`` admits DCP's own metadata classes only (graphstep's format pickles nothing), checks everything,
+and copies into the static buffers only then: a refused or damaged checkpoint raises ``CheckpointError``
+naming the file and changes nothing. ``async_save`` snapshots the state and saves it on a background thread.
 """
 
 from __future__ import annotations

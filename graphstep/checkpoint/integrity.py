@@ -1,24 +1,10 @@
 """A damaged checkpoint on disk, reported as ``CheckpointError`` naming the file and what is wrong.
 
-DCP reports a damaged checkpoint in its own terms: a garbage or truncated ``.metadata`` raises the
-unpickler's raw error (naming no file), and a missing, empty, truncated or garbage data file
-(``__0_0.distcp``) raises torch's ``CheckpointException``, a ``BaseException`` that escapes a resume
-path's ``except Exception``. graphstep reports each as a ``CheckpointError`` (a ``ValueError``) that names
-the file, says what is wrong and what to do, and is chained (``__cause__``) to the original error:
-
-- ``metadata_error``: the ``.metadata`` file could not be read or unpickled;
-- ``check_data_files``: before any data is read, every data file the metadata lists exists, stays inside
-  the checkpoint directory and is long enough for the byte ranges the metadata gives it (a truncated or
-  empty file is refused by its size, without reading it);
-- ``data_error``: a data file whose bytes cannot be decoded (same size, garbage inside);
-- ``from_dcp_failure``: the error a rank raised inside ``dcp.load``, out of DCP's ``CheckpointException``
-  (every rank gets every rank's failures from DCP, so every rank raises the same error).
-
-All of this runs before anything is copied into the optimizer (``dcp.load`` fills fresh tensors), so a
-damaged checkpoint leaves the optimizer bitwise unchanged.
-
-``state_value_problem`` judges the values of a saved state tensor: what torch's own arithmetic can leave in
-that state is a state, anything else is corruption (the rule per kind of state is in its docstring).
+DCP reports damage in its own terms: an unpickler's raw error naming no file, or a ``CheckpointException``
+(a ``BaseException`` that escapes a resume path's ``except Exception``). graphstep turns each into a
+``CheckpointError`` (a ``ValueError``) chained to the original, before anything is copied into the
+optimizer. ``state_value_problem`` judges a saved state tensor's values: what torch's own arithmetic can
+leave in that state is a state, anything else is corruption.
 """
 
 from __future__ import annotations
@@ -135,7 +121,7 @@ def state_value_problem(value: torch.Tensor, *, second_moment: bool = False) -> 
         return None
     if value.element_size() == 1:  # fp8: no reduction kernels; fp32 holds every fp8 value exactly
         value = value.to(torch.float32)
-    total = value.sum()  # one fast reduction: a finite sum proves every element finite (module doc)
+    total = value.sum()  # one fast reduction: a finite sum proves every element finite
     if bool(torch.isfinite(total)):
         return "holds negative values (a second moment is never negative)" \
             if second_moment and bool(value.min() < 0) else None

@@ -1,23 +1,11 @@
-"""Where each rank's piece of a param lies in the tensor its checkpoint key names, and that piece as a
-``ShardedTensor`` of that tensor's shape, which torch.distributed.checkpoint (DCP) saves and reshards like any
-sharded tensor.
+"""Where each rank's piece of a param lies in the whole param its checkpoint key names, as a ``ShardedTensor``
+that torch.distributed.checkpoint saves and reshards like any sharded tensor.
 
-Two splits compose. Tensor parallelism (Megatron-Core's ``tensor_model_parallel`` / ``partition_dim`` marks)
-gives each rank of the (expert) tensor-parallel group one of ``parts`` equal slices of the whole param along
-``partition_dim``: the key names the whole param, as Megatron-Core's own checkpoints and torch's DTensor
-``Shard(dim)`` do, so the slices never meet and a load at another tensor-parallel size (one process holding the
-whole param included) finds its elements. The distributed optimizer then gives each data-parallel rank a
-contiguous range of its slice's flattened elements (``layout.owned_ranges``: the bucket shards ignore param
-boundaries, so a rank may own a sliver of a param, all of it, or none).
-
-A ShardedTensor's shards are boxes (an offset and a size per dim), and a contiguous range of a row-major tensor is
-at most ``2 * ndim - 1`` boxes: the rest of the first partial row, whole rows, the start of the last partial row,
-recursively per dim. Each box is contiguous in the flat range, so its tensor is a view of the rank's slice; a
-tensor-parallel slice moves its boxes by its offset along ``partition_dim``. DTensor cannot say this: its
-``Shard(dim)`` placement is torch.chunk's even split.
-
-The metadata is computed on every rank from the layout (the same on every rank of a domain and on every rank of a
-tensor-parallel group) and from ``RankGrid``, the global rank of each (tensor-parallel, data-parallel) place.
+Two splits compose: tensor parallelism gives each rank a slice of the whole param along ``partition_dim``
+(the key names the whole param, as Megatron-Core and DTensor's ``Shard(dim)`` do), and the distributed
+optimizer gives each data-parallel rank a contiguous range of its slice, which ignores param boundaries.
+Such a range of a row-major tensor is at most ``2 * ndim - 1`` boxes, each a view of the rank's slice;
+DTensor cannot say this (its ``Shard(dim)`` is torch.chunk's even split). Computed locally, no collective.
 """
 
 from __future__ import annotations

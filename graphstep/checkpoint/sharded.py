@@ -1,31 +1,13 @@
 """The reshardable checkpoint format: per param, model-named, this rank's slice with its global offset.
 
-``sharded_state_dict(opt)`` returns a flat dict:
-
-- ``optimizer.state.fp32_param.<param name>`` (the fp32 main param), ``optimizer.state.exp_avg.<name>``,
-  ``optimizer.state.exp_avg_sq.<name>`` or ``optimizer.state.momentum_buffer.<name>`` (Megatron-Core's
-  fully-reshardable naming): the param's flattened elements, global shape ``(numel,)``. Padding is never
-  saved. With several data-parallel ranks each is a ``ShardedTensor`` holding the elements this rank owns
-  (``layout.owned_ranges``) at their global offset; on one rank, a plain tensor of all of them.
-- ``optimizer.step`` (0-d fp32) and ``optimizer.scaler.<key>`` (the loss-scaler state, 0-d fp32).
-- With fp8 weights, ``optimizer.fp8.<data|scale|scale_inv|amax_history>.<param name>``: each fp8 weight's
-  bytes (uint8, all of them) and scaling state, replicated across ranks, so plain tensors
-  (``graphstep.fp8.checkpoint``).
-- ``optimizer.param_groups`` and ``optimizer.meta``: JSON text in a uint8 tensor. The groups hold their
-  hyperparameters and their params' names (groups are matched by those names on load); the metadata holds
-  the format version, the optimizer family, each param's shape, the state names, the scaler keys and the
-  clip thresholds. Text in a tensor, not a pickled object: a load never unpickles anything.
-
-Why ``ShardedTensor`` and not ``DTensor``: a rank's slice of a param is an arbitrary contiguous range
-(the bucket shards ignore param boundaries; a rank may own a sliver of a param or none of it), and
-DTensor's ``Shard(0)`` placement can only express torch.chunk's even split. ShardedTensor takes explicit
-offsets per rank, its metadata is computed locally from the layout (no collective), and DCP reshards it
-across any data-parallel size (shared/reference/megatron-core-wave2-notes.md §6: saved uneven on 2 gloo
-ranks, reloaded exactly on 3). torch warns it is deprecated; the warning is silenced here only.
-
-``load_sharded_state_dict(opt, sd)`` accepts this dict as saved by any data-parallel size and bucket
-layout (as filled in by DCP for this rank's ranges), validates everything, copies into the static
-buffers and runs ``opt.publish_params()`` (the post-load all-gather: a resume that skips it diverges).
+``sharded_state_dict`` returns a flat dict in Megatron-Core's fully-reshardable naming
+(``optimizer.state.<state>.<param name>``, ``optimizer.step``, ``optimizer.scaler.<key>``, fp8 state,
+and the groups and metadata as JSON in a uint8 tensor: a load never unpickles anything); padding is never
+saved. Why ``ShardedTensor`` and not ``DTensor``: a rank's slice of a param is an arbitrary contiguous range,
+which DTensor's ``Shard(0)`` (torch.chunk's even split) cannot express; ShardedTensor takes explicit offsets,
+computed locally from the layout, and DCP reshards it across any data-parallel size. torch warns it is
+deprecated; the warning is silenced here only. ``load_sharded_state_dict`` ends with ``opt.publish_params()``
+(the post-load all-gather: a resume that skips it diverges).
 """
 
 from __future__ import annotations
@@ -156,7 +138,12 @@ def _groups(view: CheckpointView) -> list[dict]:
 
 
 def sharded_state_dict(opt, *, snapshot: bool = False) -> dict:
-    """This rank's part of the reshardable checkpoint of the optimizer ``opt`` (see the module docstring).
+    """This rank's part of the reshardable checkpoint of the optimizer ``opt``: a flat dict of
+    ``optimizer.state.<fp32_param|exp_avg|exp_avg_sq|momentum_buffer|...>.<param name>`` (the param's flattened
+    elements, global shape ``(numel,)``: a ``ShardedTensor`` of this rank's owned ranges with several
+    data-parallel ranks, else a plain tensor), ``optimizer.step`` and ``optimizer.scaler.<key>`` (0-d fp32),
+    ``optimizer.fp8.<data|scale|scale_inv|amax_history>.<param name>`` with fp8 weights, and
+    ``optimizer.param_groups`` / ``optimizer.meta`` (JSON text in a uint8 tensor).
 
     The per-param entries are views of the live buffers (no copy; a kind kept below fp32 is a copy of its
     values) unless ``snapshot``: then they are copies, so the dict keeps the state of this call while training

@@ -1,16 +1,9 @@
 """The engine's ``state_dict`` / ``load_state_dict``: this rank's flat buffers, exact, for ``torch.save`` flows.
 
-A load is all or nothing: every key is validated first (types, dtypes, shapes, finiteness, the step, the
-loss-scaler state, the param groups' hyperparameters), and only then copied into the existing static
-buffers (addresses never change, so a captured step stays valid) before the model params are refreshed
-from the main params. A refused load raises an error naming the key and changes nothing.
-
-torch's checkpoint API goes through the same two methods: ``state_dict`` called by
-``torch.distributed.checkpoint.state_dict`` (its ``get_state_dict`` and ``get_optimizer_state_dict``) returns
-torch's optimizer format instead, and ``load_state_dict`` takes a dict in torch's format wherever it comes
-from (``torch_format.py``).
-
-The checks every format shares (step, param groups, scaler, step-wide thresholds) live in ``checks.py``.
+A load is all or nothing: every key is validated first, then copied into the existing static buffers
+(addresses never change, so a captured step stays valid); a refused load names the key and changes nothing.
+Called by torch.distributed.checkpoint.state_dict, ``state_dict`` answers in torch's format instead
+(``torch_format.py``). The checks every format shares live in ``checks.py``.
 """
 
 from __future__ import annotations

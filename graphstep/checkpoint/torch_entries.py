@@ -1,21 +1,10 @@
-"""Which param each entry of torch's optimizer format is, and where its elements lie in the tensor its key (the
-param's name) names: for every param of every domain (dense, experts), its domain, its place in the domain's
-layout, its slice of the whole param (``param_pieces.SliceOfWhole``: tensor-parallel splits), this rank's range of
-it and every owner's, and the global ranks that hold them.
+"""Which param each entry of torch's optimizer format is, and where its elements lie: per param of every domain,
+its place in the layout, its tensor-parallel slice of the whole param, and the ranges and ranks that hold it.
 
-torch's functions key the state by the model's param names, as they key the model's own state dict. A checkpoint
-is only right where one name means one tensor on every rank that uses it, so this module also refuses, before
-anything is saved or loaded, the models where it does not:
-
-- Expert params with expert parallelism: ranks holding *different* experts must name them differently (a global
-  expert index in the name, e.g. a ``ModuleDict`` keyed by it). Checked: one exchange of the expert params' names
-  over the ranks of a pipeline stage (the data-parallel, then the tensor-parallel group) when there is more
-  than one expert-parallel rank; a name two different experts share is refused, naming both ranks.
-- Pipeline stages (a ``model_parallel_group`` beyond the tensor-parallel group): refused. Each stage's
-  ``param_groups`` lists its own params under the same keys, and DCP saves one rank's copy of such an entry, so
-  the other stages' groups could not be matched at load.
-- Expert params split over an expert tensor-parallel group but kept in the dense layout (one data-parallel rank,
-  no ``expert_data_parallel_group``): which ranks hold their other slices is not known here; refused.
+torch's functions key the state by the model's param names, so a checkpoint is only right where one name means
+one tensor on every rank that uses it. This module refuses, before anything is saved or loaded, the models where
+it does not: expert params that different expert-parallel ranks name alike, pipeline stages (each lists its own
+params under the same group keys), and expert params split over a tensor-parallel group in the dense layout.
 """
 
 from __future__ import annotations

@@ -1,43 +1,15 @@
 """torch's optimizer format for a graphstep optimizer, so that torch.distributed.checkpoint.state_dict's
-``get_state_dict`` / ``set_state_dict`` (and ``get_/set_optimizer_state_dict``) save, load and reshard it
-through DCP like a ``torch.optim`` optimizer's, for every model graphstep takes but FSDP2's (whose optimizer
-has its own: graphstep/fsdp2/state_dict.py).
+``get_state_dict`` / ``set_state_dict`` save, load and reshard it like a ``torch.optim`` optimizer's
+(FSDP2's optimizer has its own: graphstep/fsdp2/state_dict.py).
 
-The format is ``torch.optim.Optimizer.state_dict()``'s: ``{"state": {index: {...}}, "param_groups": [{...,
-"params": [index, ...]}]}``, indices numbering the params in ``param_groups`` order (torch's functions turn
-them into FQNs). Per param:
+The format is ``torch.optim.Optimizer.state_dict()``'s; per param: ``"step"``, each state its family keeps, and
+``"fp32_param"`` where the main params are not the model params. Under sharding an entry is a ``ShardedTensor``
+of the whole param's shape (``param_pieces.py``), which DCP reshards to any size; step-wide values ride in every
+group under ``"graphstep"``. The entries are copies, validated on every rank before anything is copied in.
 
-- ``"step"``: the step count (0-d, a copy of graphstep's one shared count);
-- each state its family keeps (``exp_avg`` / ``exp_avg_sq``, ``momentum_buffer``, ...), shaped like the param,
-  in the dtype a checkpoint holds (fp32 for a state kept below it);
-- ``"fp32_param"``: the main params, where they are not the model params themselves (bf16/fp16/fp8 params,
-  CPU offload), so that a resume is exact.
-
-With one data-parallel rank (a plain model, DDP) each is a plain tensor of all the param's elements. With the
-distributed optimizer a rank holds only its range of each param, and under tensor parallelism only its slice of the
-whole param: the entry is then a ``ShardedTensor`` of the whole param's shape holding that range as boxes at their
-place in it (``param_pieces.py``), which DCP saves per owner and reshards at load to any data-parallel or
-tensor-parallel size, layout or model wrapper, a plain one included. Expert params are entries like any other,
-keyed by their names (which must then name one expert on every rank: ``torch_entries.py``), their ranges those of
-the expert data-parallel group. Step-wide values torch has
-no place for ride in every group under ``"graphstep"`` (as the FSDP2 path does): ``clip_grad``,
-``grad_norm_skip_threshold``, ``loss_scaler`` and, in the first group, the fp8 weights' state.
-
-The entries are copies: DCP loads into them, and ``set_state_dict`` validates all of it (shapes, dtypes,
-finiteness, one step count, the groups' hyperparameters, the scaler) on every rank before anything is
-copied into the static buffers, in place, so a captured step stays valid.
-
-torch's functions call ``opt.state_dict()``, which must keep giving graphstep's flat format to everyone else
-(``torch.save`` flows): ``torch_api_caller`` tells the two apart by the caller's module, the nearest frame outside
-graphstep. torch's API leaves no flag an optimizer could read instead (its options stay in its own frames; the
-optimizer's documented state-dict hooks do not say who called), and an optimizer that always answered in torch's
-format would break every flat checkpoint written with ``torch.save``. What torch's functions were asked for is read
-from their frames the same way, by type, not by a local's name: the ``StateDictOptions`` the caller passed (torch's
-public class, a parameter of its public functions). A dict in torch's format is recognised by its keys, from any
-caller.
-
-Which param each entry is and where its elements lie (the domain, tensor-parallel slices, data-parallel ranges),
-and the models whose names do not say which elements they are, refused: ``torch_entries.py``.
+``opt.state_dict()`` must keep giving graphstep's flat format to ``torch.save`` flows, and torch leaves no flag
+saying who called: ``torch_api_caller`` tells torch's functions apart by the nearest calling frame outside
+graphstep, and reads their ``StateDictOptions`` from those frames by type.
 """
 
 from __future__ import annotations

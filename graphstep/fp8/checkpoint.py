@@ -1,18 +1,10 @@
 """fp8 weights in the optimizer's checkpoints: the bytes and the scaling state, exact.
 
-The main params alone do not determine an fp8 weight under the delayed recipe: its bytes were cast with
-the *previous* scale (``scale`` already holds the next one) and its amax history reaches back
-``fp8_amax_history_len`` steps. So both checkpoint forms carry, per fp8 weight, model-named:
-
-- ``scale``, ``scale_inv`` (0-d fp32) and ``amax_history`` (1-d fp32);
-- ``data``: the weight's fp8 bytes, all of them, as a 1-D uint8 tensor (1 B/element).
-
-All four are replicated across data-parallel ranks (the scale is agreed by the amax all-reduce and the
-bytes by the all-gather), so the reshardable format saves them as plain tensors, which DCP writes once
-per key, and any data-parallel size reads them whole. A load copies them in after the publish
-(``publish_params``): its recast (all that a checkpoint without fp8 state could do) is replaced by the
-saved bytes and scales, so the next step runs bitwise as it would have without the save. For the
-tensorwise recipe the recast already gives the same values (its scale follows from the main params).
+The main params alone do not determine an fp8 weight under the delayed recipe: its bytes were cast with the
+*previous* scale and its amax history reaches back ``fp8_amax_history_len`` steps. So both checkpoint forms
+carry, per fp8 weight, ``scale``, ``scale_inv``, ``amax_history`` and its bytes (``data``, uint8), replicated
+across data-parallel ranks. A load copies them in after ``publish_params``, so the next step runs bitwise as it
+would have without the save.
 """
 
 from __future__ import annotations

@@ -1,32 +1,13 @@
 """fp8 weights a model can train with, without Transformer Engine: ``convert`` and ``Fp8Linear``.
 
-The representation (and why). A converted weight is an ``nn.Parameter`` whose storage *is* the fp8
-bytes (1 byte per element, ``dtype=torch.float8_e4m3fn`` or ``float8_e5m2``), carrying an
-:class:`Fp8Meta` with its per-tensor ``scale`` / ``scale_inv`` (and the amax history of the delayed
-recipe) as 0-d / 1-d fp32 tensors. Its high-precision grad does not go through ``.grad``: autograd
-casts a grad to its input's dtype, so an fp8 leaf could only ever receive an fp8 grad. Instead the
-linear's own autograd function adds the weight grad into ``weight.main_grad`` (bf16 or fp32, Megatron-
-Core's "gradient accumulation fusion" route) and returns no grad for the fp8 tensor, so ``.grad``
-stays None. Under graphstep's optimizer ``main_grad`` is a view of the static grad buffer.
-
-Why not a tensor subclass that reports a high-precision dtype (Transformer Engine's Float8Tensor)?
-graphstep keeps every param a view of a flat static buffer and checks bindings by data pointer every
-step; a wrapper subclass has no storage of its own, and every capture backend would have to see
-through it. A plain fp8 tensor plus plain fp32 scale tensors are ordinary static tensors: the step
-that requantizes them (graphstep/step/stages/requantize.py) is a handful of elementwise ops a CUDA graph
-or the CPU replay backend records like any other.
-
-Forward dequantizes, then multiplies: ``x @ (data * scale_inv).to(x.dtype).T``. (``torch._scaled_mm``
-would need fp8 activations as well, a different numeric recipe; not used here.)
-
-Convert the model on the device and in the dtype it will train in: the scale tensors live on the param's
-device, ``Module.to`` does not move attributes of a param, and a later ``model.bfloat16()`` would cast the
-fp8 weights and their scales too. The scaling tensors are also the layer's buffers
-(``weight_scale``, ``weight_scale_inv``, ``weight_amax_history``), so ``model.state_dict()`` saves a
-complete fp8 weight and ``load_state_dict`` into a converted model restores it in place. Without
-graphstep's optimizer nothing zeroes ``main_grad`` between steps (``opt.zero_grad()`` does). Code that
-reads a Linear's weight instead of calling the module sees fp8 bytes: torch's fused inference path of ``nn.TransformerEncoderLayer`` (taken
-in eval mode under ``no_grad``) does; turn it off with ``torch.backends.mha.set_fastpath_enabled(False)``.
+A converted weight is an ``nn.Parameter`` whose storage *is* the fp8 bytes, with an :class:`Fp8Meta` of fp32
+scale tensors. autograd casts a grad to its input's dtype, so its high-precision grad goes into
+``weight.main_grad`` (Megatron-Core's "gradient accumulation fusion" route) and ``.grad`` stays None. Not a
+tensor subclass reporting a high-precision dtype (TE's Float8Tensor): graphstep checks bindings by data pointer
+and every capture backend would have to see through a wrapper; plain tensors are ordinary static tensors.
+Forward dequantizes, then multiplies. Convert on the device and dtype the model trains in: ``Module.to`` does not
+move a param's attributes. Code that reads a Linear's weight instead of calling it sees fp8 bytes (e.g. the
+fast path of ``nn.TransformerEncoderLayer``: ``torch.backends.mha.set_fastpath_enabled(False)``).
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """fp8 scaling math: per-tensor scales, the saturating cast, and both recipes' updates.
 
-Pure tensor functions, capturable: no host reads, no data-dependent shapes, every conditional a
-``torch.where``. Every scalar here is a 0-d fp32 device tensor. The caller owns communication: where
-several data-parallel ranks each hold part of a tensor, the caller MAX-reduces the local amax before
-``scale_from_amax`` so every rank derives the same scale.
-
-The rules (Transformer Engine's per-tensor recipes, as Megatron-Core uses them; see
-Megatron-Core's and Transformer Engine's sources):
-
-- ``scale = fp8_max / amax / 2**margin``, computed in fp32 in that order; an amax that is 0, inf or
-  NaN gives scale 1; a scale that overflows to inf (a tiny amax) becomes the largest finite fp32.
-- The cast multiplies by ``scale``, clamps to ``±fp8_max`` and only then converts: torch's e5m2 cast
-  turns an overflow into inf (e4m3fn saturates), so the clamp is what makes both saturate.
-- ``scale_inv = 1 / scale`` of the scale the data was cast with: ``data * scale_inv`` dequantizes.
-- "tensorwise" (current scaling): the scale comes from this tensor's own amax, then the cast.
-- "delayed": the cast uses the scale computed at the previous update; this amax is pushed into the
-  amax history (index 0 is the most recent), and the next scale comes from the history: its max
-  (``amax_compute_algo="max"``) or its newest entry (``"most_recent"``).
-
-A skipped step (``found_inf`` = 1) leaves data, scale, scale_inv and the history bitwise unchanged:
-everything is computed, then selected with ``torch.where``, never branched on.
+Pure tensor functions, capturable: no host reads, every conditional a ``torch.where``, every scalar a 0-d fp32
+tensor. The rules are Transformer Engine's per-tensor recipes as Megatron-Core uses them
+(``scale = fp8_max / amax / 2**margin``; "tensorwise" scales from this amax, "delayed" casts with the previous
+scale and keeps an amax history). The cast clamps to ``±fp8_max`` before converting, because torch's e5m2 cast
+turns an overflow into inf. The caller owns communication: it MAX-reduces a sharded tensor's amax before
+``scale_from_amax``. A skipped step (``found_inf`` = 1) leaves data, scales and history bitwise unchanged.
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """Transformer Engine interop (the optional extra ``te``): recognise TE's fp8 weights and requantize them
 through TE's own cast routine. graphstep never requires TE: nothing here imports it at module load.
 
-What TE provides (read from TE's source, ``transformer_engine/pytorch/tensor/utils.py`` and
-``tensor/float8_tensor.py``, TE 2.x):
-
-- Under ``te.fp8_model_init(enabled=True, recipe=...)`` a TE module's weights are ``Float8Tensor``s, a
-  ``torch.Tensor`` wrapper subclass that reports the high-precision dtype and keeps the fp8 bytes in
-  ``_data`` and ``1 / scale`` in ``_scale_inv``; ``_get_quantizer()`` returns the quantizer that made it:
-  ``Float8Quantizer`` for the delayed recipe (``DelayedScaling``), ``Float8CurrentScalingQuantizer`` for
-  current scaling (``Float8CurrentScaling``), or block-scaled ones (``MXFP8Quantizer``,
-  ``Float8BlockQuantizer``, ``NVFP4Quantizer``).
-- ``cast_master_weights_to_fp8(model_weights, master_weights, start_offsets, group)`` casts each rank's
-  fp32 master shard (or None where the rank owns none of a weight) into the weight's bytes at
-  ``start_offset``, with the amax MAX-reduced over ``group`` first: the same three steps as graphstep's
-  requantize stage (amax, all-reduce, cast), in TE's kernels. It is what Megatron-Core's distributed
-  optimizer calls for fp8 primary weights.
-
-So the dispatch is: a TE fp8 weight is requantized by ``cast_master_weights_to_fp8``; a weight made by
-``graphstep.fp8.convert`` by graphstep's own cast (``graphstep.fp8.scaling``). TE's routine takes no
-``found_inf``: on a skipped step it recasts main params the update left bitwise unchanged with an
-unchanged scale (current scaling: the same amax), which reproduces the same bytes.
-
-Detection looks at the class, not at an import: a param can only be a TE ``Float8Tensor`` if TE is
-already imported, so ``is_te_fp8`` never imports TE (and answers False where it is not installed).
+A TE fp8 weight (a ``Float8Tensor``) is requantized by TE's ``cast_master_weights_to_fp8``, what Megatron-Core's
+distributed optimizer calls (amax, MAX all-reduce, cast, in TE's kernels); a weight made by
+``graphstep.fp8.convert`` by graphstep's own cast. TE's routine takes no ``found_inf``: on a skipped step it
+recasts unchanged main params with an unchanged scale, which gives the same bytes. ``is_te_fp8`` looks at the
+class, never imports TE: a param can only be a TE ``Float8Tensor`` if TE is already imported.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """An FSDP2 model's params as graphstep lays them out: each DTensor param's local shard, padded as FSDP2 pads it.
 
-``fully_shard`` keeps, per param, a torch ``FSDPParam`` whose ``_sharded_param_data`` is this rank's chunk of
-dim 0 padded to the size of chunk 0 (the same size on every rank), flat; the model's param is a DTensor whose
-local tensor is the unpadded rows of that chunk, and its all-gather reads the padded chunk (docs/fsdp2-notes.md
-§1). graphstep lays out one plain ``nn.Parameter`` per param over that padded chunk (``LocalShard.local``):
-the engine treats those as an ordinary model (no data-parallel sharding of its own: FSDP2 reduce-scatters and
-all-gathers), and ``bindings.py`` then points FSDP2's tensors and grads at the flat buffers.
-
-Every element is counted once in the grad norm, the non-finite check's sum and ``num_zeros`` across the device
-mesh: a shard counts on this rank unless the param is replicated along a mesh dimension (``Replicate``: HSDP's
-replica dimension, a tensor-parallel dimension of an unsplit param) where this rank's coordinate is not 0, or
-its mesh is a sub-mesh of the root mesh and this rank's coordinate is not 0 along a root dimension it lacks
-(an FSDP-only param of an FSDP x TP model). Such a local shard is marked ``shared`` (counted on no rank here,
-graphstep/plan/model_parallel.py), and the statistics are summed over the root mesh's ranks. The padding rows
-are zero and never counted (``padding``).
+graphstep lays out one plain ``nn.Parameter`` per param over FSDP2's padded local chunk (``LocalShard.local``,
+docs/fsdp2-notes.md §1) and treats those as an ordinary model: FSDP2 reduce-scatters and all-gathers, and
+``bindings.py`` points FSDP2's tensors at the flat buffers. So that the grad norm, the non-finite check and
+``num_zeros`` count every element once across the mesh, a shard replicated along a mesh dimension where this
+rank's coordinate is not 0 is marked ``shared`` (counted on no rank here); padding rows are never counted.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """The FSDP2 optimizer's state in torch's own format, so that torch.distributed.checkpoint's ``get_state_dict`` /
 ``set_state_dict`` (and ``dcp.save`` / ``dcp.load`` of ``{"model", "optimizer"}``) save, load and reshard it.
 
-``state_dict()`` is ``torch.optim.Optimizer``'s shape: ``{"state": {index: {"step", <state name>: DTensor}},
-"param_groups": [{..., "params": [index, ...]}]}``, indices numbering the params in ``param_groups`` order. Each
-state tensor is a DTensor placed like its param whose local tensor is a *copy* of the real rows of graphstep's flat
-state buffer (of its fp32 values, for a state stored below fp32), and the step a copy of graphstep's one shared step
-count: DCP's in-place load writes into the copies, and only ``load_state_dict`` (torch's ``set_state_dict``), after
-checking all of it, copies them into the buffers. A checkpoint holds one more copy of this rank's state while it
-lives. Step-wide values torch has no place for (the loss scaler's tensors) ride along in
-every group under ``"graphstep"``, as do ``clip_grad`` and ``grad_norm_skip_threshold``.
-
-``load_state_dict`` takes that shape with int or FQN keys (DCP renames them), pairing saved params with live ones
-by position as torch does. A load is all or nothing: everything is checked first, with graphstep's own checkpoint
-checks (graphstep/checkpoint/checks.py): each state tensor this rank's shard's shape and dtype, finite, a second
-moment never negative; one step count, a 0-d tensor of the step's dtype, a non-negative whole number, the same in
-every entry; the groups' hyperparameters, the scaler and the thresholds. The ranks of the mesh agree (a rank that
-refuses refuses for all); only then is anything copied, in place (nothing is replaced, nothing recaptured). A
-refusal names the param and the field.
+``state_dict()`` is ``torch.optim.Optimizer``'s shape; each state is a DTensor placed like its param whose local
+tensor is a *copy* of graphstep's flat state: DCP's in-place load writes into the copies, and only
+``load_state_dict``, after checking all of it (graphstep/checkpoint/checks.py) with the mesh's ranks agreeing,
+copies them into the buffers, in place. Step-wide values ride in every group under ``"graphstep"``.
 """
 
 from __future__ import annotations

@@ -1,36 +1,16 @@
 """Overlap communication with backward and forward: hooks that launch and wait the step's collectives.
 
-``overlap_grad_reduce``: a listener on every param's post-accumulate-grad hook (stage "overlap",
-graphstep/hooks/param_hooks.py: after the fp32 main grad's) counts the bucket's grads that have arrived in this
-backward; when the last one lands, the bucket's reduce-scatter is launched asynchronously
-(while backward goes on with earlier layers) and the step's reduce stage only waits on it.
-
-``overlap_param_gather``: the step's gather stage only launches the all-gathers; a forward pre-hook on
-every module that owns params waits on the buckets of its own params just before it runs, so the
-gathers overlap with the rest of the step, the data loading and the first layers of the next forward.
-The next step's reduce stage waits on whatever is still pending; call ``finish()`` before reading params
-outside a forward (e.g. ``model.state_dict()`` right after the last step).
+``overlap_grad_reduce``: when the last grad of a bucket lands in backward, the bucket's reduce-scatter is
+launched asynchronously (while backward goes on with earlier layers), and the step's reduce stage only waits on
+it. ``overlap_param_gather``: the step's gather stage only launches the all-gathers; a forward pre-hook on every
+module that owns params waits on the buckets of its own params just before it runs, so the gathers overlap with
+the rest of the step, the data loading and the first layers of the next forward.
 
 ``enabled`` switches all of it off at once: hooks then do nothing and the stages run their collectives
 synchronously in the step. **It must be False while a capture records the step and while the captured
 step replays**: the collectives are part of the graph then, and a hook launching one outside it would
-pair up with nothing. Hooks are only switched on once the step is known to run eagerly, so no capture
-follows a launch; a reduce still pending when they are switched off (``close()``) is waited on by the
-step, not run again (it sums in place: graphstep/step/stages/reduce.py).
-
-Grad accumulation: run the earlier micro-batches under ``no_sync()``, so only the last backward launches
-the reduce-scatters. A bucket's reduce-scatter sums in place into the grad buffer (this rank's slice of
-it holds the sum afterwards, graphstep/step/stages/reduce.py), so a later backward into a bucket already launched cannot
-accumulate correctly: the hook raises then, naming ``no_sync`` (Megatron-Core refuses the same). fp16
-grads are pre-scaled in place before their SUM, so their buckets are never launched from hooks.
-
-With ``fold_grad_norm`` the hook that launches a bucket first lands the buckets launched before it (waits,
-averages, folds their sums of squares: graphstep.step.folded_sums), so the norm is computed in backward and
-the step only waits on the last bucket.
-
-All ranks must produce each bucket's grads in the same order (the same model and control flow, as with
-DDP): collectives pair up by launch order. A bucket whose param got no grad in this backward is not
-launched by a hook; the step launches it in bucket order.
+pair up with nothing. All ranks must produce each bucket's grads in the same order (the same model and control
+flow, as with DDP): collectives pair up by launch order.
 """
 
 from __future__ import annotations
@@ -44,7 +24,14 @@ from .micro_batches import NoSync
 
 
 class Overlap:
-    """The hooks of one engine. ``enabled`` is what the engine (or a capture) flips; see the module doc."""
+    """The hooks of one engine. ``enabled`` is what the engine (or a capture) flips; see the module doc.
+
+    Backward: a listener on every param's post-accumulate-grad hook (stage "overlap", after the fp32 main
+    grad's: graphstep/hooks/param_hooks.py) counts the bucket's grads that have arrived in this backward, and
+    the last one launches the bucket's reduce-scatter. A bucket whose param got no grad in this backward is not
+    launched by a hook; the step launches it in bucket order. Forward: the next step's reduce stage waits on
+    whatever all-gather is still pending; ``finish()`` before reading params outside a forward (e.g.
+    ``model.state_dict()`` right after the last step)."""
 
     def __init__(self, ctx, config, model_chunks=None, *, may_capture: bool, no_sync: NoSync, hooks):
         self._comm = ctx.comm
@@ -67,6 +54,9 @@ class Overlap:
 
     @property
     def enabled(self) -> bool:
+        """Whether the hooks act. Switched on only once the step is known to run eagerly, so no capture follows
+        a launch; a reduce still pending when they are switched off (``close()``) is waited on by the step, not
+        run again (it sums in place: graphstep/step/stages/reduce.py)."""
         return self._comm.overlap_enabled
 
     @enabled.setter
@@ -86,6 +76,7 @@ class Overlap:
 
     # ---- backward: launch a bucket's reduce-scatter when its last grad arrives -----------------------
     def _install_grad_hooks(self, ctx) -> None:
+        # fp16 grads are pre-scaled in place before their SUM: their buckets are never launched from hooks.
         self._reduces = {r.bucket: r for r in bucket_reduces(ctx) if r.overlappable}
         self._arrived: dict[int, set[int]] = {b: set() for b in self._reduces}
         self._folded = ctx.folded
@@ -96,7 +87,12 @@ class Overlap:
 
     def _grad_arrived(self, index: int, bucket: int, param: torch.nn.Parameter) -> None:
         """Param ``index``'s listener, called only while the buffers own the param (a later optimizer over the
-        same model may have taken it)."""
+        same model may have taken it).
+
+        Grad accumulation runs the earlier micro-batches under ``no_sync()``, so only the last backward launches
+        the reduce-scatters. A bucket's reduce-scatter sums in place into the grad buffer (this rank's slice of
+        it holds the sum afterwards), so a later backward into a bucket already launched cannot accumulate
+        correctly: it raises, naming ``no_sync`` (Megatron-Core refuses the same)."""
         comm, folded, reduce = self._comm, self._folded, self._reduces[bucket]
         if not comm.overlap_enabled or self._no_sync.active:
             return
@@ -122,8 +118,9 @@ class Overlap:
     def _land_launched(self) -> None:
         """fold_grad_norm: before launching the next bucket, land those launched earlier (by now their
         reduce-scatters have had a layer of backward to run): wait, average, and fold their sums of squares
-        while the shards are hot; the step then skips them (graphstep.step.folded_sums). The wait orders the
-        device stream after the collective; it blocks the host only where the backend does (gloo)."""
+        while the shards are hot; the step then skips them (graphstep.step.folded_sums), so the norm is computed
+        in backward and the step only waits on the last bucket. The wait orders the device stream after the
+        collective; it blocks the host only where the backend does (gloo)."""
         for key in [k for k in self._comm.pending if k[0] == "reduce"]:
             self._comm.wait(key)
             bucket = key[1]

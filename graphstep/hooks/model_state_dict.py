@@ -1,5 +1,5 @@
 """The model's own ``state_dict`` while graphstep manages it: one storage object per param, so safetensors
-saves every weight.
+saves every weight (docs/trainers.md, "Saving the model").
 
 Why. graphstep makes every model param a view of one flat buffer (graphstep/state/buffers.py), so by default all
 of ``model.state_dict()``'s tensors share one storage. Savers that deduplicate shared tensors by storage
@@ -8,30 +8,10 @@ of ``model.state_dict()``'s tensors share one storage. Savers that deduplicate s
 and drop the rest with a warning.
 
 What. A state-dict post-hook on every module that holds a managed param puts, in place of the detached
-param (``param.detach()``, what ``Module._save_to_state_dict`` stores), a zero-copy *alias*: a tensor
-over exactly that param's bytes whose storage object is its own (``flat.untyped_storage()[a:b]``, a
-storage that shares the memory and keeps the flat one alive). Nothing is copied: a write into a
-state-dict value (``torch.distributed.checkpoint`` loads in place) lands in the param. One alias per
-param, made at install, so a param under two names (tied weights: the user's own tie) gives two tensors
-over one storage, which every saver keeps as one tensor and ``torch.load`` / ``load_model`` tie again.
-
-Left as they are: ``keep_vars=True`` entries (the Parameters themselves), a param the user replaced
-(``p.data = ...``: it is no longer a view of the flat buffer, so its plain detached tensor is already
-its own; the next step adopts it back and aliasing resumes), params graphstep does not manage, and any
-value another hook or override put there.
-
-The params themselves stay views of the flat buffer (the step reads static addresses), after the optimizer
-is closed or dropped too: so the hooks belong to the model, not to the optimizer, and stay as long as its
-modules do. They hold the aliases, which keep alive only the params' own memory (the flat param buffer,
-which the params keep alive anyway), never the optimizer's grads, state or main params. A later optimizer
-over the same model takes over: it drops an earlier one's aliases of the params it lays out anew (whose
-old buffer would otherwise stay alive through them) and its hooks with no param left. When the earlier one
-takes its params back (its next step re-adopts them), it makes their aliases anew and the later one drops its
-own: the aliases follow whichever optimizer the params are views of.
-
-An alias has a version counter of its own, not the param's: a write through it moves only the alias's. The
-optimizer's watch on writes into bf16/fp16 params (graphstep/state/param_writes.py) reads both, through
-``alias_of``.
+param (``param.detach()``, what ``Module._save_to_state_dict`` stores), a zero-copy *alias* (``alias``): a
+tensor over exactly that param's bytes whose storage object is its own. Nothing is copied: a write into a
+state-dict value (``torch.distributed.checkpoint`` loads in place) lands in the param. The hooks belong to the
+model, not to the optimizer (``ModelStateDict``).
 """
 
 from __future__ import annotations
@@ -44,7 +24,8 @@ import torch
 
 def alias(view: torch.Tensor) -> torch.Tensor:
     """A tensor equal to the contiguous ``view`` in memory, shape and dtype, with a storage object of its
-    own covering exactly its bytes (zero-copy: the storage slice holds a reference to ``view``'s)."""
+    own covering exactly its bytes (``flat.untyped_storage()[a:b]``: zero-copy, the storage slice shares the
+    memory and holds a reference to ``view``'s, keeping it alive)."""
     if not view.is_contiguous():
         raise ValueError("graphstep: a param view of the flat buffer is expected to be contiguous")
     start = view.storage_offset() * view.element_size()
@@ -74,7 +55,20 @@ class _Alias:
 
 
 class ModelStateDict:
-    """The aliases of one optimizer's params and the hooks on the model's modules that hand them out."""
+    """The aliases of one optimizer's params and the hooks on the model's modules that hand them out.
+
+    One alias per param, made at install, so a param under two names (tied weights: the user's own tie) gives
+    two tensors over one storage, which every saver keeps as one tensor and ``torch.load`` / ``load_model`` tie
+    again.
+
+    The params stay views of the flat buffer (the step reads static addresses) after the optimizer is closed or
+    dropped too, so the hooks stay as long as the modules do. They hold the aliases, which keep alive only the
+    params' own memory (the flat param buffer, which the params keep alive anyway), never the optimizer's
+    grads, state or main params. A later optimizer over the same model takes over: it drops an earlier one's
+    aliases of the params it lays out anew (whose old buffer would otherwise stay alive through them) and its
+    hooks with no param left. When the earlier one takes its params back (its next step re-adopts them), it
+    makes their aliases anew and the later one drops its own: the aliases follow whichever optimizer the
+    params are views of."""
 
     def __init__(self, modules: Iterable[torch.nn.Module], domain_buffers: Sequence):
         self._aliases: dict[int, _Alias] = {}
@@ -110,13 +104,19 @@ class ModelStateDict:
                 self._handles[id(module)][1].update(mine)
 
     def alias_of(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
-        """The alias handed out for ``param``, or None (not aliased by this optimizer now)."""
+        """The alias handed out for ``param``, or None (not aliased by this optimizer now). An alias has a
+        version counter of its own, not the param's: a write through it moves only the alias's, so the watch on
+        writes into bf16/fp16 params (graphstep/state/param_writes.py) reads both."""
         entry = self._aliases.get(id(param))
         return None if entry is None or entry.param is not param else entry.tensor
 
     def replace_detached_params(self, module: torch.nn.Module, state_dict: dict, prefix: str,
                                 local_metadata: dict) -> None:
-        """The post-hook: each of ``module``'s managed params stored detached becomes its alias."""
+        """The post-hook: each of ``module``'s managed params stored detached becomes its alias. Left as they
+        are: ``keep_vars=True`` entries (the Parameters themselves), a param the user replaced (``p.data = ...``:
+        no longer a view of the flat buffer, so its detached tensor is its own already; the next step adopts it
+        back and aliasing resumes), params graphstep does not manage, and any value another hook or override
+        put there."""
         for name, param in module._parameters.items():
             entry = self._aliases.get(id(param))
             if entry is None or entry.param is not param:
@@ -158,7 +158,7 @@ def _take_over(module: torch.nn.Module, aliases: dict, keep: "ModelStateDict") -
 
 def install(model_chunks: Sequence[torch.nn.Module], domain_buffers: Sequence) -> ModelStateDict:
     """Hooks on the modules of ``model_chunks`` that hold params of ``domain_buffers`` (each a
-    StaticBuffers: the dense one, then the experts'). They stay while the modules do (module docstring)."""
+    StaticBuffers: the dense one, then the experts'). They stay while the modules do (``ModelStateDict``)."""
     seen, modules = set(), []
     for chunk in model_chunks:
         for module in chunk.modules():

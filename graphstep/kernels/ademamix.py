@@ -1,31 +1,17 @@
 """AdEMAMix's update over lists of flat views, every hyperparameter a device tensor, skip by ``torch.where``.
 
-    ademamix(params, grads, exp_avgs, exp_avg_slows, exp_avg_sqs, *, step, lr, beta1, beta2, beta3, alpha,
-             weight_decay, eps, grad_scale, found_inf) -> None
-
-The rule (Pagliardini, Ablin, Grangier, "The AdEMAMix Optimizer: Better, Faster, Older", arXiv:2409.03137,
-Algorithm 1), a fast EMA m1 (β1, bias-corrected), a slow EMA m2 (β3, not bias-corrected) mixed in with
-weight α, Adam's second moment ν (β2), and decoupled weight decay λ on the old params:
+The rule (Pagliardini, Ablin, Grangier, arXiv:2409.03137, Algorithm 1), decoupled weight decay λ on the old params:
 
     m1 ← β1·m1 + (1 − β1)·g          m̂1 = m1 / (1 − β1^t)
     m2 ← β3·m2 + (1 − β3)·g
     ν  ← β2·ν  + (1 − β2)·g²          ν̂  = ν / (1 − β2^t)
     θ  ← θ − lr·((m̂1 + α·m2) / (√ν̂ + ε) + λ·θ)
 
-written op for op as the paper's equations (no lerp / addcmul rewriting), so a plain-torch transcription
-of them with Python floats is bitwise this kernel on the CPU: an fp64 0-d hyperparameter times an fp32
-tensor rounds like the Python float (tests/test_ademamix.py). α and β3 are read from the device like lr,
-so the paper's warm-up schedules of α and β3 (``graphstep.families.ademamix.alpha_warmup`` /
-``beta3_warmup``) change them every step without a recapture.
-
-There is no torch.optim AdEMAMix and no fused variant: the family runs this module (``Family.kernels``) under
-every ``OptimizerConfig.kernel`` but "compiled", where the update runs its compiled twin (``compiled_twin``:
-graphstep/kernels/compiled_ademamix.py, the same ops in one loop, bitwise this kernel but for the last bit of its
-square roots, which torch's CPU sqrt does not round correctly).
-
-``grad_scale`` (0-d, or None for 1) divides the grads; the grads are only read. ``found_inf`` (0-d fp32,
-1.0 = skip) leaves params and all three states bitwise unchanged (a skipped first step divides by
-1 − β^0 = 0; ``torch.where`` drops those values). ``step`` is the count including this step.
+written op for op as these equations (no lerp / addcmul rewriting), so a plain-torch transcription with Python
+floats is bitwise this kernel on the CPU (tests/test_ademamix.py). α and β3 are read from the device like lr, so
+their warm-up schedules need no recapture. ``grad_scale`` (0-d, or None for 1) divides the grads, which are only
+read; ``found_inf`` (0-d fp32, 1.0 = skip) leaves params and all three states bitwise unchanged; ``step`` counts
+this step. Under ``kernel="compiled"`` the family runs the compiled twin (compiled_ademamix.py) instead.
 """
 
 from __future__ import annotations

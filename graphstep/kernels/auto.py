@@ -3,44 +3,15 @@
 Why compiled first: torch's fused kernels write the divided grads back whenever they are given a grad scale,
 i.e. on every clipped or loss-scaled step (4 more bytes per param; docs/perf-notes.md), and they bake betas,
 eps and weight decay into a capture. The compiled kernel reads the grads without writing them and keeps
-every hyperparameter live. Its price is a compile: a few seconds on the first step of a process (a C++
-compiler on the CPU, Triton on a GPU).
+every hyperparameter live. Its price is a compile on the first step of a process (a C++ compiler on the CPU,
+Triton on a GPU).
 
-Whether ``torch.compile`` works is found out at build, by compiling and running the compiled Adam on a
-few elements, with the compile options and the hyperparameter dtype the step will use, and comparing it
-with the reference kernel: an environment without a compiler, or a miscompile, falls back to "fused" with
-one warning, before any stage is built (the update stage resolves live and baked hyperparameters from the
-chosen module, so the choice cannot change after build). The probe's compile time is reported
-(``KernelChoice.compile_s``, and an info line on the ``graphstep`` logger); the layout's own variant
-compiles on the first step (``compiled.compile_seconds()`` counts both).
-
-A probe runs once per device and process, and a passed one is remembered on the machine too
-(``_remembered``): in a file next to inductor's compile cache, keyed by everything its answer depends on
-(torch, Python, the device, the hyperparameter dtype, the C++ compilers on the path or Triton's version,
-and the source of the kernels and of this probe). A later process with the same key skips the compile
-and builds in a fraction of a second; with inductor's cache warm its first step loads the compiled
-variant instead of compiling it. A failed probe is never remembered: it runs again in the next process.
-
-``kernel="compiled"`` set explicitly runs the same probe (remembered the same way) and is refused at build,
-with the probe's reason, where it fails: a miscompile is never trained on. The probe and every compile
-name the vector width inductor generates CPU code for (``inductor_options.vector_width_option``): its on-disk
-cache does not tell code generated for AVX-512 from code for AVX2, and a process run with another width
-(``ATEN_CPU_CAPABILITY``) than the one that filled it updated half of each row only.
-
-With several data-parallel ranks the choice is agreed at build (``agree``): if compiling fails on any rank,
-every rank runs "fused".
-
-"auto" also picks "fused" without probing when no param group runs a configurable kernel (Lion, Muon
-bring their own), when a capture could start before any eager step (``capture_warmup_steps=0``: the
-compile must run eagerly first), and when this rank updates fewer than ``COMPILE_MIN_NUMEL`` elements:
-the first compile in a process costs seconds (inductor's start-up even with its cache warm), and the
-compiled kernel saves the fused one's grad write-back, 4 of 32 bytes per element and step, so a small
-model would need thousands of steps to earn it back while every notebook, test and short job waits.
-
+Whether ``torch.compile`` works is found out at build (``probe_compiled``): without a compiler, or on a
+miscompile, "auto" falls back to "fused" with one warning (``choose``), on every data-parallel rank alike
+(``agree``); ``kernel="compiled"`` set explicitly is refused at build instead: a miscompile is never trained on.
 Parity (docs/design.md §8): "fused" is bitwise equal to ``torch.optim``'s fused Adam/AdamW/SGD; "compiled" is
-its own loop, within the drift torch's own for-loop Adam shows against the fused one
-(tests/test_engine.py). Set ``kernel="fused"`` where bitwise equality with torch's fused step matters
-more than speed.
+its own loop, within the drift torch's own for-loop Adam shows against the fused one (tests/test_engine.py).
+Set ``kernel="fused"`` where bitwise equality with torch's fused step matters more than speed.
 """
 
 from __future__ import annotations
@@ -72,8 +43,9 @@ class KernelChoice:
 
 
 # Elements a rank's update must cover for "auto" to compile: 2**24 (16.8M). Below it the fused kernel's
-# grad write-back costs less over a few thousand steps than a process's first compile (the figures:
-# docs/perf-notes.md, "The first step").
+# grad write-back (4 of 32 bytes per element and step) costs less over a few thousand steps than a process's
+# first compile (inductor's start-up, even with its cache warm), which every notebook, test and short job
+# would wait for (the figures: docs/perf-notes.md, "The first step").
 COMPILE_MIN_NUMEL = 2**24
 
 # per device and hyperparameter dtype: (works, why not, seconds)
@@ -108,8 +80,15 @@ def probe_compiled(device: torch.device, hyper_dtype: torch.dtype = torch.float6
                    like: Optional[StepShape] = None) -> tuple[bool, str, float]:
     """Whether the compiled Adam, given ``hyper_dtype`` hyperparameter tensors, compiles, runs and agrees
     with the reference on ``device``: (works, why not, seconds). Runs once per device, dtype and process;
-    later calls return the first answer. ``like``: probe over views shaped like the step's (the answer is
-    the same; the compile is then the step's own)."""
+    later calls return the first answer, and a passed probe is remembered across processes too
+    (``_remembered``). ``like``: probe over views shaped like the step's (the answer is the same; the compile is
+    then the step's own).
+
+    It compiles and runs the compiled Adam on a few elements, with the compile options and hyperparameter
+    dtype the step will use, before any stage is built (the update stage resolves live and baked
+    hyperparameters from the chosen module, so the choice cannot change after build). Its compile time is
+    reported (``KernelChoice.compile_s``, and an info line on the ``graphstep`` logger); the layout's own
+    variant compiles on the first step (``compiled.compile_seconds()`` counts both)."""
     key = _key(device, hyper_dtype)
     if key not in _probed and _remembered(device, hyper_dtype):
         _probed[key] = (True, "", 0.0)
@@ -169,6 +148,11 @@ def _read_verdicts(path: Path) -> dict:
 
 
 def _remembered(device: torch.device, hyper_dtype: torch.dtype) -> bool:
+    """Whether a probe passed under this ``_machine_key`` in an earlier process (``verdict_file``): its torch,
+    Python, device, hyperparameter dtype, C++ compilers on the path or Triton's version, vector width, and the
+    source of the kernels and of this probe. A process with the same key skips the compile and builds in a
+    fraction of a second; with inductor's cache warm its first step loads the compiled variant instead of
+    compiling it. A failed probe is never remembered: it runs again in the next process."""
     path = verdict_file()
     return path is not None and _read_verdicts(path).get(_machine_key(device, hyper_dtype)) == "works"
 
@@ -251,7 +235,11 @@ def choose(configured: str, device: torch.device, *, capture: str, warmup_steps:
     """The implementation to run for ``OptimizerConfig.kernel=configured`` on ``device``, whose step keeps its
     hyperparameters in ``hyper_dtype`` tensors (graphstep/state/hyperparams.py) and updates ``numel``
     elements on this rank (None: not known, as if large). ``like``: the step's compiled call, when known
-    (``StepShape``): a probe that runs compiles that call's variant, and the first step reuses it."""
+    (``StepShape``): a probe that runs compiles that call's variant, and the first step reuses it.
+
+    "auto" picks "fused" without probing when no param group runs a configurable kernel (Lion, Muon bring
+    their own), when this rank updates fewer than ``COMPILE_MIN_NUMEL`` elements, and when a capture could start
+    before any eager step (``capture_warmup_steps=0``: the compile must run eagerly first)."""
     if configured == "compiled" and needs_kernel:  # a miscompile refused at build, not trained on
         works, why_not, _ = probe_compiled(device, hyper_dtype, *([like] if like else []))
         if not works:

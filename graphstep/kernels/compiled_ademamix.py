@@ -1,25 +1,12 @@
-"""AdEMAMix's update as one ``torch.compile``d loop over the views (the compiled twin of graphstep/kernels/ademamix.py,
-run where ``OptimizerConfig.kernel`` is "compiled"): the eager kernel's arithmetic in one pass.
+"""AdEMAMix's update as one ``torch.compile``d loop over the views: the compiled twin of
+graphstep/kernels/ademamix.py (same signature), run where ``OptimizerConfig.kernel`` is "compiled".
 
-    ademamix(params, grads, exp_avgs, exp_avg_slows, exp_avg_sqs, *, step, lr, beta1, beta2, beta3, alpha,
-             weight_decay, eps, grad_scale, found_inf) -> None
-
-The eager kernel runs the paper's equations as about twenty elementwise ops with fp32 temporaries; here the same
-ops, in the same order (each product and sum rounded once, a 0-d fp64 hyperparameter cast to fp32 where it meets
-an fp32 tensor, as eager torch does) are traced into one loop that reads param, grad and the three states once
-and writes param and states once: 36 bytes per fp32 param. The scalar terms are computed in the
-hyperparameters' precision, the bias corrections by eager ops as the eager kernel's (``_ademamix_op``), the rest
-inside the compiled graph, from one table of them (a table, not 0-d tensors: dynamo would read a 0-d fp64 CPU
-tensor as a Python float behind a guard).
-
-Bitwise the eager kernel but for one op: its square root. The compiled loop's is the processor's, correctly
-rounded; torch's CPU ``sqrt`` (a vectorised library routine in this build) rounds one fp32 value in six an ulp
-apart, and the update carries that last bit on. With the eager kernel's ``sqrt_`` rounded correctly the two are
-bitwise equal (tests/test_ademamix.py), and the difference is far inside the drift docs/design.md §8 allows.
-
-It runs through graphstep/kernels/compiled.py's machinery: views cut into (rows, 64) bodies with the row count
-dynamic and (n, 1) tails, one compile per view count, wrapped in a ``torch.library`` custom op that capture's
-replay backend records like any aten op. Grads are read, never written.
+The eager kernel's ops, in its order and roundings, traced into one loop that reads param, grad and the three
+states once and writes param and states once. The scalar terms come from one table (a table, not 0-d tensors:
+dynamo would read a 0-d fp64 CPU tensor as a Python float behind a guard). Bitwise the eager kernel but for its
+square root: the compiled loop's is correctly rounded, torch's CPU ``sqrt`` is not, and the update carries that
+last bit on (far inside the drift docs/design.md §8 allows). It runs through compiled.py's machinery, as one
+``torch.library`` custom op that capture's replay backend records like any aten op.
 """
 
 from __future__ import annotations

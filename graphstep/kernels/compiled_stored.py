@@ -1,31 +1,13 @@
 """Adam over main params and moments stored below fp32, as ``torch.compile``d passes that decode, update and encode
 in registers: no fp32 copy of any state, no temporaries in memory.
 
-The eager path (graphstep/step/stages/fp32_windows.py) reads each stored kind into an fp32 scratch, runs the
-kernel on it and writes it back, about a dozen elementwise passes with 8-byte temporaries. Here the same
-arithmetic runs as the compiled update's loop does (``compiled._adam_coefficients``, then ``_adam_loop``'s
-expressions, op for op), with the decoding before it and the encoding after it in the same loop, so the result
-is bitwise the eager path's with ``kernel="compiled"``. Encodings (``ENCODINGS``), each kind's stored bytes:
-
-- ``f32``: fp32 as it is; ``bf16``: a round-to-nearest-even cast, no scale (moments);
-- ``f16`` / ``f8``: one fp32 scale per piece (``scale = amax / range``, stored ``cast(value * (1 / scale))``;
-  E4M3 stores ±inf as its NaN encoding of that sign), graphstep/state/precision.py's rules, down to its
-  handling of inf and of scales below the smallest normal fp32;
-- ``rem``: fp32 main params as the bf16 params' bits (rounded) plus an int16 low half (``RemainderMain``).
-
-A scaled kind needs its new values' largest magnitude per piece before the first one is encoded: that is a
-reduction over the whole piece, so such a step takes two passes. The first computes the new values and reduces
-them to per-row maxima (rows of ``width`` elements, at most one piece boundary inside a row: the maxima left and
-right of it), folded into per-piece scales by a scatter over the rows; the second recomputes the new values
-from the stored bytes (cheaper than writing and reading them: 8 B per param and state) and encodes them with
-the new scales. Without a scaled kind the step is one pass.
-
-A view is cut into parts as the compiled update cuts its views (graphstep/kernels/compiled.py): a body of
-(rows, width) with the row count dynamic, so one compile serves every length, and a tail of (n, 1). The caller
-(graphstep/step/stages/compiled_stored.py) passes, per part, which piece each row's two sides belong to.
-
-Everything runs in one ``torch.library`` custom op per call, which capture's replay backend records like any
-aten op; on a GPU inductor emits Triton for the same graphs. Grads are read, never written.
+The same arithmetic as the compiled update's loop, op for op, with the decoding before it and the encoding
+after it, so the result is bitwise the eager fp32-window path's (graphstep/step/stages/fp32_windows.py) with
+``kernel="compiled"``; each encoding (``ENCODINGS``) follows graphstep/state/precision.py's rules. A scaled kind
+needs its new values' per-piece maximum before it can encode, so such a step takes two passes: per-row maxima
+folded into per-piece scales, then the new values recomputed from the stored bytes (cheaper than writing and
+reading them) and encoded. Views are cut as compiled.py cuts them; everything runs in one ``torch.library``
+custom op per call. Grads are read, never written.
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """Lion's update over lists of flat views, every hyperparameter a device tensor, skip by ``torch.where``.
 
-    lion(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay, grad_scale, found_inf) -> None
-
-The rule (Chen et al., "Symbolic Discovery of Optimization Algorithms", arXiv:2302.06675, Algorithm 2),
-with decoupled weight decay applied to the old params:
+The rule (Chen et al., arXiv:2302.06675, Algorithm 2), decoupled weight decay on the old params:
 
     c = β1·m + (1 − β1)·g
     θ ← θ − lr·(sign(c) + wd·θ)
     m ← β2·m + (1 − β2)·g
 
-in the op forms of emerging-optimizers' Lion (Megatron-Core's ``muon_scalar_optimizer="lion"``):
-``p.add_(p, alpha=-(wd*lr))``; ``c = m.lerp(g, 1 − β1)``; ``m.lerp_(g, 1 − β2)``;
-``p.add_(sign(c), alpha=-lr)``. ``torch.addcmul`` with a 0-d tensor scalar rounds like
-``add_(alpha=float)`` on the CPU, so with fp64 hyperparameter tensors this is bitwise EO's arithmetic.
-
-``grad_scale`` (0-d, or None for 1) divides the grads; the grads are only read. ``found_inf``
-(0-d fp32, 1.0 = skip) leaves params and ``exp_avgs`` bitwise unchanged. Params and state are fp32.
+in the op forms of emerging-optimizers' Lion (Megatron-Core's ``muon_scalar_optimizer="lion"``), so with fp64
+hyperparameter tensors this is bitwise its arithmetic on the CPU. ``grad_scale`` (0-d, or None for 1) divides
+the grads, which are only read; ``found_inf`` (0-d fp32, 1.0 = skip) leaves params and ``exp_avgs`` bitwise
+unchanged. Params and state are fp32.
 """
 
 from __future__ import annotations

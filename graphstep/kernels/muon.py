@@ -1,37 +1,15 @@
 """Muon's update over batches of same-shape matrices: one call of the kernels per distinct shape.
 
-    muon(params, grads, momentum_buffers, *, lr, weight_decay, momentum, nesterov, decoupled,
-         grad_scale, found_inf, ns_steps, coefficient_type, scale_mode, extra_scale_factor,
-         fp32_matmul_prec, qkv_splits=None, eps=NS_EPS, tp_splits=None, tp_mode="duplicated") -> None
-
-``params``, ``grads`` and ``momentum_buffers`` are lists of 3-D fp32 views (n, r, c), one entry per
-distinct shape (the layout keeps same-shape matrices contiguous); params and buffers are updated in
-place, grads are only read. Per matrix, in EO 0.3.0's order (notes §1, EO
-``OrthogonalizedOptimizer.step``):
-
-1. grads divided by ``grad_scale`` (loss-scale unscale and clip coefficient folded in; None = 1);
-2. weight decay first: decoupled ``p ← p + (−wd·lr)·p`` (EO's ``p.add_(p, alpha=-(wd*lr))``, which
-   rounds differently from ``p *= 1 − lr·wd``), or L2 ``g ← g + wd·p`` when ``decoupled=False``;
-3. EMA momentum ``m ← lerp(m, g, 1 − μ)``; the update is ``lerp(g, m, μ)`` with nesterov, else ``m``;
-4. Newton–Schulz (newton_schulz.py), times the shape scale and ``extra_scale_factor``;
-5. ``p ← p + (−lr)·O``.
-
-The scalar steps use ``torch.addcmul`` with a 0-d hyperparameter tensor, which on the CPU rounds
-exactly like EO's ``add_(x, alpha=float)`` (fp64 hyperparameter tensors, the engine's CPU dtype, then
-reproduce EO's Python-double scalars bitwise). lr, weight_decay and momentum are 0-d device tensors
-(LIVE_FIELDS): a schedule changing them never needs a recapture. The rest are Python values fixed at
-build. ``found_inf`` (0-d fp32, 1.0 = skip) leaves params and momentum bitwise unchanged through
-``torch.where``; nothing reads a device value on the host.
-
-Split QKV: a fused QKV weight in Megatron's grouped layout is orthogonalised as three matrices (all Q
-rows, all K rows, all V rows), each scaled by its own shape, when its entry of ``qkv_splits`` is a
-``QKVSplit``; all n matrices of the entry are split the same way, still in batched calls.
-
-Tensor parallelism: an entry whose ``tp_splits`` item is a ``TensorParallelSplit`` holds this rank's slices
-of matrices split over the tensor-parallel group. ``tp_mode`` (``OptimizerConfig.muon_tp_mode``):
-"duplicated" gathers the whole matrices, orthogonalises them and keeps this rank's slice; "distributed"
-runs Newton–Schulz on the slices with the norm and the Gram matrices summed over the group
-(``newton_schulz_split``); "blockwise" orthogonalises each slice alone. The scale uses the whole shape.
+``params``, ``grads`` and ``momentum_buffers`` are lists of 3-D fp32 views (n, r, c), one per distinct shape;
+params and buffers are updated in place, grads only read. Per matrix, in emerging-optimizers (EO) 0.3.0's order:
+grads divided by ``grad_scale``; weight decay first (decoupled ``p.add_(p, alpha=-(wd*lr))``, or L2 when
+``decoupled=False``); EMA momentum (the update ``lerp(g, m, μ)`` with nesterov, else ``m``); Newton–Schulz
+times the shape scale and ``extra_scale_factor``; ``p ← p + (−lr)·O``. ``torch.addcmul`` with a 0-d fp64
+tensor rounds like EO's ``add_(alpha=float)`` on the CPU, so the result is bitwise EO's. lr, weight_decay and
+momentum are live (``LIVE_FIELDS``); the rest are fixed at build. ``found_inf`` (0-d fp32, 1.0 = skip) leaves
+params and momentum bitwise unchanged. A ``QKVSplit`` entry is orthogonalised as its Q, K and V matrices; a
+``TensorParallelSplit`` entry by ``tp_mode``: "duplicated" gathers whole matrices, "distributed" runs
+Newton–Schulz over the group's slices, "blockwise" orthogonalises each slice alone.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """Newton–Schulz orthogonalisation over a batch of same-shape matrices, as Muon uses it.
 
-``newton_schulz(x)`` takes ``x`` of shape (n, r, c) and returns, per matrix, an approximation of the
-polar factor U Vᵀ of its SVD U S Vᵀ (Muon's "zeroth power"). The rules follow emerging-optimizers (EO)
-0.3.0, which Megatron-Core pins (facts from Megatron-Core's and Emerging-Optimizers' sources, checked
-against EO's ``muon_utils.newton_schulz``):
-
-1. transpose when r > c, so the Gram matrix X Xᵀ is the smaller one;
-2. Frobenius-normalise each matrix in fp32: X / max(‖X‖_F, eps), eps = 1e-7 (EO 0.3.0; 1e-15 at HEAD);
-3. "medium" precision: cast to bf16 after normalising and run the matmuls in bf16; "high"/"highest":
-   fp32 matmuls under that torch matmul precision (EO sets the global precision around the iteration;
-   on CUDA "high" means TF32, on torch's CPU builds "high" and "highest" compute alike);
-4. per step, with coefficients (a, b, c): A = X Xᵀ; B = b·A + c·A²; X = a·X + B·X, each a batched
-   matmul (bmm, baddbmm) so that n matrices cost the same number of kernels as one;
-5. back to fp32, un-transpose.
-
-The batched ops round like EO's per-matrix mm/addmm on the CPU (checked bitwise in the tests), so a
-batch of n equals n separate calls.
-
-Everything here is capture-safe: no host reads; the coefficients are Python floats fixed at build
-(they are constants of the method, not schedulable hyperparameters).
+``newton_schulz(x)`` takes (n, r, c) and returns, per matrix, an approximation of the polar factor U Vᵀ of its
+SVD, following emerging-optimizers (EO) 0.3.0, which Megatron-Core pins: transpose when r > c, Frobenius-
+normalise in fp32 (eps 1e-7), bf16 matmuls under "medium" precision else fp32, then per step
+A = X Xᵀ, X = a·X + (b·A + c·A²)·X as batched matmuls, so n matrices cost the kernels of one. The batched ops
+round like EO's per-matrix mm/addmm on the CPU (tested bitwise). Capture-safe: no host reads; the coefficients
+are constants of the method, fixed at build.
 """
 
 from __future__ import annotations

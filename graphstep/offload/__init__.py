@@ -1,35 +1,12 @@
 """Hybrid CPU offload: the optimizer state and update of part of the params on the host.
 
-Megatron-Core's ``HybridDeviceOptimizer`` steps a fraction of the params with torch's fused CPU AdamW and
-the rest on the GPU, waiting for each sub-optimizer's copies on the host; its step is never captured.
-Here the step keeps graphstep's shape:
-
-1. **The device step (captured)**: the usual chain (reduce-scatter, norm and non-finite check over *all*
-   grads, clip coefficient, the device params' update, the loss-scale update), plus one stage,
-   ``offload_d2h``, that copies the host params' grads and the step's ``step``, ``grad_scale`` and
-   ``found_inf`` into host buffers (asynchronous D2H into pinned memory on a GPU). The device update and
-   copy-back only cover the device prefix of each shard (``stages.update.device_segments``).
-2. **The one host wait**: an event recorded after the device step, synchronized on the host. It is the
-   only one: every value the host update needs was copied by the device step itself, so nothing else
-   is read back; the H2D copies after it are queued, not waited for (the next forward is ordered after
-   them on the same stream).
-3. **The host update (never captured)**: torch's kernels over the flat host buffers with the same
-   ``grad_scale`` and ``found_inf`` the device computed, so skip, clip and loss scaling are exactly the
-   device's; every hyperparameter is read fresh each step (nothing here is baked).
-4. **The H2D copies**: eager copies (main -> model dtype staging -> ``param_flat``), not a second
-   captured piece. They are a few copies per flat buffer (a few launches: all a graph would save), while
-   a second graph would need its own static-input guards, baked-value checks and recapture agreement
-   across ranks; and the CPU replay backend refuses host-to-device copies, so on the CPU that piece
-   could not be tested. With several data-parallel ranks, the all-gathers of the buckets
-   any rank updates on the host follow these copies (eagerly); the other buckets' gathers stay captured.
-
-With ``overlap_cpu_optimizer_d2h_h2d`` the host update and the H2D copies run chunk by chunk on a worker
-thread (the one host wait moves there too), each chunk's copy on a side stream while the next chunk is
-updated, and ``step()`` returns at once; forward pre-hooks make the next forward wait (per module) only
-for the chunks holding its params, and the next ``step()`` (or a checkpoint, ``finish_param_gather``)
-waits for all of it.
-
-Which params go to the host: graphstep.offload.plan.
+Unlike Megatron-Core's ``HybridDeviceOptimizer``, the step keeps graphstep's shape: the device step stays
+captured and copies the host part's grads and the step's ``grad_scale`` / ``found_inf`` to the host; one host
+wait (an event) follows it; the host update runs torch's kernels with the device's skip and scale, every
+hyperparameter read fresh; then eager H2D copies. The copies are not a second graph: they are a few launches,
+a second graph would need its own guards and recapture agreement, and the CPU replay backend refuses
+host-to-device copies, so it could not be tested here. With ``overlap_cpu_optimizer_d2h_h2d`` the host part
+runs chunk by chunk on a worker thread (graphstep/offload/overlap.py). Which params: graphstep/offload/plan.py.
 """
 
 from __future__ import annotations

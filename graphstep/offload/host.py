@@ -1,21 +1,9 @@
 """HostShards: the host part of this rank's shard, in flat host buffers allocated once.
 
-Per flat buffer ``b`` of the layout, for the shard elements ``[split[b], shard_numel)``
-(graphstep.offload.plan):
-
-- ``main[b]``     fp32 main params, what the host update writes;
-- ``state[n][b]`` optimizer state (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``);
-- ``grads[b]``    fp32 grads, written by the device step's D2H copy and read by the host update;
-- ``staging[b]``  the updated params in the model dtype, what the H2D copy reads (a half-size copy); for
-  fp32 params the H2D copy reads ``main[b]`` directly and there is no staging buffer;
-- the step's scalars the host update needs: ``step``, ``grad_scale``, ``found_inf`` (copied from the
-  device step, so the host applies exactly the device's skip, unscale and clip), and ``hyper``: the
-  hyperparameters as host tensors (float64, like ``HyperParams`` on the CPU).
-
-Pinning: ``grads`` (``pin_cpu_grads``), ``main``/``staging`` (``pin_cpu_params``) and the scalars the
-device step writes are page-locked where torch has an accelerator, so the D2H copies inside a captured
-step and the H2D copies after it are asynchronous. A CPU-only torch refuses pinned memory; there nothing
-is pinned (both sides are the CPU, every copy is synchronous anyway).
+Per flat buffer: fp32 main params, optimizer state, fp32 grads (written by the device step's D2H copy), the
+model-dtype staging of the updated params for the H2D copy (none for fp32 params), and the step's scalars and
+hyperparameters as host tensors. Grads, main params, staging and scalars are pinned where torch has an
+accelerator, so the copies are asynchronous; a CPU-only torch refuses pinned memory, and there nothing is pinned.
 """
 
 from __future__ import annotations

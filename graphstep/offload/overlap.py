@@ -1,18 +1,10 @@
 """ChunkWorker: the host part of an offloaded step on a worker thread, chunk by chunk, overlapped.
 
-``start`` hands the worker the event recorded after the device step and the step's hyperparameters;
-``step()`` returns at once. The worker waits for the event (the step's one host wait, on this thread),
-then for each chunk in forward order: the host update, the cast into staging, the H2D copies (on a side
-stream on an accelerator, so one chunk's copy overlaps the next chunk's update), and marks it ready.
-
-The next forward: a pre-hook on every module that owns params waits until the chunks holding its params
-(its children's included, like graphstep/hooks/grad_overlap.py) are ready and, on an accelerator, makes the current
-stream wait for their copies (a device-side wait, not a host one). A state-dict pre-hook on the same modules
-waits the same way, so a model save right after the step holds the stepped params. ``finish`` waits for everything:
-the engine calls it before the next step and before anything reads the buffers (checkpoints).
-
-torch's CPU kernels and copies release the GIL, so on a CPU-only machine the worker's update really runs
-alongside the main thread (e.g. the data loading and the first layers of the next forward).
+``step()`` returns at once; the worker waits for the device step's event (the step's one host wait), then per
+chunk in forward order runs the host update, the cast and the H2D copies (one chunk's copy overlapping the
+next chunk's update). Forward and state-dict pre-hooks make the next forward (or a model save) wait only for
+the chunks holding their params; ``finish`` waits for everything. torch's CPU kernels release the GIL, so the
+worker really runs alongside the main thread.
 """
 
 from __future__ import annotations

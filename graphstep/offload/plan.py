@@ -1,21 +1,9 @@
 """plan_offload(): which part of this rank's shard lives on the host. Pure data, like layout.py.
 
-The rule (deterministic, the same on every rank for every rank, so all ranks know which buckets any rank
-updates on the host):
-
-- the unit is a whole param's piece of this rank's shard (``Layout.owned_ranges``; with one rank, a
-  whole param);
-- pieces are taken from the *end* of the rank's shard backwards: the last flat buffer first, inside a
-  buffer from its last bucket (which, the layout ordering buckets by backward, holds the model's first
-  layers) to its first;
-- a piece is taken while the elements taken so far are below ``fraction`` x this rank's owned elements,
-  so the last one taken may overshoot by less than one piece (Megatron-Core's
-  ``HybridDeviceOptimizer`` rule, which walks its param groups in order instead).
-
-Taking a suffix makes the host part of every flat buffer ``b`` one contiguous range
-``[split[b], shard_numel)`` of the rank's shard, and the device part the prefix ``[0, split[b])``: the
-device's main params and state shrink to that prefix (their shard offsets unchanged), and the host holds
-one flat buffer per flat buffer. Padding inside the host range goes with it (its grads are zero).
+Whole param pieces are taken from the *end* of the rank's shard backwards while the elements taken are below
+``fraction`` of the shard (Megatron-Core's ``HybridDeviceOptimizer`` rule, walked over the layout instead of
+its groups); deterministic, so every rank knows which buckets any rank updates on the host. A suffix makes the
+host part of each flat buffer one contiguous range ``[split[b], shard_numel)`` and the device part the prefix.
 """
 
 from __future__ import annotations

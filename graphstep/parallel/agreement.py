@@ -1,17 +1,11 @@
 """Ranks decide together whether a captured step is still valid (docs/design.md §9).
 
-A captured NCCL collective must be replayed by every rank from the same capture: if one rank recaptures
-(a param it replaced, a baked value that changed on it alone) while its peers replay the old graph, the
-collectives pair up wrongly and the job hangs or reads garbage. So before each run of a capturable step,
-the ranks that share its collectives exchange one flag — "my step went stale" — and all of them act on
-the logical OR: all recapture at the same step, or all raise. The same exchange brackets a capture, so
-no rank starts recording while a peer is still replaying.
-
-The exchange is host-side: a one-element CPU tensor all-reduced (MAX) over a gloo group of its own,
-created at build. It never touches the device, so it adds no device sync to the step; it costs one small
-host round trip per step (tens of microseconds on one host over loopback). Which ranks take part: the
-data-parallel group's; with a model-parallel group as well, every rank of the job, since the ranks linked
-by either group must agree transitively.
+A captured collective must be replayed by every rank from the same capture: if one rank recaptures while its
+peers replay the old graph, the collectives pair up wrongly and the job hangs or reads garbage. So before each
+run of a capturable step, and around a capture, the ranks sharing its collectives MAX-all-reduce one "my step
+went stale" flag and all act on it alike. The flag is a CPU tensor on a gloo group of its own: a host round trip
+per step, never a device sync. With a model-parallel group every rank of the job takes part (agreement is
+transitive across both groups).
 """
 
 from __future__ import annotations

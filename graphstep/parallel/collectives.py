@@ -1,34 +1,15 @@
-"""Collectives over torch.distributed for the step: explicit process groups, no global state.
+"""Collectives over torch.distributed for the step: explicit process groups, no global state; no-ops on one process.
 
-With one process every call here is a no-op, so the single-process step runs the same stage code.
+The step calls torch's *functional* collectives (``torch.ops._c10d_functional``, the ``_out`` forms, in place on
+the static buffers), not ``dist.reduce_scatter_tensor`` and friends: only they are clean dispatcher ops end to
+end. The classic API's ``Work.wait()`` on gloo runs ops of its own on the caller's thread, which a dispatch-mode
+recorder (the CPU replay backend) would bake into the graph as a copy from a dead temporary.
 
-Which torch API, and why. The step calls torch's *functional* collectives (``torch.ops._c10d_functional``:
-``reduce_scatter_tensor_out``, ``all_gather_into_tensor_out``, ``all_reduce_`` and ``wait_tensor``) on
-the static buffers, not ``dist.reduce_scatter_tensor`` and friends. Both run the same backend (gloo on
-CPUs, NCCL on GPUs), but only the functional ops are clean dispatcher ops end to end: a dispatch-mode
-recorder (the CPU replay backend) sees ``reduce_scatter_tensor_out(...)`` then ``wait_tensor(out)`` and
-replays exactly that. The classic API's ``Work.wait()`` on gloo runs bookkeeping ops of its own
-(``split`` / ``copy_`` out of an internal scratch tensor) through the dispatcher on the caller's thread,
-so a recorder would bake a copy from a dead temporary into the graph. The ``_out`` forms write into the
-static tensors; the all-gather runs in place (its input is this rank's slice of its output), so the step
-allocates nothing.
-
-Averaging (graphstep/step/stages/reduce.py): SUM, then the received shard times 1/dp; fp16 grads are pre-scaled by 1/dp
-instead, since their SUM could overflow where the mean would not. gloo has no ``PREMUL_SUM``; with gloo a
-reduce-scatter costs about one all-reduce of the bucket (gloo implements it so), NCCL's about half.
-
-Failure. With gloo, graphstep runs its collectives on its own copy of the data-parallel group, created at
-build with ``timeout=distributed_timeout_s`` (``dist.new_group(..., use_local_synchronization=True)``: only
-the group's members take part, so every data-parallel group of a larger job can build its own), without
-touching the user's group; the timeout then holds for every collective of the step, eager or replayed from
-a capture. With NCCL the step runs on the user's groups (``derive_group`` says why): their own timeout
-drives torch's watchdog on eager work (it aborts the process), and a replayed NCCL collective has no
-timeout at all (README, "Capture on GPUs"). Measured with gloo: a peer that exits or is killed makes the
-survivors' next collective fail at once ("Connection reset/closed by peer"); a peer that stops answering
-makes it fail after the timeout ("Timed out waiting ..."). Both surface here as :class:`CollectiveError`
-naming the collective and the group. In a replayed capture, Python is not re-run: the replay raises
-torch's RuntimeError, and ``Collectives.explain`` turns it into the same error listing the step's
-collectives.
+Failure: with gloo the step runs on graphstep's own copy of the data-parallel group, created with
+``timeout=distributed_timeout_s``, so the timeout holds for every collective, eager or replayed; with NCCL on
+the user's groups (``derive_group`` says why). A peer that dies or stops answering surfaces as
+:class:`CollectiveError` naming the collective and the group; in a replayed capture ``Collectives.explain``
+turns torch's RuntimeError into the same error.
 """
 
 from __future__ import annotations

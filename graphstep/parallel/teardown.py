@@ -1,18 +1,10 @@
 """Captured steps are released before the process groups whose collectives they captured.
 
-From NCCL 2.26 on, destroying a communicator waits until every CUDA graph that captured one of its
-collectives is destroyed (NVIDIA's CUDA-graph troubleshooting guide, "Process Hangs During Teardown"), so
-``destroy_process_group()`` while an optimizer still holds its captured step never returns. Megatron-Core
-resets its graphs before tearing down. Here a step that captures collectives registers with this module,
-and is closed (graph and memory pool freed; any later step runs eagerly):
-
-- by ``opt.close()`` or leaving ``with opt:``, the explicit way, which the README's recipes use;
-- at the start of ``torch.distributed.destroy_process_group``, which graphstep wraps the first time such a
-  step registers: with no group or the default one (the whole job) every registered step is closed, with
-  another group only the steps whose collectives run on it. A reference taken before (``from
-  torch.distributed import destroy_process_group`` ahead of building the optimizer) bypasses the wrapper:
-  close first then;
-- at interpreter exit (``atexit`` runs before the process groups' destructors).
+From NCCL 2.26 on, destroying a communicator waits until every CUDA graph that captured one of its collectives
+is destroyed, so ``destroy_process_group()`` while an optimizer holds its captured step never returns. A step
+that captures collectives registers here and is closed (any later step runs eagerly) by ``opt.close()`` or
+leaving ``with opt:``, at the start of ``torch.distributed.destroy_process_group`` (wrapped on the first
+registration; a reference imported before bypasses it), or at interpreter exit.
 """
 
 from __future__ import annotations

@@ -1,56 +1,14 @@
 """Expert params of MoE models: their own layout, sharded over the expert data-parallel group.
 
-Megatron-Core's convention marks an expert param with ``allreduce=False`` (or ``is_expert_parallel=True``):
-different expert-parallel ranks hold *different* experts, so their grads must never be averaged over the
-full data-parallel group. Only the ranks that hold the same experts (the expert data-parallel group, of
-size dp·tp / (ep·etp)) share them. graphstep gives those params a *domain* of their own
-(graphstep/step/domains.py): a Layout planned with the expert data-parallel size, its own StaticBuffers and its
-own Collectives over that group. The step stays one chain of stages (one graph): reduce-scatter, update,
-copy-back and all-gather run once per domain; the norm, the non-finite check, the clip and the skip
-decision run once, over both.
-
-Three rules, each with its reason:
-
-1. **Averaging.** An expert's grad on one rank already holds contributions from the tokens of every rank
-   of its expert-parallel group (the token all-to-all of the forward sends them there, and its backward
-   sends the grads back). Summing it over the expert data-parallel group therefore sums over every
-   data-parallel rank's tokens, so the average of the global loss divides that sum by the *full*
-   data-parallel size, not by the expert data-parallel size. Megatron-Core does the same
-   (``expert_gradient_scaling_factor = 1 / dp_size`` in its DistributedDataParallel, or edp/dp before an
-   AVG over the expert group). Here: SUM reduce-scatter over the expert group, times 1/dp. With an expert
-   data-parallel size of 1 there is no collective, only the times 1/dp (``step/stages/reduce.local_average``).
-
-2. **The global grad norm and the non-finite check.** After the reduce-scatters each rank holds one shard
-   of the dense grads (a partition of them over the data-parallel group) and one shard of its experts'
-   grads (a partition of its experts over the expert data-parallel group; other expert-parallel ranks
-   hold the other experts). So across the ranks of the data-parallel group (times the model-parallel
-   group, when one is given) every dense element and every expert element is held by exactly one rank.
-   Each rank adds its dense and its expert sums of squares into *one* value, and the existing SUM
-   all-reduce over the data-parallel (then model-parallel) group yields the global norm: one collective,
-   the same number on every rank. A non-finite expert grad makes that sum non-finite on every rank, so
-   every rank skips. This needs each expert data-parallel group to lie inside that grid of ranks: with
-   no model-parallel group, inside the data-parallel group (checked at build); with one, the grid is taken
-   to be the whole job (not checked: the model-parallel layout is the caller's). Megatron-Core (one
-   optimizer per kind of param, chained) does the same when their grad-stats groups coincide (the whole
-   job, with the distributed optimizer): one norm over all their grads; otherwise it combines the
-   optimizers' norms as the root of their squares' sum on the host (its ChainedOptimizer).
-
-3. **Which params are expert params.** ``allreduce=False`` or ``is_expert_parallel=True``. On one process
-   (no data-parallel ranks, and no expert group of more than one rank) they simply join the dense layout:
-   there is nothing to average, and the math is the same. With several data-parallel ranks and no
-   ``expert_data_parallel_group`` they are refused rather than averaged with other ranks' different
-   experts (silently wrong); pass the expert data-parallel group (``process_group`` itself when the
-   expert-parallel size is 1).
-
-Checkpoints: ``opt.state_dict()`` (exact, per rank, same layout) holds the expert domain under ``"experts"``;
-the reshardable format refuses it (``domains.refuse_checkpoint``). ``overlap_grad_reduce`` and
-``overlap_param_gather`` hook the expert collectives as well (graphstep.overlap.Overlaps). Muon on experts
-(their layout is planned like the dense one, layer-wise for Muon's groups) is tested under tensor parallelism
-(tests/distributed/test_tensor_parallel_experts.py). Not yet tested: fp8 expert weights (the requantize stage
-runs per domain; the flat checkpoint's fp8 entry covers the dense domain only). Not supported: QK-clip on
-expert weights (its registered weights must be dense). Under tensor parallelism the expert params are split
-over their own expert tensor-parallel group, which decides which rank counts their copies
-(graphstep/plan/model_parallel.py) and which group Muon's split expert matrices use.
+Expert params (``allreduce=False`` or ``is_expert_parallel=True``, Megatron-Core's marks) differ between
+expert-parallel ranks, so they get a *domain* of their own (graphstep/step/domains.py): a layout, buffers and
+collectives over the expert data-parallel group, inside the same one-graph step. Their grads are summed over
+that group and divided by the *full* data-parallel size, as Megatron-Core does: the token all-to-all already put
+every expert-parallel rank's tokens into each expert's grad. The grad norm and the non-finite check add dense
+and expert sums into one all-reduce, so every element counts once and all ranks skip together; this needs each
+expert group inside the data-parallel grid (checked at build without a model-parallel group). On one process
+expert params join the dense layout; with several ranks and no ``expert_data_parallel_group`` they are refused
+rather than silently averaged with other ranks' different experts. The reshardable checkpoint refuses them.
 """
 
 from __future__ import annotations

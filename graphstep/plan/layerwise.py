@@ -1,28 +1,11 @@
 """Layer-wise sharding: which data-parallel rank owns which whole matrix, and where each rank's matrices sit.
 
-Muon's Newton–Schulz needs whole matrices, so with the distributed optimizer its params are not cut into
-element shards: each rank owns whole matrices (Megatron-Core's ``LayerWiseDistributedOptimizer``, facts
-in Megatron-Core's layer-wise optimizer). graphstep keeps its one mechanism, even element
-shards of padded buckets, and only chooses the order of the params inside a *layer-wise bucket*: rank
-r's section ``[start + r·S, start + (r+1)·S)`` holds exactly the matrices rank r owns, each section padded
-to the same size S. The even reduce-scatter of that bucket then hands every owner exactly its matrices'
-grads, and the even all-gather publishes the updated matrices (gloo and NCCL both need even splits):
-nothing in the step changes, and the bytes are those of DDP's all-reduce plus the sections' padding.
-
-Everything here is pure (shapes and integers in, integers out), deterministic on every rank:
-
-- ``ns_cost(shape)``: Newton–Schulz cost ``max(r, c)·min(r, c)²`` of a 2-D matrix (numel otherwise), the
-  weight graphstep balances (Megatron-Core 0.16.1 deals params out by increasing numel, back and forth over
-  the ranks: README, "Differences from Megatron-Core");
-- ``assign_owners(costs, dp_size, loads)``: greedy longest-processing-time (LPT): matrices by decreasing
-  cost (ties: lower index first) each go to the least-loaded rank (ties: lower rank). Graham's bound holds:
-  the most-loaded rank carries at most (4/3 − 1/(3·dp)) times the optimum, and at most the mean plus the
-  largest cost; graphstep.layout carries the loads from one buffer's layer-wise bucket to the next, so
-  matrices of several dtypes are balanced together, at the price of padding where a rank's share of one
-  buffer is smaller than another rank's;
-- ``plan_sections(...)``: each rank's matrices in section order (param group, then shape, then the order
-  given, so same-shape matrices of a group are contiguous and evenly spaced for the batched update) with
-  their offsets, and the common section size.
+Muon's Newton–Schulz needs whole matrices, so its params are not cut into element shards: each rank owns whole
+matrices (Megatron-Core's ``LayerWiseDistributedOptimizer``). graphstep keeps its one mechanism, even element
+shards of padded buckets, and only orders a *layer-wise bucket* so that rank r's section holds exactly the
+matrices rank r owns, each section padded to the same size: the step is unchanged. Owners are assigned by greedy
+longest-processing-time over the Newton–Schulz cost ``max(r, c)·min(r, c)²`` (``assign_owners``), with loads
+carried from one buffer to the next. Pure and deterministic on every rank.
 """
 
 from __future__ import annotations
@@ -41,7 +24,8 @@ def ns_cost(shape: Sequence[int]) -> int:
 
 
 def assign_owners(costs: Sequence[int], dp_size: int, loads: Optional[Sequence[int]] = None) -> tuple[int, ...]:
-    """Per item, the rank that owns it, by greedy LPT over ``costs`` (see the module docstring).
+    """Per item, the rank that owns it, by greedy longest-processing-time over ``costs``: items by decreasing
+    cost (ties: lower index first), each to the least-loaded rank (ties: lower rank).
 
     ``loads``: the ranks' loads before these items (e.g. from earlier buckets), so balance carries over.
     """

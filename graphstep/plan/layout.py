@@ -1,36 +1,13 @@
 """plan_layout(): where every parameter lives in the flat buffers, and which rank owns which part.
 
-Pure data from a pure function: no allocation, no torch.distributed, testable with fake shapes. The rest of
-graphstep (buffers, stages, distributed) only reads a Layout.
-
-The rules (Megatron-Core's param layout, see shared/reference/megatron-core-notes.md):
-- one flat buffer per (param dtype, grad dtype) key;
-- params fill buckets in backward order (the reverse of the model's order), because that is the order
-  in which their grads become ready and a bucket can be reduced once all its grads are in;
-- each param starts on a multiple of ``PARAM_ALIGNMENT`` elements;
-- a bucket closes as soon as the *unpadded* end of its last param, counted from the bucket's start,
-  reaches ``bucket_size`` (the alignment gaps between its params count, the padding after the last one
-  does not: ``_ParamAndGradBuffer.__init__`` in Megatron-Core's distributed/param_and_grad_buffer.py,
-  and the gold values of its tests/unit_tests/distributed/test_param_and_grad_buffer.py::test_bucket_sizes);
-- then the bucket's end is padded to a multiple of lcm(dp, 128) so it splits into ``dp`` equal contiguous
-  shards that ignore param boundaries, and the next bucket starts there.
-
-Megatron-Core pads param starts and bucket ends only for its distributed optimizer; graphstep always
-pads (the fused update runs over aligned views, sharded or not), so its buckets are those of Megatron's
-distributed-optimizer layout at every data-parallel size. Megatron also gives a ``shared_embedding``
-param a bucket of its own (so pipeline stages shard the tied embedding alike); graphstep has no pipeline
-parallelism and does not.
-
-One graphstep rule on top: inside a bucket, params are ordered by param group (then backward order).
-A bucket's grads all become ready together anyway, and this way each rank's shard of a bucket meets
-each group in one contiguous segment, so the fused update runs over a few large views (one per bucket
-and group) instead of one per parameter. Inside a group whose specs say ``batch_by_shape`` (Muon's),
-params are further ordered by shape, so same-shape matrices are contiguous and evenly spaced.
-
-Layer-wise sharding (graphstep.layerwise): with several ranks, the params of such groups (Muon's, whose
-update needs whole matrices) do not go into the element-sharded buckets. Each buffer gets one more bucket,
-after its others, holding all of them, arranged so that every rank's even shard of it is exactly the
-whole matrices that rank owns (assigned by Newton–Schulz cost), each shard padded to the same size.
+Pure data from a pure function: no allocation, no torch.distributed, testable with fake shapes. The rules are
+Megatron-Core's distributed-optimizer layout (``_ParamAndGradBuffer``): one flat buffer per (param dtype, grad
+dtype); params fill buckets in backward order, each aligned to ``PARAM_ALIGNMENT``; a bucket closes once the
+unpadded end of its last param reaches ``bucket_size`` and is padded to a multiple of lcm(dp, 128), so it splits
+into ``dp`` equal shards that ignore param boundaries. graphstep always pads (the update runs over aligned views,
+sharded or not), and orders params inside a bucket by param group, so each shard meets each group in one
+contiguous segment (by shape too for ``batch_by_shape`` groups). With several ranks, Muon's groups go into one
+more, layer-wise bucket per buffer (graphstep/plan/layerwise.py).
 """
 
 from __future__ import annotations
@@ -316,9 +293,9 @@ def plan_layout(specs: Sequence[ParamSpec], dp_size: int = 1, bucket_size: Optio
         if whole:
             # One layer-wise bucket for all of them, whatever bucket_size says: LPT then balances the whole
             # buffer's NS work, and the sections' padding stays tiny (cut into bucket_size chunks, a chunk
-            # of few matrices pads every other rank's section to its largest one: 11% more bytes on
-            # GPT-2 small at dp = 4, 33% at dp = 8). The price: its reduce-scatter waits for the last
-            # matrix's grad, so overlap_grad_reduce overlaps only the element-sharded buckets.
+            # of few matrices pads every other rank's section to its largest one). The price: its
+            # reduce-scatter waits for the last matrix's grad, so overlap_grad_reduce overlaps only the
+            # element-sharded buckets.
             costs = [layerwise.ns_cost(specs[i].shape) for i in whole]
             owners = layerwise.assign_owners(costs, dp_size, ns_loads)  # balance across buffers too
             ns_loads = [a + b for a, b in zip(ns_loads, layerwise.rank_loads(costs, owners, dp_size))]

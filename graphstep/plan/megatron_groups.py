@@ -1,23 +1,11 @@
 """Megatron-Core's process groups for ``get_optimizer`` when the caller passed none.
 
-A Megatron-Core model marks its split params (``tensor_model_parallel``, graphstep/plan/model_parallel.py),
-but the marks say nothing about *which* ranks hold the other slices: that is Megatron-Core's
-``parallel_state``, set up once per job by ``initialize_model_parallel``. Built without groups, such a model
-would count every rank's slices alone in the grad norm. So when the caller passes no group at all, the
-process has imported Megatron-Core and initialised its parallel state, and a trainable param carries
-Megatron's tensor-parallel attribute, graphstep takes the groups Megatron-Core's own optimizer uses
-(``ProcessGroupCollection.setup_process_groups_for_optimizer``) and says so in one warning:
-
-- ``tensor_parallel_group``: ``get_tensor_model_parallel_group()``;
-- ``model_parallel_group``: ``get_model_parallel_group()`` (tensor x pipeline), when it has several ranks;
-- ``process_group``: ``get_data_parallel_group(with_context_parallel=True)``, with the distributed optimizer
-  (without it graphstep reduces no grads: Megatron's DistributedDataParallel does);
-- with expert params: ``get_expert_tensor_parallel_group()``, and ``get_expert_data_parallel_group()`` with the
-  distributed optimizer.
-
-Some groups given and others not is the caller's layout: nothing is added to it (model_parallel.py refuses
-a tensor-parallel model whose tensor-parallel group is missing). graphstep never imports Megatron-Core: it
-reads ``sys.modules``, so a process that did not import it is never affected.
+Megatron's tensor-parallel marks say nothing about *which* ranks hold a param's other slices: that is its
+``parallel_state``. Built without groups, such a model would count every rank's slices alone in the grad norm.
+So when no group at all is passed, Megatron-Core is imported with its parallel state initialised and a trainable
+param carries its tensor-parallel mark, graphstep takes the groups Megatron-Core's own optimizer uses and says
+so in one warning. Some groups given and others not is the caller's layout: nothing is added. graphstep never
+imports Megatron-Core: it reads ``sys.modules``.
 """
 
 from __future__ import annotations

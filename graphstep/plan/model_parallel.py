@@ -1,34 +1,12 @@
 """Which params count in the grad norm on this rank, read from Megatron-Core's parameter marks.
 
-With tensor parallelism (TP) a param is either sharded over the TP group (Megatron marks it
-``tensor_model_parallel=True``, with the dimension it is split along in ``partition_dim``), each rank holding
-its own slice, or replicated on every TP rank (LayerNorm weights, row-parallel biases: unmarked). With
-pipeline parallelism the first and last stages can hold one embedding between them; the last stage's copy is
-marked ``shared=True``. The norm is summed over the model-parallel group, so every element must be counted
-on exactly one rank, as Megatron-Core's ``_get_grads_for_norm`` does (``param_is_not_shared`` and
-``param_is_not_tensor_parallel_duplicate``):
-
-- a param marked ``shared=True`` is counted on no rank (its other copy is);
-- a TP-sharded param is counted on every TP rank (each holds a different slice);
-- any other param is counted on TP rank 0 only.
-
-MoE expert params (graphstep/plan/experts.py) are split over their own *expert* tensor-parallel group
-(Megatron-Core's ``expert_tensor_parallel_size``, which may differ from the dense one: with 1, the dense TP
-ranks hold different experts rather than slices of one). The same rule then applies with the rank in that
-group: an unmarked expert param counts on expert-TP rank 0. Megatron-Core reads the dense TP rank for expert
-params too, which agrees when the two groups coincide (its default) and leaves some experts' replicated
-params out when they do not; graphstep asks for the expert group whenever it cannot tell.
-
-Which ranks hold the other slices of a split param is the tensor-parallel group's to say: params marked
-``tensor_model_parallel`` in a job of several ranks without that group (or a model-parallel one) are refused
-rather than counted per rank (``get_optimizer`` takes the groups from Megatron-Core's ``parallel_state`` when it
-is initialised and no group was passed: graphstep/plan/megatron_groups.py). The marks themselves must agree
-across the group: at build every rank all-gathers a digest of its params' names and marks (which are split, and
-along which dimension) over the tensor-parallel group, and a difference is refused naming the param.
-
-A param left out still takes part in the non-finite check (graphstep/step/stages/norm.py): a NaN in it skips
-the step on every rank. The same rule leaves it out of ``num_zeros``. On plain ``nn.Module``s set the marks
-the same way: ``p.tensor_model_parallel = True; p.partition_dim = 0`` (or 1), ``p.shared = True``.
+The norm is summed over the model-parallel group, so every element must count on exactly one rank, as
+Megatron-Core's ``_get_grads_for_norm`` decides: a ``shared=True`` param on no rank (its other copy counts), a
+``tensor_model_parallel`` param on every tensor-parallel rank (each holds a different slice), any other on
+tensor-parallel rank 0 only. Expert params use their own expert tensor-parallel group's rank. A split param
+without a tensor-parallel group is refused rather than counted per rank, and every rank checks at build that
+the marks agree across the group. A param left out still takes part in the non-finite check. On plain modules
+set the marks by hand: ``p.tensor_model_parallel = True; p.partition_dim = 0``, ``p.shared = True``.
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 """Routing params to optimizer families (Megatron-Core's per-group ``optimizer`` key).
 
-``build_family_param_groups`` runs ``overrides.build_param_groups`` and then gives each param group the
-family that updates it (``optimizer="muon"``: 2-D hidden matrices to Muon, the rest to
-``muon_scalar_optimizer``), with that family's hyperparameters in the group. The engine calls it; the
-optimizer families themselves, and what each puts into its groups, are declared in graphstep/families/.
-
-Muon on models without Megatron's marks. Megatron-Core's rule reads marks its models set
-(``is_embedding_or_output_parameter``, ``shared_embedding``); Hugging Face, timm and plain torch models
-carry none, so the rule alone would orthogonalise their embeddings, their (often tied) output head and
-their fused QKV weights. When no trainable param carries one of those marks, graphstep infers them:
-
-- the weight of an ``nn.Embedding``/``nn.EmbeddingBag``, and any name the same Parameter is reached under
-  (a tied output head: ``named_parameters()`` lists a tied weight once), goes to the scalar optimizer;
-- so does a 2-D param named like an embedding or output head: a name component containing "embed", or
-  equal to one of ``EMBEDDING_OR_HEAD_PARTS``, or a top-level module in ``TOP_LEVEL_HEADS``;
-- a fused QKV weight (``FUSED_QKV_MODULES``; torch's ``in_proj_weight``) left to Muon with
-  ``muon_split_qkv=True`` and no ``qkv_split``: torch's ``nn.MultiheadAttention`` rows are [W_q; W_k;
-  W_v] (documented), so it gets ``QKVSplit(1, E, E, E)``; any other is refused at build, naming the ways
-  out (an override to the scalar optimizer, a ``qkv_split``, or ``muon_split_qkv=False``).
-
-A model with any of Megatron's marks is routed by them alone, as Megatron-Core does: its author has said
-what is an embedding. ``use_muon=False`` and overrides apply in both cases. With more than one family in
-use, the routing is logged once per build on the "graphstep" logger: a WARNING when anything was inferred
-(so it shows without configuring logging), else INFO.
+``build_family_param_groups`` runs ``overrides.build_param_groups`` and gives each group the family that
+updates it (``optimizer="muon"``: 2-D hidden matrices to Muon, the rest to ``muon_scalar_optimizer``).
+Megatron-Core's rule reads marks that Hugging Face, timm and plain torch models do not set, so it would
+orthogonalise their embeddings, tied heads and fused QKV weights. When no trainable param carries a mark,
+graphstep infers them: embedding weights and anything tied to them, 2-D params named like an embedding or a
+head, and torch's ``in_proj_weight`` split as [W_q; W_k; W_v]; another fused QKV weight is refused, naming the
+ways out. A model with any of Megatron's marks is routed by them alone. Inferred routing is logged as a WARNING.
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """The debugging step: the same stage functions, run one at a time, with host-read stats.
 
 ``opt.debug_step()`` syncs after each stage to time it and read the step's scalars, and finds where a
-non-finite value first appeared: which param, which tensor (grad, param, main param, optimizer state)
-and after which stage ("backward" when the grads arrived that way). Everything here reads device values
-on the host on purpose; none of it is part of the step that ``step()`` runs or a capture records.
-
-Given a closure (forward + backward), ``debug_step(closure)`` runs it with hooks on every module of the
-model (``trace_closure``) and names the first module that made a non-finite value from finite ones:
-
-- forward: a module whose output holds a non-finite value while its inputs (and its own params) were
-  finite. Forward hooks fire as modules return, innermost first, so the first such module is the deepest
-  one that made it; a module with submodules is named only when its own code made it.
-- backward: a module whose input grad or own param's grad went non-finite while the grads reaching its
-  outputs were finite. Each grad-requiring input is handed to the module as a view of itself, with a
-  tensor hook, so its grad is the one this module alone produced (a residual stream's grad sums several
-  modules'). Full backward hooks (``register_full_backward_hook``) would do the same but break modules that
-  change an input in place (``nn.ReLU(inplace=True)``); autograd's anomaly mode stops the backward at the
-  first NaN, which leaves a half-accumulated grad for the step that follows.
-
-Only plain tensors are read or aliased, found through tuples, lists, dicts and dataclasses; anything else a
-module takes or returns is passed through untouched. A module that returns ±inf by design (a mask) is
-reported as a source: the hooks cannot tell intent.
+non-finite value first appeared: which param, which tensor and after which stage. Everything here reads device
+values on the host on purpose; none of it is part of the step that ``step()`` runs or a capture records. Given
+a closure, ``trace_closure`` hooks every module to name the first one that made a non-finite value from finite
+ones, in forward or backward. Backward is traced with tensor hooks on views of each input, not full backward
+hooks (which break modules that change an input in place) nor anomaly mode (which stops the backward at the
+first NaN, leaving a half-accumulated grad for the step).
 """
 
 from __future__ import annotations

@@ -1,31 +1,13 @@
 """How the step chain runs: eagerly, or captured once and replayed, with staleness handled.
 
-The backend is decided once, at build, by ``capture.devices.backend_for`` (``OptimizerConfig.capture``):
-- "graph": capture after ``capture_warmup_steps`` eager steps (a CUDA graph on CUDA, capture's CPU
-  replay backend elsewhere); a step that cannot be captured raises ``capture.CaptureError``.
-- "auto": on CUDA, the first step after the warm-up runs under ``capture.check`` (it *is* that step).
-  With findings (on any rank, when several share the step) the step stays eager and says why once.
-  Without, the next step runs eagerly on the capture's side stream (its lazy setup, such as cuBLAS
-  workspaces, must not land in the capture) and the one after is captured. A capture that fails anyway
-  is not tried again: the step stays eager (``_give_up_capture``). Elsewhere than on CUDA the step runs
-  eagerly and says why once.
-- "eager": the chain runs eagerly every step; ``opt.debug_step()`` runs it stage by stage with stats.
-
-A captured step goes stale when what it baked in changes. Before each replay the runner checks:
-- the host values the stages baked in (``Stage.baked``: Python floats a kernel takes, host choices),
-  through ``capture.baked.BakedValues``: a change means a recapture (and a warning when that happens
-  step after step), never a silently frozen value;
-- params and buffers replaced by the user: the engine adopts them back before every step and tells the
-  runner (``on_replaced``), and a captured step recaptures; capture's own guard checks the static
-  inputs' addresses before each replay as a last line of defence.
-With ``capture_invalidation="raise"`` both raise instead. A recapture is preceded by one eager step, so
-that whatever the new capture needs first (a compiled variant, new state) is set up outside it.
-
-With several ranks (``agree``, graphstep/parallel/agreement.py) every such decision is collective: before each
-run the ranks exchange whether their step went stale, and all recapture (or all raise) at the same step.
-
-The runner knows nothing of optimizers: it is given the step function(s), the static inputs and the
-baked values as plain callables over buffers and stages, and calls nothing back in the engine.
+The backend is decided once, at build (``OptimizerConfig.capture``): "graph" captures after the warm-up and
+raises when it cannot; "auto" on CUDA checks the first step after the warm-up with ``capture.check``, captures
+when it found nothing and otherwise stays eager and says why once; "eager" never captures. Before each replay
+the runner checks what the capture baked in (``Stage.baked`` host values; params and buffers the user
+replaced): a change means a recapture, never a silently frozen value, or an error with
+``capture_invalidation="raise"``. A recapture follows one eager step, so whatever the new capture needs first is
+set up outside it. With several ranks each decision is collective (graphstep/parallel/agreement.py). The runner
+knows nothing of optimizers: it is given plain callables over buffers and stages.
 """
 
 from __future__ import annotations

@@ -114,8 +114,8 @@ def allocate(layout: Layout, params: Sequence[torch.nn.Parameter], *, rank: int,
 def _original(param: torch.nn.Parameter) -> torch.Tensor:
     """The param's values as they were before the rebind: a detached alias of its storage, which rebinding
     ``param.data`` to a view of the flat buffer leaves untouched and alive while the alias holds it. No
-    copy: a clone of every param would be a second copy of the model in memory during the build (0.5 GB
-    at GPT-2 small) and one more pass over it. A tensor subclass (an fp8 weight) is still cloned: its
+    copy: a clone of every param would be a second copy of the model in memory during the build and one
+    more pass over it. A tensor subclass (an fp8 weight) is still cloned: its
     ``detach`` need not keep the values its ``data`` held."""
     values = param.detach()
     return values if type(values) is torch.Tensor else values.clone()

@@ -2,40 +2,12 @@
 grads rebound to views of it.
 
 After ``allocate`` nothing here is ever replaced (docs/design.md law 2): ``zero_grad`` zeroes in place and
-checkpoint loading copies in place, so a captured step can keep reading the same addresses forever.
+checkpoint loading copies in place, so a captured step can keep reading the same addresses forever. What a user
+replaces between steps (a param's tensor, a grad, a buffer in its list) is taken back in place before the next
+step (``readopt_params``, ``bind_grads``, ``restore_replaced_buffers``).
 
-Per buffer key (param dtype, grad dtype) of the layout:
-- ``param_flat``  model dtype, every model param is a view of it;
-- ``grad_flat``   grad dtype; a param's ``.grad`` is a view of it when grads accumulate in the param's
-  dtype, else backward accumulates into an fp32 view ``param.main_grad`` through the param's
-  post-accumulate-grad hook (``listen_for_main_grads``: the first stage of graphstep/hooks/param_hooks.py);
-- ``main_shard``  fp32 main params: where the params are fp32 already, ``param_flat`` itself (at any
-  data-parallel size: the update writes this rank's shard of the params in place, no second copy, no
-  copy-back); else a separate fp32 tensor of this rank's shard. Address a range of it with
-  ``main_range`` (shard coordinates), which maps into ``param_flat`` for the former;
-- ``state[name]`` optimizer state shards (``exp_avg``, ``exp_avg_sq`` or ``momentum_buffer``), each over only
-  the groups whose family keeps it (``state_ranges``, graphstep/state/state_ranges.py): address a range of it
-  with ``shard_part`` (shard coordinates) after asking ``keeps_state``;
-- ``stored`` the kinds kept below fp32 with the precision-aware optimizer (graphstep/state/precision.py): their
-  tensors hold encoded bytes (a scaled fp16/fp8 moment, an int16 remainder in ``main_shard``), so read and
-  write their values with ``read_part`` / ``write_part``, ``full_shard`` / ``load_shard``;
-- ``grad_shard``  the grads of this rank's shard, reduced (what the norm and the update read): with one
-  rank ``grad_flat`` itself, one entry per buffer; with several, one entry per *bucket*: the view
-  ``grad_flat[bucket.shard_range(rank)]`` that the bucket's reduce-scatter writes in place (its output is
-  its input's own slice, which gloo and NCCL accept; no separate output buffer). So after a step with
-  several ranks a grad holds the averaged grads in this rank's shard ranges and the local ones elsewhere;
-  ``zero_grad`` before the next backward (as with Megatron-Core's grad buffers).
-
-A rank's shard of a buffer is the concatenation of its shards of the buffer's buckets, which are not
-contiguous in ``param_flat``/``grad_flat``: layout.py's ``shard_start`` coordinates address the compact
-shard (shard_parts.py reads and writes a kind's values by them), ``flat_start`` the flat buffer. Per rank the
-buffers thus hold ZeRO's memory exactly: params +
-grads + the state shards (+ fp32 main shards for half or fp8 params); ``graphstep.run.memory`` counts it.
-
-With hybrid CPU offload (graphstep.offload) the device holds main params (where they are not the params)
-and state only for a prefix ``[0, device_numel)`` of the rank's shard; the rest lives in ``host``
-(``HostShards``). ``shard_part``, ``full_shard`` and ``load_shard`` address the whole shard wherever its
-elements live.
+Per rank the buffers hold ZeRO's memory exactly: params + grads + the state shards (+ fp32 main shards for half
+or fp8 params); ``graphstep.run.memory`` counts it. ``StaticBuffers`` says what each buffer holds.
 """
 
 from __future__ import annotations
@@ -58,13 +30,39 @@ _SHAPE = operator.attrgetter("shape")
 
 @dataclass
 class StaticBuffers(ShardParts):
+    """One entry per buffer key (param dtype, grad dtype) of the layout in each list below.
+
+    A rank's shard of a buffer is the concatenation of its shards of the buffer's buckets, which are not
+    contiguous in ``param_flat``/``grad_flat``: layout.py's ``shard_start`` coordinates address the compact
+    shard (shard_parts.py reads and writes a kind's values by them), ``flat_start`` the flat buffer. With hybrid
+    CPU offload (graphstep.offload) the device holds main params (where they are not the params) and state only
+    for a prefix ``[0, device_numel)`` of the rank's shard; the rest lives in ``host`` (``HostShards``).
+    ``shard_part``, ``full_shard`` and ``load_shard`` address the whole shard wherever its elements live."""
+
     layout: Layout
     rank: int
     param_flat: list[torch.Tensor]
+    """In the model's dtype: every model param is a view of it."""
     grad_flat: list[torch.Tensor]
+    """In the grad dtype. A param's ``.grad`` is a view of it when grads accumulate in the param's dtype; else
+    backward accumulates into an fp32 view ``param.main_grad`` through the param's post-accumulate-grad hook
+    (``listen_for_main_grads``: the first stage of graphstep/hooks/param_hooks.py)."""
     main_shard: list[torch.Tensor]
+    """fp32 main params: where the params are fp32 already, ``param_flat`` itself (at any data-parallel size:
+    the update writes this rank's shard of the params in place, no second copy, no copy-back); else a separate
+    fp32 tensor of this rank's shard. Address a range of it with ``main_range`` (shard coordinates), which maps
+    into ``param_flat`` for the former."""
     grad_shard: list[torch.Tensor]
+    """The grads of this rank's shard, reduced (what the norm and the update read): with one rank ``grad_flat``
+    itself, one entry per buffer; with several, one entry per *bucket*: the view
+    ``grad_flat[bucket.shard_range(rank)]`` that the bucket's reduce-scatter writes in place (its output is its
+    input's own slice, which gloo and NCCL accept; no separate output buffer). So after a step with several
+    ranks a grad holds the averaged grads in this rank's shard ranges and the local ones elsewhere:
+    ``zero_grad`` before the next backward (as with Megatron-Core's grad buffers)."""
     state: dict[str, list[torch.Tensor]]
+    """Optimizer state shards by name (``exp_avg``, ``exp_avg_sq`` or ``momentum_buffer``), each over only the
+    groups whose family keeps it (``state_ranges``, graphstep/state/state_ranges.py): address a range of it
+    with ``shard_part`` (shard coordinates) after asking ``keeps_state``."""
     params: list[torch.nn.Parameter]  # in layout (input) order
     _main_grads: list = field(default_factory=list)  # each param's main_grad view, kept for identity checks
     _param_ptrs: list = field(default_factory=list)
@@ -77,8 +75,10 @@ class StaticBuffers(ShardParts):
     state_ranges: dict = field(default_factory=dict)  # name -> StateRanges: where each state buffer keeps its elements
     stored: dict = field(default_factory=dict)
     """kind -> per buffer, the ``StoredState`` of a state, or of the main params ("main"; None for a buffer
-    whose main params are not), kept below fp32 (graphstep/state/precision.py): read and write its values
-    through ``read_part`` / ``write_part``, never its raw bytes."""
+    whose main params are not), kept below fp32 with the precision-aware optimizer (graphstep/state/precision.py).
+    Their tensors hold encoded bytes (a scaled fp16/fp8 moment, an int16 remainder in ``main_shard``): read and
+    write their values through ``read_part`` / ``write_part``, ``full_shard`` / ``load_shard``, never the raw
+    bytes."""
     scratch: dict = field(default_factory=dict)
     """Static tensors stages allocate at build, by kind (e.g. "grad_cast"), listed for ``graphstep.run.memory``."""
 

@@ -1,23 +1,11 @@
 """Device tensors for everything a schedule may change, refreshed from ``param_groups`` before each step.
 
-Schedulers (torch's and graphstep's) write Python floats into ``param_groups``. A Python float read inside
-the step would be baked into a captured graph forever (docs/design.md law 3), so the step reads these tensors
-instead; ``refresh`` copies the current floats in with one small host-to-device copy, outside the graph.
-
-Layout: one ``values`` tensor of shape (num_groups + 1, len(FIELDS)); row g holds group g, the last row
-holds the step-wide scalars (clip threshold, skip threshold). The per-group columns are the registered
-families' hyperparameter fields (``graphstep.families.hyper_columns``: lr, weight_decay, then each family's
-own in registration order); every group fills every column, 0 where its group has no such key. Each
-hyperparameter is a 0-d view of it, so its address never changes. ``host_rows`` holds the same values as
-floats, updated in place by each refresh: what kernels that take floats are given (the update stage reads it
-by precomputed position).
-
-dtype: ``scalar_dtype(device)``, float64 on the CPU, where torch's optimizers do their scalar math in
-double: an fp64 lr tensor makes the fused kernel bitwise equal to ``torch.optim.AdamW(fused=True)`` with
-a float lr (docs/design.md §8); float32 elsewhere, the dtype the fused GPU kernels read a tensor lr in.
-
-A refresh refuses a non-finite value (NaN or inf, a negative clip threshold) with an error naming the
-group and field, before anything reaches the device: a NaN lr would otherwise turn every param NaN.
+A Python float read inside the step would be baked into a captured graph forever (docs/design.md law 3), so the
+step reads these tensors; ``refresh`` copies the groups' floats in with one small host-to-device copy, outside
+the graph. One ``values`` table (a row per group, the last row step-wide; columns from
+``graphstep.families.hyper_columns``), each hyperparameter a 0-d view of it, so no address ever changes. dtype:
+float64 on the CPU, where an fp64 lr makes the fused kernel bitwise ``torch.optim.AdamW(fused=True)``; float32
+elsewhere. A refresh refuses a non-finite value, naming the group and field: a NaN lr would turn every param NaN.
 """
 
 from __future__ import annotations

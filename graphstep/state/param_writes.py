@@ -1,4 +1,5 @@
-"""Writes into bf16/fp16/fp8 params after the build, taken into the main params before the next step.
+"""Writes into bf16/fp16/fp8 params after the build, taken into the main params before the next step
+(docs/training-loop.md, "The params the optimizer holds").
 
 Where the main params are a copy of their own (bf16/fp16/fp8 params, a CPU-offloaded shard), the step publishes
 them over the params: a user's ``model.load_state_dict``, ``nn.init`` call or ``clamp_`` after the build
@@ -7,18 +8,6 @@ flat buffer's) tells whether it was written, and so does the counter of its alia
 (graphstep/hooks/model_state_dict.py: a tensor over the param's memory with a counter of its own, which
 ``torch.distributed.checkpoint.load`` writes into); only then are its values compared with the main params',
 element by element, so elements whose value did not change keep the main params' extra precision.
-
-An fp8 weight's bytes stand for ``data * scale_inv`` (graphstep/fp8). Once written, its main params are kept
-where its bytes are still what they quantize to under the weight's scale (a graphstep checkpoint load, which
-restores main params, bytes and scales together), and otherwise all become the dequantized bytes, not just the
-elements whose bytes changed: fp8 has so few values that another weight's element often shares a byte with
-the old one, and keeping the old fine value there would make the next requantization differ from the loaded
-weight. The choice is a device-side select, not a host read. The step writes an fp8 weight's bytes through the
-flat buffer and its scales in place, neither of which moves the param's or its alias's counter.
-
-Not covered: main params stored as bf16 remainders (a write there changes the main params' high bits already,
-and keeps the old low bits). A write through ``p.data`` moves no counter:
-``copy_writes_into_main(everything=True)`` compares all.
 """
 
 from __future__ import annotations
@@ -34,6 +23,12 @@ _NO_ALIAS = torch.empty(0)  # the alias of a param that has none: never written,
 
 
 class ParamWrites:
+    """The watch over one domain's params whose main params are a copy of their own (module doc).
+
+    Not covered: main params stored as bf16 remainders (a write there changes the main params' high bits
+    already, and keeps the old low bits). A write through ``p.data`` moves no counter:
+    ``copy_writes_into_main(everything=True)`` compares all."""
+
     def __init__(self, buffers, aliases=None):
         """``buffers``: a domain's ``StaticBuffers``, once its main params are seeded (the end of the build).
         ``aliases``: the model's state-dict aliases (``ModelStateDict``: ``alias_of(param)`` and a ``generation``
@@ -96,7 +91,15 @@ class ParamWrites:
 def _fp8_main(data: torch.Tensor, main: torch.Tensor, meta) -> torch.Tensor:
     """``main`` where all of ``data`` is its quantization (the tensorwise recipe's ``scale`` is the one its last
     cast used; the delayed recipe's has moved on to the next cast, and ``1 / scale_inv`` is the last one), else
-    ``data`` dequantized."""
+    ``data`` dequantized: a device-side select, not a host read.
+
+    An fp8 weight's bytes stand for ``data * scale_inv`` (graphstep/fp8). Once written, its main params are kept
+    where its bytes are still what they quantize to under the weight's scale (a graphstep checkpoint load, which
+    restores main params, bytes and scales together), and otherwise all become the dequantized bytes, not just
+    the elements whose bytes changed: fp8 has so few values that another weight's element often shares a byte
+    with the old one, and keeping the old fine value there would make the next requantization differ from the
+    loaded weight. The step itself writes an fp8 weight's bytes through the flat
+    buffer and its scales in place, neither of which moves the param's or its alias's counter."""
     scale = meta.scale if meta.recipe == "tensorwise" else torch.reciprocal(meta.scale_inv)
     same = (quantize(main, scale, data.dtype).view(torch.uint8) == data.view(torch.uint8)).all()
     return torch.where(same, main, dequantize(data, meta.scale_inv, main.dtype))

@@ -1,39 +1,13 @@
 """Optimizer state and main params stored below fp32 (``use_precision_aware_optimizer``): how each storage
 holds fp32 values, read and written a range of whole pieces at a time.
 
-The rules are Transformer Engine FusedAdam's (transformer_engine/pytorch/optimizers/fused_adam.py:
-``get_unscaled_state``, ``_apply_scale``; the remainder kernel in transformer_engine/common/multi_tensor/
-adam.cu), which Megatron-Core's precision-aware optimizer runs:
-
-- bfloat16 (moments): a plain cast, rounded to nearest even; no scale.
-- float16 and fp8 (E4M3) (moments; fp16 also main params): one fp32 scale per tensor, ``scale = amax /
-  range`` with range 32752 (float16's largest value / 2) and 448 (E4M3's largest); stored
-  ``cast(value / scale)``, all zeros where amax is 0; read back as ``stored * scale``. The scale is
-  recomputed from the updated values after every update.
-- remainders (fp32 main params of bf16 params): ``RemainderMain``.
-
-Where TE's rule would store NaN, these keep what fp32 state would hold (``StoredState.write``):
-
-- a moment that overflowed to inf (``exp_avg_sq`` of an unclipped grad past 1.8e19, as fp32 state holds it)
-  stays inf: the scale comes from the piece's largest finite magnitude, and inf is stored as inf (float16) or as
-  the NaN encoding, which E4M3 has in place of inf and which is read back as inf of the same sign (a stored
-  moment is never NaN: a step with a non-finite grad is skipped). TE's scale would be inf, its inverse 0, and
-  inf * 0 NaN.
-- a nonzero scale is never below ``MIN_SCALE``, the smallest normal fp32, so that its inverse is finite: a piece
-  whose largest magnitude is below ``MIN_SCALE * range`` (tiny grads, a moment decaying for hundreds of steps)
-  is stored with that scale, its values as fixed point below the range. TE's scale would be subnormal, its
-  inverse inf, and 0 * inf NaN. Values below ``MIN_SCALE`` times the smallest stored magnitude (2^-150 with
-  float16, 2^-135 with E4M3) are stored as 0.
-
-A "tensor" here is a piece: one param's elements in this rank's shard, what Megatron-Core's distributed
-optimizer hands TE's FusedAdam as a param. The update reads a chunk of whole pieces into an fp32 scratch,
-runs the family's kernel on it (the math in fp32, as TE's kernel) and writes it back
-(graphstep/step/stages/fp32_windows.py), so the scratch is the one fp32 copy there is: at most
-``CHUNK_NUMEL`` elements, or one larger piece.
-
-A skipped step (``found_inf``) leaves every stored byte and scale as it was: the kernel leaves the scratch
-unchanged, the old scale is kept, and ``cast(stored * scale / scale)`` is ``stored`` again (the product is
-within an fp32 rounding of a value of the storage grid, whose spacing is far coarser).
+The rules are Transformer Engine FusedAdam's, which Megatron-Core's precision-aware optimizer runs: bf16 a plain
+cast; fp16 and fp8 (E4M3) one fp32 scale per piece, ``scale = amax / range``, recomputed after every update;
+``RemainderMain`` for fp32 main params of bf16 params. Where TE would store NaN these keep what fp32 state would
+hold: a moment that overflowed stays inf (the scale comes from the largest finite magnitude), and a scale never
+drops below ``MIN_SCALE``, the smallest normal fp32, so its inverse stays finite. A piece is one param's elements
+in this rank's shard, what Megatron-Core hands TE as a param. A skipped step leaves every stored byte and scale
+as it was: ``cast(stored * scale / scale)`` is ``stored`` again.
 """
 
 from __future__ import annotations
@@ -171,7 +145,7 @@ class StoredState:
         magnitudes = values.abs()
         infinite = torch.gt(magnitudes, _FP32_MAX) if self.storage.inf_as_nan else None  # faster than isinf
         magnitudes.nan_to_num_(nan=0.0, posinf=MIN_SCALE * self.storage.range)
-        # One multi-tensor max over the pieces (torch's segment_reduce is several times slower on the CPU).
+        # One multi-tensor max over the pieces (torch's segment_reduce is slower on the CPU).
         amax = torch.stack(torch._foreach_max(torch.split(magnitudes, self.lengths[i:j])))
         scales = amax / self.storage.range
         scales = torch.where(scales > 0, scales.clamp(min=MIN_SCALE), scales)  # 0: an all-zero piece, as TE's

@@ -1,30 +1,14 @@
 """A stage's scalar math (a few 0-d tensors read, a few written in place) as one compiled graph.
 
-Why: the step's small math (the norm's result flags, the clip coefficient, the loss-scale rule) is a dozen
-or two 0-d ops per stage. Eagerly each is an op, and on a GPU each is a kernel: a node of the captured
-graph, a few µs of launch and ramp apiece against an update of under a millisecond at GPT-2 small. On a
-GPU where the update runs the compiled kernel (so ``torch.compile`` works there; ``wanted``), each such
-piece of math runs as one compiled graph instead (``StepContext.compile_scalars``): inductor fuses its
-pointwise ops into one kernel. Not on the CPU, where the ops are not kernels: there a compiled graph's
-call costs more than the ops it replaces (docs/perf-notes.md). The math is one
-Python function either way, written over its tensor arguments, so the eager path runs the same ops one
-by one; tests/test_scalar_graph.py holds the two bitwise equal.
-
-The compiled graph is called through one ``torch.library`` custom op, so that it is one operator to the
-dispatcher (capture's CPU replay backend records and re-calls it; ``capture.check`` sees that it reads
-``ins`` and writes ``outs``), and it is compiled once per process and math function: its arguments are
-tensors, guarded on their metadata (dtype, shape, strides, device; aliasing), never on their values, so
-every optimizer in the process shares the compile (its first call counts in ``compile_seconds()`` of
-graphstep/kernels/compiled.py).
-
-Numerics: the compiled graph computes what the ops compute, bitwise on the CPU (tests/test_scalar_graph.py).
-On a GPU, Triton lowers an fp32 division to an approximate one unless told otherwise: these graphs are
-compiled with inductor's ``eager_numerics.division_rounding``, the rounded division the eager ops do
-(on a few scalars; not measured on a GPU); they hold no multiply-add that Triton could contract.
-
-A 0-d float64 tensor argument on the CPU would be read by dynamo as a Python float behind a guard (an
-``.item()`` per call): the compiled path passes such inputs (the CPU's fp64 hyperparameters, the fp64 sum
-of squares) as one-element views, and the math takes every input it needs as 0-d through ``scalar``.
+Why: a stage's small math (result flags, the clip coefficient, the loss-scale rule) is a dozen or two 0-d ops,
+and on a GPU each is a kernel, a node of the captured graph. Where the update runs the compiled kernel on a GPU
+(``wanted``), each piece of math runs as one compiled graph instead; not on the CPU, where a compiled call costs
+more than the ops it replaces (docs/perf-notes.md). The math is one Python function either way, so eager runs
+the same ops one by one (tests/test_scalar_graph.py holds the two bitwise equal). It is one ``torch.library``
+custom op to the dispatcher, compiled once per process and function, guarded on metadata, never on values.
+Numerics: compiled with inductor's ``eager_numerics.division_rounding``, since Triton otherwise lowers an fp32
+division to an approximate one. A 0-d fp64 CPU tensor would be read by dynamo as a Python float behind a guard
+(an ``.item()`` per call), so such inputs are passed as one-element views and read as 0-d through ``scalar``.
 """
 
 from __future__ import annotations

@@ -1,34 +1,15 @@
 """The power of two the grads are divided by around their norm's fp32 row sums, so that no loss scale the config
 accepts ([2**-126, 2**127]) overflows or underflows the grad norm.
 
-The norm is taken of the still loss-scaled grads (stages/norm.py): fp32 norms of 4,096-element rows, whose sums
-of squares overflow where the scaled grads pass ~2**57 (grads of 1e-3 under a scale above ~2**68) and lose bits
-where the scaled grads fall below ~2**-63 (grads of 1e-3 under a scale below ~2**-53). So where the loss scale
-lies outside [2**LOW_EXPONENT, 2**HIGH_EXPONENT], every fp32 row norm is taken of the grads divided in place by
-``prescale`` = 2**p, the loss scale rounded up to a power of two (at most 2**126, at least 2**-126): the rows then
-hold the grads as if unscaled (times a number in (1/2, 1]), and are multiplied back (``restore`` = 2**-p) right
-after. Powers of two multiply exactly where nothing overflows or underflows, so the grads come back bit for bit
-(a grad loses only bits it would lose unscaled, below fp32's smallest normal number), and the norm is the one of
-the unscaled grads: the same bits wherever the undivided rows would neither have overflowed nor underflowed. The
-norm stage multiplies the norm by ``prescale`` (in fp64) before it unscales it; the row rescue and the fp64 tail
-(stages/norm.py) scale by the row's factors instead of dividing the grads.
-
-Within the band the prescale is 1 and ``off`` 1.0, and each division is torch's fused SGD returning on its flag
-(graphstep/step/fused_divide.py): a call, no pass over the grads, the norm's bits as without it. An engine that
-no loss scale reaches (no scaler, no GradScaler) makes no call at all. The row for a scale is looked up from a
-table by the exponent bits of 1 / scale: two ops on the device, no host read.
-
-fp16 grads are never divided: an fp16 number's square always fits fp32, and a grad unscaled could leave fp16's
-range. Their row norms are scaled by ``restore`` in fp64.
-
-The prescale must stay the same from a backward's first fold to its step's norm. graphstep's own scaler keeps
-it that of its scale, the next backward's (at build, at each update in the step, at each load). torch's
-GradScaler hands the engine its scale only at the step, after backward folded: the norm stage then sets the
-prescale, at its end, from that step's scale, for the next backward (a GradScaler's scale moves by a factor of 2
-per step by default). Where the step's scale lies more than 2**GUARD_EXPONENT from the prescale the backward
-used (a scale the user set by hand between steps), the rows may have under- or overflowed: the step is skipped
-(graphstep/step/torch_amp.py). A GradScaler's first step, and a step after one without it, fold again before
-the step, from the scale given.
+The norm is taken of the still loss-scaled grads, whose fp32 row sums of squares overflow or lose bits at
+extreme scales. So outside [2**LOW_EXPONENT, 2**HIGH_EXPONENT] each row norm is taken of the grads divided in
+place by ``prescale`` (the scale rounded up to a power of two) and multiplied back after: powers of two are exact,
+so the grads come back bit for bit and the norm is that of the unscaled grads. Inside the band the division is
+torch's fused SGD returning on its flag (graphstep/step/fused_divide.py): no pass over the grads. The row is looked
+up on the device from 1 / scale's exponent bits: no host read. fp16 grads are never divided (their squares fit
+fp32). The prescale must not change between a backward's folds and its step: with torch's GradScaler, which gives
+its scale only at the step, a step whose scale lies more than 2**GUARD_EXPONENT from the one backward used is
+skipped (graphstep/step/torch_amp.py).
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """Loss scalers with their state on the device: a constant scale, and Megatron-Core's dynamic rule.
 
-``update(found_inf)`` is pure tensor arithmetic, in place, with no host read, so it runs inside a
-captured step. ``scale`` and ``inv_scale`` are 0-d fp32 tensors whose addresses never change.
-
-The dynamic rule (Megatron-Core's ``DynamicGradScaler``; shared/reference/megatron-core-notes.md):
-on a non-finite step the growth tracker resets to 0 and the hysteresis tracker drops by one; once it is
-at or below 0 the scale backs off (× ``backoff_factor``, never below ``min_scale``), and it is not reset,
-so each further non-finite step backs off again. On a clean step the growth tracker counts up; at
-``growth_interval`` it resets, the hysteresis tracker refills to ``hysteresis`` and the scale grows
-(× ``growth_factor``, capped at ``MAX_LOSS_SCALE``).
-
-One difference from Megatron-Core, whose scale has no upper bound: growth stops at ``MAX_LOSS_SCALE``
-= 2**127, the largest power of two a float32 holds. Uncapped, a long clean stretch (all-zero grads are
-"clean") doubles the scale to ``inf``; ``inf * backoff_factor`` is still ``inf`` and ``inf * grad`` is
-non-finite, so every later step would be skipped for good. torch's ``GradScaler`` refuses such growth too
-(``torch._amp_update_scale_`` keeps the scale when the grown one is not finite). The cap is a
-``torch.clamp`` on device, so the update stays free of host syncs.
+``update(found_inf)`` is pure tensor arithmetic, in place, with no host read, so it runs inside a captured step;
+``scale`` and ``inv_scale`` are 0-d fp32 tensors whose addresses never change. The dynamic rule (Megatron-Core's
+``DynamicGradScaler``): a non-finite step resets the growth tracker and drops the hysteresis tracker by one; at
+or below 0 the scale backs off (× ``backoff_factor``, never below ``min_scale``) on every further non-finite step.
+``growth_interval`` clean steps refill the hysteresis and grow the scale (× ``growth_factor``). Unlike
+Megatron-Core, growth stops at ``MAX_LOSS_SCALE`` = 2**127: uncapped, a long clean stretch would reach ``inf``
+and skip every later step for good (torch's ``GradScaler`` refuses such growth too).
 """
 
 from __future__ import annotations

@@ -1,31 +1,13 @@
 """torch's ``GradScaler`` stepping the engine, through the protocol torch's fused optimizers use.
 
-An optimizer with ``_step_supports_amp_scaling`` is not unscaled by ``GradScaler.step(opt)``: for the one
-``step()`` call it sets two attributes instead, ``opt.grad_scale`` (the scaler's scale, a device tensor, or
-None when ``scaler.unscale_(opt)`` already unscaled the grads in place) and ``opt.found_inf`` (a device
-tensor, non-zero when the scaler's check saw an inf or NaN grad). The engine takes both into the step's
-static tensors before the (captured) step, on the device and without a host read:
-
-- ``inv_loss_scale`` = 1 / scale, computed as ``GradScaler.unscale_`` computes its own (fp64 reciprocal,
-  rounded to fp32), so the norm is unscaled and the unscale folded into the update's grad scale as for
-  graphstep's own loss scale; 1 when the grads are unscaled already;
-- ``amp_found_inf_nan`` = NaN when ``found_inf`` is set, else 0: the norm stage adds it to the sum of
-  squares before the norm's all-reduce, so the step is skipped on every rank alike.
-
-``scaler.unscale_(opt)`` rewrites the grads with ``torch._amp_foreach_non_finite_check_and_unscale_``,
-which bumps no version counter: the folded norm would keep the sums of the scaled grads. A step told the
-grads were unscaled (``grad_scale`` None) has every folded sum computed again first.
-
-The norm's prescale (graphstep/step/norm_prescale.py) goes by the scale of the last GradScaler step, which the
-norm stage sets at its end for the next backward's folds. Where the grads come under a scale no fold went by (a
-GradScaler's first step, a step after one without it or after ``unscale_``, a step without it after one with
-it), ``copy_scale_and_inf_flag`` sets the prescale from the scale given and asks for every sum to be folded
-again; where the scale given lies more than 2**GUARD_EXPONENT from the prescale the backward folded by (a scale
-the user set by hand between steps), the step is skipped as a non-finite one: its rows may have under- or
-overflowed.
-
-graphstep's own loss scale (``fp16=True`` or ``loss_scale``) and torch's never both apply: a step under a
-GradScaler on an engine that scales the loss itself is refused before anything changes.
+With ``_step_supports_amp_scaling``, ``GradScaler.step(opt)`` does not unscale: it sets ``opt.grad_scale`` (None
+when ``unscale_`` already ran) and ``opt.found_inf`` for the one ``step()``. The engine takes both into the step's
+static tensors on the device, without a host read: ``inv_loss_scale`` (computed as ``unscale_`` computes its own)
+and ``amp_found_inf_nan``, NaN added to the norm's sum before its all-reduce, so every rank skips alike.
+``unscale_`` bumps no version counter, so a step told the grads were unscaled folds every sum again first.
+Where the scale differs from the one the backward's folds went by, the sums are folded again; a scale more than
+2**GUARD_EXPONENT away (set by hand between steps) skips the step (graphstep/step/norm_prescale.py).
+graphstep's own loss scale and torch's never both apply: that step is refused before anything changes.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """The factor the update divides loss-scaled grads by, split so that no part of it overflows fp32.
 
-The update divides the grads by ``grad_scale = loss scale / clip coefficient`` (stages/clip.py), one fp32
-number. Under a loss scale near fp32's top (the config accepts up to 2**127, and torch's GradScaler climbs
-there over fp32 grads) a clip coefficient below ``loss scale / fp32 max`` makes that number overflow: the
-kernels would divide by inf and apply weight decay alone. The same happens where ``1 / loss scale`` times
-the coefficient falls below fp32's smallest normal number (it loses bits first, then becomes 0).
-
-So where that product is below 2**-126 the factor is split in two (in the clip stage's scalar math): a power
-of two ``prescale`` (exact to divide by, up to 2**127) and the rest, in [2**124, 2**126], which the kernel
-gets as its grad scale. The grads are divided by ``prescale`` in place before the kernels, by torch's fused
-SGD with lr 0 over a scratch: the one torch op that takes a device flag (``found_inf``) and, when it is set,
-returns without touching memory (on the CPU before its loop, on a GPU in each block). The flag is set in every
-ordinary step (and in skipped ones), so an ordinary step pays a call and no pass over the grads, reads nothing
-on the host, and its kernel gets exactly the grad scale the clip stage computed. The fused SGD's "params" are
-chunks of one scratch (written as 0 ± 0, never read), one chunk per piece of the grads, allocated on the first
-loss-scaled step.
-
-Every kernel and family reads the grads the pre-division rewrote, so none needs a second factor.
+The update divides the grads by ``grad_scale = loss scale / clip coefficient``, one fp32 number, which overflows
+under a loss scale near 2**127 with a small clip coefficient (the kernels would then apply weight decay alone),
+and loses bits where its inverse falls below fp32's smallest normal. So where that happens the factor is split
+(in the clip stage's scalar math) into a power of two ``prescale``, exact to divide by, and the rest, which the
+kernel gets. The grads are divided by ``prescale`` in place by torch's fused SGD with lr 0 over a scratch: the
+one torch op that takes a device flag and, when set, returns without touching memory, so an ordinary step pays
+a call and no pass over the grads, with no host read.
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 """Non-finite check and global grad norm in one read of the (still loss-scaled) grads.
 
-No pass unscales the grads: the norm of the scaled grads times 1/scale is the norm of the unscaled ones,
-and the unscale itself is folded into the update's grad scale (stages/clip.py). A non-finite grad makes
-the sum of squares non-finite, which is the non-finite check; summing the squares across ranks (SUM
-all-reduce) carries a non-finite value to every rank, so all ranks decide the skip alike from the same
-number. Under tensor or pipeline parallelism a grad buffer whose params another rank counts
-(``BufferLayout.counted_in_norm``, graphstep/plan/model_parallel.py) adds nothing to the sum but still
-carries a non-finite value into it.
-
-Precision. One fp32 reduction over a whole buffer is inaccurate at scale (at 124M grads, GPT-2 small,
-``torch.dot`` and ``vector_norm`` were 0.3% and 2% off an fp64 sum), so the norm is two-level: fp32 norms
-of 4,096-element rows, then the sum of their squares in fp64 (a few thousand values: free). fp64 also
-keeps a large finite norm finite: squaring row norms above ~1.8e19 overflows fp32, which used to skip
-a step whose grads were all finite. A row whose own fp32 norm overflows (elements of ~3e17 and more) is
-recomputed scaled by 2**-64: up to ``RESCUE_ROWS`` such rows per buffer, picked by a fixed-size top-k so
-the step has the same ops (and no data-dependent shapes) whatever the grads hold. Beyond that many
-overflowing rows the step is treated as non-finite. Rows holding an inf or NaN stay non-finite.
-
-Loss scales. Those fp32 row sums see the grads as the loss scale left them: under a scale outside [2**-16,
-2**40] each row norm is taken of the grads divided by the scale's power of two (divided in place around the
-row norm, multiplied back after: exact), and the norm is multiplied back in fp64 before it is unscaled
-(graphstep/step/norm_prescale.py). So the norm is that of the unscaled grads at every scale the config
-accepts, in the bits of the undivided norm wherever that one neither overflowed nor underflowed.
+No pass unscales the grads: the scaled norm times 1/scale is the unscaled one, and the unscale is folded into
+the update's grad scale (stages/clip.py). A non-finite grad makes the sum of squares non-finite, which is the
+non-finite check, and the SUM all-reduce carries it to every rank, so all ranks decide the skip alike. A buffer
+whose params another rank counts (graphstep/plan/model_parallel.py) adds nothing but still carries a non-finite
+value. One fp32 reduction over a whole buffer is inaccurate at scale (docs/perf-notes.md, "The norm"), so the
+norm is two-level: fp32 norms of 4,096-element rows, their squares summed in fp64, which also keeps a large
+finite norm finite. Up to ``RESCUE_ROWS`` rows whose own fp32 norm overflowed are recomputed scaled, picked by a
+fixed-size top-k so the ops never depend on the data; beyond that the step counts as non-finite. Under extreme
+loss scales the rows are normed prescaled (graphstep/step/norm_prescale.py).
 """
 
 from __future__ import annotations
@@ -191,7 +178,7 @@ def build_over(sums: Sequence[Callable[[], torch.Tensor]], t: StepTensors, comm,
 class CountedSum:
     """The sum of a vector of sums of squares of which only some count in the norm on this rank (the others
     another rank counts: graphstep/plan/model_parallel.py). A left-out sum adds 0, or NaN when it is not
-    finite (0 x inf), so a non-finite grad in it still skips the step on every rank."""
+    finite (0 · inf), so a non-finite grad in it still skips the step on every rank."""
 
     def __init__(self, size: int, counted: Optional[Sequence[bool]], device):
         counted = [True] * size if counted is None else list(counted)

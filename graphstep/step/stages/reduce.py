@@ -1,26 +1,13 @@
 """Reduce-scatter the grads bucket by bucket: each rank receives the averaged grads of its shard.
 
-Per bucket, ``grad_flat[bucket]`` (every rank's full local grads) is reduce-scattered in place: the output
-is this rank's own slice of it, ``grad_flat[bucket.shard_range(rank)]`` (``grad_shard[bucket.index]``), the
-in-place form gloo and NCCL both accept (on gloo, 2 and 4 ranks, fp32/bf16/fp16, several in flight at
-once, it equals a reduce-scatter into a separate output bitwise: tests/distributed/test_memory_stats.py).
-No output buffer: ZeRO's grad memory is the grad buffer. The layout pads every bucket to a multiple of
-lcm(dp, 128), so the split is even (gloo has no uneven reduce-scatter) and the padding stays zero.
-
-Averaging: a SUM reduce-scatter, then the received shard times 1/dp: a pass over 1/dp of the bucket,
-not over all of it (gloo has no PREMUL_SUM; its AVG measured no faster than SUM plus this multiply, and a
-backend without AVG needs nothing else). fp16 grads instead are pre-scaled by 1/dp before the SUM (as
-Megatron-Core does): a SUM of fp16 grads can overflow fp16's range where their mean would not.
-
-With ``overlap_grad_reduce`` a bucket's reduce-scatter may already be in flight, launched by a
-post-accumulate-grad hook the moment its last grad arrived (graphstep.hooks.grad_overlap); the stage then only waits
-on it. The choice is host state (whether a launch is pending), never device data; under a capture the
-hooks are off (they are only ever switched on once the step is known to run eagerly), so the recorded
-step always holds the collectives themselves. A reduce runs once per step: being in place, running it
-again would sum the already-summed slice with the other ranks' local grads.
-
-The layout agreement across ranks (``Collectives.setup``) runs once in the engine's build, before any
-stage is built; this factory talks to no other rank.
+In place: each bucket of ``grad_flat`` is reduce-scattered into this rank's own slice of it, so ZeRO's grad
+memory is the grad buffer; the layout pads buckets to an even split (gloo has no uneven reduce-scatter).
+Averaging is a SUM, then the received shard times 1/dp (gloo has no PREMUL_SUM, its AVG is no faster, and a backend
+without AVG needs nothing else); fp16 grads are pre-scaled by 1/dp before the SUM instead, as Megatron-Core does, since their SUM
+can overflow where the mean would not. With ``overlap_grad_reduce`` a bucket's reduce-scatter may already be in
+flight (graphstep.hooks.grad_overlap) and the stage only waits on it: a host choice, and the hooks are off under
+a capture, so a recorded step always holds the collectives. A reduce runs once per step: being in place, a
+second would sum an already-summed slice.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Requantize fp8 weights from the updated fp32 main params, inside the step (graphstep.fp8).
 
-Runs after the update, in place of the copy-back for fp8 buffers (which a plain cast would get wrong:
-fp8 bytes hold ``value * scale``). Per fp8 weight, on this rank's piece of it (the whole weight with
-one rank, the owned slice with the distributed optimizer):
-
-1. the local amax of the new main values, into one static vector of all fp8 weights' amaxes;
-2. one MAX all-reduce of that vector over the data-parallel group, so every rank derives the same scale
-   for a weight whose pieces it shares (a rank owning none of a weight contributes 0);
-3. the recipe's update (graphstep/fp8/scaling.py): "tensorwise" scales from this amax, then casts;
-   "delayed" casts with the previous scale and records the amax into the history. The fp8 bytes land in
-   this rank's slice of ``param_flat``; the gather stage then all-gathers them (1 byte per element).
-
-A skipped step (``found_inf`` = 1) changes no byte: the recipes select old values with ``torch.where``.
-The recipe's constants (margin, history algorithm) come from the config, checked against each weight's
-conversion at build.
+Runs after the update, in place of the copy-back for fp8 buffers (a plain cast would be wrong: fp8 bytes hold
+``value * scale``). Per fp8 weight, on this rank's piece: the local amax into one static vector, one MAX
+all-reduce of it so every rank derives the same scale, then the recipe (graphstep/fp8/scaling.py) casts into this
+rank's slice of ``param_flat``, which the gather stage all-gathers. A skipped step changes no byte. The recipe's
+constants come from the config, checked against each weight's conversion at build.
 """
 
 from __future__ import annotations

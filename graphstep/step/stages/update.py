@@ -1,24 +1,13 @@
 """The update on the main params, skip folded in; and the copy back into the model params.
 
-One kernel call per param group (Adam: one for all its groups, which the compiled kernel runs as one
-loop), over that group's segments of this rank's shard (a few large views: one per bucket, see
-layout.py; Muon's groups: one (n, r, c) view per run of same-shape matrices, see matrix_views.py),
-through the group's optimizer family (graphstep/families/), whose view builder cuts the views once,
-here, at build (for main params or state kept below fp32, chunk by chunk through fp32 windows:
-fp32_windows.py; under ``kernel="compiled"`` an Adam group's in one compiled call over the stored bytes:
-stored_kernel.py). A family's own kernels module with a compiled twin (AdEMAMix's) runs the twin under
-``kernel="compiled"``. The step count advances by ``1 - found_inf`` before the kernels, so a skipped step
-leaves it, like the params and the state, bitwise unchanged.
-
-Hyperparameters: each group's kernel arguments are resolved here once, at build: a live field is the
-group's 0-d device tensor, a baked one is read from the last refresh's host values by precomputed
-position. The baked floats, and the one host choice below, are what this stage reports as baked.
-
-The kernel is given the grad scale only when it can differ from 1 (a loss scaler, torch's GradScaler handing
-over scaled grads, or a clip threshold above 0): torch's fused kernels write the divided grads back whenever
-they get one, 4 more bytes per param that an unclipped, unscaled step need not pay. Whether it is given is a
-host choice a capture bakes in; a flip recaptures. With loss-scaled grads the grad scale goes through
-grad_prescale.py, which splits it where it would overflow fp32 (a loss scale near 2**127 under clipping).
+One kernel call per param group over its segments of this rank's shard (Adam: one for all its groups), through
+the group's family, whose views are cut once, here, at build (fp32 windows for state kept below fp32; Muon's
+(n, r, c) runs). The step count advances by ``1 - found_inf`` first, so a skipped step leaves it, the params and
+the state bitwise unchanged. Each kernel argument is resolved at build: a live field is the group's 0-d tensor, a
+baked one read from the last refresh's host values; the baked floats are what this stage reports as baked.
+The kernel gets the grad scale only when it can differ from 1: torch's fused kernels write the divided grads
+back whenever they get one, bytes an unclipped, unscaled step need not move. That is a host choice a capture
+bakes in; a flip recaptures.
 """
 
 from __future__ import annotations
