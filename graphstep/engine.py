@@ -134,7 +134,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             with device_scope(self.device), self.comm.named_errors():
                 self._build.runner.run()
                 self._build.offload.after_device_step()  # CPU offload: never captured, the host update and H2D
-            self._build.fold.after_step(stacklevel=5)  # past torch's no_grad and optimizer-hook wrappers
+            self._build.fold.after_step()
         # capture="auto" may have settled on eager at this step: the overlap hooks may run from now on.
         self._build.overlap.enabled = not self._build.runner.may_capture
         return self.result
@@ -205,7 +205,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
             build.fold.warn_out_of_date()
             report = run_debug_step(build.domains, (*build.stages, *build.host_stages), build.device, build.tensors,
                                     trace)
-            self._build.fold.after_step(stacklevel=3)
+            self._build.fold.after_step()
             return report
 
     def memory_stats(self) -> dict[str, dict[str, int]]:

@@ -1,5 +1,6 @@
-"""Warnings that point at the user's line: the first frame outside graphstep, torch and the standard library's
-wrappers, found by walking the stack, so the attribution survives a change in how deep the library calls."""
+"""Warnings that point at the user's line: the first frame outside graphstep, its capture layer, torch and the
+standard library's wrappers, found by walking the stack, so the attribution survives a change in how deep the
+library calls."""
 
 from __future__ import annotations
 
@@ -8,21 +9,24 @@ import os
 import sys
 import warnings
 
-import torch
-
-_PACKAGE_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-                      for m in (sys.modules[__name__.split(".")[0]], torch))
+_PACKAGES = (__name__.split(".")[0], "capture", "torch")
 _STDLIB_DIR = os.path.dirname(os.path.abspath(contextlib.__file__)) + os.sep
 
 
 def _in_a_library(filename: str) -> bool:
-    """graphstep, torch, the standard library (its frozen modules too); ``<string>`` and ``<stdin>`` are the
-    user's (``python -c``, ``exec``)."""
+    """graphstep, its capture layer, torch, the standard library (its frozen modules too); ``<string>`` and
+    ``<stdin>`` are the user's (``python -c``, ``exec``)."""
     if filename.startswith("<"):
         return filename.startswith("<frozen")
     path = os.path.abspath(filename)
     in_stdlib = path.startswith(_STDLIB_DIR) and "site-packages" not in path and "dist-packages" not in path
-    return in_stdlib or path.startswith(_PACKAGE_DIRS)
+    return in_stdlib or path.startswith(_package_dirs())
+
+
+def _package_dirs() -> tuple:
+    """graphstep's, the capture layer's (imported with graphstep) and torch's folders."""
+    files = [getattr(sys.modules.get(name), "__file__", None) for name in _PACKAGES]
+    return tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in files if f)
 
 
 def warn_user(message: str, category: type = UserWarning) -> None:

@@ -17,7 +17,6 @@ apart on its own grads (a job may do that on purpose: independent runs per rank)
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import Callable, Optional, Sequence
 
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 
+from ..config.warn import warn_user
 from ..fp8 import is_fp8
 from . import weak_hooks
 
@@ -185,12 +185,12 @@ class DdpWatch:
                 self._ddp_handles.append(ddp.register_forward_hook(weak_hooks.calling(self, "_ddp_forward")))
             self._hooks.postpone(_MAIN_GRAD, weak_hooks.calling(self, "_half_grad_kept"))
         elif self._warn_alone:
-            warnings.warn(
+            warn_user(
                 f"graphstep: this process is one of {dist.get_world_size()} ranks, but its model runs without "
                 "DistributedDataParallel and the optimizer without use_distributed_optimizer=True: each rank "
                 "steps on its own grads and the ranks train apart. Wrap the model in DDP (with "
                 "use_distributed_optimizer=False), or set use_distributed_optimizer=True and give graphstep the "
-                "bare model", RuntimeWarning, stacklevel=4)
+                "bare model", RuntimeWarning)
 
     def _ddp_forward(self, module, args, output) -> None:
         """After each DDP forward: its output's grad queues the end-of-backward callbacks in the outermost

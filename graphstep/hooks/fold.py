@@ -11,11 +11,11 @@ Accumulating without ``no_sync()`` would read the grads twice, so it warns once 
 
 from __future__ import annotations
 
-import warnings
 from typing import Optional, Sequence
 
 import torch
 
+from ..config.warn import warn_user
 from ..step.folded_sums import FoldedSums
 from .micro_batches import NoSync
 
@@ -111,19 +111,18 @@ class Fold:
         self._arrived.clear()
         self._repeated = False
 
-    def after_step(self, stacklevel: int) -> None:
+    def after_step(self) -> None:
         """Invalidate, and decide where the next step's fold runs: in backward, unless this step's grads were
         accumulated over several backwards outside ``no_sync()`` (the first one's fold is then wasted: the
-        grads are read again before the step). ``stacklevel``: the warning's, from here to the user's
-        call."""
+        grads are read again before the step)."""
         if self._repeated and self.fold_in_backward and not self._warned:
             self._warned = True
-            warnings.warn("graphstep: fold_grad_norm: backward ran more than once outside opt.no_sync() between "
+            warn_user("graphstep: fold_grad_norm: backward ran more than once outside opt.no_sync() between "
                           "steps (grad accumulation), so the norm folded in the first was folded again before the "
                           "step. While steps see that, the norm is folded right before the step instead (one read of "
                           "the grads, as with "
                           "fold_grad_norm=False). Run the earlier micro-batches under opt.no_sync() to fold in "
-                          "the last backward only", RuntimeWarning, stacklevel=stacklevel)
+                          "the last backward only", RuntimeWarning)
         self.fold_in_backward = not (self._repeated or self._rewritten_after_backward)
         self.invalidate()
 
@@ -138,11 +137,10 @@ class Fold:
         stale = self.hooked.out_of_date() if self.hooked is not None else []
         if stale:
             shown = ", ".join(stale[:5]) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
-            warnings.warn(f"graphstep: fold_grad_norm: the folded norm of {shown} no longer matches the grad: "
+            warn_user(f"graphstep: fold_grad_norm: the folded norm of {shown} no longer matches the grad: "
                           "it changed after backward folded it, by a write that bypassed its version counter "
                           "(through .data, or by an extension). The step's norm uses the stale one; change "
-                          "grads in place through the grad itself, or turn fold_grad_norm off",
-                          RuntimeWarning, stacklevel=3)
+                          "grads in place through the grad itself, or turn fold_grad_norm off", RuntimeWarning)
 
     def remove(self) -> None:
         self._hooks.remove(self)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import warnings
 
+from ..config.warn import warn_user
 from . import weak_hooks
 
 
@@ -58,8 +58,8 @@ class GradsSeen:
             self._remove_foreign()  # done with: later backwards pay nothing for them
         if not self.seen and not self._warned:
             self._warned = True
-            warnings.warn("graphstep: step() ran before any backward: unless the grads were written by hand, "
+            warn_user("graphstep: step() ran before any backward: unless the grads were written by hand, "
                           "every grad is zero, so this step applies only weight decay (and momentum) to every "
                           "param. graphstep steps all the params it holds (torch's optimizers skip params "
                           "without grads); run backward first",
-                          RuntimeWarning, stacklevel=8)  # the user's step() call, through graphstep/pre_step.py
+                          RuntimeWarning)

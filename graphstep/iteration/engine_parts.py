@@ -87,7 +87,7 @@ def parts_over(build, live: Callable[[], pre_step.LiveValues], stepped: Callable
             check.run(build, values)
 
     def after_update() -> None:
-        build.fold.after_step(stacklevel=6)
+        build.fold.after_step()
 
     return IterationParts(prepare=prepare, zero_grads=zero_grads, before_update=before_update,
                           update=chain(build.stages), ranged_update=chain(build.stages, ranges=build.ranges),

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -25,6 +24,7 @@ import capture
 from capture.baked import BakedValues
 from capture.devices import backend_for, device_scope, is_cuda
 
+from ..config.warn import warn_user
 from .evaluation import StaticOutputs, evaluation_fn
 from .inputs import StaticBatch, describe, signature
 from .model_watch import ModelWatch
@@ -302,7 +302,7 @@ class Iteration:
             if self._parts.agree(reason is not None and self.captured) and reason is None:
                 reason = "another rank's captured iteration went stale"
         if reason is not None and self.captured:
-            warnings.warn(f"graphstep: {reason}; the iteration is captured again", RuntimeWarning, stacklevel=3)
+            warn_user(f"graphstep: {reason}; the iteration is captured again", RuntimeWarning)
             self._invalidate_all(reason)
 
     def _invalidate_all(self, reason: str) -> None:
@@ -310,10 +310,10 @@ class Iteration:
         self._streak += 1
         if self._streak >= RECAPTURE_WARNING_STREAK and not self._warned_streak:
             self._warned_streak = True
-            warnings.warn(f"graphstep: the iteration was captured again {self._streak} times in a row without a "
+            warn_user(f"graphstep: the iteration was captured again {self._streak} times in a row without a "
                           f"replay, the last time because {reason}: it runs eagerly plus a capture at every "
                           "iteration. Keep what it reads in place (copy_ into params and buffers instead of "
-                          "replacing them), or use capture='eager'", RuntimeWarning, stacklevel=4)
+                          "replacing them), or use capture='eager'", RuntimeWarning)
         logger.info("graphstep: recapturing the iteration: %s", reason)
         for entry in self._graphs.values():
             entry.graph.invalidate(warmup=RECAPTURE_WARMUP)

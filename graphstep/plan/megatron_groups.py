@@ -11,12 +11,12 @@ imports Megatron-Core: it reads ``sys.modules``.
 from __future__ import annotations
 
 import sys
-import warnings
 from types import ModuleType
 from typing import Optional
 
 import torch.distributed as dist
 
+from ..config.warn import warn_user
 from .experts import is_expert_param
 
 PARALLEL_STATE = "megatron.core.parallel_state"
@@ -71,7 +71,7 @@ def from_parallel_state(config, named) -> dict:
         if distributed:
             groups["expert_data_parallel_group"] = state.get_expert_data_parallel_group()
     taken = ", ".join(f"{name} (ranks {_ranks(groups[name])})" for name in GROUP_ARGUMENTS if name in groups)
-    warnings.warn(f"graphstep: get_optimizer was given no process groups; it took them from Megatron-Core's "
+    warn_user(f"graphstep: get_optimizer was given no process groups; it took them from Megatron-Core's "
                   f"initialised parallel_state: {taken}. Pass the groups to get_optimizer to choose others",
-                  UserWarning, stacklevel=3)
+                  UserWarning)
     return groups

@@ -13,12 +13,13 @@ knows nothing of optimizers: it is given plain callables over buffers and stages
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Callable, Optional
 
 import capture
 from capture.baked import BakedValues
 from capture.devices import backend_for
+
+from ..config.warn import warn_user
 
 logger = logging.getLogger("graphstep")
 
@@ -208,5 +209,5 @@ class StepRunner:
             else:
                 advice = ("its static inputs change every step; replace params and buffers in place (copy_) "
                           "instead of swapping tensors, or run the step eagerly (capture='eager')")
-            warnings.warn(f"graphstep: the captured step was recaptured on each of the last {self._recapture_streak} "
-                          f"replays, the last time because {reason}: {advice}", RuntimeWarning, stacklevel=4)
+            warn_user(f"graphstep: the captured step was recaptured on each of the last {self._recapture_streak} "
+                          f"replays, the last time because {reason}: {advice}", RuntimeWarning)

@@ -14,11 +14,11 @@ division to an approximate one. A 0-d fp64 CPU tensor would be read by dynamo as
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Callable, Sequence
 
 import torch
 
+from ..config.warn import warn_user
 from ..kernels import compiled as compiled_kernels
 
 _MATH: dict[str, Callable] = {}
@@ -37,8 +37,8 @@ def wanted(kernel: str, device: torch.device) -> bool:
         return False
     missing = compiled_kernels.missing_compile_options(COMPILE_OPTIONS)
     if missing:
-        warnings.warn(f"graphstep: the step's scalar math runs as eager ops on {device}: this torch's inductor "
-                      f"has no option {', '.join(missing)}", stacklevel=3)
+        warn_user(f"graphstep: the step's scalar math runs as eager ops on {device}: this torch's inductor "
+                      f"has no option {', '.join(missing)}")
         return False
     return True
 
