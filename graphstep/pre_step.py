@@ -76,7 +76,9 @@ def _fold_notes_writes(build, live: LiveValues) -> None:
     build.fold.note_writes()  # grads written since backward, before the engine writes any
 
 
-def _buffers_bound(build, live: LiveValues) -> None:
+def bind_buffers(build) -> list:
+    """Params, grads and buffers the user replaced copied back into the static buffers and bound again; returns
+    the names taken back (the step's runner, or an iteration, must then capture again over them)."""
     replaced = []
     for buffers in build.domain_buffers:
         restored = buffers.restore_replaced_buffers()
@@ -87,8 +89,14 @@ def _buffers_bound(build, live: LiveValues) -> None:
             build.fold.forget_unbound_grads()  # before the grads are re-bound
             replaced += buffers.readopt_params()  # also rebinds grads a user set to None (as zeros)
     if replaced:
-        build.runner.on_replaced(replaced)
         build.model_state_dict.adopt(build.domain_buffers)  # taken back from a later optimizer, say
+    return replaced
+
+
+def _buffers_bound(build, live: LiveValues) -> None:
+    replaced = bind_buffers(build)
+    if replaced:
+        build.runner.on_replaced(replaced)
 
 
 def _param_writes(build, live: LiveValues) -> None:

@@ -23,7 +23,7 @@ from ..step.stages import baked_values, chain
 # Checks that look at what the backward left: inside the graph, after the last backward (in CHECKS' order).
 AFTER_BACKWARD = ("fold_notes_writes", "fold_stale")
 # Checks an iteration runs otherwise: it runs its backward itself (never "a step before any backward"); it takes
-# the names of the params it binds again, to capture over them (``_bind_buffers``).
+# the names of the params it binds again, to capture over them (``pre_step.bind_buffers``).
 NOT_RUN = ("grads_seen", "buffers_bound")
 
 
@@ -68,7 +68,7 @@ def parts_over(build, live: Callable[[], pre_step.LiveValues], stepped: Callable
         values, replaced = live(), []
         for check in before:
             if check.name == "buffers_bound":
-                replaced = _bind_buffers(build)
+                replaced = pre_step.bind_buffers(build)
             elif check.name not in NOT_RUN:
                 check.run(build, values)
         stepped()
@@ -91,27 +91,11 @@ def parts_over(build, live: Callable[[], pre_step.LiveValues], stepped: Callable
 
     return IterationParts(prepare=prepare, zero_grads=zero_grads, before_update=before_update,
                           update=chain(build.stages), ranged_update=chain(build.stages, ranges=build.ranges),
-                          take_back=lambda: _bind_buffers(build), after_update=after_update,
+                          take_back=lambda: pre_step.bind_buffers(build), after_update=after_update,
                           baked=baked_values(build.stages),
                           static_inputs=lambda: {"hyperparameters": build.hyper.values, **build.tensors.named(),
                                                  **{k: v for d in build.domains for k, v in d.addresses().items()}},
                           agree=_agreement(build, model) if captures else None)
-
-
-def _bind_buffers(build) -> list:
-    """pre_step's "buffers_bound", returning the names it took back (rather than telling the step's runner)."""
-    replaced = []
-    for buffers in build.domain_buffers:
-        restored = buffers.restore_replaced_buffers()
-        if restored:
-            build.fold.grads_rewritten()
-            replaced += restored
-        if not buffers.bindings_intact():
-            build.fold.forget_unbound_grads()
-            replaced += buffers.readopt_params()
-    if replaced:
-        build.model_state_dict.adopt(build.domain_buffers)
-    return replaced
 
 
 def _agreement(build, model: torch.nn.Module) -> Optional[Callable[[bool], bool]]:
