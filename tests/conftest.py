@@ -57,6 +57,19 @@ def _fold_units_of_one_row_where_marked(request, monkeypatch):
         monkeypatch.setattr(folded_sums, "HOOK_MIN_ELEMENTS", 1)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for a test: the tiny models' ops are too small to gain from a second one, and when
+    another job holds the other core (CI, a shared machine) two threads wait on each other for many times the
+    step time."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def one_rank_group():
     """A one-process gloo group for a module's tests: what FSDP2's fully_shard and torch's checkpoint API need to

@@ -10,12 +10,7 @@ from graphstep.app.demo import DemoSettings, optimizer_config, train
 from graphstep.app.precision import PRECISIONS, config_flags, param_bytes, prepare
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: the tiny model runs on one thread
 
 
 def test_flags_of_every_precision_make_a_valid_config():

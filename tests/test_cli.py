@@ -21,14 +21,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FAST = ["--steps", "20", "--preset", "tiny", "--batch-size", "8"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The tiny model's ops are too small to gain from a second intra-op thread, and when another job holds
-    the other core (CI, a shared machine) two threads wait on each other for many times the step time."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: the tiny model runs on one thread
 
 
 def run(capsys, tmp_path, *argv, status=0):

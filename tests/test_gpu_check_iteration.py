@@ -17,12 +17,7 @@ import gpu_check_parts  # noqa: E402
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: the tiny model runs on one thread
 
 
 def test_the_part_runs_on_the_cpu_path():

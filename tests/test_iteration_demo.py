@@ -5,17 +5,11 @@ tested in tests/distributed/test_iteration_distributed.py: a demo there would sp
 import re
 
 import pytest
-import torch
 
 from graphstep.app import cli
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: the tiny model runs on one thread
 
 
 def demo(capsys, tmp_path, *argv):

@@ -14,12 +14,7 @@ from graphstep.app import bench, cli, demo
 from graphstep.app import bench_core as core
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: the tiny model runs on one thread
 
 
 def overflowing_fp16(monkeypatch):
