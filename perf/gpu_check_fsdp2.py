@@ -1,9 +1,12 @@
-"""perf/gpu_check.py's FSDP2 part: a ``fully_shard`` model's step captured, on a one-rank mesh.
+"""perf/gpu_check.py's FSDP2 part: a ``fully_shard`` model's step captured, then its whole iteration, on a
+one-rank mesh.
 
 One GPU gives a one-rank NCCL group (several ranks: tests/distributed/test_fsdp2.py): FSDP2's reduce-scatter
 stream, its post-reduce event and the param all-gather still run, and graphstep's captured step must read the
-grads FSDP2 wrote and give the same params as the eager step, bitwise, over the steps. On the CPU (the dry run)
-the same over a one-rank gloo group and the replay backend.
+grads FSDP2 wrote and give the same params as the eager step, bitwise, over the steps. The iteration row
+captures forward and backward too, with FSDP2 allocating and freeing its unsharded params' memory inside the
+graph: the same params as the eager iteration, bitwise. On the CPU (the dry run) the same over a one-rank gloo
+group and the replay backend.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from capture.devices import is_cuda, synchronize
 from gpu_check_numerics import record
 
 NAME = "fsdp2-one-rank-captured-vs-eager"
+ITERATION_NAME = "fsdp2-one-rank-iteration-captured-vs-eager"
 STEPS, SMALL_STEPS = 12, 6
 WIDTH = 64  # a multiple of 16: bitwise claims hold on every CPU vector width (docs/design.md §8)
 
@@ -32,18 +36,50 @@ def _model(device) -> torch.nn.Module:
     return m
 
 
-def _run(device, capture: str, steps: int) -> tuple[list, object]:
+def _loss(model, x):
+    return model(x).square().mean()
+
+
+def _run(device, capture: str, steps: int, whole_iteration: bool) -> tuple[list, dict]:
+    """``steps`` steps of the user's loop (backward, ``opt.step()``), or of ``graphstep.Iteration``: the final
+    params, and whether (and how) the run was captured."""
+    from graphstep.iteration import Iteration
+
     model = _model(device)
     opt = gs.get_optimizer(gs.OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0, capture=capture,
                                               capture_warmup_steps=2, kernel="fused"), model)
+    captured = Iteration(model, opt, _loss, capture=capture) if whole_iteration else opt
     generator = torch.Generator(device=device).manual_seed(0)
     for _ in range(steps):
         x = torch.randn(8, WIDTH, device=device, generator=generator)
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+        if whole_iteration:
+            captured(batch=x)
+        else:
+            _loss(model, x).backward()
+            opt.step()
+            opt.zero_grad()
     synchronize(device)
-    return [p._local_tensor.detach().clone() for p in model.parameters()], opt
+    params = [p._local_tensor.detach().clone() for p in model.parameters()]
+    how = {"captured": captured.captured, "recaptures": captured.recaptures, "backend": captured.capture_backend}
+    if whole_iteration:
+        captured.close()
+    return params, how
+
+
+def _verdict(name: str, device, steps: int, whole_iteration: bool) -> dict:
+    import torch.distributed as dist
+
+    eager, _ = _run(device, "eager", steps, whole_iteration)
+    captured, how = _run(device, "graph", steps, whole_iteration)
+    differ = [i for i, (a, b) in enumerate(zip(eager, captured)) if not torch.equal(a, b)]
+    problems = ([] if how["captured"] else [f"not captured (backend {how['backend']})"]) + \
+        ([f"recaptures {how['recaptures']}, expected 0"] if how["recaptures"] else []) + \
+        ([f"params {differ} differ from eager"] if differ else [])
+    what = "iterations" if whole_iteration else "steps"
+    detail = "; ".join(problems) or (f"{steps} {what} on a one-rank {dist.get_backend()} mesh: params bitwise "
+                                     f"equal to eager, captured, no recapture")
+    return record(name, "fail" if problems else "pass", detail, recaptures=how["recaptures"],
+                  backend=how["backend"])
 
 
 def part_fsdp2(device, small: bool) -> list[dict]:
@@ -61,16 +97,8 @@ def part_fsdp2(device, small: bool) -> list[dict]:
             dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         steps = SMALL_STEPS if small else STEPS
-        eager, _ = _run(device, "eager", steps)
-        captured, opt = _run(device, "graph", steps)
-        differ = [i for i, (a, b) in enumerate(zip(eager, captured)) if not torch.equal(a, b)]
-        problems = ([] if opt.captured else [f"not captured (backend {opt.capture_backend})"]) + \
-            ([f"recaptures {opt.recaptures}, expected 0"] if opt.recaptures else []) + \
-            ([f"params {differ} differ from eager"] if differ else [])
-        detail = "; ".join(problems) or (f"{steps} steps on a one-rank {dist.get_backend()} mesh: params bitwise "
-                                         f"equal to eager, captured, no recapture")
-        return [record(NAME, "fail" if problems else "pass", detail, recaptures=opt.recaptures,
-                       backend=opt.capture_backend)]
+        return [_verdict(NAME, device, steps, whole_iteration=False),
+                _verdict(ITERATION_NAME, device, steps, whole_iteration=True)]
     finally:
         if made:
             dist.destroy_process_group()

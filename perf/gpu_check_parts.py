@@ -71,8 +71,9 @@ PARTS = (
          ("offload-eager-vs-captured", "offload-vs-device-only", "offload-overlap", "offload-pinned-and-memory")),
     Part("fp8", "gpu_check_numerics", "part_fp8", True, 20, 8, "2 runs of 30 steps with one fp8 layer",
          ("family-fp8",)),
-    Part("fsdp2", "gpu_check_fsdp2", "part_fsdp2", True, 20, 8,
-         "a one-rank FSDP2 mesh: init, 2 runs of 12 steps", ("fsdp2-one-rank-captured-vs-eager",)),
+    Part("fsdp2", "gpu_check_fsdp2", "part_fsdp2", True, 20, 10,
+         "a one-rank FSDP2 mesh: init, 2 runs of 12 steps, 2 runs of 12 iterations",
+         ("fsdp2-one-rank-captured-vs-eager", "fsdp2-one-rank-iteration-captured-vs-eager")),
     Part("iteration", "gpu_check_iteration", "part_iteration", True, 10, 5,
          "a 4-layer narrow GPT, 4 micro-batches: 2 runs of 12 iterations and 3 evaluations (a third where they "
          "differ), then 10 interleaved rounds of 5 iterations, eager and captured",

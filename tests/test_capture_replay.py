@@ -470,3 +470,51 @@ def test_replay_keeps_the_matmul_precision_each_op_was_recorded_under():
         assert torch.get_float32_matmul_precision() == "medium"  # the caller's setting is restored
     finally:
         torch.set_float32_matmul_precision(previous)
+
+
+# --------------------------------------------------------------------------- storage resizes (FSDP2's)
+def _make_resizing():
+    """FSDP2's pattern: a persistent tensor (and a view made once) over a storage the step allocates, fills, reads
+    and frees again."""
+    src = torch.randn(8)
+    gathered = torch.empty(8)
+    view = gathered[2:6]  # made while allocated, as FSDP2's unsharded param is
+    gathered.untyped_storage().resize_(0)
+    out = torch.zeros(4)
+
+    def step():
+        gathered.untyped_storage().resize_(gathered.numel() * gathered.element_size())
+        gathered.copy_(src)
+        out.mul_(0.5).add_(view * 2)
+        gathered.untyped_storage().resize_(0)
+        src.add_(1.0)
+
+    return step, {"src": src, "out": out}
+
+
+def test_storage_resized_inside_the_step_replays_bitwise():
+    # Before storage resizes were recorded, the first replay found `gathered` at a new (null) address and
+    # refused it as replaced; recording every iteration again instead.
+    _, st = _run_both(_make_resizing, 12)
+    assert st["out"].abs().sum() > 0
+
+
+def test_a_replay_frees_what_the_step_freed_and_a_replaced_tensor_is_still_refused():
+    gathered = torch.empty(8)
+    gathered.untyped_storage().resize_(0)
+    out = torch.zeros(8)
+
+    def step():
+        gathered.untyped_storage().resize_(32)
+        gathered.fill_(1.0)
+        out.add_(gathered)
+        gathered.untyped_storage().resize_(0)
+
+    g = capture.graph(step, warmup=1, backend="replay")
+    for _ in range(3):
+        g()
+    assert g.num_replays == 1 and torch.equal(out, torch.full((8,), 3.0))
+    assert gathered.untyped_storage().size() == 0  # freed after the replay, as after the eager step
+    gathered.data = torch.empty(8)  # other memory, another storage: the recorded program would not see it
+    with pytest.raises(capture.StaleInputError, match="replaced after capture"):
+        g()

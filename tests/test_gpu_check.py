@@ -36,7 +36,7 @@ CPU_RUNNABLE = {f"bitwise-{p}-{k}" for p in ("fp32", "bf16", "fp16") for k in ("
     "preflight", "preflight-torch-private-api", "bitwise-negative-control", "forced-recapture", "cpu-time-per-replay",
     "kernels-per-replay-independent-of-tensor-count", "kernels-negative-control", "offload-eager-vs-captured",
     "offload-vs-device-only", "offload-overlap", "fsdp2-one-rank-captured-vs-eager",
-    "iteration-captured-vs-eager-bitwise"}
+    "fsdp2-one-rank-iteration-captured-vs-eager", "iteration-captured-vs-eager-bitwise"}
 # Rows for features: they run where OptimizerConfig accepts them, else skip saying so.
 FEATURE_ROWS = {"family-muon", "family-fp8", "family-offload", "family-precision-aware"}
 # Two or more ranks: skipped in the default run, saying why; ``--multi`` runs them (two gloo ranks with --cpu).

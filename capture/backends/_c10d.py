@@ -15,11 +15,10 @@ from typing import Any, Iterator
 
 import torch
 
+from ._patch import SharedPatch
+
 _WORK_TYPE = "__torch__.torch.classes.c10d.Work"
 _state = threading.local()
-_patch_lock = threading.Lock()
-_patch_users = 0
-_original_wait = None
 
 
 def _work_class():
@@ -48,33 +47,25 @@ def inside_wait() -> bool:
     return getattr(_state, "depth", 0) > 0
 
 
+def _marking_wait(original):
+    def wait_marked(self, *args, **kwargs):
+        _state.depth = getattr(_state, "depth", 0) + 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _state.depth -= 1
+    return wait_marked
+
+
+_wait_patch = SharedPatch("wait", _marking_wait)
+
+
 @contextlib.contextmanager
 def hide_ops_inside_wait() -> Iterator[None]:
     """Make `inside_wait()` report Work.wait() calls for the duration of the block."""
-    global _patch_users, _original_wait
     cls = _work_class()
     if cls is None:
         yield
         return
-    with _patch_lock:
-        if _patch_users == 0:
-            original = cls.wait
-
-            def wait_marked(self, *args, **kwargs):
-                _state.depth = getattr(_state, "depth", 0) + 1
-                try:
-                    return original(self, *args, **kwargs)
-                finally:
-                    _state.depth -= 1
-
-            _original_wait = original
-            cls.wait = wait_marked
-        _patch_users += 1
-    try:
+    with _wait_patch.active(cls):
         yield
-    finally:
-        with _patch_lock:
-            _patch_users -= 1
-            if _patch_users == 0:
-                cls.wait = _original_wait
-                _original_wait = None

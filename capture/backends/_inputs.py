@@ -6,7 +6,9 @@ such tensor weakly (its object and its storage), and before each replay checks t
 the tensor still describes the captured memory (data pointer, shape, stride, dtype). Either failure raises
 ``StaleInputError`` naming the tensor by the op and source line that first read it, before any op runs. A view
 whose object died while its storage lives on is rebuilt from the storage, as the graph would still read valid
-memory. New memory at the old address with the old layout is what the graph reads anyway, so it passes.
+memory. New memory at the old address with the old layout is what the graph reads anyway, so it passes. A
+tensor over a storage the step itself resizes (``follow_storages``) is matched by storage instead: its address
+moves at each replay, as the step frees and allocates it (``_storage.py``).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..errors import StaleInputError
+from ._storage import storage_id
 
 _ADVICE = ("a captured step keeps raw addresses (as a CUDA graph does), so it would read freed or stale memory; "
            "keep the tensors a captured step reads alive and in place, or invalidate() and capture again")
@@ -29,6 +32,7 @@ class WeakInputs:
         self.handles: list[InputHandle] = []
         self._refs: list[weakref.ref] = []
         self._signatures: list[tuple] = []
+        self._follows = False  # whether some handle is matched by storage
 
     def add(self, t: torch.Tensor, where: str) -> int:
         """Hold `t` weakly; its index in `fetch()`'s list."""
@@ -38,6 +42,14 @@ class WeakInputs:
         self._signatures.append(handle.signature)
         return len(self.handles) - 1
 
+    def follow_storages(self, storage_ids: set) -> None:
+        """Match the tensors over these storages (ids: ``_storage.storage_id``) by storage, not address."""
+        for i, handle in enumerate(self.handles):
+            if handle.storage_id in storage_ids:
+                handle.follow_storage()
+                self._signatures[i] = handle.signature
+                self._follows = True
+
     def __len__(self) -> int:
         return len(self.handles)
 
@@ -45,7 +57,10 @@ class WeakInputs:
         """Every input tensor, in `add` order; StaleInputError naming the first freed or replaced one."""
         tensors = [ref() for ref in self._refs]
         try:
-            signatures = [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors]
+            if self._follows:
+                signatures = [handle.signature_of(t) for handle, t in zip(self.handles, tensors)]
+            else:
+                signatures = [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors]
         except AttributeError:  # an object is gone (None has no data_ptr): the per-handle path
             return [handle.get() for handle in self.handles]
         if signatures != self._signatures:
@@ -57,8 +72,8 @@ class WeakInputs:
 class InputHandle:
     """A weak hold on one pre-existing tensor of a recorded step; `get()` returns it or raises."""
 
-    __slots__ = ("where", "ref", "data_ptr", "signature", "_storage_ref", "_size", "_stride", "_offset", "_dtype",
-                 "_device")
+    __slots__ = ("where", "ref", "data_ptr", "signature", "storage_id", "follows", "_storage_ref", "_size", "_stride",
+                 "_offset", "_dtype", "_device")
 
     def __init__(self, t: torch.Tensor, where: str) -> None:
         self.where = where  # "float32[4, 3] on cpu first read by aten.add_.Tensor at step.py:12 (p.add_(g))"
@@ -67,12 +82,23 @@ class InputHandle:
         self._storage_ref = _storage_ref(t)
         self._size, self._stride, self._offset = tuple(t.size()), tuple(t.stride()), t.storage_offset()
         self._dtype, self._device = t.dtype, t.device
-        self.signature = (self.data_ptr, t.shape, t.stride(), t.dtype)  # what fetch() compares in one pass
+        self.storage_id = self._storage_ref.cdata if self._storage_ref is not None else None
+        self.follows = False  # matched by storage (one the step resizes), not by address
+        self.signature = self.signature_of(t)  # what fetch() compares in one pass
+
+    def follow_storage(self) -> None:
+        self.follows = True
+        self.signature = (self.storage_id, self._offset, self._size, self._stride, self._dtype)
+
+    def signature_of(self, t: torch.Tensor) -> tuple:
+        if self.follows:
+            return storage_id(t.untyped_storage()), t.storage_offset(), tuple(t.size()), t.stride(), t.dtype
+        return t.data_ptr(), t.shape, t.stride(), t.dtype
 
     def get(self) -> torch.Tensor:
         t = self.ref()
         if t is not None:
-            if (t.data_ptr(), t.shape, t.stride(), t.dtype) != self.signature:
+            if self.signature_of(t) != self.signature:
                 raise StaleInputError(f"a tensor the captured step reads was replaced after capture: {self.where}, "
                                       f"now {_describe(t)} stride {tuple(t.stride())} at 0x{t.data_ptr():x} (was "
                                       f"0x{self.data_ptr:x}); {_ADVICE}")

@@ -8,8 +8,9 @@ tensors made from Python data, unsafe copies, undeclared RNG and what ``_strict.
 ``CaptureError`` with the op and the user's file:line while recording (``capture.unsafe``). Recording runs the
 ops, so a refused capture call has already applied the ops before the refused one: fix the step rather than
 retrying it. Custom ops are recorded as one op and called again; c10d collectives are replayed with every Work
-waited on at once (``_c10d.py``). fn's return value is graph-owned: clone what you keep. What differs from a
-CUDA graph (no private pool, Python-only effects at capture only, RNG drawn anew): docs/capture.md.
+waited on at once (``_c10d.py``); storage resizes (FSDP2's) are replayed too (``_storage.py``). fn's return
+value is graph-owned: clone what you keep. What differs from a CUDA graph (no private pool, Python-only effects
+at capture only, RNG drawn anew): docs/capture.md.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from .._custom_ops import called_by_the_user, caller_dispatch_state, is_custom
 from ..errors import (DEVICE_TO_HOST, HOST_SYNC, HOST_TENSOR, HOST_TO_DEVICE, HOST_WORK, LAZY_INIT,
                       NOT_CAPTURABLE, RNG, CaptureError, Finding)
 from ..unsafe import HostReadMode, classify, op_name
-from . import _c10d, _strict
+from . import _c10d, _storage, _strict
 from ._inputs import WeakInputs, describe_first_use
 from ._program import Instr, Program
 from .base import CaptureOptions
@@ -84,6 +85,16 @@ class _Recorder(TorchDispatchMode):
         # The dispatch-key state of the code that starts the recording (capture/_custom_ops.py).
         self.dispatch_tls = caller_dispatch_state()
         self.refusal: Optional[CaptureError] = None
+        self.resized: set[int] = set()  # storages the step resized (``_storage.py``)
+        self._in_op = 0  # inside an op's own body, whose effects the op's replay repeats
+
+    def on_resize(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """A storage resize made by the step's own code: replayed as it happened, on the same storage."""
+        if self._in_op or _c10d.inside_wait():
+            return
+        leaves, spec = tree_flatten(((storage, nbytes), {}))
+        self.instrs.append(Instr(_storage.resize_storage, spec, leaves, (), (), ()))
+        self.resized.add(_storage.storage_id(storage))
 
     def _new_slot(self, t: torch.Tensor) -> int:
         slot = self.num_slots
@@ -171,11 +182,15 @@ class _Recorder(TorchDispatchMode):
                     slot = self._input_slot(x, func)
                 subs.append((pos, slot))
                 leaves[pos] = None  # filled from the environment at replay
-        if is_custom(func):  # one op to the recorder; its body runs as the step's code would run it
-            with called_by_the_user(self.dispatch_tls):
+        self._in_op += 1
+        try:
+            if is_custom(func):  # one op to the recorder; its body runs as the step's code would run it
+                with called_by_the_user(self.dispatch_tls):
+                    out = func(*args, **kwargs)
+            else:
                 out = func(*args, **kwargs)
-        else:
-            out = func(*args, **kwargs)
+        finally:
+            self._in_op -= 1
 
         binds, works = [], []
         for pos, y in enumerate(tree_flatten(out)[0]):
@@ -236,7 +251,7 @@ class ReplayBackend:
         host_reads = HostReadMode(refuse_host_read)
         optimizer_check = _strict.OptimizerCaptureCheck(lambda found: rec.refuse_findings(NOT_CAPTURABLE, found))
         with _strict.LazyInitWatch() as lazy, optimizer_check, _c10d.hide_ops_inside_wait(), rec.stream_rules, \
-                host_reads, rec:
+                _storage.record_resizes(rec.on_resize), host_reads, rec:
             outputs = fn()
         if rec.refusal is not None:
             raise rec.refusal
@@ -248,6 +263,7 @@ class ReplayBackend:
         host_work = rec.device_rule.findings()
         if host_work:
             raise rec.refuse_findings(HOST_WORK, host_work)
+        rec.inputs.follow_storages(rec.resized)
         self._program = Program(rec.instrs, rec.inputs, rec.input_slots, rec.fresh, outputs)
         self._custom_ops = any(is_custom(instr.func) for instr in rec.instrs)
         rec.input_keepalive.clear()  # from here on the inputs are held weakly only

@@ -98,8 +98,6 @@ class Iteration:
         self.device = optimizer.device
         mode = optimizer.config.capture if capture is None else capture
         self._backend, reason = backend_for(self.device, mode)
-        if self._backend != "eager":
-            _refuse_fsdp2(model)
         self._parts = optimizer.iteration_parts(model, captures=self._backend != "eager")
         if reason is not None:
             logger.info("graphstep: %s", reason.replace("the step", "the iteration"))
@@ -340,17 +338,6 @@ class Iteration:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _refuse_fsdp2(model: torch.nn.Module) -> None:
-    from torch.distributed.fsdp import FSDPModule
-
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
-        raise ValueError("graphstep.Iteration: an FSDP2 (fully_shard) model cannot be captured yet: FSDP2 frees the "
-                         "unsharded params' memory after each forward and backward and allocates it again at the "
-                         "next all-gather (a storage resize, no op a graph records), so a replay would read freed "
-                         "memory. Use capture='eager' (the same code, uncaptured), or capture only the optimizer "
-                         "step (opt.step() with capture='graph')")
 
 
 def _check_loss(loss: Any) -> None:

@@ -13,6 +13,7 @@ from _iteration_setup import FP16, bits, gpt_with_dropout, loss_fn, micro_batche
 from graphstep.iteration import Iteration
 
 ITERATIONS = 8
+EVALUATIONS = 5  # the first two eager (warm-up), the third captured: two replays
 POISONED = {5: float("inf")}  # on rank 0 only: the reduced grads are non-finite on every rank, all skip
 
 
@@ -34,11 +35,16 @@ def _train(rank, wrap, run_kind, precision, **config):
         poison = POISONED.get(step, 1.0) if rank == 0 else 1.0
         records.append([bits(t).clone() for t in run(micro_batches(2 * step + rank, k=2, poison=poison))])
         sched.step()
+    model.eval()  # then evaluations, forward only: in the iteration, captured after the first
+    evaluate = iteration.evaluate if run_kind != "loop" else torch.no_grad()(lambda mb: loss_fn(model, mb))
+    evaluations = [bits(evaluate(micro_batches(50 + i + rank, k=1)[0])).clone() for i in range(EVALUATIONS)]
     local = [p.to_local() if hasattr(p, "to_local") else p for p in bare.parameters()]  # FSDP2: this rank's shard
-    out = {"records": records, "params": [bits(p).clone() for p in local]}
+    out = {"records": records, "evaluations": evaluations, "params": [bits(p).clone() for p in local]}
     if run_kind == "graph":
-        out.update(captured=iteration.captured, recaptures=iteration.recaptures,
-                   replays=sum(e.graph.num_replays for e in iteration._graphs.values()))
+        replays = {kind: sum(e.graph.num_replays for e in iteration._graphs.values() if e.kind == kind)
+                   for kind in ("train", "evaluate")}
+        out.update(captured=iteration.captured, recaptures=iteration.recaptures, replays=replays["train"],
+                   evaluation_replays=replays["evaluate"])
     return out
 
 
@@ -70,15 +76,22 @@ def _train_tp(rank, world_size, run_kind):
     return out
 
 
-def fully_shard_blocks(model):
+def fully_shard_blocks(model, **options):
     """FSDP2 over each block, then the whole model (the embeddings, final norm and head)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **options)
+    return fully_shard(model, mesh=mesh, **{k: v for k, v in options.items() if k != "reshard_after_forward"})
+
+
+def fully_shard_bf16_blocks(model):
+    """FSDP2 computing in bf16 over fp32 shards, the blocks' params kept gathered from forward to backward."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return fully_shard_blocks(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+                              reshard_after_forward=False)
 
 
 def scenarios(rank: int, world_size: int) -> dict:
@@ -87,13 +100,8 @@ def scenarios(rank: int, world_size: int) -> dict:
     for name, wrap, precision, config in (
             ("ddp", DDP, {}, {}),
             ("distributed_optimizer", lambda m: m, FP16, {"use_distributed_optimizer": True}),
-            ("fsdp2", fully_shard_blocks, {}, {})):
-        kinds = ("loop", "eager") if name == "fsdp2" else ("loop", "eager", "graph")
-        out[name] = {kind: _train(rank, wrap, kind, precision, **config) for kind in kinds}
+            ("fsdp2", fully_shard_blocks, {}, {}),
+            ("fsdp2_bf16_compute", fully_shard_bf16_blocks, {}, {})):
+        out[name] = {kind: _train(rank, wrap, kind, precision, **config) for kind in ("loop", "eager", "graph")}
     out["tensor_parallel"] = {kind: _train_tp(rank, world_size, kind) for kind in ("loop", "eager", "graph")}
-    try:  # FSDP2 frees and re-allocates the unsharded params' memory: not capturable yet, refused
-        _train(rank, fully_shard_blocks, "graph", {})
-        out["fsdp2_capture_refused"] = None
-    except ValueError as error:
-        out["fsdp2_capture_refused"] = str(error)
     return out
