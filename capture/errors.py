@@ -22,8 +22,9 @@ HOST_TENSOR = "host_tensor"  # a tensor made from Python data inside the step (t
 HOST_WORK = "host_work"  # a CPU op inside a step that runs on a device (not part of a device graph)
 LAZY_INIT = "lazy_init"  # first-time setup (a compile, a communicator) during the capture
 NOT_CAPTURABLE = "not_capturable"  # a torch.optim step whose param groups say capturable=False
+TEMPORARY_RESIZE = "temporary_resize"  # a storage resize of a tensor the step itself made (replay backend)
 KINDS = (HOST_SYNC, DEVICE_TO_HOST, ESCAPING_TENSOR, RNG, HOST_TO_DEVICE, HOST_TENSOR, HOST_WORK, LAZY_INIT,
-         NOT_CAPTURABLE)
+         NOT_CAPTURABLE, TEMPORARY_RESIZE)
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,8 @@ class Finding:
     """One thing that makes a step unsafe to capture.
 
     kind:     "host_sync" | "device_to_host" | "escaping_tensor" | "rng" | "host_to_device" |
-              "host_tensor" | "host_work" | "lazy_init" | "not_capturable" (see the constants above)
+              "host_tensor" | "host_work" | "lazy_init" | "not_capturable" | "temporary_resize" (see the
+              constants above)
     op:       the operator, e.g. "aten._local_scalar_dense.default" or "Tensor.tolist"
     filename, lineno, line: the innermost user frame (outside torch/ and capture/)
     """

@@ -518,3 +518,18 @@ def test_a_replay_frees_what_the_step_freed_and_a_replaced_tensor_is_still_refus
     gathered.data = torch.empty(8)  # other memory, another storage: the recorded program would not see it
     with pytest.raises(capture.StaleInputError, match="replaced after capture"):
         g()
+
+
+def test_a_storage_resize_of_a_temporary_is_refused_naming_the_line():
+    src = torch.randn(8)
+
+    def step():
+        tmp = src * 2
+        tmp.untyped_storage().resize_(0)  # RESIZE-TEMPORARY
+
+    g = capture.graph(step, warmup=0, backend="replay")
+    with pytest.raises(capture.CaptureError, match="resizes the storage of a tensor the step itself made") as info:
+        g()
+    (finding,) = info.value.findings
+    assert finding.kind == "temporary_resize" and finding.lineno == _line_of("RESIZE-TEMPORARY")
+    assert os.path.basename(finding.filename) == HERE

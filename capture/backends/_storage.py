@@ -4,8 +4,9 @@
 every forward and backward (it allocates its unsharded params' memory before the all-gather and frees it after),
 so a recorder that missed it would replay the all-gather into freed memory. ``record_resizes(on_resize)`` wraps
 the method for the duration of a recording (there is no per-object hook) and calls ``on_resize(storage, nbytes)``
-after each resize this thread makes; the recorder (which ignores those inside an op's own body) appends ``resize_storage`` with that
-storage, held strongly by the program, as a CUDA graph holds its pool.
+before each resize this thread makes. The recorder ignores those inside an op's own body, refuses those of a
+temporary (replays allocate temporaries anew), and appends ``resize_storage`` with the storage, held strongly
+by the program, as a CUDA graph holds its pool.
 
 A CUDA graph replays such an allocation at the address it had during capture; here each replay allocates anew,
 so the program matches the tensors viewing a resized storage by storage, not by address
@@ -36,11 +37,10 @@ def storage_id(storage: torch.UntypedStorage) -> int:
 
 def _reporting_resize(original):
     def resize_reported(self, nbytes, *args, **kwargs):
-        result = original(self, nbytes, *args, **kwargs)
         listeners = getattr(_state, "listeners", None)
         if listeners:
-            listeners[-1](self, int(nbytes))
-        return result
+            listeners[-1](self, int(nbytes))  # before: a listener may refuse the resize
+        return original(self, nbytes, *args, **kwargs)
     return resize_reported
 
 
@@ -49,7 +49,7 @@ _resize_patch = SharedPatch("resize_", _reporting_resize)
 
 @contextlib.contextmanager
 def record_resizes(on_resize: Callable[[torch.UntypedStorage, int], None]) -> Iterator[None]:
-    """Call ``on_resize(storage, nbytes)`` after each ``UntypedStorage.resize_`` this thread makes in the block."""
+    """Call ``on_resize(storage, nbytes)`` before each ``UntypedStorage.resize_`` this thread makes in the block."""
     listeners = _state.__dict__.setdefault("listeners", [])
     listeners.append(on_resize)
     try:

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 from .. import _location
 from .._custom_ops import called_by_the_user, caller_dispatch_state, is_custom
 from ..errors import (DEVICE_TO_HOST, HOST_SYNC, HOST_TENSOR, HOST_TO_DEVICE, HOST_WORK, LAZY_INIT,
-                      NOT_CAPTURABLE, RNG, CaptureError, Finding)
+                      NOT_CAPTURABLE, RNG, TEMPORARY_RESIZE, CaptureError, Finding)
 from ..unsafe import HostReadMode, classify, op_name
 from . import _c10d, _storage, _strict
 from ._inputs import WeakInputs, describe_first_use
@@ -57,6 +57,9 @@ _ADVICE = {
     NOT_CAPTURABLE: "torch.optim's step raises under a CUDA capture when a param group has capturable=False "
                     "(fused=True included); build the optimizer with capturable=True (graphstep.wrap sets it "
                     "on fused Adam/AdamW groups, where it changes nothing in the math)",
+    TEMPORARY_RESIZE: "it resizes the storage of a tensor the step itself made: the replay backend replays storage "
+                      "resizes of tensors made before the capture (FSDP2's unsharded params), not of a temporary, "
+                      "which each replay allocates anew. Make the tensor before capturing, or use Tensor.resize_",
 }
 
 
@@ -89,9 +92,11 @@ class _Recorder(TorchDispatchMode):
         self._in_op = 0  # inside an op's own body, whose effects the op's replay repeats
 
     def on_resize(self, storage: torch.UntypedStorage, nbytes: int) -> None:
-        """A storage resize made by the step's own code: replayed as it happened, on the same storage."""
+        """A storage resize the step's own code is about to make: replayed as it happens, on the same storage."""
         if self._in_op or _c10d.inside_wait():
             return
+        if storage.data_ptr() in self.storage_slot:
+            raise self.refuse(TEMPORARY_RESIZE, None, "UntypedStorage.resize_")
         leaves, spec = tree_flatten(((storage, nbytes), {}))
         self.instrs.append(Instr(_storage.resize_storage, spec, leaves, (), (), ()))
         self.resized.add(_storage.storage_id(storage))
