@@ -5,6 +5,8 @@ host's: Python, dispatch, guards), graphstep's default step against torch's ``cl
 
 graphstep's grads arrive through the backward stand-in (``bench_core.backward_stand_in``, untimed before
 each step), so the step sees what it sees after a real backward. Ops are the aten ops one step dispatches.
+Then, for an FSDP2 model of the same params (``fully_shard`` on a one-rank gloo mesh), what its per-param
+checks cost: FSDP2's binding check (graphstep/fsdp2/bindings.py) and the ``requires_grad`` watch, timed alone.
 
     python perf/bench_host.py [--rounds 200] [--counts 150,1000,10000] [--json out.json]
 """
@@ -52,6 +54,24 @@ def run(count: int, rounds: int) -> list[dict]:
     return rows
 
 
+def fsdp2_checks(count: int, rounds: int) -> dict:
+    """ms of an FSDP2 engine's per-param checks over ``count`` params (the process group is made by the caller)."""
+    from torch.distributed.fsdp import fully_shard
+
+    import graphstep as gs
+    inputs = core.Inputs(bench_shapes.many_tensors(count, NUMEL), torch.device("cpu"))
+    model = fully_shard(inputs.module(inputs.new_params()))
+    opt = gs.get_optimizer(gs.OptimizerConfig(lr=1e-3, kernel="fused", capture="eager"), model)
+    record = opt.build_record
+
+    def checks() -> None:
+        record.shard_bindings.check()
+        record.requires_grad.check()
+
+    times = core.time_interleaved({"fsdp2": checks}, inputs.device, warmup=5, rounds=rounds)
+    return {"params": count, "row": "fsdp2-checks", "ms": statistics.median(times["fsdp2"])}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=200)
@@ -68,9 +88,30 @@ def main() -> int:
         g, b, t = (next(r for r in rows if r["params"] == count and r["row"] == key)
                    for key in ("graphstep", "guard", "torch"))
         print(f"| {count:,} | {g['ops']} | {g['ms']:.3f} | {b['ms']:.3f} | {t['ops']} | {t['ms']:.3f} |")
+    fsdp2 = _with_one_rank_group(lambda: [fsdp2_checks(count, args.rounds) for count in
+                                          map(int, args.counts.split(","))])
+    print("\n| params | FSDP2: the binding check and the requires_grad watch, ms | ns a param |")
+    print("|---:|---:|---:|")
+    for row in fsdp2:
+        print(f"| {row['params']:,} | {row['ms']:.3f} | {row['ms'] * 1e6 / row['params']:.0f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps(rows + fsdp2, indent=1))
     return 0
+
+
+def _with_one_rank_group(fn):
+    """``fn()`` inside a one-rank gloo process group on 127.0.0.1 (FSDP2 needs one)."""
+    import os
+
+    import torch.distributed as dist
+
+    from graphstep.app.demo_dist import free_port
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        return fn()
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -9,18 +9,25 @@ After ``allocate`` each ``LocalShard.local`` is a view of the flat param buffer 
   FSDP2 then accumulates its reduce-scattered grad into it in place (``grad._local_tensor += ...``) instead of
   handing out a fresh tensor, so the step reads the grads where they landed.
 
-``check`` runs before every step, one pass over the params: a grad FSDP2 or the user replaced (``set_to_none``
-zeroing, a ``p.grad = ...``) is copied in (None: zeros) and the prepared one set back; a param whose sharded
-data FSDP2 moved (``model.to(...)``, a ``load_state_dict`` into another storage) has its values copied in and is
-bound again. The buffers' addresses never change, so a captured step stays valid.
+``check`` runs before every step, C-level passes over the params (as ``StaticBuffers.bindings_intact``): a grad
+FSDP2 or the user replaced (``set_to_none`` zeroing, a ``p.grad = ...``) is copied in (None: zeros) and the
+prepared one set back; a param whose sharded data FSDP2 moved (``model.to(...)``, a ``load_state_dict`` into
+another storage) has its values copied in and is bound again. The buffers' addresses never change, so a
+captured step stays valid.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
 from ..state.buffers import refuse_conversion
 from .shards import LocalShard
+
+_SHARDED_DATA = operator.attrgetter("_sharded_param_data")  # of an FSDPParam: what its all-gather reads
+_LOCAL = operator.attrgetter("_local_tensor")  # of a DTensor param
+_GRAD = operator.attrgetter("grad")
 
 
 class FsdpBindings:
@@ -29,6 +36,7 @@ class FsdpBindings:
         if [id(p) for p in buffers.params] != [id(s.local) for s in shards]:
             raise ValueError("graphstep: the FSDP2 local shards and the flat buffers disagree on the params")
         self.shards = shards
+        self._params, self._fsdp_params = [s.param for s in shards], [s.fsdp_param for s in shards]
         self._views = [buffers.param_view(i) for i in range(len(shards))]
         self._grad_views = [buffers.grad_view(i) for i in range(len(shards))]
         self._grads = [s.fsdp_param.to_sharded_dtensor(s.real_rows(g)) for s, g in zip(shards, self._grad_views)]
@@ -45,21 +53,27 @@ class FsdpBindings:
         shard.fsdp_param._sharded_param_data = view.view(-1)
         shard.param._local_tensor = shard.real_rows(view)
 
-    def _param_moved(self, i: int) -> bool:
-        shard = self.shards[i]
-        return (shard.fsdp_param._sharded_param_data.data_ptr() != self._data_ptrs[i]
-                or shard.param._local_tensor.data_ptr() != self._data_ptrs[i])
+    def _moved(self) -> list[int]:
+        """The params whose sharded data or local tensor is no longer their view of the flat buffer."""
+        sharded = list(map(torch.Tensor.data_ptr, map(_SHARDED_DATA, self._fsdp_params)))
+        local = list(map(torch.Tensor.data_ptr, map(_LOCAL, self._params)))
+        if sharded == self._data_ptrs and local == self._data_ptrs:
+            return []
+        return [i for i, (a, b, bound) in enumerate(zip(sharded, local, self._data_ptrs)) if a != bound or b != bound]
 
     def check(self) -> None:
         """Copy in and re-bind what was replaced since the last step (a param moved to another device or cast
         to another dtype is refused first: nothing changes then)."""
-        moved = [i for i in range(len(self.shards)) if self._param_moved(i)]
+        moved = self._moved()
         for i in moved:
             refuse_conversion(self.shards[i].name, self.shards[i].param._local_tensor, self._views[i])
         for i in moved:
             shard = self.shards[i]
             shard.real_rows(self._views[i]).copy_(shard.param._local_tensor)  # FSDP2's own: the real rows
             self._bind_param(i)
+        with torch._C.DisableTorchFunctionSubclass():  # the DTensor's own grad attribute, read without dispatch
+            if all(map(operator.is_, map(_GRAD, self._params), self._grads)):
+                return
         for i, shard in enumerate(self.shards):
             grad = shard.param.grad
             if grad is not self._grads[i]:
