@@ -13,6 +13,7 @@ from _iteration_setup import FP16, bits, gpt_with_dropout, loss_fn, micro_batche
 from graphstep.iteration import Iteration
 
 ITERATIONS = 8
+SNAPSHOT_AT, LOAD_AT = 2, 6  # model.state_dict() taken before iteration 2, loaded back before iteration 6
 EVALUATIONS = 5  # the first two eager (warm-up), the third captured: two replays
 POISONED = {5: float("inf")}  # on rank 0 only: the reduced grads are non-finite on every rank, all skip
 
@@ -30,22 +31,46 @@ def _train(rank, wrap, run_kind, precision, **config):
         run = lambda mbs: tuple(vars(iteration(mbs)).values())  # noqa: E731
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.05 * s))
     torch.manual_seed(100 + rank)  # each rank its own dropout stream, the same in every run
-    records = []
+    records, snapshot, loaded, moved = [], None, None, None
     for step in range(ITERATIONS):
+        if step == SNAPSHOT_AT:
+            snapshot = _copied(model.state_dict())
+        if step == LOAD_AT:  # in place, as torch's load_state_dict and DCP load: the iteration must see it
+            before = _copied(model.state_dict())
+            model.load_state_dict(snapshot)
+            loaded = all(torch.equal(bits(_local(v)), bits(_local(snapshot[k]))) for k, v in model.state_dict().items())
         poison = POISONED.get(step, 1.0) if rank == 0 else 1.0
         records.append([bits(t).clone() for t in run(micro_batches(2 * step + rank, k=2, poison=poison))])
+        if step == LOAD_AT:  # one step from the loaded params, not from those it replaced (a load undone)
+            moved = tuple(_distance(model.state_dict(), state) for state in (snapshot, before))
         sched.step()
     model.eval()  # then evaluations, forward only: in the iteration, captured after the first
     evaluate = iteration.evaluate if run_kind != "loop" else torch.no_grad()(lambda mb: loss_fn(model, mb))
     evaluations = [bits(evaluate(micro_batches(50 + i + rank, k=1)[0])).clone() for i in range(EVALUATIONS)]
     local = [p.to_local() if hasattr(p, "to_local") else p for p in bare.parameters()]  # FSDP2: this rank's shard
-    out = {"records": records, "evaluations": evaluations, "params": [bits(p).clone() for p in local]}
+    out = {"records": records, "evaluations": evaluations, "params": [bits(p).clone() for p in local],
+           "loaded": loaded, "moved": moved}
     if run_kind == "graph":
         replays = {kind: sum(e.graph.num_replays for e in iteration._graphs.values() if e.kind == kind)
                    for kind in ("train", "evaluate")}
         out.update(captured=iteration.captured, recaptures=iteration.recaptures, replays=replays["train"],
                    evaluation_replays=replays["evaluate"])
     return out
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _distance(a: dict, b: dict) -> float:
+    return sum(float((_local(a[k]).double() - _local(b[k]).double()).abs().sum()) for k in a)
+
+
+def _copied(state: dict) -> dict:
+    """A state dict's tensors cloned (a DTensor as a DTensor over a clone of its local shard)."""
+    from torch.distributed.tensor import DTensor
+    return {k: DTensor.from_local(v.to_local().clone(), v.device_mesh, v.placements) if isinstance(v, DTensor)
+            else v.clone() for k, v in state.items()}
 
 
 def _train_tp(rank, world_size, run_kind):

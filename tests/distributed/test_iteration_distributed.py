@@ -3,7 +3,8 @@ bf16 with the blocks kept gathered between forward and backward) and with tensor
 MLP): the captured iteration (DDP's all-reduce, the optimizer's reduce-scatter and all-gather, FSDP2's
 all-gathers into memory it allocates and frees and its reduce-scatters, the forward's tensor-parallel
 all-reduce, replayed inside it) equals the eager one and the user's opt.step() loop bitwise on every rank, the
-ranks agree, and a non-finite grad on one rank skips the step on both. One spawn runs every scenario."""
+ranks agree, and a non-finite grad on one rank skips the step on both; a state dict loaded into the model in
+place mid-run is trained on alike. One spawn runs every scenario."""
 
 import pytest
 import torch
@@ -27,6 +28,10 @@ def test_captured_iteration_equals_eager_and_the_users_loop_bitwise(ranks, scena
         runs = report[scenario]
         graph = runs["graph"]
         assert graph["captured"] and graph["recaptures"] == 0 and graph["replays"] == _iteration_workers.ITERATIONS - 3
+        if scenario != "tensor_parallel":  # a state dict loaded in place mid-run: in the model, then trained on
+            for kind in ("graph", "eager", "loop"):
+                from_snapshot, from_replaced = runs[kind]["moved"]  # one step after the load (undone: the reverse)
+                assert runs[kind]["loaded"] and from_snapshot < from_replaced / 2, (kind, from_snapshot, from_replaced)
         for other in ("eager", "loop"):
             for step, (a, b) in enumerate(zip(graph["records"], runs[other]["records"])):
                 for field, x, y in zip(("loss", "grad_norm", "update", "scale", "skipped"), a, b):
