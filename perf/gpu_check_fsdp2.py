@@ -97,8 +97,12 @@ def part_fsdp2(device, small: bool) -> list[dict]:
             dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         steps = SMALL_STEPS if small else STEPS
-        return [_verdict(NAME, device, steps, whole_iteration=False),
-                _verdict(ITERATION_NAME, device, steps, whole_iteration=True)]
+        rows = [_verdict(NAME, device, steps, whole_iteration=False)]
+        try:
+            rows.append(_verdict(ITERATION_NAME, device, steps, whole_iteration=True))
+        except Exception as error:  # the step's row stands; the runner starts a fresh worker after an "error"
+            rows.append(record(ITERATION_NAME, "error", f"{type(error).__name__}: {error}"))
+        return rows
     finally:
         if made:
             dist.destroy_process_group()

@@ -13,6 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
 
+import gpu_check_fsdp2 as fsdp2_part  # noqa: E402
 import gpu_check_numerics as numerics  # noqa: E402
 import gpu_check_speed as speed  # noqa: E402
 
@@ -58,3 +59,18 @@ def test_the_planted_kernel_control_fails_when_the_count_misses_it_or_counted_no
 def test_a_timer_that_recorded_nothing_is_named():
     assert speed.unmeasured({"captured": 0.0, "flat": 1.5, "eager": math.nan}) == ["captured", "eager"]
     assert speed.unmeasured({"captured": 0.2}) == []
+
+
+def test_a_broken_fsdp2_iteration_row_keeps_the_step_row(monkeypatch):
+    # The iteration row runs second in the FSDP2 part: if it raises (a CUDA capture FSDP2 cannot take), the
+    # step row's verdict is kept and the iteration row says "error" (the runner then starts a fresh worker).
+    def verdict(name, device, steps, whole_iteration):
+        if whole_iteration:
+            raise RuntimeError("planted")
+        return numerics.record(name, "pass", "planted")
+
+    monkeypatch.setattr(fsdp2_part, "_verdict", verdict)
+    step, iteration = fsdp2_part.part_fsdp2(CPU, small=True)
+    assert (step["check"], step["status"]) == (fsdp2_part.NAME, "pass")
+    assert (iteration["check"], iteration["status"]) == (fsdp2_part.ITERATION_NAME, "error")
+    assert "planted" in iteration["detail"]
