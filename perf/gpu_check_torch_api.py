@@ -35,7 +35,7 @@ NAMES = (
     "torch._C._distributed_c10d.ProcessGroup.unbox", "torch._C._distributed_c10d.Work",
     "torch._C._accelerator_setAllocatorSettings",
     "torch.ScriptObject._type", "torch.UntypedStorage._new_with_weak_ptr", "torch.UntypedStorage._cdata",
-    "torch._C.StorageBase.resize_",
+    "torch._C.StorageBase.resize_", "torch._C.DisableTorchFunctionSubclass",
     "torch.cuda.memory._snapshot",
     "torch.overrides._get_current_function_mode_stack", "torch.overrides._pop_mode_temporarily",
     "torch.utils._python_dispatch.TorchDispatchMode",
