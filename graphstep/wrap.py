@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from .checkpoint.optimizer_hooks import runs_load_state_dict_hooks, runs_state_dict_hooks
+from .config.listing import listed
 from .hooks.requires_grad_watch import RequiresGradWatch
 from .parallel.collectives import Collectives
 from .run.memory import memory_stats_by_kind
@@ -261,9 +262,8 @@ class CapturedOptimizer(torch.optim.Optimizer):
                 static.copy_(grad)
                 p.grad = static
         if missing:
-            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-            raise RuntimeError(f"graphstep.wrap: no grad at the first step of {shown}: every param needs one there "
-                               "(run backward first; leave params that get no grad out of the optimizer)")
+            raise RuntimeError(f"graphstep.wrap: no grad at the first step of {listed(missing)}: every param needs one "
+                               "there (run backward first; leave params that get no grad out of the optimizer)")
 
     def _static_inputs(self) -> dict:
         named = {f"param[{i}]": p for i, p in enumerate(self._params)}

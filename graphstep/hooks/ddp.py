@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 
+from ..config.listing import listed
 from ..config.warn import warn_user
 from ..fp8 import is_fp8
 from . import weak_hooks
@@ -68,8 +69,7 @@ def _refuse_fp8(modules: Sequence[torch.nn.Module], error: type) -> None:
     DDP never sees their grads."""
     names = _fp8_names(modules)
     if names:
-        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        raise error(_FP8_UNREDUCED.format(names=shown))
+        raise error(_FP8_UNREDUCED.format(names=listed(names, 3)))
 
 
 def _refuse_cast_after_wrapping(ddps: Sequence[torch.nn.Module], error: type) -> None:
@@ -89,9 +89,9 @@ def _refuse_cast_after_wrapping(ddps: Sequence[torch.nn.Module], error: type) ->
         built = {_DDP_DTYPE_NAMES[name] for name in names}
         cast = [(name, p.dtype) for name, p in ddp.module.named_parameters() if p.requires_grad and p.dtype not in built]
         if cast:
-            shown = ", ".join(name for name, _ in cast[:3]) + (f" and {len(cast) - 3} more" if len(cast) > 3 else "")
             raise error(_CAST_AFTER_WRAPPING.format(built=" and ".join(sorted(map(str, built))),
-                                                    now=" and ".join(sorted({str(d) for _, d in cast})), names=shown))
+                                                    now=" and ".join(sorted({str(d) for _, d in cast})),
+                                                    names=listed((name for name, _ in cast), 3)))
 
 
 def check_at_build(chunks: Sequence[torch.nn.Module], distributed_optimizer: bool) -> None:

@@ -17,6 +17,8 @@ import operator
 
 import torch
 
+from ..config.listing import listed
+
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
@@ -40,18 +42,17 @@ class RequiresGradWatch:
         if not held_ok:
             names = [n for n, p in zip(self._held_names, self._held) if not p.requires_grad]
             raise RuntimeError(
-                f"graphstep: param(s) {_listed(names)} do not require grad, but the optimizer was built with "
+                f"graphstep: param(s) {_quoted(names)} do not require grad, but the optimizer was built with "
                 "them: it steps every param it holds, so weight decay and momentum would go on moving them "
                 "(torch's optimizers skip a param without a grad). Set requires_grad back, or build a new "
                 "optimizer over the model after freezing them")
         if not frozen_ok:
             names = [n for n, p in zip(self._frozen_names, self._frozen) if p.requires_grad]
             raise RuntimeError(
-                f"graphstep: param(s) {_listed(names)} require grad now but were frozen when the optimizer was "
+                f"graphstep: param(s) {_quoted(names)} require grad now but were frozen when the optimizer was "
                 "built: its buffers have no place for them, so they would never be stepped. Build a new "
                 "optimizer over the model after unfreezing them, or freeze them again")
 
 
-def _listed(names: list[str], most: int = 8) -> str:
-    shown = ", ".join(f"'{name}'" for name in names[:most])
-    return shown if len(names) <= most else f"{shown} and {len(names) - most} more"
+def _quoted(names: list[str]) -> str:
+    return listed(f"'{name}'" for name in names)
