@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..config.listing import listed
 from ..config.warn import warn_user
 from ..step.folded_sums import FoldedSums
 from .micro_batches import NoSync
@@ -118,11 +119,11 @@ class Fold:
         if self._repeated and self.fold_in_backward and not self._warned:
             self._warned = True
             warn_user("graphstep: fold_grad_norm: backward ran more than once outside opt.no_sync() between "
-                          "steps (grad accumulation), so the norm folded in the first was folded again before the "
-                          "step. While steps see that, the norm is folded right before the step instead (one read of "
-                          "the grads, as with "
-                          "fold_grad_norm=False). Run the earlier micro-batches under opt.no_sync() to fold in "
-                          "the last backward only", RuntimeWarning)
+                      "steps (grad accumulation), so the norm folded in the first was folded again before the "
+                      "step. While steps see that, the norm is folded right before the step instead (one read of "
+                      "the grads, as with "
+                      "fold_grad_norm=False). Run the earlier micro-batches under opt.no_sync() to fold in "
+                      "the last backward only", RuntimeWarning)
         self.fold_in_backward = not (self._repeated or self._rewritten_after_backward)
         self.invalidate()
 
@@ -136,11 +137,10 @@ class Fold:
         hook-folded norms can be out of date here: the others are folded by the step itself.)"""
         stale = self.hooked.out_of_date() if self.hooked is not None else []
         if stale:
-            shown = ", ".join(stale[:5]) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
-            warn_user(f"graphstep: fold_grad_norm: the folded norm of {shown} no longer matches the grad: "
-                          "it changed after backward folded it, by a write that bypassed its version counter "
-                          "(through .data, or by an extension). The step's norm uses the stale one; change "
-                          "grads in place through the grad itself, or turn fold_grad_norm off", RuntimeWarning)
+            warn_user(f"graphstep: fold_grad_norm: the folded norm of {listed(stale, 5)} no longer matches the "
+                      "grad: it changed after backward folded it, by a write that bypassed its version counter "
+                      "(through .data, or by an extension). The step's norm uses the stale one; change grads in "
+                      "place through the grad itself, or turn fold_grad_norm off", RuntimeWarning)
 
     def remove(self) -> None:
         self._hooks.remove(self)

@@ -59,7 +59,7 @@ class GradsSeen:
         if not self.seen and not self._warned:
             self._warned = True
             warn_user("graphstep: step() ran before any backward: unless the grads were written by hand, "
-                          "every grad is zero, so this step applies only weight decay (and momentum) to every "
-                          "param. graphstep steps all the params it holds (torch's optimizers skip params "
-                          "without grads); run backward first",
-                          RuntimeWarning)
+                      "every grad is zero, so this step applies only weight decay (and momentum) to every "
+                      "param. graphstep steps all the params it holds (torch's optimizers skip params "
+                      "without grads); run backward first",
+                      RuntimeWarning)

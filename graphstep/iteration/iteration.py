@@ -309,9 +309,9 @@ class Iteration:
         if self._streak >= RECAPTURE_WARNING_STREAK and not self._warned_streak:
             self._warned_streak = True
             warn_user(f"graphstep: the iteration was captured again {self._streak} times in a row without a "
-                          f"replay, the last time because {reason}: it runs eagerly plus a capture at every "
-                          "iteration. Keep what it reads in place (copy_ into params and buffers instead of "
-                          "replacing them), or use capture='eager'", RuntimeWarning)
+                      f"replay, the last time because {reason}: it runs eagerly plus a capture at every "
+                      "iteration. Keep what it reads in place (copy_ into params and buffers instead of "
+                      "replacing them), or use capture='eager'", RuntimeWarning)
         logger.info("graphstep: recapturing the iteration: %s", reason)
         for entry in self._graphs.values():
             entry.graph.invalidate(warmup=RECAPTURE_WARMUP)

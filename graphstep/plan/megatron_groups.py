@@ -72,6 +72,6 @@ def from_parallel_state(config, named) -> dict:
             groups["expert_data_parallel_group"] = state.get_expert_data_parallel_group()
     taken = ", ".join(f"{name} (ranks {_ranks(groups[name])})" for name in GROUP_ARGUMENTS if name in groups)
     warn_user(f"graphstep: get_optimizer was given no process groups; it took them from Megatron-Core's "
-                  f"initialised parallel_state: {taken}. Pass the groups to get_optimizer to choose others",
-                  UserWarning)
+              f"initialised parallel_state: {taken}. Pass the groups to get_optimizer to choose others",
+              UserWarning)
     return groups

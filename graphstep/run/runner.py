@@ -210,4 +210,4 @@ class StepRunner:
                 advice = ("its static inputs change every step; replace params and buffers in place (copy_) "
                           "instead of swapping tensors, or run the step eagerly (capture='eager')")
             warn_user(f"graphstep: the captured step was recaptured on each of the last {self._recapture_streak} "
-                          f"replays, the last time because {reason}: {advice}", RuntimeWarning)
+                      f"replays, the last time because {reason}: {advice}", RuntimeWarning)

@@ -38,7 +38,7 @@ def wanted(kernel: str, device: torch.device) -> bool:
     missing = compiled_kernels.missing_compile_options(COMPILE_OPTIONS)
     if missing:
         warn_user(f"graphstep: the step's scalar math runs as eager ops on {device}: this torch's inductor "
-                      f"has no option {', '.join(missing)}")
+                  f"has no option {', '.join(missing)}")
         return False
     return True
 
