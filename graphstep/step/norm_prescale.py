@@ -50,6 +50,7 @@ def _table(device: torch.device) -> torch.Tensor:
 
 def prescales_at(scale: float) -> bool:
     """Whether the norm divides the grads under the loss scale ``scale`` (a host number: a constant scale)."""
+    # Outside the step, on a CPU tensor made from a Python float: its fp32 bits, no device read.
     inv_bits = torch.tensor(scale, dtype=torch.float32).reciprocal().view(torch.int32).item()
     return _row(inv_bits >> 23)[2] == 0.0
 

@@ -56,7 +56,7 @@ def _checked_values(target: dict, state_dict, owner: str, integer_keys: tuple = 
         value = state_dict[key]
         if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() \
                 and value.dtype != torch.bool:
-            value = value.detach().reshape(()).item()
+            value = value.detach().reshape(()).item()  # load_state_dict, outside any step: a host read is fine
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{owner}.load_state_dict: '{key}' must be a number or a one-element real tensor, "
                              f"got {value!r:.80}")
