@@ -38,9 +38,9 @@ def gpt(config):
 
         def batches(k):
             inputs, targets = corpus.batch(0, 2 * k, config.seq_len)
-            return [(inputs[i::k], targets[i::k]) for i in range(k)]
+            return models.micro_batches(inputs, targets, k)
 
-        return model, lambda m, b: m(*b), batches
+        return model, models.gpt_loss, batches
     return build
 
 

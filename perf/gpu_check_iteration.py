@@ -49,11 +49,6 @@ def _model(config: models.GPTConfig, device) -> torch.nn.Module:
     return model
 
 
-def _gpt_loss(model, batch):
-    inputs, targets = batch
-    return model(inputs, targets)
-
-
 class Twin:
     """One model, its optimizer and its iteration, eager or captured; batches made on the host."""
 
@@ -65,12 +60,12 @@ class Twin:
             warnings.simplefilter("ignore")
             opt = gs.get_optimizer(gs.OptimizerConfig(lr=1e-3, clip_grad=1.0, kernel="fused", capture=mode,
                                                       capture_warmup_steps=2), self.model)
-        self.iteration = Iteration(self.model, opt, _gpt_loss, capture=mode)
+        self.iteration = Iteration(self.model, opt, models.gpt_loss, capture=mode)
         self.corpus = models.SyntheticCorpus(self.config.vocab_size, seed=0)
 
     def batches(self, step: int) -> list:
         inputs, targets = self.corpus.batch(step, self.k * self.rows, self.config.seq_len)  # on the host
-        return [(inputs[i::self.k], targets[i::self.k]) for i in range(self.k)]
+        return models.micro_batches(inputs, targets, self.k)
 
     def train(self, steps: range) -> list:
         out = []

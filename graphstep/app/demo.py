@@ -199,7 +199,7 @@ def train(settings: DemoSettings, capture: str, report: Optional[Callable[[Progr
     with cast_by_the_optimizer():
         opt = gs.get_optimizer(optimizer_config(settings, capture, world_size > 1), model)  # params -> flat buffers
     # --scope iteration: forward, backward and step in one graph (gs.Iteration), fed this rank's slice of each batch
-    iteration = Iteration(model, opt, _gpt_loss, capture=capture) if settings.scope == "iteration" else None
+    iteration = Iteration(model, opt, models.gpt_loss, capture=capture) if settings.scope == "iteration" else None
     warmup = max(1, min(50, settings.steps // 10))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(settings.steps, warmup))
     per_rank = settings.batch_size // world_size
@@ -257,12 +257,6 @@ def train(settings: DemoSettings, capture: str, report: Optional[Callable[[Progr
         iteration.close()
     opt.close()  # free this run's captured graph (and its pool) before the next run builds its own
     return run
-
-
-def _gpt_loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
-    """The loss function an iteration calls per micro-batch: the GPT's mean cross-entropy."""
-    inputs, targets = batch
-    return model(inputs, targets)
 
 
 class ProgressBar:

@@ -248,3 +248,15 @@ def batches(seed: int, batch_size: int, seq_len: int, vocab_size: int, device="c
     while True:
         yield corpus.batch(step, batch_size, seq_len, device)
         step += 1
+
+
+def gpt_loss(model: GPT, batch: tuple) -> torch.Tensor:
+    """The GPT's mean cross-entropy over an (inputs, targets) batch: the ``loss_fn`` a ``graphstep.Iteration``
+    over it calls per micro-batch."""
+    inputs, targets = batch
+    return model(inputs, targets)
+
+
+def micro_batches(inputs: torch.Tensor, targets: torch.Tensor, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A batch's rows dealt into ``k`` micro-batches (row i to micro-batch i mod k)."""
+    return [(inputs[i::k], targets[i::k]) for i in range(k)]

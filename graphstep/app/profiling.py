@@ -61,14 +61,13 @@ def run_profile(*, steps: int = 10, preset: str = "tiny", capture: str = "eager"
     opt = gs.get_optimizer(gs.OptimizerConfig(lr=1e-3, capture=capture, capture_warmup_steps=1,
                                               **precision_flags), model)
     opt.ranges.enabled = True
-    iteration = Iteration(model, opt, _gpt_loss, capture=capture) if scope == "iteration" else None
+    iteration = Iteration(model, opt, models.gpt_loss, capture=capture) if scope == "iteration" else None
 
     def train_step(step: int) -> None:
         inputs, targets = corpus.batch(step, batch_size, model_config.seq_len, device)
         with opt.ranges(f"step {step}"):
             if iteration is not None:
-                k = micro_batches
-                iteration([(inputs[i::k], targets[i::k]) for i in range(k)])
+                iteration(models.micro_batches(inputs, targets, micro_batches))
                 return
             opt.scale_loss(model(inputs, targets)).backward()
             opt.step()
@@ -100,9 +99,3 @@ def run_profile(*, steps: int = 10, preset: str = "tiny", capture: str = "eager"
     if iteration is not None:
         iteration.close()
     return ProfileSummary(trace, steps, telemetry, stage_ms)
-
-
-def _gpt_loss(model, batch):
-    """One micro-batch's loss, as the iteration calls it: the GPT's mean cross-entropy."""
-    inputs, targets = batch
-    return model(inputs, targets)
