@@ -47,7 +47,7 @@ def _train(rank, wrap, run_kind, precision, **config):
     model.eval()  # then evaluations, forward only: in the iteration, captured after the first
     evaluate = iteration.evaluate if run_kind != "loop" else torch.no_grad()(lambda mb: loss_fn(model, mb))
     evaluations = [bits(evaluate(micro_batches(50 + i + rank, k=1)[0])).clone() for i in range(EVALUATIONS)]
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in bare.parameters()]  # FSDP2: this rank's shard
+    local = [_local(p) for p in bare.parameters()]  # FSDP2: this rank's shard
     out = {"records": records, "evaluations": evaluations, "params": [bits(p).clone() for p in local],
            "loaded": loaded, "moved": moved}
     if run_kind == "graph":
