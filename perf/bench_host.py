@@ -7,6 +7,7 @@ graphstep's grads arrive through the backward stand-in (``bench_core.backward_st
 each step), so the step sees what it sees after a real backward. Ops are the aten ops one step dispatches.
 Then, for an FSDP2 model of the same params (``fully_shard`` on a one-rank gloo mesh), what its per-param
 checks cost: FSDP2's binding check (graphstep/fsdp2/bindings.py) and the ``requires_grad`` watch, timed alone.
+Every check row is timed twice: with the compiled loops (graphstep/native, built first if need be) and in Python.
 
     python perf/bench_host.py [--rounds 200] [--counts 150,1000,10000] [--json out.json]
 """
@@ -24,6 +25,7 @@ import torch  # noqa: E402
 
 from graphstep.app import bench_core as core  # noqa: E402
 from graphstep.app import bench_shapes  # noqa: E402
+from graphstep.native import build  # noqa: E402
 
 NUMEL = 64
 
@@ -41,10 +43,12 @@ def run(count: int, rounds: int) -> list[dict]:
     pipelines = {"graphstep": graphstep,
                  # The parts of the step that walk every param (see the README), the binding guard and the
                  # requires_grad watch: timed on their own, after the same refill, to show what the rest of
-                 # the host work costs.
+                 # the host work costs; then the same checks, and the whole step, with the checks in Python.
                  "guard": core.Pipeline(per_param_checks, graphstep.refill),
+                 "guard-python": core.Pipeline(_in_python(per_param_checks), graphstep.refill),
+                 "graphstep-python": core.Pipeline(_in_python(graphstep.step), graphstep.refill),
                  "torch": core.build_torch_adamw(inputs, fused=True, clip=True)}
-    ops = {key: core.count_ops(p)[0] for key, p in pipelines.items() if key != "guard"}
+    ops = {key: core.count_ops(p)[0] for key, p in pipelines.items() if key in ("graphstep", "torch")}
     times = core.time_interleaved({k: p.step for k, p in pipelines.items()}, inputs.device, warmup=5,
                                   rounds=rounds, before={k: p.refill for k, p in pipelines.items() if p.refill})
     kernel = pipelines["graphstep"].optimizer.kernel_choice.name
@@ -68,8 +72,18 @@ def fsdp2_checks(count: int, rounds: int) -> dict:
         record.shard_bindings.check()
         record.requires_grad.check()
 
-    times = core.time_interleaved({"fsdp2": checks}, inputs.device, warmup=5, rounds=rounds)
-    return {"params": count, "row": "fsdp2-checks", "ms": statistics.median(times["fsdp2"])}
+    times = core.time_interleaved({"native": checks, "python": _in_python(checks)}, inputs.device, warmup=5,
+                                  rounds=rounds)
+    return [{"params": count, "row": "fsdp2-checks" + ("" if way == "native" else "-python"),
+             "ms": statistics.median(times[way])} for way in ("native", "python")]
+
+
+def _in_python(fn):
+    """``fn`` with graphstep's per-param checks in Python (graphstep/native/build.py: as without a compiler)."""
+    def run(*args):
+        with build.python_only():
+            return fn(*args)
+    return run
 
 
 def main() -> int:
@@ -78,22 +92,30 @@ def main() -> int:
     parser.add_argument("--counts", default="150,1000,10000")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if build.wait(timeout=600) is None:
+        print(f"the native checks are not built ({build.status()}): both columns time the Python checks")
     rows = [row for count in map(int, args.counts.split(",")) for row in run(count, args.rounds)]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} interleaved rounds, "
-          f"params of {NUMEL} elements")
-    print("| params | graphstep ops/step | graphstep ms/step | of which the per-param checks, ms | "
+          f"params of {NUMEL} elements; checks: {build.status()}")
+    print("| params | graphstep ops/step | graphstep ms/step | of which the per-param checks, ms | ns a param | "
+          "checks in Python: step ms | checks ms | ns a param | "
           "torch clip_grad_norm_ + AdamW(fused) ops/step | torch ms/step |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for count in sorted({r["params"] for r in rows}):
-        g, b, t = (next(r for r in rows if r["params"] == count and r["row"] == key)
-                   for key in ("graphstep", "guard", "torch"))
-        print(f"| {count:,} | {g['ops']} | {g['ms']:.3f} | {b['ms']:.3f} | {t['ops']} | {t['ms']:.3f} |")
-    fsdp2 = _with_one_rank_group(lambda: [fsdp2_checks(count, args.rounds) for count in
-                                          map(int, args.counts.split(","))])
-    print("\n| params | FSDP2: the binding check and the requires_grad watch, ms | ns a param |")
-    print("|---:|---:|---:|")
-    for row in fsdp2:
-        print(f"| {row['params']:,} | {row['ms']:.3f} | {row['ms'] * 1e6 / row['params']:.0f} |")
+        g, b, gp, bp, t = (next(r for r in rows if r["params"] == count and r["row"] == key)
+                           for key in ("graphstep", "guard", "graphstep-python", "guard-python", "torch"))
+        print(f"| {count:,} | {g['ops']} | {g['ms']:.3f} | {b['ms']:.3f} | {b['ms'] * 1e6 / count:.0f} | "
+              f"{gp['ms']:.3f} | {bp['ms']:.3f} | {bp['ms'] * 1e6 / count:.0f} | {t['ops']} | {t['ms']:.3f} |")
+    fsdp2 = _with_one_rank_group(lambda: [row for count in map(int, args.counts.split(","))
+                                          for row in fsdp2_checks(count, args.rounds)])
+    print("\n| params | FSDP2: the binding check and the requires_grad watch, ms | ns a param | in Python, ms | "
+          "ns a param |")
+    print("|---:|---:|---:|---:|---:|")
+    for count in sorted({r["params"] for r in fsdp2}):
+        native, python = (next(r for r in fsdp2 if r["params"] == count and r["row"] == key)
+                          for key in ("fsdp2-checks", "fsdp2-checks-python"))
+        print(f"| {count:,} | {native['ms']:.3f} | {native['ms'] * 1e6 / count:.0f} | {python['ms']:.3f} | "
+              f"{python['ms'] * 1e6 / count:.0f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows + fsdp2, indent=1))
     return 0

@@ -16,6 +16,7 @@ import torch
 
 import gpu_check_torch_api
 from capture.devices import is_cuda
+from graphstep.native import build as native_checks
 from gpu_check_numerics import NO_CUDA, record
 from gpu_check_parts import BY_NAME
 
@@ -140,9 +141,12 @@ def part_preflight(device, small: bool) -> list[dict]:
         facts["device"] = f"cpu ({platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)"
     problems = _compile_problems(device)
     facts["compile_problems"] = problems
+    native_checks.wait(timeout=300)  # built here if need be: the per-param checks' compiled loops, or why not
+    facts["native_checks"] = native_checks.status()
     detail = (f"Python {facts['python']}, torch {facts['torch']}, CUDA {facts['cuda_build']}, driver "
               f"{facts['driver']}, NCCL {facts.get('nccl', '—')}, Triton {facts['triton']}, {facts['device']}; "
-              f"absent: {', '.join(k for k, v in facts['optional'].items() if v == 'absent') or 'nothing'}; compiles: "
+              f"absent: {', '.join(k for k, v in facts['optional'].items() if v == 'absent') or 'nothing'}; "
+              f"per-param checks: {facts['native_checks']}; compiles: "
               + ("; ".join(f"{what}: {why}" for what, why in problems.items()) or "the update and a scalar graph"))
     return [record("preflight", "fail" if problems else "pass", detail, **facts), private_api()]
 

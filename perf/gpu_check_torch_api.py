@@ -55,6 +55,8 @@ NAMES = (
     "torch._dynamo.mark_dynamic", "torch._dynamo.config.patch", "torch._dynamo.callback.callback_handler",
     "torch._inductor.config.get_config_copy", "torch._inductor.cpu_vec_isa.pick_vec_isa",
     "torch._inductor.runtime.cache_dir_utils.cache_dir",
+    # graphstep/native: the compiled per-param checks are built against the running torch's C++ ABI
+    "torch._C._GLIBCXX_USE_CXX11_ABI",
     # sharded checkpoints and FSDP2's placements
     "torch.distributed._shard.metadata.ShardMetadata", "torch.distributed._shard.sharded_tensor.Shard",
     "torch.distributed._shard.sharded_tensor.ShardedTensor",

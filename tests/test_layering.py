@@ -78,12 +78,13 @@ def test_the_library_names_no_accelerator_type():
 
 
 # Each folder of graphstep/ and the folders it may import, bottom to top: what the step needs at build time
-# (config, families, kernels, fp8, parallel) under the plan (plan), the storage (state), the step's math
+# (config, families, kernels, fp8, parallel, and the native helpers) under the plan (plan), the storage (state), the step's math
 # (step), the model hooks (hooks), running it (run) and the optional layers that span them (offload,
 # checkpoint). The top-level modules (engine, wrap, scheduler, the public qk_clip) and the app may import
 # any of them.
-_BUILD_INPUTS = {"config", "families", "kernels", "fp8", "parallel"}
+_BUILD_INPUTS = {"config", "families", "kernels", "fp8", "parallel", "native"}
 ALLOWED = {
+    "native": set(),
     "kernels": set(),
     "fp8": set(),
     "parallel": set(),
@@ -257,6 +258,7 @@ def test_the_engine_keeps_no_private_aliases_of_its_record():
 # tests inspect to see what graphstep did to them), and graphstep's internals no public reader offers yet.
 _PRIVATE_READS_ALLOWED = {
     "_local_tensor": "torch's DTensor: the local shard a rank holds, what FSDP2's tests compare",
+    "_version": "torch's Tensor version counter: what graphstep/native's version check must read alike",
     "_forward_hooks": "torch's nn.Module hook dicts: tests check graphstep's hooks are installed and removed",
     "_forward_pre_hooks": "torch's nn.Module hook dicts (as above)",
     "_backward_hooks": "torch's Tensor hook dict (as above)",

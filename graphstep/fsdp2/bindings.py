@@ -9,24 +9,22 @@ After ``allocate`` each ``LocalShard.local`` is a view of the flat param buffer 
   FSDP2 then accumulates its reduce-scattered grad into it in place (``grad._local_tensor += ...``) instead of
   handing out a fresh tensor, so the step reads the grads where they landed.
 
-``check`` runs before every step, in C-level passes over the params: a grad FSDP2 or the user replaced
-(``set_to_none`` zeroing, a ``p.grad = ...``) is copied in (None: zeros) and the prepared one set back; a param
-whose sharded data FSDP2 moved (``model.to(...)``, a ``load_state_dict`` into another storage) has its values
-copied in and is bound again. The buffers' addresses never change, so a captured step stays valid.
+``check`` runs before every step, one pass over the params per attribute (graphstep/native/param_checks.py):
+a grad FSDP2 or the user replaced (``set_to_none`` zeroing, a ``p.grad = ...``) is copied in (None: zeros) and
+the prepared one set back; a param whose sharded data FSDP2 moved (``model.to(...)``, a ``load_state_dict``
+into another storage) has its values copied in and is bound again. The buffers' addresses never change, so a captured step stays valid.
 """
 
 from __future__ import annotations
 
 import operator
 
-import torch
-
+from ..native import param_checks
 from ..state.buffers import refuse_conversion
 from .shards import LocalShard
 
 _SHARDED_DATA = operator.attrgetter("_sharded_param_data")  # of an FSDPParam: what its all-gather reads
 _LOCAL = operator.attrgetter("_local_tensor")  # of a DTensor param
-_GRAD = operator.attrgetter("grad")
 
 
 class FsdpBindings:
@@ -39,7 +37,7 @@ class FsdpBindings:
         self._views = [buffers.param_view(i) for i in range(len(shards))]
         self._grad_views = [buffers.grad_view(i) for i in range(len(shards))]
         self._grads = [s.fsdp_param.to_sharded_dtensor(s.real_rows(g)) for s, g in zip(shards, self._grad_views)]
-        self._data_ptrs = [view.data_ptr() for view in self._views]
+        self._data_ptrs = param_checks.int64s(view.data_ptr() for view in self._views)
         self.grads_taken_at_build = 0  # grads a backward left before the build: copied into the flat grads
         for i in range(len(shards)):
             self._bind_param(i)
@@ -54,11 +52,12 @@ class FsdpBindings:
 
     def _moved(self) -> list[int]:
         """The params whose sharded data or local tensor is no longer their view of the flat buffer."""
-        sharded = list(map(torch.Tensor.data_ptr, map(_SHARDED_DATA, self._fsdp_params)))
-        local = list(map(torch.Tensor.data_ptr, map(_LOCAL, self._params)))
-        if sharded == self._data_ptrs and local == self._data_ptrs:
+        sharded, local = list(map(_SHARDED_DATA, self._fsdp_params)), list(map(_LOCAL, self._params))
+        if (param_checks.first_unbound(sharded, data_ptrs=self._data_ptrs) < 0
+                and param_checks.first_unbound(local, data_ptrs=self._data_ptrs) < 0):
             return []
-        return [i for i, (a, b, bound) in enumerate(zip(sharded, local, self._data_ptrs)) if a != bound or b != bound]
+        return [i for i, (a, b, bound) in enumerate(zip(sharded, local, self._data_ptrs))
+                if a.data_ptr() != bound or b.data_ptr() != bound]
 
     def check(self) -> None:
         """Copy in and re-bind what was replaced since the last step (a param moved to another device or cast
@@ -70,9 +69,8 @@ class FsdpBindings:
             shard = self.shards[i]
             shard.real_rows(self._views[i]).copy_(shard.param._local_tensor)  # FSDP2's own: the real rows
             self._bind_param(i)
-        with torch._C.DisableTorchFunctionSubclass():  # the DTensor's own grad attribute, read without dispatch
-            if all(map(operator.is_, map(_GRAD, self._params), self._grads)):
-                return
+        if param_checks.first_unbound(self._params, grads=self._grads) < 0:  # the DTensor's own grad attribute
+            return
         for i, shard in enumerate(self.shards):
             grad = shard.param.grad
             if grad is not self._grads[i]:

@@ -6,20 +6,16 @@ decay and momentum, where torch's optimizers skip a param whose grad is None. A 
 at the build and requires grad later has no place in the buffers and would never be stepped. Either would
 train a different model than the user asked for without a word, so the step refuses.
 
-torch has no hook on ``requires_grad``: the check reads the flag of every param concerned, one C-level
-``map`` per list (a small part of the per-param binding check the step runs anyway, state/buffers.py), with
-tensor subclasses' ``__torch_function__`` off (a DTensor param's flag is read twice as fast, the same flag).
+torch has no hook on ``requires_grad``: the check reads the flag of every param concerned, one pass per list
+(graphstep/native/param_checks.py), as the binding check reads their data and grads (state/buffers.py).
 """
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
 from ..config.listing import listed
-
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+from ..native import param_checks
 
 
 class RequiresGradWatch:
@@ -37,8 +33,8 @@ class RequiresGradWatch:
         self._frozen = [p for _, p in frozen]
 
     def check(self) -> None:
-        with torch._C.DisableTorchFunctionSubclass():
-            held_ok, frozen_ok = all(map(_REQUIRES_GRAD, self._held)), not any(map(_REQUIRES_GRAD, self._frozen))
+        held_ok = param_checks.first_unbound(self._held, requires_grad=True) < 0
+        frozen_ok = param_checks.first_unbound(self._frozen, requires_grad=False) < 0
         if not held_ok:
             names = [n for n, p in zip(self._held_names, self._held) if not p.requires_grad]
             raise RuntimeError(

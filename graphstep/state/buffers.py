@@ -18,12 +18,12 @@ from typing import Any, Optional
 
 import torch
 
+from ..native import param_checks
 from ..plan.layout import Layout
 from ..fp8 import is_fp8
 from ..fp8.engine_support import main_values
 from .shard_parts import ShardParts
 
-_GRAD = operator.attrgetter("grad")
 _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
 
@@ -65,7 +65,8 @@ class StaticBuffers(ShardParts):
     with ``shard_part`` (shard coordinates) after asking ``keeps_state``."""
     params: list[torch.nn.Parameter]  # in layout (input) order
     _main_grads: list = field(default_factory=list)  # each param's main_grad view, kept for identity checks
-    _param_ptrs: list = field(default_factory=list)
+    _param_ptrs: Any = None  # each param view's data pointer, as graphstep.native.param_checks takes them
+    _bound_grads: list = field(default_factory=list)  # per param, its grad view where ``.grad`` is one, else None
     _param_keys: list = field(default_factory=list)  # (data_ptr, dtype, shape) per param view
     _grad_params: list = field(default_factory=list)  # params whose .grad is a view of grad_flat
     _grad_views: list = field(default_factory=list)  # those views, one object each, kept for identity checks
@@ -85,12 +86,13 @@ class StaticBuffers(ShardParts):
     def record_bindings(self) -> None:
         """Remember what every param, grad and buffer slot points at now (right after allocation)."""
         views = [self.param_view(i) for i in range(len(self.params))]
-        self._param_ptrs = [view.data_ptr() for view in views]
+        self._param_ptrs = param_checks.int64s(view.data_ptr() for view in views)
         self._param_keys = [(view.data_ptr(), view.dtype, view.shape) for view in views]
         same_dtype = [i for i in range(len(self.params)) if self.grads_in_param_dtype(i)]
         self._grad_params = [self.params[i] for i in same_dtype]
         self._grad_views = [self.grad_view(i) for i in same_dtype]
         self._grad_view_of = dict(zip(same_dtype, self._grad_views))
+        self._bound_grads = [self._grad_view_of.get(i) for i in range(len(self.params))]
         self._originals = {(kind, b): t for kind, tensors in self._slots() for b, t in enumerate(tensors)}
 
     def _slots(self):
@@ -99,15 +101,10 @@ class StaticBuffers(ShardParts):
         yield from self.state.items()
 
     def bindings_intact(self) -> bool:
-        """One cheap pass per step: every param still a view of ``param_flat``, every grad of ``grad_flat``.
-
-        C-level map()s over the params (data pointers, and the grad objects by identity: a grad assigned
-        by ``bind_grads`` stays the very same Python object while backward accumulates into it) keep this
-        a few times cheaper than a Python loop over the params (docs/perf-notes.md).
-        """
-        if list(map(torch.Tensor.data_ptr, self.params)) != self._param_ptrs:
-            return False
-        return all(map(operator.is_, map(_GRAD, self._grad_params), self._grad_views))
+        """One cheap pass per step: every param still a view of ``param_flat``, every grad of ``grad_flat``
+        (the data pointers, and the grad objects by identity: a grad assigned by ``bind_grads`` stays the very
+        same Python object while backward accumulates into it), in graphstep/native/param_checks.py's loops."""
+        return param_checks.first_unbound(self.params, data_ptrs=self._param_ptrs, grads=self._bound_grads) < 0
 
     def restore_replaced_buffers(self) -> list[str]:
         """Copy the values of any buffer or state tensor that was replaced in its list (e.g. a checkpoint

@@ -17,6 +17,7 @@ import operator
 import torch
 
 from ..fp8 import dequantize, quantize
+from ..native import param_checks
 
 _VERSION = operator.attrgetter("_version")
 _NO_ALIAS = torch.empty(0)  # the alias of a param that has none: never written, so its counter never moves
@@ -56,19 +57,27 @@ class ParamWrites:
         self._alias_tensors = [_NO_ALIAS if alias is None else alias for alias in map(aliases.alias_of, self._watched)]
         return True
 
-    def _read_versions(self) -> tuple[list, list]:
+    def _read_versions(self) -> tuple:
         """The watched params' version counters, and their aliases' (a never-written stand-in's where a param has
-        none): two C-level maps, no per-param Python, as this runs before every step."""
-        return list(map(_VERSION, self._watched)), list(map(_VERSION, self._alias_tensors))
+        none)."""
+        return (param_checks.int64s(map(_VERSION, self._watched)),
+                param_checks.int64s(map(_VERSION, self._alias_tensors)))
+
+    def _unwritten(self) -> bool:
+        """Whether no counter moved since the last call: the check before every step, one pass per list
+        (graphstep/native/param_checks.py)."""
+        params_was, aliases_was = self._versions
+        return (param_checks.first_other_version(self._watched, params_was) < 0
+                and param_checks.first_other_version(self._alias_tensors, aliases_was) < 0)
 
     def copy_writes_into_main(self, everything: bool = False) -> None:
         """Copy into this rank's main params every element written into the params (or through their
         state-dict aliases) since the last call (``everything``: compare every watched param, written or not;
         so is every one after the aliases changed)."""
         everything = self._refresh_aliases() or everything
-        versions = self._read_versions()
-        if versions == self._versions and not everything:
+        if not everything and self._unwritten():
             return
+        versions = self._read_versions()
         buffers = self._buffers
         (params_was, aliases_was), (params_now, aliases_now) = self._versions, versions
         for index, was, now, alias_was, alias_now in zip(self._ranges, params_was, params_now, aliases_was,
