@@ -5,6 +5,7 @@ and the Python fallback (within ``build.python_only()``, as where no compiler is
 starts a fresh interpreter with the library disabled, or with a compiler that fails, and reads its status.
 """
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -189,3 +190,20 @@ def test_disabled_or_unbuildable_leaves_the_checks_in_python(tmp_path):
     assert failing.startswith("python: the native checks could not be built (RuntimeError: false exited 1")
     assert not list((tmp_path / "graphstep_native").glob("*.so"))
     assert not list((tmp_path / "graphstep_native").glob("*.partial"))
+
+
+def test_a_process_that_exits_while_compiling_leaves_the_library_built(tmp_path):
+    # The first process starts the build and exits as soon as its compiler runs (as a test's rank may); the
+    # compiler finishes and publishes the library, and the next process loads that one after waiting on the lock.
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    folder = tmp_path / "graphstep_native"
+    leave = ("import os, pathlib, time; from graphstep.native import build; build.loaded()\n"
+             f"while not list(pathlib.Path({str(folder)!r}).glob('*.partial')): time.sleep(0.05)\n"
+             "os._exit(0)")
+    subprocess.run([sys.executable, "-c", leave], env=env, timeout=120, check=True)
+    assert list(folder.glob("*.partial")) and not list(folder.glob("*.so"))  # still compiling
+    (lock,) = folder.glob("*.lock")
+    with open(lock) as handle, pytest.raises(BlockingIOError):  # held by the compiler's shell: B waits
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert _status_in_a_fresh_process({"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}).startswith("native: ")
+    assert len(list(folder.glob("*.so"))) == 1 and not list(folder.glob("*.partial"))

@@ -2,10 +2,10 @@
 
 The first call of ``loaded()`` in a process starts a thread that finds the library in the cache (inductor's
 cache folder, keyed by the source, torch's and Python's builds) or compiles it there with the machine's C++
-compiler against the running torch's headers (about half a minute on two cores; one process compiles while
-the others wait on a file lock). Until then, and wherever it cannot be built (no compiler, no headers, or
-``GRAPHSTEP_NATIVE_CHECKS=0``), ``loaded()`` returns None and the callers run the same checks in Python:
-the library only makes them cheaper. ``status()`` says which, and why.
+compiler against the running torch's headers (one process compiles while the others wait on a file lock; a
+process that exits meanwhile leaves its compiler to finish). Until then, and wherever it cannot be built (no
+compiler, no headers, or ``GRAPHSTEP_NATIVE_CHECKS=0``), ``loaded()`` returns None and the callers run the
+same checks in Python: the library only makes them cheaper. ``status()`` says which, and why.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import importlib.util
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -102,9 +103,9 @@ def _build_and_load(build: _Build) -> None:
         path = library_path()
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-            with _file_lock(path.with_suffix(".lock")):
+            with _file_lock(path.with_suffix(".lock")) as lock:
                 if not path.exists():  # another process may have built it while this one waited
-                    compile_library(path)
+                    compile_library(path, lock)
         build.module = _load(path)
         build.status = f"native: {path}"
     except Exception as error:  # noqa: BLE001 - any failure leaves the checks in Python, and says why
@@ -126,8 +127,12 @@ def _flags() -> list[str]:
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
 
 
-def compile_library(path: Path) -> None:
-    """Compile the source into ``path`` (written whole or not at all: a reader never sees half a library)."""
+def compile_library(path: Path, lock: Optional[int] = None) -> None:
+    """Compile the source into ``path``, written whole or not at all: a reader never sees half a library.
+
+    The compiler and the move into place run in one shell that also holds ``lock`` (a locked file's
+    descriptor): a process that exits while it compiles (a test's rank, a short script) leaves the shell to
+    finish and publish the library, and the next process waits for it instead of compiling again."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (set CXX, or install g++)")
@@ -139,10 +144,11 @@ def compile_library(path: Path) -> None:
     try:
         command = [compiler, *_flags(), *includes, str(SOURCE), "-o", partial, f"-L{libraries}",
                    f"-Wl,-rpath,{libraries}", "-lc10", "-ltorch_cpu", "-ltorch_python"]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        script = f"{shlex.join(command)} && mv -f {shlex.quote(partial)} {shlex.quote(str(path))}"
+        result = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=600,
+                                pass_fds=() if lock is None else (lock,))
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} exited {result.returncode}: {result.stderr.strip()[-2000:]}")
-        os.replace(partial, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(partial)
@@ -153,10 +159,7 @@ def _file_lock(path: Path):
     import fcntl
     with open(path, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        yield handle.fileno()  # released when every descriptor of it is closed: this one, and a compiler's
 
 
 def _load(path: Path):
