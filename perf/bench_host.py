@@ -7,7 +7,8 @@ graphstep's grads arrive through the backward stand-in (``bench_core.backward_st
 each step), so the step sees what it sees after a real backward. Ops are the aten ops one step dispatches.
 Then, for an FSDP2 model of the same params (``fully_shard`` on a one-rank gloo mesh), what its per-param
 checks cost: FSDP2's binding check (graphstep/fsdp2/bindings.py) and the ``requires_grad`` watch, timed alone.
-Every check row is timed twice: with the compiled loops (graphstep/native, built first if need be) and in Python.
+Every check row is timed with the compiled loops (graphstep/native, built first if need be) and in Python, cold
+(right after the refill, as in the step) and warm (right after the same checks ran once more, untimed).
 
     python perf/bench_host.py [--rounds 200] [--counts 150,1000,10000] [--json out.json]
 """
@@ -46,6 +47,11 @@ def run(count: int, rounds: int) -> list[dict]:
                  # the host work costs; then the same checks, and the whole step, with the checks in Python.
                  "guard": core.Pipeline(per_param_checks, graphstep.refill),
                  "guard-python": core.Pipeline(_in_python(per_param_checks), graphstep.refill),
+                 # Warm: the same checks, run once more untimed right before, so the params' objects are in
+                 # cache (as where the host does not stream the buffers: a GPU's).
+                 "guard-warm": core.Pipeline(per_param_checks, _then(graphstep.refill, per_param_checks)),
+                 "guard-python-warm": core.Pipeline(_in_python(per_param_checks),
+                                                    _then(graphstep.refill, _in_python(per_param_checks))),
                  "graphstep-python": core.Pipeline(_in_python(graphstep.step), graphstep.refill),
                  "torch": core.build_torch_adamw(inputs, fused=True, clip=True)}
     ops = {key: core.count_ops(p)[0] for key, p in pipelines.items() if key in ("graphstep", "torch")}
@@ -78,6 +84,13 @@ def fsdp2_checks(count: int, rounds: int) -> dict:
              "ms": statistics.median(times[way])} for way in ("native", "python")]
 
 
+def _then(*fns):
+    def run():
+        for fn in fns:
+            fn()
+    return run
+
+
 def _in_python(fn):
     """``fn`` with graphstep's per-param checks in Python (graphstep/native/build.py: as without a compiler)."""
     def run(*args):
@@ -97,15 +110,19 @@ def main() -> int:
     rows = [row for count in map(int, args.counts.split(",")) for row in run(count, args.rounds)]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} interleaved rounds, "
           f"params of {NUMEL} elements; checks: {build.status()}")
-    print("| params | graphstep ops/step | graphstep ms/step | of which the per-param checks, ms | ns a param | "
-          "checks in Python: step ms | checks ms | ns a param | "
+    print("| params | graphstep ops/step | graphstep ms/step | per-param checks, ms | ns a param | warm, ns a param | "
+          "checks in Python: step ms | checks ms | ns a param | warm, ns a param | "
           "torch clip_grad_norm_ + AdamW(fused) ops/step | torch ms/step |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for count in sorted({r["params"] for r in rows}):
-        g, b, gp, bp, t = (next(r for r in rows if r["params"] == count and r["row"] == key)
-                           for key in ("graphstep", "guard", "graphstep-python", "guard-python", "torch"))
-        print(f"| {count:,} | {g['ops']} | {g['ms']:.3f} | {b['ms']:.3f} | {b['ms'] * 1e6 / count:.0f} | "
-              f"{gp['ms']:.3f} | {bp['ms']:.3f} | {bp['ms'] * 1e6 / count:.0f} | {t['ops']} | {t['ms']:.3f} |")
+        g, b, bw, gp, bp, bpw, t = (
+            next(r for r in rows if r["params"] == count and r["row"] == key)
+            for key in ("graphstep", "guard", "guard-warm", "graphstep-python", "guard-python", "guard-python-warm",
+                        "torch"))
+        per_param = {key: row["ms"] * 1e6 / count for key, row in (("b", b), ("bw", bw), ("bp", bp), ("bpw", bpw))}
+        print(f"| {count:,} | {g['ops']} | {g['ms']:.3f} | {b['ms']:.3f} | {per_param['b']:.0f} | "
+              f"{per_param['bw']:.0f} | {gp['ms']:.3f} | {bp['ms']:.3f} | {per_param['bp']:.0f} | "
+              f"{per_param['bpw']:.0f} | {t['ops']} | {t['ms']:.3f} |")
     fsdp2 = _with_one_rank_group(lambda: [row for count in map(int, args.counts.split(","))
                                           for row in fsdp2_checks(count, args.rounds)])
     print("\n| params | FSDP2: the binding check and the requires_grad watch, ms | ns a param | in Python, ms | "

@@ -94,6 +94,17 @@ def test_the_first_changed_param_is_found(way, change):
     assert param_checks.first_unbound(params, grads=[None if i in (7, 23) else v for i, v in enumerate(views)]) == -1
 
 
+def test_a_param_swapped_with_another_tensor_is_found(way):
+    # torch.utils.swap_tensors (what nn.Module.to does for DTensor params, or for any with
+    # torch.__future__.set_swap_module_params_on_conversion) gives a param's Python object another TensorImpl:
+    # the checks must read through the object each time, never keep its TensorImpl.
+    params, views, ptrs = _bound()
+    other = torch.nn.Parameter(torch.zeros(8))
+    torch.utils.swap_tensors(params[9], other)
+    del other  # the param's old TensorImpl goes with it
+    assert param_checks.first_unbound(params, data_ptrs=ptrs, grads=views, requires_grad=True) == 9
+
+
 def test_versions_are_read_per_param(way):
     params, _, _ = _bound()
     versions = _versions(params)
