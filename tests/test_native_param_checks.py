@@ -22,18 +22,21 @@ N = 40
 @pytest.fixture(scope="module")
 def compiled():
     module = build.wait(timeout=600)
+    if module is None and "no C++ compiler" in build.status():
+        pytest.skip(build.status())  # the cases' Python half runs all the same
     assert module is not None, build.status()
     assert build.status().startswith("native: ")
     return module
 
 
 @pytest.fixture(params=["native", "python"])
-def way(request, compiled):
+def way(request):
     if request.param == "python":
         with build.python_only():
             assert build.loaded() is None
             yield request.param
     else:
+        compiled = request.getfixturevalue("compiled")
         assert build.loaded() is compiled
         yield request.param
 
