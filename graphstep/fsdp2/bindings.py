@@ -9,10 +9,10 @@ After ``allocate`` each ``LocalShard.local`` is a view of the flat param buffer 
   FSDP2 then accumulates its reduce-scattered grad into it in place (``grad._local_tensor += ...``) instead of
   handing out a fresh tensor, so the step reads the grads where they landed.
 
-``check`` runs before every step, one pass over the params per attribute (graphstep/native/param_checks.py):
-a grad FSDP2 or the user replaced (``set_to_none`` zeroing, a ``p.grad = ...``) is copied in (None: zeros) and
-the prepared one set back; a param whose sharded data FSDP2 moved (``model.to(...)``, a ``load_state_dict``
-into another storage) has its values copied in and is bound again. The buffers' addresses never change, so a captured step stays valid.
+``check`` runs before every step (its passes: graphstep/native/param_checks.py): a grad FSDP2 or the user
+replaced (``set_to_none`` zeroing, a ``p.grad = ...``) is copied in (None: zeros) and the prepared one set back;
+a param whose sharded data FSDP2 moved (``model.to(...)``, a ``load_state_dict`` into another storage) has its
+values copied in and is bound again. The buffers' addresses never change, so a captured step stays valid.
 """
 
 from __future__ import annotations

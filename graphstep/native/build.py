@@ -85,8 +85,10 @@ def status() -> str:
 def _start() -> None:
     global _build
     with _lock:
-        if _build.pid != os.getpid():
-            _build = _Build()  # a forked child: the parent's thread did not come along
+        if _build.pid != os.getpid():  # a forked child: the parent's thread did not come along, its library did
+            parent, _build = _build, _Build()
+            if parent.module is not None:
+                _build.module, _build.status = parent.module, parent.status
         if _build.thread is not None or _build.module is not None:
             return
         if os.environ.get(DISABLE_VARIABLE, "1") == "0":
