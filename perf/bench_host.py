@@ -64,8 +64,9 @@ def run(count: int, rounds: int) -> list[dict]:
     return rows
 
 
-def fsdp2_checks(count: int, rounds: int) -> dict:
-    """ms of an FSDP2 engine's per-param checks over ``count`` params (the process group is made by the caller)."""
+def fsdp2_checks(count: int, rounds: int) -> list[dict]:
+    """ms of an FSDP2 engine's per-param checks over ``count`` params, compiled and in Python (the process group
+    is made by the caller)."""
     from torch.distributed.fsdp import fully_shard
 
     import graphstep as gs
