@@ -42,13 +42,18 @@ def first_unbound(tensors: list, *, data_ptrs: Optional[array.array] = None, gra
     return min((i for i in found if i >= 0), default=-1)
 
 
-def first_other_version(tensors: list, versions: array.array) -> int:
-    """The first ``i`` with ``tensors[i]._version != versions[i]``, or -1."""
+def versions(tensors: list) -> array.array:
+    """The tensors' version counters now, as ``first_other_version`` takes them."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return int64s(map(_VERSION, tensors))
+
+
+def first_other_version(tensors: list, expected: array.array) -> int:
+    """The first ``i`` with ``tensors[i]._version != expected[i]``, or -1."""
     module = build.loaded()
     if module is not None:
-        return module.first_other_version(tensors, versions)
-    with torch._C.DisableTorchFunctionSubclass():
-        return _first_difference(int64s(map(_VERSION, tensors)), versions)
+        return module.first_other_version(tensors, expected)
+    return _first_difference(versions(tensors), expected)
 
 
 def _first_other_data_ptr(tensors: list, data_ptrs: array.array) -> int:

@@ -12,14 +12,11 @@ element by element, so elements whose value did not change keep the main params'
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
 from ..fp8 import dequantize, quantize
 from ..native import param_checks
 
-_VERSION = operator.attrgetter("_version")
 _NO_ALIAS = torch.empty(0)  # the alias of a param that has none: never written, so its counter never moves
 
 
@@ -60,8 +57,7 @@ class ParamWrites:
     def _read_versions(self) -> tuple:
         """The watched params' version counters, and their aliases' (a never-written stand-in's where a param has
         none)."""
-        return (param_checks.int64s(map(_VERSION, self._watched)),
-                param_checks.int64s(map(_VERSION, self._alias_tensors)))
+        return param_checks.versions(self._watched), param_checks.versions(self._alias_tensors)
 
     def _unwritten(self) -> bool:
         """Whether no counter moved since the last call: the check before every step, one pass per list
