@@ -66,10 +66,10 @@ class StaticBuffers(ShardParts):
     params: list[torch.nn.Parameter]  # in layout (input) order
     _main_grads: list = field(default_factory=list)  # each param's main_grad view, kept for identity checks
     _param_ptrs: Any = None  # each param view's data pointer, as graphstep.native.param_checks takes them
-    _bound_grads: list = field(default_factory=list)  # per param, its grad view where ``.grad`` is one, else None
+    _bound_grads: list = field(default_factory=list)
+    """Per param, its ``grad_flat`` view where its ``.grad`` is one (one object each, kept for identity checks),
+    else None: grads that accumulate into an fp32 main grad."""
     _param_keys: list = field(default_factory=list)  # (data_ptr, dtype, shape) per param view
-    _grad_params: list = field(default_factory=list)  # params whose .grad is a view of grad_flat
-    _grad_views: list = field(default_factory=list)  # those views, one object each, kept for identity checks
     _originals: dict = field(default_factory=dict)
     host: Optional[Any] = None  # graphstep.offload.HostShards: the shard's host part, or None
     grads_taken_at_build: int = 0  # params whose grad, left by a backward before the build, is in grad_flat
@@ -88,11 +88,8 @@ class StaticBuffers(ShardParts):
         views = [self.param_view(i) for i in range(len(self.params))]
         self._param_ptrs = param_checks.int64s(view.data_ptr() for view in views)
         self._param_keys = [(view.data_ptr(), view.dtype, view.shape) for view in views]
-        same_dtype = [i for i in range(len(self.params)) if self.grads_in_param_dtype(i)]
-        self._grad_params = [self.params[i] for i in same_dtype]
-        self._grad_views = [self.grad_view(i) for i in same_dtype]
-        self._grad_view_of = dict(zip(same_dtype, self._grad_views))
-        self._bound_grads = [self._grad_view_of.get(i) for i in range(len(self.params))]
+        self._bound_grads = [self.grad_view(i) if self.grads_in_param_dtype(i) else None
+                             for i in range(len(self.params))]
         self._originals = {(kind, b): t for kind, tensors in self._slots() for b, t in enumerate(tensors)}
 
     def _slots(self):
@@ -156,14 +153,14 @@ class StaticBuffers(ShardParts):
     def grad_bound(self, index: int) -> bool:
         """Whether param ``index``'s ``.grad`` is its ``grad_flat`` view (always, for grads that accumulate into
         an fp32 main grad: their ``.grad`` is None between backwards by design)."""
-        view = self._grad_view_of.get(index)
+        view = self._bound_grads[index]
         return view is None or self.params[index].grad is view
 
     def adopt_grad(self, index: int, param: torch.nn.Parameter) -> None:
         """From a backward hook: a grad autograd made afresh (the user had set it to None) moves into its
         ``grad_flat`` view, as ``bind_grads`` would before the step, so that what reads the view now (a
         reduce-scatter, a folded norm) reads this backward's grad."""
-        view = self._grad_view_of.get(index)  # the very object bindings_intact checks for
+        view = self._bound_grads[index]  # the very object bindings_intact checks for
         if view is not None and param.grad is not None:  # None view: grads accumulate into an fp32 main grad
             _rebind_grad(param, view)
 
@@ -173,13 +170,13 @@ class StaticBuffers(ShardParts):
         Cheap host-side work, run before each step: a user's ``model.zero_grad()`` (set_to_none) or a
         ``p.grad = ...`` assignment must not make the step read stale memory. A grad set to None means
         "no grad": its view is zeroed, so the step applies exactly what a zero grad would. (Params whose
-        grads accumulate into an fp32 ``main_grad`` are not listed: their ``.grad`` is None between
+        grads accumulate into an fp32 ``main_grad`` are left alone: their ``.grad`` is None between
         backwards by design, and only ``opt.zero_grad()`` clears ``main_grad``.)
         """
         zeroed, copied_into, copied_from = [], [], []  # one foreach op each, however many params
-        for p, view in zip(self._grad_params, self._grad_views):
+        for p, view in zip(self.params, self._bound_grads):
             grad = p.grad
-            if grad is view:
+            if view is None or grad is view:
                 continue
             if grad is None:
                 zeroed.append(view)
