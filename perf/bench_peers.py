@@ -1,7 +1,7 @@
 """graphstep's default step against the peers that compile instead of capture, in one interleaved run.
 
     python perf/bench_peers.py [--quick] [--rounds 20] [--warmup 3] [--shapes gpt2,many-small] [--rows ...]
-                               [--no-startup] [--json out.json]
+                               [--start-limit 600] [--no-startup] [--json out.json]
 
 Rows (what each runs: perf/peer_pipelines.py): graphstep's default config; torch's ``clip_grad_norm_`` +
 fused AdamW; torch's compiled-optimizer recipe (``torch.compile`` around ``opt.step()``, the lr a tensor) with
@@ -19,7 +19,8 @@ phases fall on every row alike; the table gives medians, each row's ratio of med
 95% bootstrap interval over the rounds (``bench_stats.ratio_interval``), and its ratio to the floor. Compile
 time is apart from the steady state: "build + first step" is the seconds from the row's construction to
 the end of its first step (where the compiled rows compile; graphstep's probe of torch.compile runs in its
-build), and the warm-up steps after it are untimed.
+build), and the warm-up steps after it are untimed. A row not started within ``--start-limit`` seconds is given
+up and says so (at 10,000 tensors the compiled peers' compiles outlast it: docs/performance.md).
 
 Then the startup table (perf/peer_startup.py): build and first step of graphstep, torch fused AdamW + clip,
 the compiled torch step with clip and heavyball with clip, each in a fresh process, with an empty inductor
@@ -31,13 +32,16 @@ The 1-min load average is printed before each shape set: this machine may be sha
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -62,25 +66,56 @@ def shape_sets(quick: bool) -> dict:
             "tiny": ("16 x 1,024", bench_shapes.many_tensors(16, 1024))}
 
 
-def run_shape(rows: list[str], inputs: core.Inputs, warmup: int, rounds: int) -> list[dict]:
-    """Every row built (build and first step timed), warmed up, then timed round-robin; a row that fails to
-    build or run keeps its error and the others go on."""
+class StartTooSlow(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def start_limit(seconds: Optional[float]):
+    """Give up a row whose build and first step (where the compiled rows compile) take over ``seconds``:
+    SIGALRM raises ``StartTooSlow`` out of whatever Python runs then (in the main thread). Raised again on the
+    way out where a library caught it and went on, so such a row is never timed."""
+    if seconds is None:
+        yield
+        return
+    why = f"build and first step not finished within {seconds:.0f} s (given up)"
+    fired = []
+
+    def expire(signum, frame):
+        fired.append(signum)
+        raise StartTooSlow(why)
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    if fired:
+        raise StartTooSlow(why)
+
+
+def run_shape(rows: list[str], inputs: core.Inputs, warmup: int, rounds: int,
+              start_limit_s: Optional[float] = None) -> list[dict]:
+    """Every row built (build and first step timed, each row within ``start_limit_s``), warmed up, then timed
+    round-robin; a row that fails to build or run, or to start in time, keeps its error and the others go on."""
     grads = peers.SharedGrads(inputs)
     results = {row: {"row": row, "label": peers.LABELS[row]} for row in rows}
     steps, refills = {}, {}
     for row in rows:
         print(f"  building {row} ...", end="", file=sys.stderr, flush=True)
         try:
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                pipeline = peers.BUILDERS[row](inputs, grads)
-            build_s = time.perf_counter() - t0
-            if pipeline.refill is not None:
-                pipeline.refill()
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                pipeline.step()
-            first_s = time.perf_counter() - t0
+            with start_limit(start_limit_s):
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    pipeline = peers.BUILDERS[row](inputs, grads)
+                build_s = time.perf_counter() - t0
+                if pipeline.refill is not None:
+                    pipeline.refill()
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    pipeline.step()
+                first_s = time.perf_counter() - t0
         except Exception as error:  # a broken row (heavyball missing, a compile failing) must not lose the others
             results[row]["error"] = f"{type(error).__name__}: {str(error)[:300]}"
             print(f" failed: {results[row]['error']}", file=sys.stderr)
@@ -155,6 +190,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="skip the build + first step table (fresh processes, cold and warm inductor cache)")
     parser.add_argument("--startup-rows", default=",".join(STARTUP_ROWS), help="rows of the startup table")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds per startup process")
+    parser.add_argument("--start-limit", type=float, default=600.0,
+                        help="seconds a row's build and first step may take before it is given up (default 600)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
@@ -183,7 +220,7 @@ def main(argv=None) -> int:
         load = os.getloadavg()[0]
         print(f"{name} (load {load:.2f}) ...", file=sys.stderr, flush=True)
         inputs = core.Inputs(shapes, device)
-        results = run_shape(args.rows, inputs, args.warmup, args.rounds)
+        results = run_shape(args.rows, inputs, args.warmup, args.rounds, args.start_limit)
         meta = {"device": core.device_name(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
                 "rounds": args.rounds, "warmup": args.warmup, "load": load}
         texts.append(markdown(name, inputs, results, meta))

@@ -45,3 +45,29 @@ def test_startup_row_runs_cold_then_warm():
         assert r["build_s"] >= 0 and r["first_step_s"] > 0
     table = peer_startup.markdown(results, peer_pipelines.LABELS, "gpt2-quick")
     assert table.count("| torch clip_grad_norm_ + AdamW(fused=True) |") == 2
+
+
+def test_a_row_that_does_not_start_in_time_is_given_up_and_the_others_run(monkeypatch):
+    def spins(inputs, grads):  # a compile that does not finish
+        while True:
+            pass
+
+    def swallows(inputs, grads):  # a library that catches the limit's exception and goes on
+        try:
+            while True:
+                pass
+        except bench_peers.StartTooSlow:
+            pass
+        return peer_pipelines.build_torch_fused_clip(inputs, grads)
+
+    monkeypatch.setitem(peer_pipelines.BUILDERS, "torch-compiled", spins)
+    monkeypatch.setitem(peer_pipelines.BUILDERS, "heavyball", swallows)
+    inputs = bench_peers.core.Inputs(bench_peers.bench_shapes.many_tensors(16, 1024), bench_peers.torch.device("cpu"))
+    results = bench_peers.run_shape(["torch-fused-clip", "torch-compiled", "heavyball", "floor"], inputs, 1, 2,
+                                    start_limit_s=1.0)
+    by_row = {r["row"]: r for r in results}
+    for row in ("torch-compiled", "heavyball"):
+        assert by_row[row]["error"] == "StartTooSlow: build and first step not finished within 1 s (given up)"
+        assert "times_ms" not in by_row[row]
+    for row in ("torch-fused-clip", "floor"):
+        assert len(by_row[row]["times_ms"]) == 2, by_row[row]
