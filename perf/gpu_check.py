@@ -2,7 +2,7 @@
 
     perf/gpu_check.sh OUT_DIR                 # on the GPU machine, from any directory
     perf/gpu_check.sh OUT_DIR --cpu           # the dry run (CI runs exactly this)
-    python perf/gpu_check.py OUT_DIR [--cpu] [--no-install] [--only part,part] [--multi]
+    python perf/gpu_check.py OUT_DIR [--cpu] [--no-install] [--only part,part] [--multi] [--peers]
 
 It runs on the machine as it is: the interpreter that starts it and that interpreter's torch. Nothing is
 downloaded: graphstep is installed from the checkout without dependencies (``pip install --no-deps
@@ -21,7 +21,8 @@ time) and ``OUT_DIR/gpu_check.md`` are written at the end. Exit 0 only if no che
 ``--cpu`` is the dry run for a machine without a GPU (and for CI): the same script end to end on small
 sizes over the CPU replay backend, every GPU-only row skipped with its reason. It refuses to start (exit 2)
 when the parts' limits add up to more than the budget. ``--multi`` (>= 2 GPUs, or two gloo ranks with
-``--cpu``) runs the multi-rank rows after the preflight.
+``--cpu``) runs the multi-rank rows after the preflight; ``--peers``, the compiled peers' rows (their compiles
+take minutes: a second run, when the machine's time allows).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from gpu_check_parts import (BY_NAME, INSTALL_LIMIT_S, MULTI_LIMIT_S, PARTS, PARTS_BUDGET_S,  # noqa: E402
+from gpu_check_parts import (BY_NAME, INSTALL_LIMIT_S, MULTI_LIMIT_S, PARTS, PARTS_BUDGET_S, PEERS,  # noqa: E402
                              WHOLE_S, Part, budget_problem)
 from gpu_check_runner import run_parts, worker_main  # noqa: E402
 
@@ -80,15 +81,19 @@ def markdown(summary: dict) -> str:
 
 
 def chosen_parts(args, parser) -> list[Part]:
+    if args.peers:
+        if args.multi or args.only is not None:
+            parser.error("--peers runs the preflight and the peers' part alone: no --multi or --only with it")
+        return [BY_NAME["preflight"], PEERS]
     if args.multi:
         return [BY_NAME["preflight"], dataclasses.replace(BY_NAME["multi"], limit_s=MULTI_LIMIT_S,
                                                           estimate_s=MULTI_LIMIT_S // 2)]
     if args.only is None:
         return list(PARTS)
     names = [p.strip() for p in args.only.split(",")]
-    unknown = [p for p in names if p not in BY_NAME]
+    unknown = [p for p in names if p not in {part.name for part in PARTS}]
     if unknown:
-        parser.error(f"--only: unknown part(s) {', '.join(unknown)}; choose from {', '.join(BY_NAME)}")
+        parser.error(f"--only: unknown part(s) {', '.join(unknown)}; choose from {', '.join(p.name for p in PARTS)}")
     return [part for part in PARTS if part.name in names]
 
 
@@ -98,9 +103,11 @@ def main(argv=None) -> int:
     parser.add_argument("out", nargs="?", help="directory for gpu_check.json and gpu_check.md")
     parser.add_argument("--cpu", action="store_true", help="dry run without a GPU: GPU rows skipped, small sizes")
     parser.add_argument("--no-install", action="store_true", help="skip installing graphstep from the checkout")
-    parser.add_argument("--only", default=None, help="comma-separated parts, of: " + ", ".join(BY_NAME))
+    parser.add_argument("--only", default=None, help="comma-separated parts, of: " + ", ".join(p.name for p in PARTS))
     parser.add_argument("--multi", action="store_true",
                         help="the multi-rank rows (>= 2 GPUs; two gloo ranks with --cpu), after the preflight")
+    parser.add_argument("--peers", action="store_true",
+                        help="the compiled peers' rows (torch.compile'd AdamW, heavyball), after the preflight")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--progress", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -117,7 +124,9 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = {"cpu": args.cpu, "install": install(args.no_install), "parts": [], "checks": []}
-    budget = MULTI_LIMIT_S + BY_NAME["preflight"].limit_s if args.multi else PARTS_BUDGET_S
+    preflight_s = BY_NAME["preflight"].limit_s
+    budget = (MULTI_LIMIT_S + preflight_s if args.multi else PEERS.limit_s + preflight_s if args.peers
+              else PARTS_BUDGET_S)
     print(f"gpu_check: {len(parts)} parts, limits {sum(p.limit_s for p in parts)} s of {budget} s, expected "
           f"{sum(p.estimate_s for p in parts)} s on one H100; install: {summary['install']['status']}", flush=True)
 
@@ -132,11 +141,13 @@ def main(argv=None) -> int:
 
     run_parts(parts, args.cpu, time.monotonic() + budget, args.multi, on_part)
     names = {p.name for p in parts}
-    for part in PARTS:  # every row is listed: a part left out by --only or --multi says so
+    for part in (*PARTS, PEERS):  # every row is listed: a part left out by --only, --multi or --peers says so
         if part.name not in names:
-            why = "skipped: multi-rank rows run with --multi" if part.name == "multi" else "skipped: not chosen"
-            summary["checks"] += [{"check": c, "status": why, "detail": "", "numbers": {}, "part": part.name}
-                                  for c in part.checks]
+            why = {"multi": "skipped: multi-rank rows run with --multi",
+                   "peers": "skipped: the compiled peers run with --peers"}.get(part.name, "skipped: not chosen")
+            for c in part.checks:
+                summary["checks"].append({"check": c, "status": why, "detail": "", "numbers": {}, "part": part.name})
+                print(f"  {why} {c}:", flush=True)
     preflight = next((c for c in summary["checks"] if c["check"] == "preflight"), {"numbers": {}})
     facts = preflight["numbers"]
     summary["device"] = facts.get("device", "device unknown (the preflight did not run)")

@@ -22,6 +22,7 @@ INSTALL_LIMIT_S = 30  # pip install --no-deps --no-build-isolation -e . (no netw
 DRIVER_SLACK_S = 10  # the driver's own start, a worker restart's import, writing the report
 PARTS_BUDGET_S = WHOLE_S - INSTALL_LIMIT_S - DRIVER_SLACK_S
 MULTI_LIMIT_S = 240  # ``--multi`` (>= 2 GPUs): its own run, outside the one-GPU budget
+PEERS_LIMIT_S = 300  # ``--peers``: its own run, outside the one-GPU budget (the peers compile for minutes)
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,13 @@ PARTS = (
          ("fold-step-vs-fused-floor", "fold-backward-plus-step", "default-step-vs-torch-amp",
           "default-step-vs-adamw-fused-clip")),
 )
-BY_NAME = {part.name: part for part in PARTS}
+# Not in PARTS: it runs only in its own invocation, ``--peers``.
+PEERS = Part("peers", "gpu_check_peers", "part_peers", True, PEERS_LIMIT_S, 150,
+             "GPT-2 small: graphstep captured, torch.compile'd AdamW with and without the clip (two compiles over "
+             "148 tensors, Triton), heavyball where installed, the floor; 30 interleaved rounds",
+             ("peers-default-vs-torch-compiled-clip", "peers-default-vs-torch-compiled",
+              "peers-default-vs-heavyball-clip", "peers-default-vs-heavyball"))
+BY_NAME = {part.name: part for part in (*PARTS, PEERS)}
 
 
 def budget_problem(parts=PARTS) -> str:

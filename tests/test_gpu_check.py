@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT / "perf"))
 import gpu_check  # noqa: E402
 import gpu_check_parts  # noqa: E402
 import gpu_check_runner  # noqa: E402
+import peer_pipelines  # noqa: E402
 
 # The parts in the order the check runs them: correctness first, so that a time cut falls on speed.
 ORDER = ["preflight", "cuda-tests", "bitwise", "recapture", "negative-control", "memory", "pinned-thread", "nccl",
@@ -41,6 +42,10 @@ CPU_RUNNABLE = {f"bitwise-{p}-{k}" for p in ("fp32", "bf16", "fp16") for k in ("
 FEATURE_ROWS = {"family-muon", "family-fp8", "family-offload", "family-precision-aware"}
 # Two or more ranks: skipped in the default run, saying why; ``--multi`` runs them (two gloo ranks with --cpu).
 MULTI = {"multi-captured-step-matches-eager", "multi-teardown-after-capture", "multi-dead-peer-bounded"}
+# The compiled peers: skipped in the default run, saying why; ``--peers`` runs them.
+PEERS = {"peers-default-vs-torch-compiled-clip", "peers-default-vs-torch-compiled", "peers-default-vs-heavyball-clip",
+         "peers-default-vs-heavyball"}
+LISTED = (*gpu_check_parts.PARTS, gpu_check_parts.PEERS)  # every part's rows, in the order the report lists them
 
 
 def _env():
@@ -95,9 +100,9 @@ def test_a_part_past_its_limit_is_stopped_and_recorded_and_the_next_part_runs():
 def test_dry_run_lists_every_row_in_order(dry_run):
     _, summary, out = dry_run
     names = [c["check"] for c in summary["checks"]]
-    assert sorted(names) == sorted(GPU_ONLY | CPU_RUNNABLE | FEATURE_ROWS | MULTI)
-    assert [part.name for part in gpu_check_parts.PARTS for _ in part.checks] == [c["part"] for c in summary["checks"]]
-    assert names == [c for part in gpu_check_parts.PARTS for c in part.checks]
+    assert sorted(names) == sorted(GPU_ONLY | CPU_RUNNABLE | FEATURE_ROWS | MULTI | PEERS)
+    assert [part.name for part in LISTED for _ in part.checks] == [c["part"] for c in summary["checks"]]
+    assert names == [c for part in LISTED for c in part.checks]
     assert [p["part"] for p in summary["parts"]] == ORDER
     assert all(p["limit_s"] == gpu_check_parts.BY_NAME[p["part"]].limit_s for p in summary["parts"])
     assert summary["budget_s"] == gpu_check_parts.PARTS_BUDGET_S
@@ -140,6 +145,7 @@ def test_gpu_rows_are_skipped_for_want_of_cuda(dry_run):
     by_name = {c["check"]: c for c in summary["checks"]}
     assert {name: by_name[name]["status"] for name in GPU_ONLY} == {name: "skipped: no CUDA" for name in GPU_ONLY}
     assert {by_name[name]["status"] for name in MULTI} == {"skipped: multi-rank rows run with --multi (2 gloo ranks)"}
+    assert {by_name[name]["status"] for name in PEERS} == {"skipped: the compiled peers run with --peers"}
 
 
 def test_cpu_runnable_rows_pass_and_the_run_exits_zero(dry_run):
@@ -167,6 +173,31 @@ def test_the_multi_rank_part_runs_on_two_cpu_ranks(tmp_path):
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     by_name = {c["check"]: (c["status"], c["detail"]) for c in summary["checks"]}
     ran = {name for name, (status, _) in by_name.items() if status != "skipped: not chosen"}
-    assert ran == {"preflight", "preflight-torch-private-api"} | MULTI
+    assert ran == {"preflight", "preflight-torch-private-api"} | MULTI | PEERS
+    assert {by_name[name][0] for name in PEERS} == {"skipped: the compiled peers run with --peers"}
     assert {name: by_name[name][0] for name in MULTI} == {name: "pass" for name in MULTI}, by_name
+    assert proc.returncode == 0, proc.stdout[-2000:]
+
+
+def test_the_peers_part_runs_in_its_own_invocation(tmp_path):
+    # The compiled peers (their compiles take minutes on a GPU) run only with --peers; on the CPU at a two-layer
+    # GPT-2 shape, every row compiled and timed, recorded for reference.
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: run perf/gpu_check.sh --peers itself")
+    proc = subprocess.run(["bash", str(ROOT / "perf" / "gpu_check.sh"), str(tmp_path), "--cpu", "--peers"], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    by_name = {c["check"]: c for c in summary["checks"]}
+    ran = {name for name, c in by_name.items() if c["status"] != "skipped: not chosen"}
+    assert ran == {"preflight", "preflight-torch-private-api"} | PEERS | MULTI
+    assert {by_name[name]["status"] for name in MULTI} == {"skipped: multi-rank rows run with --multi"}
+    for name in ("peers-default-vs-torch-compiled-clip", "peers-default-vs-torch-compiled"):
+        row = by_name[name]
+        assert row["status"] == "skipped: no CUDA" and row["detail"].startswith("CPU for reference: "), row
+        assert row["numbers"]["peer_ms"] > 0 and row["numbers"]["graphstep_ms"] > 0
+    problem = peer_pipelines.heavyball_problem()  # heavyball is not a dependency: where it is missing, say so
+    expected = "skipped: no CUDA" if problem is None else "skipped: RuntimeError: " + problem
+    assert {by_name[name]["status"] for name in ("peers-default-vs-heavyball-clip", "peers-default-vs-heavyball")} == {
+        expected}
+    assert summary["budget_s"] == gpu_check_parts.PEERS_LIMIT_S + gpu_check_parts.BY_NAME["preflight"].limit_s
     assert proc.returncode == 0, proc.stdout[-2000:]
