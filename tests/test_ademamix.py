@@ -257,9 +257,10 @@ def test_every_kernel_setting_runs_the_ademamix_kernel(kernel):
 
 def correctly_rounded_sqrt(monkeypatch):
     """The eager kernel's ``sqrt_`` rounded correctly (through fp64, exact for fp32 inputs). torch's CPU sqrt is
-    not: this build's rounds one fp32 value in six an ulp off, where the compiled loop's
-    is the processor's exact instruction. That is the one difference between the compiled twin and the eager
-    kernel, which the tests below pin by patching it out."""
+    not everywhere: on the AMD EPYC machines here this build rounds one fp32 value in six an ulp off, on an Intel
+    Xeon it is exact, whatever ``ATEN_CPU_CAPABILITY`` says (MKL's vector math, which picks its code by processor,
+    is the likely cause); the compiled loop's is the processor's exact instruction. That is the one difference between the
+    compiled twin and the eager kernel, which the tests below pin by patching it out."""
     monkeypatch.setattr(torch.Tensor, "sqrt_", lambda self: self.copy_(self.double().sqrt()))
 
 
@@ -291,7 +292,8 @@ def test_the_compiled_twin_is_the_eager_kernel_bitwise_with_every_hyperparameter
         runs[name] = ps + sum(ss, [])
     for k, (got, want) in enumerate(zip(runs["twin"], runs["eager_exact_sqrt"])):
         assert torch.equal(got, want), f"tensor {k}"
-    assert 0 < relative_drift(runs["twin"][:3], runs["eager"][:3], start) < 1e-5
+    # against torch's own sqrt: bitwise where this processor's sqrt is exact, else its last bits apart
+    assert relative_drift(runs["twin"][:3], runs["eager"][:3], start) < 1e-5
 
 
 def test_kernel_compiled_runs_the_compiled_twin_captured_bitwise(monkeypatch):

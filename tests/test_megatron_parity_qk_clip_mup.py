@@ -116,8 +116,13 @@ def test_against_megatrons_clip_qk_only_a_group_at_exactly_tau_differs_by_megatr
         assert torch.equal(ours[8:], theirs[8:]), (tau, alpha)  # group 1, over τ: bitwise Megatron's
         assert torch.equal(ours[:8], weight[:8])  # group 0, at or under τ: unchanged
         reciprocal_rounds = (tau * (1 / torch.tensor(tau))).item() != 1.0
-        if maxima[0] == tau and reciprocal_rounds and alpha != 0.5:
+        at_tau = maxima[0] == tau and reciprocal_rounds
+        if at_tau and alpha != 0.5:
             assert not torch.equal(theirs[:6], weight[:6])  # Megatron's ulp on group 0's Q and K rows
+            torch.testing.assert_close(theirs[:8], weight[:8], rtol=2.5e-7, atol=0)
+        elif at_tau:
+            # η^0.5 falls within a hair of half an ulp below 1: whether Megatron's rows move depends on the
+            # processor's pow (they stay on the AMD EPYC machines here, move an ulp on an Intel Xeon)
             torch.testing.assert_close(theirs[:8], weight[:8], rtol=2.5e-7, atol=0)
         else:
             assert torch.equal(theirs[:8], weight[:8]), (tau, alpha)
