@@ -23,10 +23,10 @@ CLIPPED_BYTES = core.GRAPHSTEP_BYTES  # the norm's read of the grads, then Adam'
 # grads back moves more)
 UNCLIPPED_BYTES = core.ADAM_BYTES
 PEER_SLACK = 0.9  # the byte ratio a bandwidth-bound device shows, less this much for what bytes do not count
-PEERS = ("torch-compiled-clip", "torch-compiled", "heavyball-clip", "heavyball")
-ROWS = ("graphstep", *PEERS, "floor")
+PEER_ROWS = ("torch-compiled-clip", "torch-compiled", "heavyball-clip", "heavyball")
+ROWS = ("graphstep", *PEER_ROWS, "floor")
 ROW_START_LIMIT_S = 100  # a row not built and through its first step by then is given up, so the others still run
-CHECKS = tuple(f"peers-default-vs-{peer}" for peer in PEERS)
+CHECKS = tuple(f"peers-default-vs-{peer}" for peer in PEER_ROWS)
 
 
 def _goal(peer: str) -> tuple[float, int]:
@@ -47,7 +47,7 @@ def part_peers(device, small: bool) -> list[dict]:
     if "error" in ours:
         return [record(name, "error", f"graphstep's row did not run: {ours['error']}") for name in CHECKS]
     startup = {row: round(r["build_s"] + r["first_step_s"], 2) for row, r in results.items() if "build_s" in r}
-    return [verdict(name, peer, results[peer], ours, startup, is_cuda(device)) for peer, name in zip(PEERS, CHECKS)]
+    return [verdict(name, peer, results[peer], ours, startup, is_cuda(device)) for peer, name in zip(PEER_ROWS, CHECKS)]
 
 
 def verdict(name: str, peer: str, row: dict, ours: dict, startup: dict, on_gpu: bool) -> dict:
