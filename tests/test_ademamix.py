@@ -259,8 +259,8 @@ def correctly_rounded_sqrt(monkeypatch):
     """The eager kernel's ``sqrt_`` rounded correctly (through fp64, exact for fp32 inputs). torch's CPU sqrt is
     not everywhere: on the AMD EPYC machines here this build rounds one fp32 value in six an ulp off, on an Intel
     Xeon it is exact, whatever ``ATEN_CPU_CAPABILITY`` says (MKL's vector math, which picks its code by processor,
-    is the likely cause); the compiled loop's is the processor's exact instruction. That is the one difference between the
-    compiled twin and the eager kernel, which the tests below pin by patching it out."""
+    is the likely cause); the compiled loop's is the processor's exact instruction. That is the one difference
+    between the compiled twin and the eager kernel, which the tests below pin by patching it out."""
     monkeypatch.setattr(torch.Tensor, "sqrt_", lambda self: self.copy_(self.double().sqrt()))
 
 
