@@ -36,9 +36,7 @@ import contextlib
 import json
 import os
 import signal
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -106,16 +104,7 @@ def run_shape(rows: list[str], inputs: core.Inputs, warmup: int, rounds: int,
         print(f"  building {row} ...", end="", file=sys.stderr, flush=True)
         try:
             with start_limit(start_limit_s):
-                t0 = time.perf_counter()
-                with torch.no_grad():
-                    pipeline = peers.BUILDERS[row](inputs, grads)
-                build_s = time.perf_counter() - t0
-                if pipeline.refill is not None:
-                    pipeline.refill()
-                t0 = time.perf_counter()
-                with torch.no_grad():
-                    pipeline.step()
-                first_s = time.perf_counter() - t0
+                pipeline, build_s, first_s = peers.start(row, inputs, grads)
         except Exception as error:  # a broken row (heavyball missing, a compile failing) must not lose the others
             results[row]["error"] = f"{type(error).__name__}: {str(error)[:300]}"
             print(f" failed: {results[row]['error']}", file=sys.stderr)

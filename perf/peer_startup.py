@@ -37,16 +37,7 @@ def worker(row: str, shapes_name: str) -> dict:
     import_s = time.perf_counter() - t0
     inputs = core.Inputs(bench_shapes.SETS[shapes_name](), torch.device("cpu"))
     grads = peers.SharedGrads(inputs)
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        pipeline = peers.BUILDERS[row](inputs, grads)
-    build_s = time.perf_counter() - t0
-    if pipeline.refill is not None:
-        pipeline.refill()
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        pipeline.step()
-    first_s = time.perf_counter() - t0
+    pipeline, build_s, first_s = peers.start(row, inputs, grads)
     result = {"row": row, "import_s": import_s, "build_s": build_s, "first_step_s": first_s, "notes": pipeline.notes}
     if row == "graphstep":
         from graphstep.kernels import compiled

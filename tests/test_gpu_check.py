@@ -162,34 +162,38 @@ def test_cpu_runnable_rows_pass_and_the_run_exits_zero(dry_run):
     assert all(p["exit_code"] == 0 for p in summary["parts"])
 
 
+def _run_alone(tmp_path, flag: str) -> tuple:
+    """``perf/gpu_check.sh OUT --cpu FLAG``, a run of its own (``--multi``, ``--peers``): the process, the summary,
+    and its rows by name."""
+    if torch.cuda.is_available():
+        pytest.skip(f"a GPU is present: run perf/gpu_check.sh {flag} itself")
+    proc = subprocess.run(["bash", str(ROOT / "perf" / "gpu_check.sh"), str(tmp_path), "--cpu", flag], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    return proc, summary, {c["check"]: c for c in summary["checks"]}
+
+
+def _chosen(by_name: dict) -> set:
+    """The rows of the parts the run chose, and of those it left out with a reason of their own."""
+    return {name for name, c in by_name.items() if c["status"] != "skipped: not chosen"}
+
+
 @pytest.mark.distributed  # two gloo ranks, spawned by the script with one deadline
 def test_the_multi_rank_part_runs_on_two_cpu_ranks(tmp_path):
     # On a machine with one GPU the rows are skipped; with --cpu the same scenarios run on two gloo ranks,
     # so what a >= 2-GPU machine will run is exercised here: captured vs eager, teardown, a dead peer.
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present: run perf/gpu_check.sh --multi itself")
-    proc = subprocess.run(["bash", str(ROOT / "perf" / "gpu_check.sh"), str(tmp_path), "--cpu", "--multi"], cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=300)
-    summary = json.loads((tmp_path / "gpu_check.json").read_text())
-    by_name = {c["check"]: (c["status"], c["detail"]) for c in summary["checks"]}
-    ran = {name for name, (status, _) in by_name.items() if status != "skipped: not chosen"}
-    assert ran == {"preflight", "preflight-torch-private-api"} | MULTI | PEERS
-    assert {by_name[name][0] for name in PEERS} == {"skipped: the compiled peers run with --peers"}
-    assert {name: by_name[name][0] for name in MULTI} == {name: "pass" for name in MULTI}, by_name
+    proc, summary, by_name = _run_alone(tmp_path, "--multi")
+    assert _chosen(by_name) == {"preflight", "preflight-torch-private-api"} | MULTI | PEERS
+    assert {by_name[name]["status"] for name in PEERS} == {"skipped: the compiled peers run with --peers"}
+    assert {name: by_name[name]["status"] for name in MULTI} == {name: "pass" for name in MULTI}, by_name
     assert proc.returncode == 0, proc.stdout[-2000:]
 
 
 def test_the_peers_part_runs_in_its_own_invocation(tmp_path):
     # The compiled peers (their compiles take minutes on a GPU) run only with --peers; on the CPU at a two-layer
     # GPT-2 shape, every row compiled and timed, recorded for reference.
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present: run perf/gpu_check.sh --peers itself")
-    proc = subprocess.run(["bash", str(ROOT / "perf" / "gpu_check.sh"), str(tmp_path), "--cpu", "--peers"], cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=300)
-    summary = json.loads((tmp_path / "gpu_check.json").read_text())
-    by_name = {c["check"]: c for c in summary["checks"]}
-    ran = {name for name, c in by_name.items() if c["status"] != "skipped: not chosen"}
-    assert ran == {"preflight", "preflight-torch-private-api"} | PEERS | MULTI
+    proc, summary, by_name = _run_alone(tmp_path, "--peers")
+    assert _chosen(by_name) == {"preflight", "preflight-torch-private-api"} | PEERS | MULTI
     assert {by_name[name]["status"] for name in MULTI} == {"skipped: multi-rank rows run with --multi"}
     for name in ("peers-default-vs-torch-compiled-clip", "peers-default-vs-torch-compiled"):
         row = by_name[name]
