@@ -150,6 +150,35 @@ def test_bad_arguments_are_refused_alike(way):
         param_checks.first_unbound([params[0], "x"], data_ptrs=param_checks.int64s(ptrs[:2]))
 
 
+class _Holder:
+    """An object holding a tensor as an attribute, as FSDP2's FSDPParam holds its sharded data."""
+
+    def __init__(self, tensor):
+        self.data = tensor
+
+
+def test_the_tensors_may_be_an_attribute_of_each_object(way):
+    params, views, ptrs = _bound()
+    holders = [_Holder(p) for p in params]
+    assert param_checks.first_unbound(holders, data_ptrs=ptrs, grads=views, requires_grad=True, attribute="data") == -1
+    holders[11].data = torch.zeros(8)  # the holder now points at other memory: FSDP2's data moved
+    assert param_checks.first_unbound(holders, data_ptrs=ptrs, attribute="data") == 11
+    assert param_checks.first_unbound(holders, grads=views, attribute="data") == 11  # its grad is not the view
+    assert param_checks.first_unbound(holders[12:], data_ptrs=param_checks.int64s(ptrs[12:]), attribute="data") == -1
+
+
+def test_a_missing_or_non_tensor_attribute_is_refused_alike(way):
+    params, _, ptrs = _bound(3)
+    holders = [_Holder(p) for p in params]
+    with pytest.raises(AttributeError):
+        param_checks.first_unbound(holders, data_ptrs=ptrs, attribute="other")
+    holders[1].data = "x"
+    with pytest.raises(TypeError, match=r"tensors\[1\] is not a tensor"):
+        param_checks.first_unbound(holders, data_ptrs=ptrs, attribute="data")
+    with pytest.raises(TypeError, match="attribute must be a str"):
+        param_checks.first_unbound(holders, data_ptrs=ptrs, attribute=3)
+
+
 def _trained(replace: bool, torn: str):
     """Two steps of a small model where, before the second, ``torn`` ("grad" or "param") of its first weight
     gets new values: replaced by a new tensor (``replace``), or written in place, which needs no check."""

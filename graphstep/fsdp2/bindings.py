@@ -23,8 +23,8 @@ from ..native import param_checks
 from ..state.buffers import refuse_conversion
 from .shards import LocalShard
 
-_SHARDED_DATA = operator.attrgetter("_sharded_param_data")  # of an FSDPParam: what its all-gather reads
-_LOCAL = operator.attrgetter("_local_tensor")  # of a DTensor param
+_SHARDED_DATA, _LOCAL = "_sharded_param_data", "_local_tensor"  # of an FSDPParam (what its all-gather reads),
+# of a DTensor param
 
 
 class FsdpBindings:
@@ -52,10 +52,12 @@ class FsdpBindings:
 
     def _moved(self) -> list[int]:
         """The params whose sharded data or local tensor is no longer their view of the flat buffer."""
-        sharded, local = list(map(_SHARDED_DATA, self._fsdp_params)), list(map(_LOCAL, self._params))
-        if (param_checks.first_unbound(sharded, data_ptrs=self._data_ptrs) < 0
-                and param_checks.first_unbound(local, data_ptrs=self._data_ptrs) < 0):
+        ptrs = self._data_ptrs
+        if (param_checks.first_unbound(self._fsdp_params, data_ptrs=ptrs, attribute=_SHARDED_DATA) < 0
+                and param_checks.first_unbound(self._params, data_ptrs=ptrs, attribute=_LOCAL) < 0):
             return []
+        sharded = list(map(operator.attrgetter(_SHARDED_DATA), self._fsdp_params))
+        local = list(map(operator.attrgetter(_LOCAL), self._params))
         return [i for i, (a, b, bound) in enumerate(zip(sharded, local, self._data_ptrs))
                 if a.data_ptr() != bound or b.data_ptr() != bound]
 

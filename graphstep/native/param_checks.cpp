@@ -5,7 +5,8 @@
 // value differs from the one expected, or -1. The reads are those of the Python attributes (``data_ptr()``,
 // ``.grad``, ``.requires_grad``, ``._version``) on the tensor itself, without a tensor subclass's
 // ``__torch_function__``, in one visit per tensor: what a step must look at, without a Python object made and
-// dropped for each read.
+// dropped for each read. ``first_unbound`` may also read each tensor as an attribute of the list's objects
+// (FSDP2 keeps its tensors there), so that no list of them is made first.
 
 #include <Python.h>
 
@@ -31,9 +32,8 @@ bool int64_buffer(PyObject* expected, Py_ssize_t n, Py_buffer* view) {
   return true;
 }
 
-// The tensor ``list[i]``, or nullptr with a Python error set.
-const at::Tensor* tensor_at(PyObject* list, Py_ssize_t i, const char* what) {
-  PyObject* item = PyList_GET_ITEM(list, i);
+// The tensor ``item``, or nullptr with a Python error set naming ``what[i]``.
+const at::Tensor* as_tensor(PyObject* item, Py_ssize_t i, const char* what) {
   if (!THPVariable_Check(item)) {
     PyErr_Format(PyExc_TypeError, "%s[%zd] is not a tensor", what, i);
     return nullptr;
@@ -41,13 +41,39 @@ const at::Tensor* tensor_at(PyObject* list, Py_ssize_t i, const char* what) {
   return &THPVariable_Unpack(item);
 }
 
+const at::Tensor* tensor_at(PyObject* list, Py_ssize_t i, const char* what) {
+  return as_tensor(PyList_GET_ITEM(list, i), i, what);
+}
+
+// A new reference, released when it goes out of scope.
+struct Held {
+  PyObject* object = nullptr;
+  ~Held() { Py_XDECREF(object); }
+};
+
 // Index of the first tensor whose data pointer, grad or requires_grad is not the one expected, -1 if none, -2
 // with a Python error set. Each check is skipped where its expectation is absent: ``data_ptrs`` null,
-// ``grads`` null or ``grads[i]`` None, ``requires_grad`` -1. One pass: each tensor is visited once.
-Py_ssize_t first_unbound_in(PyObject* tensors, const int64_t* data_ptrs, PyObject* grads, int requires_grad) {
+// ``grads`` null or ``grads[i]`` None, ``requires_grad`` -1. With ``attribute`` the tensors are that attribute
+// of each object of the list (a Python attribute read, which may run Python code: the list is re-measured).
+// One pass: each tensor is visited once.
+Py_ssize_t first_unbound_in(PyObject* tensors, const int64_t* data_ptrs, PyObject* grads, int requires_grad,
+                            PyObject* attribute) {
   const Py_ssize_t n = PyList_GET_SIZE(tensors);
   for (Py_ssize_t i = 0; i < n; ++i) {
-    const at::Tensor* t = tensor_at(tensors, i, "tensors");
+    if (PyList_GET_SIZE(tensors) != n || (grads != nullptr && PyList_GET_SIZE(grads) != n)) {
+      PyErr_SetString(PyExc_RuntimeError, "a list changed while it was read");
+      return -2;
+    }
+    Held held;
+    PyObject* item = PyList_GET_ITEM(tensors, i);
+    if (attribute != nullptr) {
+      held.object = PyObject_GetAttr(item, attribute);
+      if (held.object == nullptr) {
+        return -2;
+      }
+      item = held.object;
+    }
+    const at::Tensor* t = as_tensor(item, i, attribute == nullptr ? "tensors" : "the attribute of tensors");
     if (t == nullptr) {
       return -2;
     }
@@ -73,8 +99,12 @@ Py_ssize_t first_unbound_in(PyObject* tensors, const int64_t* data_ptrs, PyObjec
 }
 
 PyObject* first_unbound(PyObject*, PyObject* args) {
-  PyObject *tensors, *data_ptrs, *grads, *requires_grad;
-  if (!PyArg_ParseTuple(args, "O!OOO", &PyList_Type, &tensors, &data_ptrs, &grads, &requires_grad)) {
+  PyObject *tensors, *data_ptrs, *grads, *requires_grad, *attribute;
+  if (!PyArg_ParseTuple(args, "O!OOOO", &PyList_Type, &tensors, &data_ptrs, &grads, &requires_grad, &attribute)) {
+    return nullptr;
+  }
+  if (attribute != Py_None && !PyUnicode_Check(attribute)) {
+    PyErr_SetString(PyExc_TypeError, "attribute must be a str or None");
     return nullptr;
   }
   const Py_ssize_t n = PyList_GET_SIZE(tensors);
@@ -93,7 +123,7 @@ PyObject* first_unbound(PyObject*, PyObject* args) {
   Py_ssize_t first = -2;
   try {
     first = first_unbound_in(tensors, data_ptrs == Py_None ? nullptr : static_cast<const int64_t*>(ptrs.buf),
-                             grads == Py_None ? nullptr : grads, flag);
+                             grads == Py_None ? nullptr : grads, flag, attribute == Py_None ? nullptr : attribute);
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
   }
@@ -134,8 +164,9 @@ PyObject* first_other_version(PyObject*, PyObject* args) {
 
 PyMethodDef methods[] = {
     {"first_unbound", first_unbound, METH_VARARGS,
-     "first_unbound(tensors, data_ptrs, grads, requires_grad): the first i whose data_ptr() is not data_ptrs[i], "
-     "whose .grad is not grads[i], or whose requires_grad is not requires_grad (None: not checked), or -1"},
+     "first_unbound(tensors, data_ptrs, grads, requires_grad, attribute): the first i whose data_ptr() is not "
+     "data_ptrs[i], whose .grad is not grads[i], or whose requires_grad is not requires_grad (None: not checked), "
+     "or -1; with attribute (a str), of getattr(tensors[i], attribute) instead"},
     {"first_other_version", first_other_version, METH_VARARGS,
      "first_other_version(tensors, versions): the first i with tensors[i]._version != versions[i], or -1"},
     {nullptr, nullptr, 0, nullptr}};

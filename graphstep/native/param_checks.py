@@ -29,13 +29,22 @@ def int64s(values) -> array.array:
 
 
 def first_unbound(tensors: list, *, data_ptrs: Optional[array.array] = None, grads: Optional[list] = None,
-                  requires_grad: Optional[bool] = None) -> int:
+                  requires_grad: Optional[bool] = None, attribute: Optional[str] = None) -> int:
     """The first ``i`` with ``tensors[i].data_ptr() != data_ptrs[i]``, or ``tensors[i].grad`` not the very object
     ``grads[i]`` (where that is not None), or ``tensors[i].requires_grad != requires_grad``; -1 if none. An
-    expectation left None is not checked."""
+    expectation left None is not checked. With ``attribute``, ``tensors`` holds objects and the tensors read
+    are ``getattr(tensors[i], attribute)`` (FSDP2's sharded data, a DTensor's local tensor)."""
     module = build.loaded()
     if module is not None:
-        return module.first_unbound(tensors, data_ptrs, grads, requires_grad)
+        return module.first_unbound(tensors, data_ptrs, grads, requires_grad, attribute)
+    if attribute is not None:
+        if not isinstance(attribute, str):
+            raise TypeError("attribute must be a str or None")
+        with torch._C.DisableTorchFunctionSubclass():
+            tensors = list(map(operator.attrgetter(attribute), tensors))
+        if not all(map(torch.is_tensor, tensors)):
+            bad = next(i for i, t in enumerate(tensors) if not torch.is_tensor(t))
+            raise TypeError(f"the attribute of tensors[{bad}] is not a tensor")
     found = [_first_other_data_ptr(tensors, data_ptrs) if data_ptrs is not None else -1,
              _first_other_grad(tensors, grads) if grads is not None else -1,
              _first_requires_grad_not(tensors, requires_grad) if requires_grad is not None else -1]
