@@ -8,12 +8,16 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "perf"))
 
 import bench_peers  # noqa: E402
 import peer_pipelines  # noqa: E402
 import peer_startup  # noqa: E402
+from graphstep.app import bench_core as core  # noqa: E402
+from graphstep.app import bench_shapes  # noqa: E402
 
 
 def test_interleaved_rows_and_a_missing_peer_say_what_ran(tmp_path, capsys):
@@ -62,7 +66,7 @@ def test_a_row_that_does_not_start_in_time_is_given_up_and_the_others_run(monkey
 
     monkeypatch.setitem(peer_pipelines.BUILDERS, "torch-compiled", spins)
     monkeypatch.setitem(peer_pipelines.BUILDERS, "heavyball", swallows)
-    inputs = bench_peers.core.Inputs(bench_peers.bench_shapes.many_tensors(16, 1024), bench_peers.torch.device("cpu"))
+    inputs = core.Inputs(bench_shapes.many_tensors(16, 1024), torch.device("cpu"))
     results = bench_peers.run_shape(["torch-fused-clip", "torch-compiled", "heavyball", "floor"], inputs, 1, 2,
                                     start_limit_s=1.0)
     by_row = {r["row"]: r for r in results}

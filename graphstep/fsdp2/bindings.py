@@ -23,8 +23,8 @@ from ..native import param_checks
 from ..state.buffers import refuse_conversion
 from .shards import LocalShard
 
-_SHARDED_DATA, _LOCAL = "_sharded_param_data", "_local_tensor"  # of an FSDPParam (what its all-gather reads),
-# of a DTensor param
+_SHARDED_DATA = "_sharded_param_data"  # of an FSDPParam: what its all-gather reads
+_LOCAL = "_local_tensor"  # of a DTensor param
 
 
 class FsdpBindings:
