@@ -162,7 +162,7 @@ def build(routed: Routed, param_groups: list, groups: ProcessGroups,
     hyper, scaler, tensors, torch_amp = _scalars(config, params.device, len(param_groups))
     param_state = _param_state(routed.model_named, tensors, local_shards)
     comm = _collectives(config, params, plan, groups)  # the one build-time exchange with the other ranks
-    kernels, kernel_choice = _kernels(config, params, comm, hyper, plan, scaled=scaler is not None)
+    kernels, kernel_choice = _kernels(config, params, comm, hyper, plan, buffers, scaled=scaler is not None)
     ctx = StepContext(config, plan.layout, buffers, hyper, kernels, params.families, tensors, scaler, comm, plan.rank,
                       torch_amp=torch_amp,
                       compile_scalars=compiled_scalar_math.wanted(kernel_choice.name, params.device),
@@ -313,7 +313,8 @@ def _collectives(config, params: _Params, plan: _Plan, groups: ProcessGroups) ->
     return comm
 
 
-def _kernels(config, params: _Params, comm: Collectives, hyper: HyperParams, plan: _Plan, *, scaled: bool) -> tuple:
+def _kernels(config, params: _Params, comm: Collectives, hyper: HyperParams, plan: _Plan, buffers, *,
+             scaled: bool) -> tuple:
     """(the update kernels, the choice: which one runs with ``kernel="auto"`` resolved, why, compile seconds)."""
     layout = plan.layout
     # The probe of the compiled kernel runs over views cut like the step's, so that it compiles the step's own
@@ -324,8 +325,13 @@ def _kernels(config, params: _Params, comm: Collectives, hyper: HyperParams, pla
                        if family.kernels is None and family.call_groups is not None]
     like = auto.step_shape(layout.segments(plan.rank), one_loop_groups, decoupled=config.decoupled_weight_decay,
                            scaled=scaled or config.clip_grad > 0)
+    moments = [*buffers.state.get("exp_avg", []), *buffers.state.get("exp_avg_sq", [])]
+    native = like is not None and bool(moments) and auto.native_runs_every_call(
+        params.device, params.families, one_loop_groups, [*buffers.main_shard, *buffers.grad_shard, *moments],
+        full_width=not buffers.stored and buffers.host is None)
     kernels, choice = choose_kernels(config, params.device, params.families, comm, hyper.values.dtype,
-                                     numel=sum(buffer.shard_numel for buffer in layout.buffers), like=like)
+                                     numel=sum(buffer.shard_numel for buffer in layout.buffers), like=like,
+                                     native=native)
     if choice.name == "compiled" and config.capture_warmup_steps < 1 \
             and backend_for(params.device, config.capture)[0] != "eager":
         # The config refuses capture="graph" so; "auto" captures where the device has CUDA graphs.

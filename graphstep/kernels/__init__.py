@@ -29,22 +29,23 @@ def get_kernels(name: str) -> ModuleType:
 
 
 def choose_kernels(config, device, families, comm=None, hyper_dtype=None,
-                   numel=None, like=None) -> tuple[ModuleType, "auto.KernelChoice"]:
+                   numel=None, like=None, native=False) -> tuple[ModuleType, "auto.KernelChoice"]:
     """The implementation module ``config.kernel`` means on ``device`` ("auto" resolved), and why. ``comm``
     (graphstep.parallel.collectives.Collectives): with several data-parallel ranks, "auto" is agreed across them
     (``auto.agree``: a build-time collective), and so is the refusal of a "compiled" that fails anywhere.
     ``hyper_dtype``: the step's hyperparameter dtype, which "auto" probes the compiled kernel with (float64 if
     None). ``families``: the step's, each of whose ``entry_points`` the implementation must offer. ``numel``:
     elements this rank's update covers. ``like``: the step's ``auto.StepShape``, for a probe that compiles the
-    step's own variant."""
+    step's own variant. ``native``: every compiled call of the step runs the native loop (``auto.choose``)."""
     # A family with a kernels module of its own needs the configured one only where it has a compiled twin.
     needs_kernel = any(family.kernels is None or hasattr(family.kernels, "compiled_twin") for family in families)
     hyper_dtype = hyper_dtype or torch.float64
     several = comm is not None and comm.dp_size > 1
     if config.kernel == "compiled" and needs_kernel and several:
-        auto.agree_compiled(comm, device, hyper_dtype)  # every rank refuses, or none
+        auto.agree_compiled(comm, device, hyper_dtype, native)  # every rank refuses, or none
     choice = auto.choose(config.kernel, device, capture=config.capture, warmup_steps=config.capture_warmup_steps,
-                         needs_kernel=needs_kernel, hyper_dtype=hyper_dtype, numel=numel, like=like)
+                         needs_kernel=needs_kernel, hyper_dtype=hyper_dtype, numel=numel, like=like,
+                         native=native)
     if config.kernel == "auto" and several:
         choice = auto.agree(choice, comm, device)
     module = get_kernels(choice.name)

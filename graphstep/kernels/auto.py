@@ -4,7 +4,8 @@ Why compiled first: torch's fused kernels write the divided grads back whenever 
 i.e. on every clipped or loss-scaled step (4 more bytes per param; docs/perf-notes.md), and they bake betas,
 eps and weight decay into a capture. The compiled kernel reads the grads without writing them and keeps
 every hyperparameter live. Its price is a compile on the first step of a process (a C++ compiler on the CPU,
-Triton on a GPU).
+Triton on a GPU), except where its every call runs graphstep's native loop (fp32 Adam on the CPU,
+``native_runs_every_call``): that library is compiled once per machine, and nothing is probed.
 
 Whether ``torch.compile`` works is found out at build (``probe_compiled``): without a compiler, or on a
 miscompile, "auto" falls back to "fused" with one warning (``choose``), on every data-parallel rank alike
@@ -30,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from ..native import update_loops
 from . import compiled, inductor_options, reference
 
 logger = logging.getLogger("graphstep")
@@ -130,8 +132,11 @@ def _machine_key(device: torch.device, hyper_dtype: torch.dtype) -> str:
     if device.type != "cpu" and hasattr(device_module, "get_device_name"):
         name += " " + device_module.get_device_name(device)
     if device.type == "cpu":  # the code inductor generates depends on the vector width (ATEN_CPU_CAPABILITY)
-        isa = inductor_options.cpu_vector_isa()
-        name += f" {isa} ({isa.bit_width()}-bit vectors)"
+        # What the CPU has (torch's reading, at its start) and what the variable asks inductor for now; not
+        # inductor's own choice (pick_vec_isa), which compiles test programs (seconds at every build) and
+        # raises where no compiler works, where the probe must fail and "auto" fall back instead.
+        told = os.environ.get("ATEN_CPU_CAPABILITY")
+        name += f" {torch.backends.cpu.get_cpu_capability()}, ATEN_CPU_CAPABILITY={told}"
     sources = hashlib.sha256()
     for module in (compiled, inductor_options, reference, sys.modules[__name__]):
         sources.update(Path(module.__file__).read_bytes())
@@ -196,10 +201,11 @@ def _compare_with_reference(device: torch.device, hyper_dtype: torch.dtype, like
         scalars = dict(step=torch.ones((), device=device), decoupled=like.decoupled,
                        grad_scale=torch.full((), 2.0, device=device) if like.scaled else None,
                        found_inf=torch.zeros((), device=device))
-        if len(groups) == 1:  # ``adam`` (one group's call: the same compiled variant as ``adam_groups``'s)
-            kernels.adam(*groups[0][:4], **groups[0][4], **scalars)
-        else:
-            kernels.adam_groups(groups, **scalars)
+        with update_loops.off():  # torch.compile is what is probed, never the native loop
+            if len(groups) == 1:  # ``adam`` (one group's call: the same compiled variant as ``adam_groups``'s)
+                kernels.adam(*groups[0][:4], **groups[0][4], **scalars)
+            else:
+                kernels.adam_groups(groups, **scalars)
         runs.append(torch.cat([t for params, _, exp_avgs, exp_avg_sqs, _ in groups
                                for t in params + exp_avgs + exp_avg_sqs]))
     if not torch.allclose(runs[0], runs[1], rtol=1e-5, atol=1e-7):
@@ -229,18 +235,33 @@ def _dynamic_rows(n: int) -> list[int]:
     return [(hi - lo) // width for lo, hi, width in compiled._cuts(n) if (hi - lo) // width > 1]
 
 
+def native_runs_every_call(device: torch.device, families, adam_groups: list[int], tensors: list, *,
+                           full_width: bool) -> bool:
+    """Whether every call of the compiled kernel in a step would run the native loop
+    (``compiled.native_adam_covers``; its library is built or loaded here if need be): on the CPU, Adam's groups
+    (``adam_groups``) alone on the configured kernel (no other family, no compiled twin), over main params,
+    grads and moments (``tensors``) all fp32 and kept at full width (``full_width``: none stored below fp32,
+    none offloaded)."""
+    on_configured = [g for g, family in enumerate(families)
+                     if family.kernels is None or hasattr(family.kernels, "compiled_twin")]
+    return (device.type == "cpu" and full_width and on_configured == adam_groups and bool(tensors)
+            and all(t.dtype == torch.float32 for t in tensors) and update_loops.library() is not None)
+
+
 def choose(configured: str, device: torch.device, *, capture: str, warmup_steps: int,
            needs_kernel: bool = True, hyper_dtype: torch.dtype = torch.float64,
-           numel: Optional[int] = None, like: Optional[StepShape] = None) -> KernelChoice:
+           numel: Optional[int] = None, like: Optional[StepShape] = None, native: bool = False) -> KernelChoice:
     """The implementation to run for ``OptimizerConfig.kernel=configured`` on ``device``, whose step keeps its
     hyperparameters in ``hyper_dtype`` tensors (graphstep/state/hyperparams.py) and updates ``numel``
     elements on this rank (None: not known, as if large). ``like``: the step's compiled call, when known
     (``StepShape``): a probe that runs compiles that call's variant, and the first step reuses it.
+    ``native``: every compiled call of the step runs the native loop (``compiled.native_adam_covers``), which
+    is built and loaded already; nothing is left for ``torch.compile`` to do, so nothing is probed.
 
     "auto" picks "fused" without probing when no param group runs a configurable kernel (Lion, Muon bring
     their own), when this rank updates fewer than ``COMPILE_MIN_NUMEL`` elements, and when a capture could start
     before any eager step (``capture_warmup_steps=0``: the compile must run eagerly first)."""
-    if configured == "compiled" and needs_kernel:  # a miscompile refused at build, not trained on
+    if configured == "compiled" and needs_kernel and not native:  # a miscompile refused at build, not trained on
         works, why_not, _ = probe_compiled(device, hyper_dtype, *([like] if like else []))
         if not works:
             raise _compiled_refused(f"on {device} ({why_not})")
@@ -254,6 +275,9 @@ def choose(configured: str, device: torch.device, *, capture: str, warmup_steps:
     if capture != "eager" and warmup_steps < 1:
         return KernelChoice("fused", "capture_warmup_steps=0: the compiled kernel must compile in an eager step "
                                      "before a capture")
+    if native:
+        return KernelChoice("compiled", f"its update runs as graphstep's native loop on {device} "
+                                        f"({update_loops.status()})")
     fresh = _key(device, hyper_dtype) not in _probed
     works, why_not, seconds = probe_compiled(device, hyper_dtype, *([like] if like else []))
     if works:
@@ -273,11 +297,11 @@ def _compiled_refused(where: str) -> RuntimeError:
                         "kernel='auto', which falls back to 'fused' by itself")
 
 
-def agree_compiled(comm, device: torch.device, hyper_dtype: torch.dtype) -> None:
+def agree_compiled(comm, device: torch.device, hyper_dtype: torch.dtype, native: bool = False) -> None:
     """``kernel="compiled"`` with several data-parallel ranks: refused on every rank when the probe failed on any.
     A rank refusing alone would leave the others built and waiting for it in their first collective. One MAX
     all-reduce at build (1.0 = "the probe failed here"), before ``choose`` refuses on the failing rank itself."""
-    works, _, _ = probe_compiled(device, hyper_dtype)
+    works = native or probe_compiled(device, hyper_dtype)[0]
     failed = torch.tensor(0.0 if works else 1.0, device=device)
     comm.all_reduce_max(failed, "kernel='compiled' agreement")
     # A host read at build, never in the step.

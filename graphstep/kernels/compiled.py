@@ -10,6 +10,8 @@ into anything. A skipped step selects the old values with ``torch.where`` inside
 are bitwise. Grads are left as they were (not divided by the grad scale), unlike the fused and reference
 kernels. One compile serves views of every length (``_ROW``), and each call is one operator to the
 dispatcher (``_adam_op``, ``_sgd_op``).
+On the CPU, Adam over fp32 views runs the same loop in graphstep's native library (``native_adam_covers``):
+bitwise the same, without a process's seconds of starting dynamo and inductor, even with their cache warm.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from typing import Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..native import update_loops
+from .adam_coefficients import (BC2_SQRT, BETA1, BETA2, DECAY, EPS, KEEP, ONE_MINUS_BETA1, ONE_MINUS_BETA2, SCALE,
+                                STEP_SIZE, WD, adam_coefficients)
+
 # The inductor options every compiled update is compiled with (re-exported: the engine, scalar graphs and the
 # GPU check's preflight read them from here).
 from .inductor_options import (COMPILE_OPTIONS, compile_options, cpu_vector_isa,  # noqa: F401
@@ -30,21 +36,18 @@ from .inductor_options import (COMPILE_OPTIONS, compile_options, cpu_vector_isa,
 
 LIVE_FIELDS = frozenset({"lr", "weight_decay", "beta1", "beta2", "eps", "momentum"})
 
-# Positions in the Adam coefficient tensor.
-_DECAY, _WD, _BETA1, _ONE_MINUS_BETA1, _BETA2, _ONE_MINUS_BETA2, _BC2_SQRT, _EPS, _STEP_SIZE, _SCALE, _KEEP = \
-    range(11)
 # Positions in the SGD coefficient tensor.
 _SGD_LR, _SGD_WD, _SGD_MOMENTUM, _SGD_SCALE, _SGD_KEEP = range(5)
 
 
 def _adam_loop(param, grad, exp_avg, exp_avg_sq, c):
     # torch.optim's operation order (Adam: grad + wd * param; AdamW: param * (1 - lr * wd) first).
-    g = grad.to(param.dtype) / c[_SCALE] + param * c[_WD]
-    new_exp_avg = exp_avg * c[_BETA1] + g * c[_ONE_MINUS_BETA1]
-    new_exp_avg_sq = exp_avg_sq * c[_BETA2] + g * g * c[_ONE_MINUS_BETA2]
-    denom = new_exp_avg_sq.sqrt() / c[_BC2_SQRT] + c[_EPS]
-    new_param = param * c[_DECAY] - c[_STEP_SIZE] * new_exp_avg / denom
-    keep = c[_KEEP] > 0
+    g = grad.to(param.dtype) / c[SCALE] + param * c[WD]
+    new_exp_avg = exp_avg * c[BETA1] + g * c[ONE_MINUS_BETA1]
+    new_exp_avg_sq = exp_avg_sq * c[BETA2] + g * g * c[ONE_MINUS_BETA2]
+    denom = new_exp_avg_sq.sqrt() / c[BC2_SQRT] + c[EPS]
+    new_param = param * c[DECAY] - c[STEP_SIZE] * new_exp_avg / denom
+    keep = c[KEEP] > 0
     param.copy_(torch.where(keep, new_param, param))
     exp_avg.copy_(torch.where(keep, new_exp_avg, exp_avg))
     exp_avg_sq.copy_(torch.where(keep, new_exp_avg_sq, exp_avg_sq))
@@ -75,7 +78,7 @@ def _sgd_nesterov_loop(param, grad, momentum_buffer, c):
 def _adam_views(params, grads, exp_avgs, exp_avg_sqs, hypers, step, grad_scale, found_inf, decoupled, part_groups):
     # The coefficients are computed in the compiled graph itself (no separate small ops before the loop);
     # each part reads its group's row of them: several groups in one call.
-    coefficients = _adam_coefficients(hypers, step, grad_scale, found_inf, decoupled).to(params[0].dtype)
+    coefficients = adam_coefficients(hypers, step, grad_scale, found_inf, decoupled).to(params[0].dtype)
     for param, grad, exp_avg, exp_avg_sq, group in zip(params, grads, exp_avgs, exp_avg_sqs, part_groups):
         _adam_loop(param, grad, exp_avg, exp_avg_sq, coefficients[group])
 
@@ -274,8 +277,26 @@ def _adam_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: li
              exp_avg_sqs: list[torch.Tensor], hypers: torch.Tensor, step: torch.Tensor,
              grad_scale: Optional[torch.Tensor], found_inf: torch.Tensor, decoupled: bool,
              view_groups: list[int]) -> None:
+    if native_adam_covers(params, grads, exp_avgs, exp_avg_sqs):
+        _native_adam(params, grads, exp_avgs, exp_avg_sqs, hypers, step, grad_scale, found_inf, decoupled,
+                     view_groups)
+        return
     _run(_adam_views, (params, grads, exp_avgs, exp_avg_sqs), hypers, step, grad_scale, found_inf, decoupled,
          view_groups=view_groups, flags=(decoupled, grad_scale is not None))
+
+
+def native_adam_covers(*views: list) -> bool:
+    """Whether an Adam call over these lists of views (params, grads, exp_avgs, exp_avg_sqs) runs the native
+    loop (graphstep/native/update_loops.py: fp32 views on the CPU, where the library builds) instead of
+    ``torch.compile``: the same update, bitwise, without dynamo's and inductor's start in the process."""
+    return update_loops.covers(*views) and update_loops.library() is not None
+
+
+def _native_adam(params, grads, exp_avgs, exp_avg_sqs, hypers, step, grad_scale, found_inf, decoupled, view_groups):
+    # The coefficients as eager ops: the same ops the compiled graph computes them with, so the same bits.
+    coefficients = adam_coefficients(hypers, step, grad_scale, found_inf, decoupled).to(torch.float32)
+    for param, grad, exp_avg, exp_avg_sq, group in zip(params, grads, exp_avgs, exp_avg_sqs, view_groups):
+        update_loops.adam(param, grad, exp_avg, exp_avg_sq, coefficients[group])
 
 
 @_adam_op.register_fake
@@ -328,7 +349,7 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, weight
 def adam_groups(groups, *, step, decoupled, grad_scale, found_inf):
     """Several param groups' Adam in one compiled call: every view reads its group's row of the (groups, 11)
     coefficients, which the compiled graph computes first from the groups' hyperparameters
-    (``_adam_coefficients``)."""
+    (``adam_coefficients``)."""
     groups = [g for g in groups if g[0]]
     if not groups:
         return
@@ -353,27 +374,6 @@ def _hyper_table(hypers: list[dict], device) -> torch.Tensor:
     like = _precision(hypers[0]["lr"], device)
     table = torch.stack(_scalars(*(hyper[name] for hyper in hypers for name in _ADAM_FIELDS), like=like))
     return table.view(len(hypers), len(_ADAM_FIELDS))
-
-
-def _adam_coefficients(hypers: torch.Tensor, step, grad_scale, found_inf, decoupled: bool) -> torch.Tensor:
-    """Each group's row of the loop's scalars (positions ``_DECAY`` ... ``_KEEP``), in the hyperparameters'
-    precision, from the (groups, 5) ``_hyper_table``. Traced into the compiled update, so these dozen scalar
-    ops are no separate ops (kernels on a GPU) in the step: inductor computes them with the loop. On the CPU
-    a call over several groups updates bitwise as one call per group: the tests check two groups, and 2-5,
-    8, 13 and 19 groups (fp64 hyperparameters, both decays) were compared once. On a GPU Triton's fp32
-    division is approximate: the coefficients then differ from eager ops' in the last bits, expected
-    within the compiled kernel's drift against torch (tests/test_engine.py; not run on a GPU), the same in
-    eager steps and replays."""
-    lr, beta1, beta2, weight_decay, eps = hypers.unbind(1)
-    step = step.to(hypers.dtype)
-    if decoupled:
-        decay, coupled_wd = 1 - lr * weight_decay, torch.zeros_like(lr)
-    else:
-        decay, coupled_wd = torch.ones_like(lr), weight_decay
-    scale = torch.ones_like(lr) if grad_scale is None else grad_scale.to(hypers.dtype).expand(len(lr))
-    keep = (found_inf == 0).expand(len(lr))
-    return torch.stack((decay, coupled_wd, beta1, 1 - beta1, beta2, 1 - beta2, (1 - beta2 ** step).sqrt(), eps,
-                        lr / (1 - beta1 ** step), scale, keep), dim=1)
 
 
 def sgd(params, grads, momentum_buffers, *, lr, weight_decay, momentum, nesterov, grad_scale, found_inf):

@@ -20,8 +20,8 @@ from typing import Optional
 import torch
 
 from . import compiled
-from .compiled import (_BC2_SQRT, _BETA1, _BETA2, _DECAY, _EPS, _KEEP, _ONE_MINUS_BETA1, _ONE_MINUS_BETA2, _SCALE,
-                       _STEP_SIZE, _WD)
+from .adam_coefficients import (BC2_SQRT, BETA1, BETA2, DECAY, EPS, KEEP, ONE_MINUS_BETA1, ONE_MINUS_BETA2, SCALE,
+                                STEP_SIZE, WD, adam_coefficients)
 from .inductor_options import compile_options
 
 LIVE_FIELDS = compiled.LIVE_FIELDS
@@ -174,19 +174,19 @@ def _new_values(segment: SegmentSpec, part, scales, c: torch.Tensor, width: int,
     param, exp_avg, exp_avg_sq = (
         _decode(code, tensors, None if scale is None else _spread(scale, index, right), fp8_values)
         for code, tensors, scale in zip(segment.encodings(), stored, scales))
-    g = grad.to(torch.float32) / c[_SCALE] + param * c[_WD]
-    new_exp_avg = exp_avg * c[_BETA1] + g * c[_ONE_MINUS_BETA1]
-    new_exp_avg_sq = exp_avg_sq * c[_BETA2] + g * g * c[_ONE_MINUS_BETA2]
-    denom = new_exp_avg_sq.sqrt() / c[_BC2_SQRT] + c[_EPS]
-    new_param = param * c[_DECAY] - c[_STEP_SIZE] * new_exp_avg / denom
-    keep = c[_KEEP] > 0
+    g = grad.to(torch.float32) / c[SCALE] + param * c[WD]
+    new_exp_avg = exp_avg * c[BETA1] + g * c[ONE_MINUS_BETA1]
+    new_exp_avg_sq = exp_avg_sq * c[BETA2] + g * g * c[ONE_MINUS_BETA2]
+    denom = new_exp_avg_sq.sqrt() / c[BC2_SQRT] + c[EPS]
+    new_param = param * c[DECAY] - c[STEP_SIZE] * new_exp_avg / denom
+    keep = c[KEEP] > 0
     new = (torch.where(keep, new_param, param), torch.where(keep, new_exp_avg, exp_avg),
            torch.where(keep, new_exp_avg_sq, exp_avg_sq))
     return new, right
 
 
 def _coefficients(hypers, step, grad_scale, found_inf, decoupled: bool) -> torch.Tensor:
-    return compiled._adam_coefficients(hypers, step, grad_scale, found_inf, decoupled).to(torch.float32)[0]
+    return adam_coefficients(hypers, step, grad_scale, found_inf, decoupled).to(torch.float32)[0]
 
 
 def _new_scales(segments: tuple, written: list, read: list, hypers, step, grad_scale, found_inf, decoupled: bool):

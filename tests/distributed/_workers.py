@@ -274,17 +274,19 @@ def compiled_kernel(rank: int, world_size: int) -> dict:
 
 def auto_kernel_agreement(rank: int, world_size: int) -> dict:
     """kernel="auto" built twice: with every rank's probe passing, then with rank 1's failing (the probe
-    results are set, not run: nothing compiles here). Returns each build's choice and warnings."""
+    results are set, not run: nothing compiles here). Returns each build's choice and warnings. The native
+    loop is off: with it, an fp32 Adam step on the CPU has nothing for torch.compile to do, and is not probed."""
     import warnings
 
     from graphstep.kernels import auto
+    from graphstep.native import update_loops
 
     auto.COMPILE_MIN_NUMEL = 0  # the tiny model stands for a large one (as tests/conftest.py sets)
     out = {}
     for case, failing_rank in (("all_work", None), ("rank1_fails", 1)):
         works = rank != failing_rank
         auto._probed[("cpu", -1, torch.float64)] = (works, "" if works else "forced failure", 0.0)
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, update_loops.off():
             warnings.simplefilter("always")
             opt = get_optimizer(make_config("adam_fp32", world_size, kernel="auto"), tiny_transformer())
         out[case] = {"name": opt.kernel_choice.name, "reason": opt.kernel_choice.reason,
@@ -293,13 +295,16 @@ def auto_kernel_agreement(rank: int, world_size: int) -> dict:
 
 
 def compiled_kernel_refused_on_every_rank(rank: int, world_size: int) -> dict:
-    """kernel="compiled" with rank 1's probe failing (set, not run): what each rank's build raised, or None."""
+    """kernel="compiled" with rank 1's probe failing (set, not run): what each rank's build raised, or None.
+    The native loop is off, as in ``auto_kernel_agreement``."""
     from graphstep.kernels import auto
+    from graphstep.native import update_loops
 
     works = rank != 1
     auto._probed[("cpu", -1, torch.float64)] = (works, "" if works else "forced failure", 0.0)
     try:
-        get_optimizer(make_config("adam_fp32", world_size, kernel="compiled"), tiny_transformer())
+        with update_loops.off():
+            get_optimizer(make_config("adam_fp32", world_size, kernel="compiled"), tiny_transformer())
     except RuntimeError as error:
         return {"error": str(error)}
     return {"error": None}

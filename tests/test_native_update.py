@@ -1,0 +1,184 @@
+"""The native Adam loop (graphstep/native/update_loops.py) against the ``torch.compile``d loop it stands in for, and
+the start it is for: a build and first step that import no compiler of torch's and trace nothing."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from graphstep.kernels import compiled
+from graphstep.native import update_loops
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def native():
+    library = update_loops.library()
+    if library is None and "no C++ compiler" in update_loops.status():
+        pytest.skip(update_loops.status())
+    assert library is not None, update_loops.status()
+    return library
+
+
+def _groups(seed: int, numels: list[list[int]]) -> list:
+    """Adam groups of views of ``numels`` with random values and hyperparameters of their own (fp64, as the CPU
+    engine keeps them)."""
+    generator = torch.Generator().manual_seed(seed)
+    groups = []
+    for index, lengths in enumerate(numels):
+        params, grads, exp_avgs, exp_avg_sqs = ([torch.randn(n, generator=generator) for n in lengths]
+                                                for _ in range(4))
+        exp_avg_sqs = [v.abs() * 1e-2 for v in exp_avg_sqs]
+        hyper = dict(lr=3e-3 * (index + 1), beta1=0.9 - 0.05 * index, beta2=0.999 - 0.01 * index,
+                     weight_decay=0.1 * index, eps=1e-8 * (index + 1))
+        hyper = {name: torch.tensor(value, dtype=torch.float64) for name, value in hyper.items()}
+        groups.append((params, grads, exp_avgs, exp_avg_sqs, hyper))
+    return groups
+
+
+def _copy(groups: list) -> list:
+    return [tuple([t.clone() for t in tensors] for tensors in group[:4]) + (group[4],) for group in groups]
+
+
+def _values(groups: list) -> list:
+    return [t for group in groups for tensors in group[:4] for t in tensors]
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal values, a NaN matching a NaN."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0, float("inf"), float("-inf")),
+                                                             b.nan_to_num(0.0, float("inf"), float("-inf")))
+
+
+def _lists(groups: list) -> list:
+    """All groups' params, grads, exp_avgs and exp_avg_sqs: the four lists of one call."""
+    return [[t for group in groups for t in group[k]] for k in range(4)]
+
+
+def _step_both_ways(groups: list, through_compile: list, **scalars) -> None:
+    assert compiled.native_adam_covers(*_lists(groups))
+    compiled.adam_groups(groups, **scalars)
+    with update_loops.off():
+        assert not compiled.native_adam_covers(*_lists(through_compile))
+        compiled.adam_groups(through_compile, **scalars)
+
+
+# Each layout and each pair of flags is a compile of its own on the torch.compile side: the grid is kept to what
+# changes the arithmetic (the coefficients' math with and without decoupled decay and a grad scale, computed in
+# the compiled graph on one side and by eager ops on the other; views of every cut; many groups' rows).
+NUMELS = {"one view": [[1]], "rows and tails": [[64, 65, 4099, 3]], "three groups": [[130, 7], [1000], [63, 64]],
+          "thirteen groups": [[17 + 3 * g] for g in range(13)]}
+
+
+@pytest.mark.parametrize("numels", list(NUMELS.values()), ids=list(NUMELS))
+def test_the_native_loop_updates_bitwise_as_the_torch_compiled_loop_over_every_layout(native, numels):
+    groups = _groups(len(numels) + len(numels[0]), numels)
+    through_compile = _copy(groups)
+    for step, scale in ((1, 1024.0), (2, 0.37), (1000, 1.0)):
+        _step_both_ways(groups, through_compile, step=torch.tensor(float(step)), decoupled=True,
+                        grad_scale=torch.tensor(scale), found_inf=torch.zeros(()))
+        assert all(_equal(a, b) for a, b in zip(_values(groups), _values(through_compile)))
+    assert not torch.equal(groups[0][0][0], _groups(len(numels) + len(numels[0]), numels)[0][0][0])
+
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["AdamW", "Adam"])
+@pytest.mark.parametrize("scaled", [True, False], ids=["grad scale", "no grad scale"])
+def test_the_native_loop_updates_bitwise_as_the_torch_compiled_loop_with_each_flag(native, decoupled, scaled):
+    groups = _groups(3, NUMELS["three groups"])
+    through_compile = _copy(groups)
+    for step in (1, 7):
+        _step_both_ways(groups, through_compile, step=torch.tensor(float(step)), decoupled=decoupled,
+                        grad_scale=torch.tensor(8.0) if scaled else None, found_inf=torch.zeros(()))
+        assert all(_equal(a, b) for a, b in zip(_values(groups), _values(through_compile)))
+
+
+def test_a_skipped_step_writes_nothing_and_non_finite_values_go_through_as_they_do_compiled(native):
+    groups = _groups(5, [[300, 64]])
+    groups[0][1][0][::7] = float("inf")  # grads with infs and NaNs: an applied step spreads them as torch does
+    groups[0][1][1][::5] = float("nan")
+    before = [t.clone() for t in _values(groups)]
+    skip = dict(step=torch.tensor(3.0), decoupled=True, grad_scale=torch.tensor(2.0), found_inf=torch.ones(()))
+    compiled.adam_groups(groups, **skip)
+    assert all(_equal(a, b) for a, b in zip(_values(groups), before))
+    through_compile = _copy(groups)
+    _step_both_ways(groups, through_compile, **{**skip, "found_inf": torch.zeros(())})
+    assert all(_equal(a, b) for a, b in zip(_values(groups), _values(through_compile)))
+    assert groups[0][0][1].isnan().any() and not torch.equal(groups[0][0][0], before[0])
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_thread_count_changes_no_bit(native, threads):
+    groups, reference = _groups(9, [[100_003]]), _groups(9, [[100_003]])
+    scalars = dict(step=torch.tensor(4.0), decoupled=True, grad_scale=torch.tensor(3.0), found_inf=torch.zeros(()))
+    was = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        compiled.adam_groups(groups, **scalars)
+        torch.set_num_threads(1)
+        compiled.adam_groups(reference, **scalars)
+    finally:
+        torch.set_num_threads(was)
+    assert all(torch.equal(a, b) for a, b in zip(_values(groups), _values(reference)))
+
+
+def test_views_the_native_loop_cannot_take_go_through_torch_compile(native):
+    params, grads, exp_avgs, exp_avg_sqs = ([torch.randn(64)] for _ in range(4))
+    assert compiled.native_adam_covers(params, grads, exp_avgs, exp_avg_sqs)
+    assert not compiled.native_adam_covers(params, [grads[0].bfloat16()], exp_avgs, exp_avg_sqs)  # bf16 grads
+    assert not compiled.native_adam_covers(params, grads, exp_avgs, [torch.randn(128)[::2]])  # strided
+    assert not compiled.native_adam_covers(params, grads, exp_avgs, [torch.randn(63)])  # lengths differ
+    assert not compiled.native_adam_covers(params, grads, exp_avgs, [])  # lists differ
+    assert not compiled.native_adam_covers([], [], [], [])
+    with pytest.raises(ValueError, match="one contiguous fp32 CPU row"):
+        update_loops.adam(params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], torch.zeros(11, dtype=torch.float64))
+
+
+def _fresh_process(code: str, env: dict) -> dict:
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# A model just over the size at which kernel="auto" runs the compiled kernel (auto.COMPILE_MIN_NUMEL), built and
+# stepped in a fresh process: what a user's training script does first.
+_BUILD_AND_STEP = """
+import json, sys, torch
+import graphstep as gs
+from graphstep.kernels import auto, compiled
+from graphstep.native import update_loops
+model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.Linear(4096, 1024), torch.nn.Linear(1024, 4))
+assert sum(p.numel() for p in model.parameters()) > auto.COMPILE_MIN_NUMEL
+opt = gs.get_optimizer(gs.OptimizerConfig(lr=1e-3, clip_grad=1.0), model)
+model(torch.randn(2, 4096)).sum().backward()
+opt.step()
+print(json.dumps(dict(kernel=opt.kernel_choice.name, reason=opt.kernel_choice.reason,
+                      compile_s=compiled.compile_seconds(), status=update_loops.status(),
+                      inductor_compiled="torch._inductor.compile_fx" in sys.modules)))
+"""
+
+
+def test_a_large_fp32_model_builds_and_steps_without_torch_compile_where_the_native_loop_builds(native, tmp_path):
+    for cache in ("empty cache: the library compiles at build", "the cache that process left"):
+        seen = _fresh_process(_BUILD_AND_STEP, {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
+        assert seen["kernel"] == "compiled" and "native loop" in seen["reason"], cache
+        assert seen["status"].startswith("native: ") and seen["compile_s"] == 0.0, cache
+        assert not seen["inductor_compiled"], cache  # neither probed nor compiled: inductor's compiler never loaded
+    assert len(list((tmp_path / "graphstep_native").glob("graphstep_update_loops_*.so"))) == 1
+    # Turned off, the same step goes through torch.compile: probed at build, compiled on the first step.
+    off = _fresh_process(_BUILD_AND_STEP, {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path),
+                                           update_loops.DISABLE_VARIABLE: "0"})
+    assert off["kernel"] == "compiled" and "torch.compile works" in off["reason"]
+    assert off["status"] == f"torch.compile: {update_loops.DISABLE_VARIABLE}=0" and off["compile_s"] > 0
+
+
+def test_a_library_that_cannot_be_built_leaves_the_update_to_torch_compile(tmp_path):
+    seen = _fresh_process(_BUILD_AND_STEP, {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "CXX": "false"})
+    assert seen["status"].startswith("torch.compile: the native update could not be built (RuntimeError: false ")
+    assert seen["kernel"] == "fused" or "torch.compile works" in seen["reason"]  # inductor uses its own compiler
+    assert not list((tmp_path / "graphstep_native").glob("*.so"))
