@@ -51,6 +51,20 @@ def test_startup_row_runs_cold_then_warm():
     assert table.count("| torch clip_grad_norm_ + AdamW(fused=True) |") == 2
 
 
+def test_the_warm_row_waits_for_a_compile_the_cold_process_left_running(tmp_path):
+    import threading
+
+    folder = tmp_path / "graphstep_native"
+    folder.mkdir()
+    partial = folder / "library.so.partial"
+    partial.write_text("")
+    threading.Timer(0.5, partial.unlink).start()  # the compiler finishes and moves its output into place
+    assert 0.4 < peer_startup.wait_for_left_compiles(str(tmp_path), limit_s=60, poll_s=0.02) < 60
+    partial.write_text("")  # one that never finishes is waited for only up to the limit
+    assert peer_startup.wait_for_left_compiles(str(tmp_path), limit_s=0.2, poll_s=0.02) >= 0.2
+    assert peer_startup.wait_for_left_compiles(str(tmp_path / "no cache"), limit_s=60) < 1
+
+
 def test_a_row_that_does_not_start_in_time_is_given_up_and_the_others_run(monkeypatch):
     def spins(inputs, grads):  # a compile that does not finish
         while True:
