@@ -192,7 +192,8 @@ def _adam_once(kernels, params, grads, exp_avgs, exp_avg_sqs):
                  found_inf=torch.zeros(()))
 
 
-def test_compiled_kernel_keeps_the_cut_of_views_it_sees_again_and_cuts_again_what_changed(monkeypatch, through_torch_compile):
+@pytest.mark.usefixtures("through_torch_compile")
+def test_compiled_kernel_keeps_the_cut_of_views_it_sees_again_and_cuts_again_what_changed(monkeypatch):
     # An engine passes the same view objects every step: cut on the first two calls, kept from the second.
     # A list with another tensor (here a fresh temporary each time) or a view moved to other memory is cut
     # again, never served the old cut (which would update the old memory): each such call matches the
@@ -224,7 +225,8 @@ def test_compiled_kernel_keeps_the_cut_of_views_it_sees_again_and_cuts_again_wha
     assert last_view_matches_reference(None)
 
 
-def test_compiled_kernel_keeps_no_cut_of_grads_that_are_new_every_call(through_torch_compile):
+@pytest.mark.usefixtures("through_torch_compile")
+def test_compiled_kernel_keeps_no_cut_of_grads_that_are_new_every_call():
     # A torch.optim-style caller: the same params, grads reallocated every step. Keeping their cut would
     # hold the last step's grads in memory until the next call.
     params, _, (exp_avg, exp_avg_sq) = make_state(13, 2)
@@ -234,7 +236,8 @@ def test_compiled_kernel_keeps_no_cut_of_grads_that_are_new_every_call(through_t
     assert compiled._rows_by_first_view[param_views[0]].parts is None
 
 
-def test_compiled_kernel_forgets_the_cut_of_views_that_are_gone(through_torch_compile):
+@pytest.mark.usefixtures("through_torch_compile")
+def test_compiled_kernel_forgets_the_cut_of_views_that_are_gone():
     # The cut of an optimizer's views holds their memory: it must go when the views do.
     import gc
     gc.collect()
@@ -375,7 +378,8 @@ def test_auto_falls_back_to_fused_when_the_compiled_result_differs_from_the_refe
 
 
 @pytest.mark.auto_as_large
-def test_compiled_set_explicitly_is_refused_at_build_where_its_result_differs_from_the_reference(monkeypatch, through_torch_compile):
+@pytest.mark.usefixtures("through_torch_compile")
+def test_compiled_set_explicitly_is_refused_at_build_where_its_result_differs_from_the_reference(monkeypatch):
     monkeypatch.setattr(auto, "_probed", {})
     monkeypatch.setattr(compiled, "adam", lambda *args, **kwargs: None)  # a "miscompile": nothing updated
     message = r"kernel='compiled': torch.compile does not work on cpu \(its result differs .*set kernel='fused'"
@@ -440,7 +444,8 @@ def test_auto_picks_fused_without_probing_when_compiling_first_is_impossible_or_
     assert auto.choose("reference", CPU, capture="eager", warmup_steps=3).name == "reference"
 
 
-def test_compile_seconds_count_the_first_call_of_each_compiled_variant(through_torch_compile):
+@pytest.mark.usefixtures("through_torch_compile")
+def test_compile_seconds_count_the_first_call_of_each_compiled_variant():
     params, grads, states = make_state(21, 2)
     kwargs = dict(step=torch.ones(()), lr=torch.tensor(1e-3, dtype=torch.float64), beta1=0.9, beta2=0.99,
                   weight_decay=0.0, eps=1e-8, decoupled=True, grad_scale=None, found_inf=torch.zeros(()))

@@ -12,13 +12,14 @@ DECAY, WD, BETA1, ONE_MINUS_BETA1, BETA2, ONE_MINUS_BETA2, BC2_SQRT, EPS, STEP_S
 
 def adam_coefficients(hypers: torch.Tensor, step, grad_scale, found_inf, decoupled: bool) -> torch.Tensor:
     """Each group's row of the loop's scalars (positions ``DECAY`` ... ``KEEP``), in the hyperparameters'
-    precision, from the (groups, 5) hyperparameter table (compiled.py, ``_hyper_table``). Traced into the compiled update, so these dozen scalar
-    ops are no separate ops (kernels on a GPU) in the step: inductor computes them with the loop. On the CPU
-    a call over several groups updates bitwise as one call per group: the tests check two groups, and 2-5,
-    8, 13 and 19 groups (fp64 hyperparameters, both decays) were compared once. On a GPU Triton's fp32
-    division is approximate: the coefficients then differ from eager ops' in the last bits, expected
-    within the compiled kernel's drift against torch (tests/test_engine.py; not run on a GPU), the same in
-    eager steps and replays."""
+    precision, from the (groups, 5) hyperparameter table (compiled.py, ``_hyper_table``). Traced into the
+    compiled update, so these dozen scalar ops are no separate ops (kernels on a GPU) in the step: inductor
+    computes them with the loop. On the CPU a call over several groups updates bitwise as one call per group:
+    the tests check two groups, and 2-5, 8, 13 and 19 groups (fp64 hyperparameters, both decays) were compared
+    once; the native loop computes them as eager ops, bitwise the same (tests/test_native_update.py). On a
+    GPU Triton's fp32 division is approximate: the coefficients then differ from eager ops' in the last bits,
+    expected within the compiled kernel's drift against torch (tests/test_engine.py; not run on a GPU), the
+    same in eager steps and replays."""
     lr, beta1, beta2, weight_decay, eps = hypers.unbind(1)
     step = step.to(hypers.dtype)
     if decoupled:
