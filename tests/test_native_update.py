@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphstep.kernels import compiled
+from graphstep.kernels import compiled, compiled_stored
 from graphstep.native import update_loops
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,3 +182,89 @@ def test_a_library_that_cannot_be_built_leaves_the_update_to_torch_compile(tmp_p
     assert seen["status"].startswith("torch.compile: the native update could not be built (RuntimeError: false ")
     assert seen["kernel"] == "fused" or "torch.compile works" in seen["reason"]  # inductor uses its own compiler
     assert not list((tmp_path / "graphstep_native").glob("*.so"))
+
+
+# ---- state stored below fp32 (graphstep/kernels/compiled_stored.py): the encodings that need no scale --------
+
+STORED = {"bf16 moments": ("f32", "bf16", "bf16"), "remainders, bf16 moments": ("rem", "bf16", "bf16"),
+          "remainders, fp32 moments": ("rem", "f32", "f32"), "fp32 main, mixed moments": ("f32", "f32", "bf16")}
+
+
+def _stored_part(generator, code: str, shape: tuple) -> tuple:
+    values = torch.randn(shape, generator=generator)
+    if code == "f32":
+        return (values,)
+    if code == "bf16":
+        return (values.abs().bfloat16(),)
+    # rem: a bf16 param's bits and a low half, any 16 bits
+    return (values.bfloat16().view(torch.int16), torch.randint(-2**15, 2**15, shape, generator=generator,
+                                                                dtype=torch.int16))
+
+
+def _stored_call(encodings: tuple, grad_dtype: torch.dtype, widths=(64, 1), rows=(37, 5)) -> tuple:
+    generator = torch.Generator().manual_seed(7)
+    parts = [(tuple(_stored_part(generator, code, (n, width)) for code in encodings),
+              torch.randn((n, width), generator=generator).to(grad_dtype)) for width, n in zip(widths, rows)]
+    spec = ",".join(encodings) + ":" + ",".join(map(str, widths))
+    return parts, spec
+
+
+def _stored_step(parts, spec, **scalars) -> None:
+    written, read = compiled_stored.pack(parts, (None, None, None), None)
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, weight_decay=0.1, eps=1e-8)
+    compiled_stored.adam_stored(written, read, spec, {k: torch.tensor(v, dtype=torch.float64) for k, v in
+                                                      hyper.items()}, **scalars)
+
+
+def _stored_bytes(parts) -> list:
+    return [t.view(torch.uint8) for stored, _ in parts for kind in stored for t in kind]
+
+
+@pytest.mark.parametrize("encodings", list(STORED.values()), ids=list(STORED))
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["fp32 grads", "bf16 grads"])
+def test_the_native_stored_loop_stores_the_bytes_the_compiled_passes_store(native, encodings, grad_dtype):
+    parts, spec = _stored_call(encodings, grad_dtype)
+    through_compile = [(tuple(tuple(t.clone() for t in kind) for kind in stored), grad) for stored, grad in parts]
+    before = [t.clone() for t in _stored_bytes(parts)]
+    for step, found_inf, decoupled in ((1, 0.0, True), (2, 1.0, True), (3, 0.0, False)):
+        scalars = dict(step=torch.tensor(float(step)), decoupled=decoupled, grad_scale=torch.tensor(4.0),
+                       found_inf=torch.tensor(found_inf))
+        assert all(update_loops.stored_covers(encodings, stored, grad) for stored, grad in parts)
+        _stored_step(parts, spec, **scalars)
+        with update_loops.off():
+            _stored_step(through_compile, spec, **scalars)
+        for ours, theirs in zip(_stored_bytes(parts), _stored_bytes(through_compile)):
+            assert torch.equal(ours, theirs), f"step {step}"
+    assert not all(torch.equal(a, b) for a, b in zip(_stored_bytes(parts), before))
+
+
+def test_the_native_stored_loop_stores_nan_and_overflow_as_torch_casts_them(native):
+    # Inf and overflow land in the same bytes as the compiled passes'. A NaN moment is stored as torch's own cast
+    # stores it (what the eager fp32-window path writes), where inductor's pass writes another NaN: both read
+    # back as NaN.
+    parts, spec = _stored_call(("rem", "bf16", "bf16"), torch.float32)
+    parts[0][1][0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3e38, -3e38])
+    through_compile = [(tuple(tuple(t.clone() for t in kind) for kind in stored), grad) for stored, grad in parts]
+    scalars = dict(step=torch.tensor(1.0), decoupled=True, grad_scale=None, found_inf=torch.tensor(0.0))
+    _stored_step(parts, spec, **scalars)
+    with update_loops.off():
+        _stored_step(through_compile, spec, **scalars)
+    (main, low), (exp_avg,), (exp_avg_sq,) = parts[0][0]
+    assert exp_avg[0, :5].float().isnan().any() and exp_avg_sq[0, 1:5].float().isinf().all()
+    (their_main, their_low), (their_exp_avg,), (their_exp_avg_sq,) = through_compile[0][0]
+    assert torch.equal(main, their_main) and torch.equal(low, their_low)
+    for ours, theirs in ((exp_avg, their_exp_avg), (exp_avg_sq, their_exp_avg_sq)):
+        assert _equal(ours.float(), theirs.float())
+        nan = ours.float().isnan()
+        torch_cast = torch.full((int(nan.sum()),), float("nan")).bfloat16()
+        assert torch.equal(ours[nan].view(torch.int16), torch_cast.view(torch.int16))
+
+
+def test_encodings_the_native_loop_does_not_take_go_through_torch_compile(native):
+    parts, _ = _stored_call(("f32", "bf16", "bf16"), torch.float32)
+    stored, grad = parts[0]
+    assert update_loops.stored_covers(("f32", "bf16", "bf16"), stored, grad)
+    assert not update_loops.stored_covers(("f32", "f16", "bf16"), stored, grad)  # a scaled kind
+    assert not update_loops.stored_covers(("f32", "bf16", "bf16"), stored, grad.half())  # fp16 grads
+    assert not update_loops.stored_covers(("rem", "bf16", "bf16"), stored, grad)  # tensors not of their code
+    assert not update_loops.stored_covers(("f32", "bf16", "bf16"), stored, grad[:, :32])  # lengths differ

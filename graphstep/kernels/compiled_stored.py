@@ -7,7 +7,8 @@ after it, so the result is bitwise the eager fp32-window path's (graphstep/step/
 needs its new values' per-piece maximum before it can encode, so such a step takes two passes: per-row maxima
 folded into per-piece scales, then the new values recomputed from the stored bytes (cheaper than writing and
 reading them) and encoded. Views are cut as compiled.py cuts them; everything runs in one ``torch.library``
-custom op per call. Grads are read, never written.
+custom op per call. Grads are read, never written. On the CPU, a call with no scaled kind (bf16 moments,
+remainders) runs as graphstep's native loop instead (``_native_covers``): one pass, the same bytes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from ..native import update_loops
 from . import compiled
 from .adam_coefficients import (BC2_SQRT, BETA1, BETA2, DECAY, EPS, KEEP, ONE_MINUS_BETA1, ONE_MINUS_BETA2, SCALE,
                                 STEP_SIZE, WD, adam_coefficients)
@@ -279,6 +281,14 @@ def _fp8_values(device: torch.device) -> torch.Tensor:
 def _stored_adam_op(written: list[torch.Tensor], read: list[torch.Tensor], spec: str, hypers: torch.Tensor,
                     step: torch.Tensor, grad_scale: Optional[torch.Tensor], found_inf: torch.Tensor,
                     decoupled: bool) -> None:
+    segments = parse(spec)
+    unpacked = _unpack(segments, written, read)
+    if _native_covers(segments, unpacked):
+        c = _coefficients(hypers, step, grad_scale, found_inf, decoupled)  # eager ops: the compiled graph's bits
+        for segment, (parts, _) in zip(segments, unpacked):
+            for stored, grad, _ in parts:
+                update_loops.adam_stored(segment.encodings(), stored, grad, c)
+        return
     _mark_dynamic(written)
     _mark_dynamic(read)
     read = read + [_fp8_values(read[0].device)]  # last: the passes read it there
@@ -291,6 +301,15 @@ def _stored_adam_op(written: list[torch.Tensor], read: list[torch.Tensor], spec:
                            written, read, hypers, step, grad_scale, found_inf, decoupled)
     _call(_compiled(_store, spec, *flags, device_type), ("store",) + variant,
           written, read, new_scales, hypers, step, grad_scale, found_inf, decoupled)
+
+
+def _native_covers(segments: tuple, unpacked: list) -> bool:
+    """Whether the native loop (graphstep/native/update_loops.py) runs this call: no scaled kind (one pass), every
+    part's encodings and tensors ones it takes, and the library built. Bitwise the same as the compiled passes."""
+    return (not any(segment.scaled for segment in segments)
+            and all(update_loops.stored_covers(segment.encodings(), stored, grad)
+                    for segment, (parts, _) in zip(segments, unpacked) for stored, grad, _ in parts)
+            and update_loops.library() is not None)
 
 
 @_stored_adam_op.register_fake

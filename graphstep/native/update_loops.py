@@ -1,13 +1,15 @@
-"""The compiled kernel's Adam loop over fp32 views on the CPU, as a native library (update_loops.cpp).
+"""The compiled kernels' Adam loops on the CPU, as a native library (update_loops.cpp): over fp32 views, and over
+main params and moments stored in bf16 or as bf16 params with remainders.
 
-Bitwise the same as the ``torch.compile``d loop (graphstep/kernels/compiled.py) and as eager torch ops, which
-the tests check. Its use is the start: a process that finds the library in its cache (compile_cache.py; the
-first process on a machine compiles it, under a second) updates from its first step without importing
-inductor or tracing with dynamo, each of which costs a process seconds even with inductor's cache warm.
+Bitwise the same as the ``torch.compile``d loops (graphstep/kernels/compiled.py, compiled_stored.py) and as eager
+torch ops, which the tests check. Why: a process that finds the library in its cache (compile_cache.py; the first
+process on a machine compiles it, under a second) updates from its first step without importing inductor or
+tracing with dynamo, each of which costs a process seconds even with inductor's cache warm; and inductor's loop
+over 16-bit state updated in place next to fp32 runs several times slower than the fp32 step (docs/performance.md).
 
 ``library()`` builds or loads it on its first call in a process, in that call: None where it cannot be (no
-compiler, ``GRAPHSTEP_NATIVE_UPDATE=0``), and the compiled kernel then runs through
-``torch.compile`` as before. ``status()`` says which, and why.
+compiler, ``GRAPHSTEP_NATIVE_UPDATE=0``), and the compiled kernels then run through ``torch.compile`` as before.
+``status()`` says which, and why.
 """
 
 from __future__ import annotations
@@ -98,10 +100,49 @@ def adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg
          coefficients: torch.Tensor) -> None:
     """One view's Adam step in place (``covers`` holds for it), from one fp32 row of the compiled kernel's
     coefficients (graphstep/kernels/adam_coefficients.py), with torch's thread count."""
-    if coefficients.dtype != torch.float32 or coefficients.device.type != "cpu" or not coefficients.is_contiguous():
-        raise ValueError("coefficients must be one contiguous fp32 CPU row")
+    _check_row(coefficients)
     library().graphstep_adam_fp32(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
                                   param.numel(), coefficients.data_ptr(), torch.get_num_threads())
+
+
+# compiled_stored.py's encodings the native loop takes (update_loops.cpp's ``Encoding``), each with the dtypes of
+# its tensors: the main params' (f32, or bf16 params with remainders: two int16 tensors), the moments' (f32,
+# bf16), the grads' (fp32 or bf16).
+_STORED = {"f32": (0, (torch.float32,)), "bf16": (1, (torch.bfloat16,)), "rem": (2, (torch.int16, torch.int16))}
+_GRADS = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def stored_covers(encodings: tuple, stored: tuple, grad: torch.Tensor) -> bool:
+    """Whether the native loop can update one part stored with ``encodings`` (main params, exp_avg, exp_avg_sq;
+    compiled_stored.py's codes) in ``stored`` (per kind its tensors), reading ``grad``: codes it takes, tensors
+    of their dtypes, contiguous, on the CPU, all of one length."""
+    main, exp_avg, exp_avg_sq = encodings
+    if main not in ("f32", "rem") or {exp_avg, exp_avg_sq} - {"f32", "bf16"} or grad.dtype not in _GRADS:
+        return False
+    tensors = [grad, *(t for kind in stored for t in kind)]
+    dtypes = [grad.dtype, *(d for code in encodings for d in _STORED[code][1])]
+    return len(tensors) == len(dtypes) and all(
+        t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() and t.numel() == grad.numel()
+        for t, dtype in zip(tensors, dtypes))
+
+
+def adam_stored(encodings: tuple, stored: tuple, grad: torch.Tensor, coefficients: torch.Tensor) -> None:
+    """One part's Adam in place over its stored main params and moments (``stored_covers`` holds for it), from
+    one fp32 row of coefficients, with torch's thread count."""
+    _check_row(coefficients)
+    (main, *main_low), (exp_avg,), (exp_avg_sq,) = stored
+    codes = [_STORED[code][0] for code in encodings]
+    failed = library().graphstep_adam_stored(
+        main.data_ptr(), main_low[0].data_ptr() if main_low else None, codes[0], exp_avg.data_ptr(), codes[1],
+        exp_avg_sq.data_ptr(), codes[2], grad.data_ptr(), _GRADS[grad.dtype], grad.numel(),
+        coefficients.data_ptr(), torch.get_num_threads())
+    if failed:
+        raise ValueError(f"the native loop takes no encodings {encodings} with {grad.dtype} grads")
+
+
+def _check_row(coefficients: torch.Tensor) -> None:
+    if coefficients.dtype != torch.float32 or coefficients.device.type != "cpu" or not coefficients.is_contiguous():
+        raise ValueError("coefficients must be one contiguous fp32 CPU row")
 
 
 def _load() -> _Loaded:
@@ -116,6 +157,10 @@ def _load() -> _Loaded:
         function = library.graphstep_adam_fp32
         function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
         function.restype = None
+        stored = library.graphstep_adam_stored
+        stored.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p, ctypes.c_int] * 3 + \
+            [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        stored.restype = ctypes.c_int
         loaded.library, loaded.status = library, f"native: {path}"
     except Exception as error:  # noqa: BLE001 - any failure leaves the update to torch.compile, and says why
         loaded.status = f"torch.compile: the native update could not be built ({type(error).__name__}: {error})"
