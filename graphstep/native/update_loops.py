@@ -5,7 +5,8 @@ Bitwise the same as the ``torch.compile``d loops (graphstep/kernels/compiled.py,
 torch ops, which the tests check. Why: a process that finds the library in its cache (compile_cache.py; the first
 process on a machine compiles it, under a second) updates from its first step without importing inductor or
 tracing with dynamo, each of which costs a process seconds even with inductor's cache warm; and inductor's loop
-over 16-bit state updated in place next to fp32 runs several times slower than the fp32 step (docs/performance.md).
+over 16-bit state updated in place next to fp32 is slower than the fp32 step, where its bytes say it should be
+faster (docs/performance.md).
 
 ``library()`` builds or loads it on its first call in a process, in that call: None where it cannot be (no
 compiler, ``GRAPHSTEP_NATIVE_UPDATE=0``), and the compiled kernels then run through ``torch.compile`` as before.
