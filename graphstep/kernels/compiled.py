@@ -40,7 +40,10 @@ LIVE_FIELDS = frozenset({"lr", "weight_decay", "beta1", "beta2", "eps", "momentu
 _SGD_LR, _SGD_WD, _SGD_MOMENTUM, _SGD_SCALE, _SGD_KEEP = range(5)
 
 
-def _adam_loop(param, grad, exp_avg, exp_avg_sq, c):
+def adam_values(param, grad, exp_avg, exp_avg_sq, c) -> tuple:
+    """One Adam step's new (param, exp_avg, exp_avg_sq) from their values and a coefficient row ``c``, the skip
+    selected: the arithmetic of every compiled Adam loop (this module's, and compiled_stored.py's over decoded
+    values; graphstep/native/update_loops.cpp repeats it op for op)."""
     # torch.optim's operation order (Adam: grad + wd * param; AdamW: param * (1 - lr * wd) first).
     g = grad.to(param.dtype) / c[SCALE] + param * c[WD]
     new_exp_avg = exp_avg * c[BETA1] + g * c[ONE_MINUS_BETA1]
@@ -48,9 +51,13 @@ def _adam_loop(param, grad, exp_avg, exp_avg_sq, c):
     denom = new_exp_avg_sq.sqrt() / c[BC2_SQRT] + c[EPS]
     new_param = param * c[DECAY] - c[STEP_SIZE] * new_exp_avg / denom
     keep = c[KEEP] > 0
-    param.copy_(torch.where(keep, new_param, param))
-    exp_avg.copy_(torch.where(keep, new_exp_avg, exp_avg))
-    exp_avg_sq.copy_(torch.where(keep, new_exp_avg_sq, exp_avg_sq))
+    return (torch.where(keep, new_param, param), torch.where(keep, new_exp_avg, exp_avg),
+            torch.where(keep, new_exp_avg_sq, exp_avg_sq))
+
+
+def _adam_loop(param, grad, exp_avg, exp_avg_sq, c):
+    for tensor, value in zip((param, exp_avg, exp_avg_sq), adam_values(param, grad, exp_avg, exp_avg_sq, c)):
+        tensor.copy_(value)
 
 
 def _sgd_loop(param, grad, c):

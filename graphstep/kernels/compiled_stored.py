@@ -22,8 +22,7 @@ import torch
 
 from ..native import update_loops
 from . import compiled
-from .adam_coefficients import (BC2_SQRT, BETA1, BETA2, DECAY, EPS, KEEP, ONE_MINUS_BETA1, ONE_MINUS_BETA2, SCALE,
-                                STEP_SIZE, WD, adam_coefficients)
+from .adam_coefficients import adam_coefficients
 from .inductor_options import compile_options
 
 LIVE_FIELDS = compiled.LIVE_FIELDS
@@ -169,22 +168,14 @@ def _as_int16(unsigned: torch.Tensor) -> torch.Tensor:
 
 
 def _new_values(segment: SegmentSpec, part, scales, c: torch.Tensor, width: int, fp8_values) -> tuple:
-    """One part's (new main params, exp_avg, exp_avg_sq) in fp32, the skip selected: ``compiled._adam_loop``'s
-    expressions on the decoded values. Also the part's right-of-split mask (None without a scaled kind)."""
+    """One part's (new main params, exp_avg, exp_avg_sq) in fp32, the skip selected: ``compiled.adam_values``
+    on the decoded values. Also the part's right-of-split mask (None without a scaled kind)."""
     stored, grad, index = part
     right = None if index is None else _sides(index, width, grad.device)
     param, exp_avg, exp_avg_sq = (
         _decode(code, tensors, None if scale is None else _spread(scale, index, right), fp8_values)
         for code, tensors, scale in zip(segment.encodings(), stored, scales))
-    g = grad.to(torch.float32) / c[SCALE] + param * c[WD]
-    new_exp_avg = exp_avg * c[BETA1] + g * c[ONE_MINUS_BETA1]
-    new_exp_avg_sq = exp_avg_sq * c[BETA2] + g * g * c[ONE_MINUS_BETA2]
-    denom = new_exp_avg_sq.sqrt() / c[BC2_SQRT] + c[EPS]
-    new_param = param * c[DECAY] - c[STEP_SIZE] * new_exp_avg / denom
-    keep = c[KEEP] > 0
-    new = (torch.where(keep, new_param, param), torch.where(keep, new_exp_avg, exp_avg),
-           torch.where(keep, new_exp_avg_sq, exp_avg_sq))
-    return new, right
+    return compiled.adam_values(param, grad, exp_avg, exp_avg_sq, c), right
 
 
 def _coefficients(hypers, step, grad_scale, found_inf, decoupled: bool) -> torch.Tensor:

@@ -1,5 +1,5 @@
 // graphstep's compiled Adam loops as plain OpenMP loops: over fp32 views (graphstep/kernels/compiled.py,
-// ``_adam_loop``), and over main params and moments stored in bf16 or as bf16 params with remainders
+// ``adam_values``), and over main params and moments stored in bf16 or as bf16 params with remainders
 // (graphstep/kernels/compiled_stored.py, its unscaled encodings). The same operations in the same order, each
 // rounded once (no fused multiply-add, an exact square root and division), so that they update bitwise as the
 // torch.compile'd loops and eager torch ops do. graphstep/native/update_loops.py calls them through ctypes; they
@@ -32,7 +32,7 @@ void adam_loop(float* __restrict__ param, const float* __restrict__ grad, float*
   const float step_size = c[STEP_SIZE], scale = c[SCALE];
 #pragma omp parallel for simd num_threads(threads) schedule(static)
   for (int64_t i = 0; i < n; i++) {
-    // Python's left-to-right order of _adam_loop: ``g * g * c`` is ``(g * g) * c``, ``s * m / d`` is ``(s * m) / d``.
+    // Python's left-to-right order of adam_values: ``g * g * c`` is ``(g * g) * c``, ``s * m / d`` is ``(s * m) / d``.
     const float g = grad[i] / scale + param[i] * wd;
     const float m = exp_avg[i] * beta1 + g * one_minus_beta1;
     const float v = exp_avg_sq[i] * beta2 + g * g * one_minus_beta2;
@@ -97,7 +97,7 @@ inline void store(Stored<CODE>* data, uint16_t* low, int64_t i, float value) {
   }
 }
 
-// compiled_stored.py's ``_new_values`` and ``_encode`` for unscaled encodings: decode, _adam_loop's arithmetic,
+// compiled_stored.py's ``_new_values`` and ``_encode`` for unscaled encodings: decode, adam_values' arithmetic,
 // the skip selected (a skipped step, ``KEEP`` false, stores the decoded old values again, as torch.where there
 // does), encode.
 template <int MAIN, int EXP_AVG, int EXP_AVG_SQ, int GRAD, bool KEEP_NEW>
@@ -177,7 +177,7 @@ int graphstep_adam_stored(void* main, void* main_low, int main_code, void* exp_a
 }
 
 // One view's update; a skipped step (``c[KEEP]`` not > 0) writes nothing, which leaves every value bitwise as
-// it was, as ``torch.where`` does in _adam_loop.
+// it was, as ``torch.where`` does in adam_values.
 void graphstep_adam_fp32(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n,
                          const float* coefficients, int threads) {
   if (!(coefficients[KEEP] > 0)) {
