@@ -58,8 +58,8 @@ inline uint32_t to_bits(float value) {
   return bits;
 }
 
-// fp32 to bf16 as torch's CPU cast does: round to nearest even, every NaN 0xFFFF (inductor's pass stores 0x7FC0;
-// both read back as NaN). Branch-free, so that the loop vectorizes.
+// fp32 to bf16 as torch's vectorized CPU cast does: round to nearest even, every NaN 0xFFFF (torch's scalar cast
+// and inductor's pass store 0x7FC0; all read back as NaN). Branch-free, so that the loop vectorizes.
 inline uint16_t to_bf16(float value) {
   const uint32_t bits = to_bits(value);
   const uint32_t nan = 0u - static_cast<uint32_t>(value != value);
