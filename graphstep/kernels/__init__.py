@@ -37,8 +37,7 @@ def choose_kernels(config, device, families, comm=None, hyper_dtype=None,
     None). ``families``: the step's, each of whose ``entry_points`` the implementation must offer. ``numel``:
     elements this rank's update covers. ``like``: the step's ``auto.StepShape``, for a probe that compiles the
     step's own variant. ``native``: every compiled call of the step runs the native loop (``auto.choose``)."""
-    # A family with a kernels module of its own needs the configured one only where it has a compiled twin.
-    needs_kernel = any(family.kernels is None or hasattr(family.kernels, "compiled_twin") for family in families)
+    needs_kernel = any(map(auto.runs_configured_kernel, families))
     hyper_dtype = hyper_dtype or torch.float64
     several = comm is not None and comm.dp_size > 1
     if config.kernel == "compiled" and needs_kernel and several:

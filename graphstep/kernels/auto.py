@@ -235,6 +235,12 @@ def _dynamic_rows(n: int) -> list[int]:
     return [(hi - lo) // width for lo, hi, width in compiled._cuts(n) if (hi - lo) // width > 1]
 
 
+def runs_configured_kernel(family) -> bool:
+    """Whether a family's update runs ``OptimizerConfig.kernel``: it brings no kernels module of its own, or its
+    own has a compiled twin (AdEMAMix's) that "compiled" swaps in."""
+    return family.kernels is None or hasattr(family.kernels, "compiled_twin")
+
+
 def native_runs_every_call(device: torch.device, families, adam_groups: list[int], tensors: list, *,
                            full_width: bool) -> bool:
     """Whether every call of the compiled kernel in a step would run the native loop
@@ -242,8 +248,7 @@ def native_runs_every_call(device: torch.device, families, adam_groups: list[int
     (``adam_groups``) alone on the configured kernel (no other family, no compiled twin), over main params,
     grads and moments (``tensors``) all fp32 and kept at full width (``full_width``: none stored below fp32,
     none offloaded)."""
-    on_configured = [g for g, family in enumerate(families)
-                     if family.kernels is None or hasattr(family.kernels, "compiled_twin")]
+    on_configured = [g for g, family in enumerate(families) if runs_configured_kernel(family)]
     return (device.type == "cpu" and full_width and on_configured == adam_groups and bool(tensors)
             and all(t.dtype == torch.float32 for t in tensors) and update_loops.library() is not None)
 

@@ -19,7 +19,6 @@ import contextlib
 import ctypes
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -38,7 +37,6 @@ class _Loaded:
         self.pid = os.getpid()
         self.library = None
         self.status = "not loaded: no step has asked for it"
-        self.seconds = 0.0  # the build (a compile, or a load from the cache) in this process
 
 
 _loaded: Optional[_Loaded] = None
@@ -63,11 +61,6 @@ def status() -> str:
     if _off:
         return "torch.compile: the native update is turned off here (update_loops.off())"
     return _loaded.status if _loaded is not None else "not loaded: no step has asked for it"
-
-
-def seconds() -> float:
-    """Seconds this process spent finding, or compiling, and loading the library."""
-    return _loaded.seconds if _loaded is not None else 0.0
 
 
 @contextlib.contextmanager
@@ -151,7 +144,6 @@ def _load() -> _Loaded:
     if os.environ.get(DISABLE_VARIABLE, "1") == "0":
         loaded.status = f"torch.compile: {DISABLE_VARIABLE}=0"
         return loaded
-    start = time.perf_counter()
     try:
         path = compile_cache.cached_library(SOURCE, NAME, _FLAGS, [], torch_headers=False)
         library = ctypes.CDLL(str(path))
@@ -165,5 +157,4 @@ def _load() -> _Loaded:
         loaded.library, loaded.status = library, f"native: {path}"
     except Exception as error:  # noqa: BLE001 - any failure leaves the update to torch.compile, and says why
         loaded.status = f"torch.compile: the native update could not be built ({type(error).__name__}: {error})"
-    loaded.seconds = time.perf_counter() - start
     return loaded
