@@ -43,6 +43,7 @@ from .plan.experts import is_expert_param
 from .plan.layout import Layout, plan_layout
 from .plan.model_params import as_chunks, named_model_params, named_trainable_params, param_spec, warn_dtype_conversion
 from .plan.routing import build_family_param_groups
+from .pre_step import ParamCheckSchedule
 from .run.result import StepResult
 from .run.runner import StepRunner
 from .state.allocation import allocate
@@ -126,6 +127,7 @@ class Build:
     grads_seen: GradsSeen
     replaced_params: ReplacedParams
     requires_grad: RequiresGradWatch
+    param_checks: ParamCheckSchedule  # when the checks that read every param run
     group_watch: GroupWatch
     fold: Fold
     ddp: Any
@@ -187,7 +189,8 @@ def build(routed: Routed, param_groups: list, groups: ProcessGroups,
                            foreign_params=[] if local_shards is None else [s.param for s in local_shards.shards])
     replaced_params = ReplacedParams(routed.chunks, params.named)  # kept through close(): later steps still train
     # The model's params, not FSDP2's stand-ins.
-    requires_grad = RequiresGradWatch(named_model_params(routed.chunks), routed.model_named)
+    requires_grad = RequiresGradWatch(named_model_params(routed.chunks), routed.model_named,
+                                      [d.buffers for d in domains])
     group_watch = GroupWatch(param_groups)
     fold = Fold([d.ctx.folded for d in domains], buffers, no_sync, grad_hooks)  # inert without the fold
     ddp_watch = ddp.DdpWatch(routed.chunks, distributed_optimizer=config.use_distributed_optimizer,
@@ -204,7 +207,7 @@ def build(routed: Routed, param_groups: list, groups: ProcessGroups,
         result=result, param_state=param_state, torch_amp=torch_amp, grad_hooks=grad_hooks, offload=installed,
         model_chunks=model_chunks, model_state_dict=state_dict_hooks, no_sync=no_sync, overlap=overlap,
         publish=publish, grads_seen=grads_seen, replaced_params=replaced_params, requires_grad=requires_grad,
-        group_watch=group_watch, fold=fold, ddp=ddp_watch, param_writes=param_writes, shard_bindings=bindings,
+        param_checks=ParamCheckSchedule(config.param_checks), group_watch=group_watch, fold=fold, ddp=ddp_watch, param_writes=param_writes, shard_bindings=bindings,
         local_shards=None if local_shards is None else tuple(local_shards.shards))
 
 

@@ -163,6 +163,12 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         for writes in self._build.param_writes:
             writes.copy_writes_into_main(everything=True)
 
+    def check_params(self) -> None:
+        """With ``param_checks="on_request"``: the next step reads every param again, as every step does by
+        default (its data and grad still the flat buffers' views, its ``requires_grad`` as at the build). Call it
+        after replacing, freezing or unfreezing a param, or after a grad was replaced or set to None."""
+        self._build.param_checks.request()
+
     def recapture(self) -> None:
         """Adopt replaced params and buffers back into the static buffers; capture anew at the next step."""
         if self._build.shard_bindings is not None:
@@ -201,6 +207,7 @@ class GraphstepOptimizer(torch.optim.Optimizer):
         build = self._build
         trace = trace_closure(build.model_chunks, closure)
         with torch.no_grad():
+            build.param_checks.request()  # a debugging step reads every param, whatever ``param_checks`` says
             self._prepare()
             build.fold.warn_out_of_date()
             report = run_debug_step(build.domains, (*build.stages, *build.host_stages), build.device, build.tensors,

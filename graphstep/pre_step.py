@@ -10,6 +10,7 @@ are refreshed last, from the groups the checks accepted.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -31,6 +32,26 @@ class PreStepCheck:
     reads: tuple[str, ...]  # the build record's parts it reads, and the live values (``live.<field>``)
     does: str  # its refusal, or what it keeps
     run: Callable[[Any, LiveValues], None]  # run(build, live)
+    reads_every_param: bool = False  # a check ``OptimizerConfig.param_checks`` may leave out (ParamCheckSchedule)
+
+
+class ParamCheckSchedule:
+    """When the reads of every param run (``OptimizerConfig.param_checks``): before every step ("every_step"), or
+    ("on_request") before the first step and the step after each ``request()`` (``opt.check_params()``)."""
+
+    def __init__(self, policy: str):
+        self.every_step = policy == "every_step"
+        self._requested = True  # the first step reads every param, whatever the policy
+
+    def request(self) -> None:
+        self._requested = True
+
+    def due(self) -> bool:
+        return self.every_step or self._requested
+
+    def done(self) -> None:
+        """The reads ran through: the next step skips them unless the policy or a request says otherwise."""
+        self._requested = False
 
 
 def _fsdp2_bindings(build, live: LiveValues) -> None:
@@ -76,16 +97,17 @@ def _fold_notes_writes(build, live: LiveValues) -> None:
     build.fold.note_writes()  # grads written since backward, before the engine writes any
 
 
-def bind_buffers(build) -> list:
+def bind_buffers(build, read_params: bool = True) -> list:
     """Params, grads and buffers the user replaced copied back into the static buffers and bound again; returns
-    the names taken back (the step's runner, or an iteration, must then capture again over them)."""
+    the names taken back (the step's runner, or an iteration, must then capture again over them). Without
+    ``read_params`` only the buffers and state lists are looked at, not each param and its grad."""
     replaced = []
     for buffers in build.domain_buffers:
         restored = buffers.restore_replaced_buffers()
         if restored:
             build.fold.grads_rewritten()  # copied into the static buffers: the folded sums may be stale
             replaced += restored
-        if not buffers.bindings_intact():
+        if read_params and not buffers.bindings_intact():
             build.fold.forget_unbound_grads()  # before the grads are re-bound
             replaced += buffers.readopt_params()  # also rebinds grads a user set to None (as zeros)
     if replaced:
@@ -94,7 +116,7 @@ def bind_buffers(build) -> list:
 
 
 def _buffers_bound(build, live: LiveValues) -> None:
-    replaced = bind_buffers(build)
+    replaced = bind_buffers(build, read_params=build.param_checks.due())
     if replaced:
         build.runner.on_replaced(replaced)
 
@@ -122,13 +144,15 @@ def _hyperparameters(build, live: LiveValues) -> None:
 CHECKS = (
     PreStepCheck("fsdp2_bindings", ("shard_bindings",),
                  "an FSDP2 model's grads and params replaced since the last step are copied into the flat buffers "
-                 "and bound again; a param moved to another device or dtype is refused", _fsdp2_bindings),
+                 "and bound again; a param moved to another device or dtype is refused", _fsdp2_bindings,
+                 reads_every_param=True),
     PreStepCheck("offload_finished", ("offload",),
                  "CPU offload: the last step's overlapped host update is finished", _offload_finished),
     PreStepCheck("replaced_params", ("replaced_params",),
                  "refuses a model param replaced by a new Parameter object", _replaced_params),
     PreStepCheck("requires_grad", ("requires_grad",),
-                 "refuses a held param frozen since the build, or a frozen one unfrozen", _requires_grad),
+                 "refuses a held param frozen since the build, or a frozen one unfrozen", _requires_grad,
+                 reads_every_param=True),
     PreStepCheck("state_kept", ("param_state", "live.state"),
                  "refuses an opt.state replaced (to reset it)", _state_kept),
     PreStepCheck("group_edits", ("group_watch", "live.param_groups"),
@@ -143,7 +167,7 @@ CHECKS = (
                  "fold_grad_norm: grads written since backward are noted", _fold_notes_writes),
     PreStepCheck("buffers_bound", ("domain_buffers", "fold", "runner", "model_state_dict"),
                  "params, grads and buffers the user replaced are copied back into the static buffers and bound "
-                 "again", _buffers_bound),
+                 "again (params and grads: where ParamCheckSchedule says)", _buffers_bound),
     PreStepCheck("param_writes", ("param_writes",),
                  "bf16/fp16: what a user wrote into the params is copied into the main params", _param_writes),
     PreStepCheck("fold_stale", ("fold",),
@@ -153,9 +177,25 @@ CHECKS = (
     PreStepCheck("hyperparameters", ("hyper", "live.param_groups", "live.thresholds"),
                  "the hyperparameter tensors are refreshed from the param groups and thresholds", _hyperparameters),
 )
-"""The order the checks run in before every step (and ``debug_step``). A new check takes its place here."""
+"""The order the checks run in before every step (and ``debug_step``). A new check takes its place here; one that
+reads every param says so (``reads_every_param``), and runs when the build's ``ParamCheckSchedule`` says."""
+
+
+@contextlib.contextmanager
+def one_run(build):
+    """One run of the checks, yielding whether it reads every param (the build's ``ParamCheckSchedule``): the
+    bindings' verdicts its requires_grad watch leaves (``StaticBuffers.bound_and_requiring_grad``) end with it,
+    and the schedule hears of a run that went through."""
+    try:
+        yield build.param_checks.due()
+        build.param_checks.done()
+    finally:
+        for buffers in build.domain_buffers:
+            buffers.forget_seen_bound()
 
 
 def run_checks(build, live: LiveValues) -> None:
-    for check in CHECKS:
-        check.run(build, live)
+    with one_run(build) as read_params:
+        for check in CHECKS:
+            if read_params or not check.reads_every_param:
+                check.run(build, live)

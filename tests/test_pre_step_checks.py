@@ -110,3 +110,64 @@ def test_the_grads_seen_check_warns_once_without_a_backward():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt.step()
+
+
+def _param_reads(monkeypatch) -> list:
+    """The lists ``first_unbound`` reads (graphstep/native/param_checks.py), with the expectations it was given."""
+    from graphstep.native import param_checks
+    read, calls = param_checks.first_unbound, []
+
+    def recorded(tensors, **expected):
+        calls.append((tensors, sorted(k for k, v in expected.items() if v is not None)))
+        return read(tensors, **expected)
+
+    monkeypatch.setattr(param_checks, "first_unbound", recorded)
+    return calls
+
+
+def test_a_step_visits_each_held_param_once_for_its_data_grad_and_requires_grad(monkeypatch):
+    model = _model()
+    opt = gs.get_optimizer(gs.OptimizerConfig(lr=1e-2), model)
+    _backward(model)
+    opt.step()
+    calls = _param_reads(monkeypatch)
+    _backward(model)
+    opt.step()
+    params = opt.buffers.params
+    assert [expected for tensors, expected in calls if tensors is params] == [["data_ptrs", "grads", "requires_grad"]]
+    held = {id(p) for p in params}
+    assert not any(id(t) in held for tensors, _ in calls if tensors is not params for t in tensors)
+
+
+def test_an_unbound_grad_is_taken_back_not_refused_as_frozen():
+    model = _model()
+    opt = gs.get_optimizer(gs.OptimizerConfig(lr=1e-2), model)
+    _backward(model)
+    opt.step()
+    model[0].weight.grad = torch.ones_like(model[0].weight)  # ends the pass that reads data, grad and flag
+    opt.step()
+    assert model[0].weight.grad.data_ptr() == opt.buffers.grad_view(0).data_ptr()
+
+
+def test_a_frozen_param_after_an_unbound_one_is_still_refused():
+    model = _model()
+    opt = gs.get_optimizer(gs.OptimizerConfig(lr=1e-2), model)
+    _backward(model)
+    opt.step()
+    model[0].weight.grad = torch.zeros_like(model[0].weight)  # unbound first in the layout's order
+    model[2].bias.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="'2.bias' do not require grad"):
+        opt.step()
+
+
+def test_a_refused_step_leaves_no_verdict_for_a_later_binding_check():
+    model = _model()
+    opt = gs.get_optimizer(gs.OptimizerConfig(lr=1e-2), model)
+    _backward(model)
+    opt.step()
+    _edit_a_group(model, opt)
+    with pytest.raises(ValueError, match="'params' list was edited"):  # after the requires_grad watch read all
+        opt.step()
+    model[0].weight.data = model[0].weight.detach().clone()
+    taken_back = pre_step.bind_buffers(opt.build_record)  # what an iteration runs before an evaluation
+    assert taken_back == ["param '0.weight'"]

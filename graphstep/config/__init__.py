@@ -229,6 +229,16 @@ class OptimizerConfig:
     """Megatron-Core's switch for capturing the step: True means ``capture="graph"`` (an explicit
     ``capture="eager"`` with it is refused); False leaves ``capture`` to decide."""
 
+    param_checks: str = "every_step"
+    """graphstep's own: when the checks that read every param run (each param's data and grad still the flat
+    buffers' views, each ``requires_grad`` as at the build, FSDP2's bindings). "every_step" (default): before
+    every step, host time in proportion to the params (the README's Performance section has the figures).
+    "on_request": before the first step and the step after each ``opt.check_params()``; between those a param
+    replaced (``p.data = ...``), a grad replaced or set to None (``model.zero_grad()``: use ``opt.zero_grad()``)
+    and a param frozen or unfrozen go unseen: the step updates and reads the flat buffers, not the new tensors,
+    and a frozen param goes on being stepped. Call ``opt.check_params()`` after any of those. Every other
+    check, and the watch of writes into bf16/fp16 params, runs every step either way."""
+
     kernel: str = "auto"
     """graphstep's own: update math. "auto" (default): "compiled" where ``torch.compile`` works on the device
     (found out once per process at build, compile time logged), else "fused" with a one-line warning; see

@@ -20,6 +20,7 @@ from ..families import FAMILIES, get_family
 
 KERNELS = ("auto", "fused", "compiled", "reference")
 INVALIDATION_POLICIES = ("recapture", "raise")
+PARAM_CHECKS = ("every_step", "on_request")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # Storage dtypes of Adam's moments: torch.uint8 is Megatron-Core's spelling of fp8 (its --exp-avg-dtype fp8).
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.float8_e4m3fn)
@@ -140,6 +141,7 @@ def validate(config: OptimizerConfig) -> None:
     _check_choice(config, "capture", CAPTURE_MODES)
     _check_choice(config, "kernel", KERNELS)
     _check_choice(config, "capture_invalidation", INVALIDATION_POLICIES)
+    _check_choice(config, "param_checks", PARAM_CHECKS)
 
     _check_number(config, "lr", low=0.0, low_open=False)
     for field in ("min_lr", "decoupled_lr", "decoupled_min_lr"):

@@ -7,10 +7,14 @@ at the build and requires grad later has no place in the buffers and would never
 train a different model than the user asked for without a word, so the step refuses.
 
 torch has no hook on ``requires_grad``: the check reads the flag of every param concerned, one pass per list
-(graphstep/native/param_checks.py), as the binding check reads their data and grads (state/buffers.py).
+(graphstep/native/param_checks.py). The held params of the flat buffers are read in the binding check's pass
+(``StaticBuffers.bound_and_requiring_grad``, state/buffers.py): one visit per param for their data, grad and
+flag, whose verdict the step's binding check then reuses.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -22,18 +26,27 @@ class RequiresGradWatch:
     """The model's params whose ``requires_grad`` the step relies on: those the optimizer holds, and the frozen
     ones it left out."""
 
-    def __init__(self, model: list[tuple[str, torch.nn.Parameter]], held: list[tuple[str, torch.nn.Parameter]]):
+    def __init__(self, model: list[tuple[str, torch.nn.Parameter]], held: list[tuple[str, torch.nn.Parameter]],
+                 buffers: Sequence = ()):
         """``model``: (name, param) of every param of the model (``named_model_params``; none where the optimizer
-        was given params, not a model); ``held``: (name, param) of the params the optimizer steps."""
+        was given params, not a model); ``held``: (name, param) of the params the optimizer steps; ``buffers``:
+        the engine's ``StaticBuffers``, whose held params are read in their binding pass."""
         self._held_names = [name for name, _ in held]
         self._held = [p for _, p in held]
         held_ids = {id(p) for p in self._held}
+        # FSDP2's buffers hold local shards, not the model's params: those are read here, on their own.
+        self._buffers = [b for b in buffers if all(id(p) in held_ids for p in b.params)]
+        in_buffers = {id(p) for b in self._buffers for p in b.params}
+        self._held_elsewhere = [p for p in self._held if id(p) not in in_buffers]
         frozen = [(name, p) for name, p in model if id(p) not in held_ids]
         self._frozen_names = [name for name, _ in frozen]
         self._frozen = [p for _, p in frozen]
 
     def check(self) -> None:
-        held_ok = param_checks.first_unbound(self._held, requires_grad=True) < 0
+        held_ok = (all([b.bound_and_requiring_grad() for b in self._buffers])  # every buffer's verdict kept
+                   and param_checks.first_unbound(self._held_elsewhere, requires_grad=True) < 0)
+        if not held_ok:  # an unbound param ends a binding pass as a frozen one does: read the flags on their own
+            held_ok = param_checks.first_unbound(self._held, requires_grad=True) < 0
         frozen_ok = param_checks.first_unbound(self._frozen, requires_grad=False) < 0
         if not held_ok:
             names = [n for n, p in zip(self._held_names, self._held) if not p.requires_grad]

@@ -66,11 +66,12 @@ def parts_over(build, live: Callable[[], pre_step.LiveValues], stepped: Callable
 
     def prepare() -> list:
         values, replaced = live(), []
-        for check in before:
-            if check.name == "buffers_bound":
-                replaced = pre_step.bind_buffers(build)
-            elif check.name not in NOT_RUN:
-                check.run(build, values)
+        with pre_step.one_run(build) as read_params:
+            for check in before:
+                if check.name == "buffers_bound":
+                    replaced = pre_step.bind_buffers(build, read_params=read_params)
+                elif check.name not in NOT_RUN and (read_params or not check.reads_every_param):
+                    check.run(build, values)
         stepped()
         return replaced
 

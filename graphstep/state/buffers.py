@@ -70,6 +70,7 @@ class StaticBuffers(ShardParts):
     """Per param, its ``grad_flat`` view where its ``.grad`` is one (one object each, kept for identity checks),
     else None: grads that accumulate into an fp32 main grad."""
     _param_keys: list = field(default_factory=list)  # (data_ptr, dtype, shape) per param view
+    _seen_bound: bool = False  # ``bound_and_requiring_grad``'s verdict, kept for one ``bindings_intact``
     _originals: dict = field(default_factory=dict)
     host: Optional[Any] = None  # graphstep.offload.HostShards: the shard's host part, or None
     grads_taken_at_build: int = 0  # params whose grad, left by a backward before the build, is in grad_flat
@@ -100,8 +101,25 @@ class StaticBuffers(ShardParts):
     def bindings_intact(self) -> bool:
         """One cheap pass per step: every param still a view of ``param_flat``, every grad of ``grad_flat``
         (the data pointers, and the grad objects by identity: a grad assigned by ``bind_grads`` stays the very
-        same Python object while backward accumulates into it), in graphstep/native/param_checks.py's loops."""
+        same Python object while backward accumulates into it), in graphstep/native/param_checks.py's loops.
+        Answered without a pass where ``bound_and_requiring_grad`` found them bound in the same run of the
+        pre-step checks (graphstep/pre_step.py)."""
+        if self._seen_bound:
+            self._seen_bound = False
+            return True
         return param_checks.first_unbound(self.params, data_ptrs=self._param_ptrs, grads=self._bound_grads) < 0
+
+    def bound_and_requiring_grad(self) -> bool:
+        """``bindings_intact``'s pass that also reads each param's ``requires_grad`` (True for all): the
+        requires_grad watch's read of these params (hooks/requires_grad_watch.py), in the same visit of each
+        param. True is kept for the next ``bindings_intact`` until ``forget_seen_bound``."""
+        self._seen_bound = param_checks.first_unbound(self.params, data_ptrs=self._param_ptrs,
+                                                      grads=self._bound_grads, requires_grad=True) < 0
+        return self._seen_bound
+
+    def forget_seen_bound(self) -> None:
+        """End of a run of the pre-step checks: a verdict of its reads says nothing about the next one's."""
+        self._seen_bound = False
 
     def restore_replaced_buffers(self) -> list[str]:
         """Copy the values of any buffer or state tensor that was replaced in its list (e.g. a checkpoint
