@@ -4,7 +4,9 @@ host's: Python, dispatch, guards), graphstep's default step against torch's ``cl
 ``AdamW(fused=True)`` over the same params, interleaved in one run per count.
 
 graphstep's grads arrive through the backward stand-in (``bench_core.backward_stand_in``, untimed before
-each step), so the step sees what it sees after a real backward. Ops are the aten ops one step dispatches.
+each step), so the step sees what it sees after a real backward; two more rows copy them in, as torch's row
+does, by default and with ``param_checks="on_request"`` (the per-param reads off after the first step). Ops
+are the aten ops one step dispatches.
 Then, for an FSDP2 model of the same params (``fully_shard`` on a one-rank gloo mesh), what its per-param
 checks cost: FSDP2's binding check (graphstep/fsdp2/bindings.py) and the ``requires_grad`` watch, timed alone.
 Every check row is timed with the compiled loops (graphstep/native, built first if need be) and in Python, cold
@@ -42,6 +44,13 @@ def run(count: int, rounds: int) -> list[dict]:
         return all(b.bindings_intact() for b in buffers)
 
     pipelines = {"graphstep": graphstep,
+                 # The grads copied in, as torch's row refills them: no backward stand-in, whose ~10k freed
+                 # autograd objects glibc's malloc sorts at the next larger allocation, the step's (see the
+                 # README); then the same with the per-param reads off between requests.
+                 "graphstep-copied": core.build_graphstep(inputs, kernel=None, fold=True, timed="step-after-copy"),
+                 "graphstep-on-request-copied": core.build_graphstep(inputs, kernel=None, fold=True,
+                                                                     timed="step-after-copy",
+                                                                     param_checks="on_request"),
                  # The parts of the step that walk every param (see the README), the binding guard and the
                  # requires_grad watch: timed on their own, after the same refill, to show what the rest of
                  # the host work costs; then the same checks, and the whole step, with the checks in Python.
@@ -111,19 +120,20 @@ def main() -> int:
     rows = [row for count in map(int, args.counts.split(",")) for row in run(count, args.rounds)]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} interleaved rounds, "
           f"params of {NUMEL} elements; checks: {build.status()}")
-    print("| params | graphstep ops/step | graphstep ms/step | per-param checks, ms | ns a param | warm, ns a param | "
+    print("| params | graphstep ops/step | graphstep ms/step | grads copied in: ms/step | and "
+          "param_checks='on_request' | per-param checks, ms | ns a param | warm, ns a param | "
           "checks in Python: step ms | checks ms | ns a param | warm, ns a param | "
-          "torch clip_grad_norm_ + AdamW(fused) ops/step | torch ms/step |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "torch clip_grad_norm_ + AdamW(fused) ops/step | torch ms/step (grads copied in) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for count in sorted({r["params"] for r in rows}):
-        g, b, bw, gp, bp, bpw, t = (
+        g, gc, go, b, bw, gp, bp, bpw, t = (
             next(r for r in rows if r["params"] == count and r["row"] == key)
-            for key in ("graphstep", "guard", "guard-warm", "graphstep-python", "guard-python", "guard-python-warm",
-                        "torch"))
+            for key in ("graphstep", "graphstep-copied", "graphstep-on-request-copied", "guard", "guard-warm",
+                        "graphstep-python", "guard-python", "guard-python-warm", "torch"))
         per_param = {key: row["ms"] * 1e6 / count for key, row in (("b", b), ("bw", bw), ("bp", bp), ("bpw", bpw))}
-        print(f"| {count:,} | {g['ops']} | {g['ms']:.3f} | {b['ms']:.3f} | {per_param['b']:.0f} | "
-              f"{per_param['bw']:.0f} | {gp['ms']:.3f} | {bp['ms']:.3f} | {per_param['bp']:.0f} | "
-              f"{per_param['bpw']:.0f} | {t['ops']} | {t['ms']:.3f} |")
+        print(f"| {count:,} | {g['ops']} | {g['ms']:.3f} | {gc['ms']:.3f} | {go['ms']:.3f} | {b['ms']:.3f} | "
+              f"{per_param['b']:.0f} | {per_param['bw']:.0f} | {gp['ms']:.3f} | {bp['ms']:.3f} | "
+              f"{per_param['bp']:.0f} | {per_param['bpw']:.0f} | {t['ops']} | {t['ms']:.3f} |")
     fsdp2 = _with_one_rank_group(lambda: [row for count in map(int, args.counts.split(","))
                                           for row in fsdp2_checks(count, args.rounds)])
     print("\n| params | FSDP2: the binding check and the requires_grad watch, ms | ns a param | in Python, ms | "

@@ -268,15 +268,15 @@ def build_torch_amp(inputs: Inputs, *, variant: str = "fused") -> Pipeline:
 
 
 def graphstep_config(*, clip_grad: float = CLIP, capture: str = "eager", loss_scale=None,
-                     kernel: Optional[str] = "fused", fold: bool = False):
+                     kernel: Optional[str] = "fused", fold: bool = False, param_checks: str = "every_step"):
     """The benchmarks' OptimizerConfig: AdamW with these hyperparameters, fp32; ``kernel=None`` leaves the
-    config's default ("auto"); ``fold``: ``fold_grad_norm``."""
+    config's default ("auto"); ``fold``: ``fold_grad_norm``; ``param_checks`` the config's."""
     import graphstep as gs
 
     chosen = {} if kernel is None else {"kernel": kernel}
     return gs.OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
                               adam_beta2=BETAS[1], adam_eps=EPS, clip_grad=clip_grad, capture=capture,
-                              loss_scale=loss_scale, fold_grad_norm=fold, **chosen)
+                              loss_scale=loss_scale, fold_grad_norm=fold, param_checks=param_checks, **chosen)
 
 
 class _GradArrives(torch.autograd.Function):
@@ -307,7 +307,8 @@ def backward_stand_in(opt, params: list, sources: list) -> Callable[[], None]:
 
 
 def build_graphstep(inputs: Inputs, *, clip_grad: float = CLIP, capture: str = "eager", loss_scale=None,
-                    kernel: Optional[str] = "fused", fold: bool = False, timed: str = "step") -> Pipeline:
+                    kernel: Optional[str] = "fused", fold: bool = False, timed: str = "step",
+                    param_checks: str = "every_step") -> Pipeline:
     """graphstep's step over a fresh model of the shape set; with ``capture="graph"`` the warm-up steps and
     the capture run here, so the first timed call is a replay. ``kernel=None``: the config's default. The
     notes say which kernel ran and the seconds spent compiling while building (probe and first step).
@@ -316,7 +317,8 @@ def build_graphstep(inputs: Inputs, *, clip_grad: float = CLIP, capture: str = "
     stand-in, whose hooks fold the norm), "backward" (the backward stand-in alone), "backward+step", or
     "norm" (the norm stage alone, refilled by a copy), "step-after-copy" (the step, its grads refilled by a
     copy even with ``fold``: no backward, so the step folds the norm itself)."""
-    config = graphstep_config(clip_grad=clip_grad, capture=capture, loss_scale=loss_scale, kernel=kernel, fold=fold)
+    config = graphstep_config(clip_grad=clip_grad, capture=capture, loss_scale=loss_scale, kernel=kernel, fold=fold,
+                              param_checks=param_checks)
     engine = bench_engines.shared_engine(inputs, config, backward_stand_in)
     opt, backward = engine.opt, engine.backward
     if timed == "backward":
