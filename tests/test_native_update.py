@@ -158,6 +158,7 @@ opt = gs.get_optimizer(gs.OptimizerConfig(lr=1e-3, clip_grad=1.0), model)
 model(torch.randn(2, 4096)).sum().backward()
 opt.step()
 print(json.dumps(dict(kernel=opt.kernel_choice.name, reason=opt.kernel_choice.reason,
+                      choice_compile_s=opt.kernel_choice.compile_s,
                       compile_s=compiled.compile_seconds(), status=update_loops.status(),
                       inductor_compiled="torch._inductor.compile_fx" in sys.modules)))
 """
@@ -169,6 +170,8 @@ def test_a_large_fp32_model_builds_and_steps_without_torch_compile_where_the_nat
         assert seen["kernel"] == "compiled" and "native loop" in seen["reason"], cache
         assert seen["status"].startswith("native: ") and seen["compile_s"] == 0.0, cache
         assert not seen["inductor_compiled"], cache  # neither probed nor compiled: inductor's compiler never loaded
+        # The library's compile is the build's, reported as a probe's is; found in the cache, none.
+        assert (seen["choice_compile_s"] > 0) == cache.startswith("empty"), (cache, seen["choice_compile_s"])
     assert len(list((tmp_path / "graphstep_native").glob("graphstep_update_loops_*.so"))) == 1
     # Turned off, the same step goes through torch.compile: probed at build, compiled on the first step.
     off = _fresh_process(_BUILD_AND_STEP, {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path),

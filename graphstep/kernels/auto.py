@@ -41,7 +41,7 @@ logger = logging.getLogger("graphstep")
 class KernelChoice:
     name: str  # "fused" | "compiled" | "reference": the implementation the step runs
     reason: str  # why, in words (for "auto"; "configured" otherwise)
-    compile_s: float = 0.0  # seconds the probe compile took (0 when none ran in this build)
+    compile_s: float = 0.0  # seconds the probe compile, or the native loop's, took (0 when none ran in this build)
 
 
 # Elements a rank's update must cover for "auto" to compile: 2**24 (16.8M). Below it the fused kernel's
@@ -271,7 +271,7 @@ def choose(configured: str, device: torch.device, *, capture: str, warmup_steps:
         if not works:
             raise _compiled_refused(f"on {device} ({why_not})")
     if configured != "auto":
-        return KernelChoice(configured, "configured")
+        return KernelChoice(configured, "configured", update_loops.unreported_compile_seconds() if native else 0.0)
     if not needs_kernel:
         return KernelChoice("fused", "no param group runs the configurable update kernel")
     if numel is not None and numel < COMPILE_MIN_NUMEL:
@@ -281,8 +281,12 @@ def choose(configured: str, device: torch.device, *, capture: str, warmup_steps:
         return KernelChoice("fused", "capture_warmup_steps=0: the compiled kernel must compile in an eager step "
                                      "before a capture")
     if native:
+        seconds = update_loops.unreported_compile_seconds()
+        if seconds:
+            logger.info("graphstep: kernel='auto' runs 'compiled' as graphstep's native loop on %s (its library "
+                        "compiled in %.1f s, once per machine)", device, seconds)
         return KernelChoice("compiled", f"its update runs as graphstep's native loop on {device} "
-                                        f"({update_loops.status()})")
+                                        f"({update_loops.status()})", seconds)
     fresh = _key(device, hyper_dtype) not in _probed
     works, why_not, seconds = probe_compiled(device, hyper_dtype, *([like] if like else []))
     if works:
