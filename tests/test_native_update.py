@@ -1,6 +1,7 @@
 """The native Adam loop (graphstep/native/update_loops.py) against the ``torch.compile``d loop it stands in for, and
 the start it is for: a build and first step that import no compiler of torch's and trace nothing."""
 
+import ctypes
 import json
 import os
 import subprocess
@@ -270,3 +271,143 @@ def test_encodings_the_native_loop_does_not_take_go_through_torch_compile(native
     assert not update_loops.stored_covers(("f32", "bf16", "bf16"), stored, grad.half())  # fp16 grads
     assert not update_loops.stored_covers(("rem", "bf16", "bf16"), stored, grad)  # tensors not of their code
     assert not update_loops.stored_covers(("f32", "bf16", "bf16"), stored, grad[:, :32])  # lengths differ
+
+
+# ---- scaled kinds (fp16 / fp8 moments, fp16 main params): two passes, per-piece scales ------------------------
+
+# Each case compiles the reference's two passes once (a few seconds each): three cases cover every scaled
+# encoding, remainders and both grad dtypes; tests/test_compiled_stored.py runs the rest against the eager path.
+SCALED = {"fp16 moments": (("f32", "f16", "f16"), torch.float32),
+          "remainders, fp8 and fp16 moments, bf16 grads": (("rem", "f8", "f16"), torch.bfloat16),
+          "fp16 main, fp8 and fp16 moments": (("f16", "f8", "f16"), torch.float32)}
+
+
+def _scaled_part(generator, code: str, shape: tuple) -> tuple:
+    if code == "f16":
+        return (torch.randn(shape, generator=generator).abs().half() * 100,)
+    if code == "f8":  # every byte, the NaN bytes (read as infinities) among them
+        return (torch.randint(0, 256, shape, generator=generator, dtype=torch.int64).to(torch.uint8),)
+    return _stored_part(generator, code, shape)
+
+
+def _scaled_call(encodings: tuple, grad_dtype: torch.dtype, widths=(64, 1), rows=(37, 5)):
+    """Parts over pieces as the layout cuts them: a row's elements left of its split are one piece's, those right
+    of it the next one's; the (n, 1) tail's all the last piece's."""
+    generator = torch.Generator().manual_seed(11)
+    parts, index = [], []
+    for width, n in zip(widths, rows):
+        parts.append((tuple(_scaled_part(generator, code, (n, width)) for code in encodings),
+                      torch.randn((n, width), generator=generator).to(grad_dtype)))
+        if width > 1:
+            first = torch.arange(n, dtype=torch.int64) // 8
+            split = torch.randint(0, width + 1, (n,), generator=generator).to(torch.float32)
+        else:
+            first, split = torch.full((n,), (rows[0] - 1) // 8 + 1, dtype=torch.int64), torch.ones(n)
+        index.append((first, first + 1, split))
+    pieces = (rows[0] - 1) // 8 + 3
+    scales = tuple(torch.rand(pieces, generator=generator) + 0.01 if code in compiled_stored.RANGES else None
+                   for code in encodings)
+    spec = ",".join(encodings) + ":" + ",".join(map(str, widths))
+    return parts, index, scales, spec
+
+
+def _scaled_step(call, **scalars) -> None:
+    parts, index, scales, spec = call
+    written, read = compiled_stored.pack(parts, scales, index)
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, weight_decay=0.1, eps=1e-8)
+    compiled_stored.adam_stored(written, read, spec, {k: torch.tensor(v, dtype=torch.float64) for k, v in
+                                                      hyper.items()}, **scalars)
+
+
+def _cloned(call):
+    parts, index, scales, spec = call
+    return ([(tuple(tuple(t.clone() for t in kind) for kind in stored), grad) for stored, grad in parts], index,
+            tuple(None if s is None else s.clone() for s in scales), spec)
+
+
+def _scaled_bytes(call) -> list:
+    parts, _, scales, _ = call
+    return _stored_bytes(parts) + [s.view(torch.uint8) for s in scales if s is not None]
+
+
+@pytest.mark.parametrize("case", list(SCALED))
+def test_the_native_scaled_passes_store_the_bytes_and_scales_the_compiled_passes_store(native, monkeypatch, case):
+    ours = _scaled_call(*SCALED[case])
+    theirs = _cloned(ours)
+    before = [t.clone() for t in _scaled_bytes(ours)]
+    passes = []
+    run = update_loops.adam_scaled
+    monkeypatch.setattr(update_loops, "adam_scaled", lambda *args: (passes.append(args[0]), run(*args)))
+    for step, found_inf in ((1, 0.0), (2, 1.0), (3, 0.0)):  # a skipped step between two that apply
+        scalars = dict(step=torch.tensor(float(step)), decoupled=True, grad_scale=torch.tensor(4.0),
+                       found_inf=torch.tensor(found_inf))
+        _scaled_step(ours, **scalars)
+        with update_loops.off():
+            _scaled_step(theirs, **scalars)
+        for a, b in zip(_scaled_bytes(ours), _scaled_bytes(theirs)):
+            assert torch.equal(a, b), f"step {step}"
+    assert passes == [1, 1, 2, 2] * 3  # per step: each pass over both parts, natively
+    assert not all(torch.equal(a, b) for a, b in zip(_scaled_bytes(ours), before))
+
+
+def test_the_native_scaled_passes_store_nan_inf_and_overflow_as_the_compiled_passes_do(native):
+    ours = _scaled_call(*SCALED["fp16 main, fp8 and fp16 moments"])  # its compiled passes built above: reused
+    ours[0][0][1][0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3e38, -3e38, 1e-30])
+    theirs = _cloned(ours)
+    scalars = dict(step=torch.tensor(1.0), decoupled=True, grad_scale=torch.tensor(4.0), found_inf=torch.tensor(0.0))
+    was = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)  # an odd count: rows split unevenly, each thread's maxima merged
+        _scaled_step(ours, **scalars)
+        with update_loops.off():
+            _scaled_step(theirs, **scalars)
+    finally:
+        torch.set_num_threads(was)
+    (main,), (exp_avg,), (exp_avg_sq,) = ours[0][0][0]
+    (their_main,), (their_exp_avg,), (their_exp_avg_sq,) = theirs[0][0][0]
+    assert main[0, :6].float().isnan().any() and exp_avg_sq[0, :6].float().isinf().any()
+    assert torch.equal(exp_avg, their_exp_avg)  # fp8: a NaN's byte is one value (0x7F with its sign)
+    for a, b in ((main, their_main), (exp_avg_sq, their_exp_avg_sq)):  # fp16: NaN-ness, then every other byte
+        assert _equal(a.float(), b.float())
+        numbers = ~a.float().isnan()
+        assert torch.equal(a[numbers].view(torch.int16), b[numbers].view(torch.int16))
+    for a, b in zip(ours[2], theirs[2]):
+        assert a is None or torch.equal(a, b)
+
+
+def _every_exponent() -> torch.Tensor:
+    """float32 values of every exponent and sign, each with mantissas at both ends and around every rounding
+    point of a 10-bit (fp16) and a 3-bit (fp8) mantissa: the specials and every rounding edge among them."""
+    exponents = torch.arange(256, dtype=torch.int64) << 23
+    ends = torch.arange(512, dtype=torch.int64)
+    halves = torch.cat([torch.arange(0, 1 << 23, 1 << shift, dtype=torch.int64) + (1 << (shift - 1)) + offset
+                        for shift in (13, 20) for offset in (-1, 0, 1)])
+    mantissas = torch.cat([ends, (1 << 23) - 1 - ends, halves])
+    bits = (exponents.unsqueeze(1) | mantissas.unsqueeze(0)).reshape(-1)
+    bits = torch.cat([bits, bits | (1 << 31)])
+    return (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32).contiguous()
+
+
+def _native_cast(name: str, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.empty(values.numel(), dtype=dtype)
+    getattr(update_loops.library(), name)(ctypes.c_void_p(values.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+                                          ctypes.c_int64(values.numel()))
+    return out
+
+
+def test_the_fp8_cast_is_torchs_over_every_exponent(native):
+    values = _every_exponent()
+    ours = _native_cast("graphstep_to_e4m3", values, torch.uint8)
+    theirs = values.to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(ours, theirs), values[ours != theirs][:8]
+
+
+def test_the_fp16_casts_are_torchs_over_every_exponent_and_every_half(native):
+    values = _every_exponent()
+    ours = _native_cast("graphstep_to_f16", values, torch.int16)
+    theirs = values.half().view(torch.int16)
+    numbers = ~values.isnan()  # a NaN's bytes are no one value in torch either: NaN-ness below
+    assert torch.equal(ours[numbers], theirs[numbers]), values[numbers][ours[numbers] != theirs[numbers]][:8]
+    assert ours.view(torch.float16)[~numbers].isnan().all()
+    halves = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16)
+    assert _equal(_native_cast("graphstep_from_f16", halves, torch.float32), halves.view(torch.float16).float())

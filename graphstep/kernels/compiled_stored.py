@@ -198,11 +198,20 @@ def _new_scales(segments: tuple, written: list, read: list, hypers, step, grad_s
                 right_max = torch.where(right, magnitudes, 0.0).amax(1)
                 amax[k] = amax[k].scatter_reduce(0, first, left_max, "amax").scatter_reduce(0, second, right_max,
                                                                                             "amax")
-        for k in segment.scaled:
-            new_scales = amax[k] / RANGES[segment.encodings()[k]]
-            new_scales = torch.where(new_scales > 0, new_scales.clamp(min=_MIN_SCALE), new_scales)
-            out.append(torch.where(keep, new_scales, scales[k]))
+        out += [_next_scales(amax[k], segment.encodings()[k], keep, scales[k]) for k in segment.scaled]
     return out
+
+
+def _next_scales(amax: torch.Tensor, code: str, keep: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Per piece, the scale a kind is stored with next, from its new values' largest magnitudes (``amax``): the
+    old ``scales`` on a skipped step."""
+    new_scales = amax / RANGES[code]
+    new_scales = torch.where(new_scales > 0, new_scales.clamp(min=_MIN_SCALE), new_scales)
+    return torch.where(keep, new_scales, scales)
+
+
+def _inverse(scales: torch.Tensor) -> torch.Tensor:
+    return 1.0 / scales.clamp(min=_MIN_SCALE)
 
 
 def _store(segments: tuple, written: list, read: list, new_scales: list, hypers, step, grad_scale, found_inf,
@@ -212,7 +221,7 @@ def _store(segments: tuple, written: list, read: list, new_scales: list, hypers,
     fresh = iter(new_scales)
     for segment, (parts, scales) in zip(segments, _unpack(segments, written, read)):
         segment_scales = [next(fresh) if k in segment.scaled else None for k in range(len(_KINDS))]
-        inverses = [None if s is None else 1.0 / s.clamp(min=_MIN_SCALE) for s in segment_scales]
+        inverses = [None if s is None else _inverse(s) for s in segment_scales]
         for width, part in zip(segment.widths, parts):
             new, right = _new_values(segment, part, scales, c, width, read[-1])
             for k, code in enumerate(segment.encodings()):
@@ -276,9 +285,12 @@ def _stored_adam_op(written: list[torch.Tensor], read: list[torch.Tensor], spec:
     unpacked = _unpack(segments, written, read)
     if _native_covers(segments, unpacked):
         c = _coefficients(hypers, step, grad_scale, found_inf, decoupled)  # eager ops: the compiled graph's bits
-        for segment, (parts, _) in zip(segments, unpacked):
-            for stored, grad, _ in parts:
-                update_loops.adam_stored(segment.encodings(), stored, grad, c)
+        for segment, (parts, scales) in zip(segments, unpacked):
+            if segment.scaled:
+                _native_scaled(segment, parts, scales, c, found_inf == 0)
+            else:
+                for stored, grad, _ in parts:
+                    update_loops.adam_stored(segment.encodings(), stored, grad, c)
         return
     _mark_dynamic(written)
     _mark_dynamic(read)
@@ -295,12 +307,33 @@ def _stored_adam_op(written: list[torch.Tensor], read: list[torch.Tensor], spec:
 
 
 def _native_covers(segments: tuple, unpacked: list) -> bool:
-    """Whether the native loop (graphstep/native/update_loops.py) runs this call: no scaled kind (one pass), every
-    part's encodings and tensors ones it takes, and the library built. Bitwise the same as the compiled passes."""
-    return (not any(segment.scaled for segment in segments)
-            and all(update_loops.stored_covers(segment.encodings(), stored, grad)
-                    for segment, (parts, _) in zip(segments, unpacked) for stored, grad, _ in parts)
+    """Whether the native loop (graphstep/native/update_loops.py) runs this call: every part's encodings and
+    tensors ones it takes, and the library built. Bitwise the same as the compiled passes."""
+    def covered(segment, parts, scales) -> bool:
+        if segment.scaled:
+            return all(update_loops.scaled_covers(segment.encodings(), stored, grad, index, scales)
+                       for stored, grad, index in parts)
+        return all(update_loops.stored_covers(segment.encodings(), stored, grad) for stored, grad, _ in parts)
+
+    return (all(covered(segment, parts, scales) for segment, (parts, scales) in zip(segments, unpacked))
             and update_loops.library() is not None)
+
+
+def _native_scaled(segment: SegmentSpec, parts: list, scales: tuple, c: torch.Tensor, keep: torch.Tensor) -> None:
+    """A segment with a scaled kind, in the native loop's two passes (``_new_scales``, then ``_store``); the
+    per-piece scales between them by the same ops."""
+    codes, fp8_values = segment.encodings(), _fp8_values(torch.device("cpu"))
+    infinite = tuple(_MIN_SCALE * RANGES[code] if code in RANGES else 0.0 for code in codes)
+    amax = tuple(None if s is None else torch.zeros_like(s) for s in scales)
+    for stored, grad, index in parts:
+        update_loops.adam_scaled(1, codes, stored, grad, index, scales, amax, fp8_values, infinite, c)
+    new_scales = [None if s is None else _next_scales(a, code, keep, s) for a, code, s in zip(amax, codes, scales)]
+    inverses = tuple(None if s is None else _inverse(s) for s in new_scales)
+    for stored, grad, index in parts:
+        update_loops.adam_scaled(2, codes, stored, grad, index, scales, inverses, fp8_values, infinite, c)
+    for old, new in zip(scales, new_scales):
+        if old is not None:
+            old.copy_(new)
 
 
 @_stored_adam_op.register_fake

@@ -147,6 +147,55 @@ def adam_stored(encodings: tuple, stored: tuple, grad: torch.Tensor, coefficient
         raise ValueError(f"the native loop takes no encodings {encodings} with {grad.dtype} grads")
 
 
+# The scaled encodings (update_loops.cpp's ``ScaledEncoding``) and their dtypes, for ``graphstep_adam_scaled``.
+_SCALED = {**_STORED, "f16": (3, (torch.float16,)), "f8": (4, (torch.uint8,))}
+
+
+def scaled_covers(encodings: tuple, stored: tuple, grad: torch.Tensor, index: tuple, scales: tuple) -> bool:
+    """Whether ``adam_scaled`` can run one part stored with ``encodings`` (main params f32 / rem / f16; moments
+    f32 / bf16 / f16 / f8) in ``stored``, reading ``grad`` (fp32 or bf16), with the part's ``index`` (per row its
+    first piece, second piece, split) and per kind its pieces' ``scales`` (None where unscaled): all on the CPU,
+    contiguous, of their dtypes and lengths."""
+    main, exp_avg, exp_avg_sq = encodings
+    if main not in ("f32", "rem", "f16") or {exp_avg, exp_avg_sq} - {"f32", "bf16", "f16", "f8"} \
+            or grad.dtype not in _GRADS or grad.dim() != 2:
+        return False
+    tensors = [grad, *(t for kind in stored for t in kind)]
+    dtypes = [grad.dtype, *(d for code in encodings for d in _SCALED[code][1])]
+    first, second, split = index
+    rows = grad.shape[0]
+    return (len(tensors) == len(dtypes)
+            and all(t.dtype == dtype and t.shape == grad.shape for t, dtype in zip(tensors, dtypes))
+            and all(t.dtype == torch.int64 and t.shape == (rows,) for t in (first, second))
+            and split.dtype == torch.float32 and split.shape == (rows,)
+            and all(s is None or s.dtype == torch.float32 and s.dim() == 1 for s in scales)
+            and all(t.device.type == "cpu" and t.is_contiguous()
+                    for t in (*tensors, *index, *(s for s in scales if s is not None))))
+
+
+def adam_scaled(pass_: int, encodings: tuple, stored: tuple, grad: torch.Tensor, index: tuple, scales: tuple,
+                out: tuple, fp8_values: torch.Tensor, infinite: tuple, coefficients: torch.Tensor) -> None:
+    """One pass of one part (``scaled_covers`` holds for it) over its pieces: pass 1 raises ``out[k]`` (per piece,
+    for each scaled kind k) to the largest magnitude of the kind's new values, NaN counting 0 and inf
+    ``infinite[k]``; pass 2 stores the new values, kind k scaled by ``out[k]`` (per piece, 1 / its new scale).
+    ``scales[k]``: per piece, the scale kind k is stored with now; None where unscaled (``out[k]`` None too)."""
+    _check_row(coefficients)
+    (main, *main_low), (exp_avg,), (exp_avg_sq,) = stored
+    pointers = (ctypes.c_void_p * 3)(*(t.data_ptr() for t in (main, exp_avg, exp_avg_sq)))
+    codes = (ctypes.c_int * 3)(*(_SCALED[code][0] for code in encodings))
+    scale_pointers = (ctypes.c_void_p * 3)(*(None if s is None else s.data_ptr() for s in scales))
+    out_pointers = (ctypes.c_void_p * 3)(*(None if o is None else o.data_ptr() for o in out))
+    infinities = (ctypes.c_float * 3)(*infinite)
+    first, second, split = index
+    pieces = max((s.numel() for s in scales if s is not None), default=0)
+    failed = library().graphstep_adam_scaled(
+        pass_, pointers, main_low[0].data_ptr() if main_low else None, codes, scale_pointers, grad.data_ptr(),
+        _GRADS[grad.dtype], grad.shape[0], grad.shape[1], first.data_ptr(), second.data_ptr(), split.data_ptr(),
+        pieces, out_pointers, fp8_values.data_ptr(), infinities, coefficients.data_ptr(), torch.get_num_threads())
+    if failed:
+        raise ValueError(f"the native loop takes no encodings {encodings} with {grad.dtype} grads")
+
+
 def _check_row(coefficients: torch.Tensor) -> None:
     if coefficients.dtype != torch.float32 or coefficients.device.type != "cpu" or not coefficients.is_contiguous():
         raise ValueError("coefficients must be one contiguous fp32 CPU row")
@@ -169,6 +218,12 @@ def _load() -> _Loaded:
         stored.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p, ctypes.c_int] * 3 + \
             [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
         stored.restype = ctypes.c_int
+        scaled = library.graphstep_adam_scaled
+        scaled.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                           ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        scaled.restype = ctypes.c_int
         loaded.library, loaded.status = library, f"native: {path}"
     except Exception as error:  # noqa: BLE001 - any failure leaves the update to torch.compile, and says why
         loaded.status = f"torch.compile: the native update could not be built ({type(error).__name__}: {error})"
