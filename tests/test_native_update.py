@@ -1,7 +1,6 @@
 """The native Adam loop (graphstep/native/update_loops.py) against the ``torch.compile``d loop it stands in for, and
 the start it is for: a build and first step that import no compiler of torch's and trace nothing."""
 
-import ctypes
 import json
 import os
 import subprocess
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from graphstep.kernels import compiled, compiled_stored
-from graphstep.native import update_loops
+from graphstep.native import stored_loops, update_loops
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -233,7 +232,7 @@ def test_the_native_stored_loop_stores_the_bytes_the_compiled_passes_store(nativ
     for step, found_inf, decoupled in ((1, 0.0, True), (2, 1.0, True), (3, 0.0, False)):
         scalars = dict(step=torch.tensor(float(step)), decoupled=decoupled, grad_scale=torch.tensor(4.0),
                        found_inf=torch.tensor(found_inf))
-        assert all(update_loops.stored_covers(encodings, stored, grad) for stored, grad in parts)
+        assert all(stored_loops.stored_covers(encodings, stored, grad) for stored, grad in parts)
         _stored_step(parts, spec, **scalars)
         with update_loops.off():
             _stored_step(through_compile, spec, **scalars)
@@ -266,11 +265,11 @@ def test_the_native_stored_loop_stores_nan_and_overflow_as_the_compiled_passes_d
 def test_encodings_the_native_loop_does_not_take_go_through_torch_compile(native):
     parts, _ = _stored_call(("f32", "bf16", "bf16"), torch.float32)
     stored, grad = parts[0]
-    assert update_loops.stored_covers(("f32", "bf16", "bf16"), stored, grad)
-    assert not update_loops.stored_covers(("f32", "f16", "bf16"), stored, grad)  # a scaled kind
-    assert not update_loops.stored_covers(("f32", "bf16", "bf16"), stored, grad.half())  # fp16 grads
-    assert not update_loops.stored_covers(("rem", "bf16", "bf16"), stored, grad)  # tensors not of their code
-    assert not update_loops.stored_covers(("f32", "bf16", "bf16"), stored, grad[:, :32])  # lengths differ
+    assert stored_loops.stored_covers(("f32", "bf16", "bf16"), stored, grad)
+    assert not stored_loops.stored_covers(("f32", "f16", "bf16"), stored, grad)  # a scaled kind
+    assert not stored_loops.stored_covers(("f32", "bf16", "bf16"), stored, grad.half())  # fp16 grads
+    assert not stored_loops.stored_covers(("rem", "bf16", "bf16"), stored, grad)  # tensors not of their code
+    assert not stored_loops.stored_covers(("f32", "bf16", "bf16"), stored, grad[:, :32])  # lengths differ
 
 
 # ---- scaled kinds (fp16 / fp8 moments, fp16 main params): two passes, per-piece scales ------------------------
@@ -336,8 +335,8 @@ def test_the_native_scaled_passes_store_the_bytes_and_scales_the_compiled_passes
     theirs = _cloned(ours)
     before = [t.clone() for t in _scaled_bytes(ours)]
     passes = []
-    run = update_loops.adam_scaled
-    monkeypatch.setattr(update_loops, "adam_scaled", lambda *args: (passes.append(args[0]), run(*args)))
+    run = stored_loops.adam_scaled
+    monkeypatch.setattr(stored_loops, "adam_scaled", lambda *args: (passes.append(args[0]), run(*args)))
     for step, found_inf in ((1, 0.0), (2, 1.0), (3, 0.0)):  # a skipped step between two that apply
         scalars = dict(step=torch.tensor(float(step)), decoupled=True, grad_scale=torch.tensor(4.0),
                        found_inf=torch.tensor(found_inf))
@@ -390,8 +389,7 @@ def _every_exponent() -> torch.Tensor:
 
 def _native_cast(name: str, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(values.numel(), dtype=dtype)
-    getattr(update_loops.library(), name)(ctypes.c_void_p(values.data_ptr()), ctypes.c_void_p(out.data_ptr()),
-                                          ctypes.c_int64(values.numel()))
+    getattr(update_loops.stored_library(), name)(values.data_ptr(), out.data_ptr(), values.numel())
     return out
 
 

@@ -7,8 +7,9 @@ after it, so the result is bitwise the eager fp32-window path's (graphstep/step/
 needs its new values' per-piece maximum before it can encode, so such a step takes two passes: per-row maxima
 folded into per-piece scales, then the new values recomputed from the stored bytes (cheaper than writing and
 reading them) and encoded. Views are cut as compiled.py cuts them; everything runs in one ``torch.library``
-custom op per call. Grads are read, never written. On the CPU, a call with no scaled kind (bf16 moments,
-remainders) runs as graphstep's native loop instead (``_native_covers``): one pass, the same bytes.
+custom op per call. Grads are read, never written. On the CPU the call runs as graphstep's native loops instead
+(graphstep/native/stored_loops.py, ``_native_covers``): the same passes and bytes, the scales between the two
+computed by this module's own ops (``_next_scales``, ``_inverse``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ..native import update_loops
+from ..native import stored_loops, update_loops
 from . import compiled
 from .adam_coefficients import adam_coefficients
 from .inductor_options import compile_options
@@ -290,7 +291,7 @@ def _stored_adam_op(written: list[torch.Tensor], read: list[torch.Tensor], spec:
                 _native_scaled(segment, parts, scales, c, found_inf == 0)
             else:
                 for stored, grad, _ in parts:
-                    update_loops.adam_stored(segment.encodings(), stored, grad, c)
+                    stored_loops.adam_stored(segment.encodings(), stored, grad, c)
         return
     _mark_dynamic(written)
     _mark_dynamic(read)
@@ -311,12 +312,12 @@ def _native_covers(segments: tuple, unpacked: list) -> bool:
     tensors ones it takes, and the library built. Bitwise the same as the compiled passes."""
     def covered(segment, parts, scales) -> bool:
         if segment.scaled:
-            return all(update_loops.scaled_covers(segment.encodings(), stored, grad, index, scales)
+            return all(stored_loops.scaled_covers(segment.encodings(), stored, grad, index, scales)
                        for stored, grad, index in parts)
-        return all(update_loops.stored_covers(segment.encodings(), stored, grad) for stored, grad, _ in parts)
+        return all(stored_loops.stored_covers(segment.encodings(), stored, grad) for stored, grad, _ in parts)
 
     return (all(covered(segment, parts, scales) for segment, (parts, scales) in zip(segments, unpacked))
-            and update_loops.library() is not None)
+            and update_loops.stored_library() is not None)
 
 
 def _native_scaled(segment: SegmentSpec, parts: list, scales: tuple, c: torch.Tensor, keep: torch.Tensor) -> None:
@@ -326,11 +327,11 @@ def _native_scaled(segment: SegmentSpec, parts: list, scales: tuple, c: torch.Te
     infinite = tuple(_MIN_SCALE * RANGES[code] if code in RANGES else 0.0 for code in codes)
     amax = tuple(None if s is None else torch.zeros_like(s) for s in scales)
     for stored, grad, index in parts:
-        update_loops.adam_scaled(1, codes, stored, grad, index, scales, amax, fp8_values, infinite, c)
+        stored_loops.adam_scaled(1, codes, stored, grad, index, scales, amax, fp8_values, infinite, c)
     new_scales = [None if s is None else _next_scales(a, code, keep, s) for a, code, s in zip(amax, codes, scales)]
     inverses = tuple(None if s is None else _inverse(s) for s in new_scales)
     for stored, grad, index in parts:
-        update_loops.adam_scaled(2, codes, stored, grad, index, scales, inverses, fp8_values, infinite, c)
+        stored_loops.adam_scaled(2, codes, stored, grad, index, scales, inverses, fp8_values, infinite, c)
     for old, new in zip(scales, new_scales):
         if old is not None:
             old.copy_(new)

@@ -26,11 +26,12 @@ FOLDER = "graphstep_native"  # under inductor's cache folder
 
 
 def cached_library(source: Path, name: str, flags: list[str], link_args: list[str], *,
-                   torch_headers: bool, suffix: Optional[str] = None) -> Path:
+                   torch_headers: bool, suffix: Optional[str] = None, includes: tuple = ()) -> Path:
     """The library ``source`` compiles into with ``flags`` (compiled now if no process has yet); raises where it
     cannot be built (no compiler, a compile error). ``name`` begins the file's name; ``suffix`` ends it (".so"
-    if None); ``torch_headers``: compile against torch's and Python's headers."""
-    path = library_path(source, name, flags, suffix)
+    if None); ``torch_headers``: compile against torch's and Python's headers; ``includes``: the headers of
+    graphstep's own it includes (part of the key, as the source is)."""
+    path = library_path(source, name, flags, suffix, includes)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with file_lock(path.with_suffix(".lock")) as lock:
@@ -39,11 +40,13 @@ def cached_library(source: Path, name: str, flags: list[str], link_args: list[st
     return path
 
 
-def library_path(source: Path, name: str, flags: list[str], suffix: Optional[str] = None) -> Path:
-    """Where ``source`` compiled with ``flags`` for this torch and this Python lives."""
+def library_path(source: Path, name: str, flags: list[str], suffix: Optional[str] = None,
+                 includes: tuple = ()) -> Path:
+    """Where ``source`` (and the headers it ``includes``) compiled with ``flags`` for this torch and this Python
+    lives."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     key = hashlib.sha256("\n".join([
-        source.read_text(), torch.__version__, str(torch.version.git_version), sys.version,
+        source.read_text(), *(header.read_text() for header in includes), torch.__version__, str(torch.version.git_version), sys.version,
         str(torch._C._GLIBCXX_USE_CXX11_ABI), " ".join(flags)]).encode()).hexdigest()[:16]
     return Path(cache_dir()) / FOLDER / f"{name}_{key}{suffix or '.so'}"
 
