@@ -95,6 +95,12 @@ PIPELINES = {
                                        "(no backward: the step folds)", "scaled", FULL_BYTES,
                                        lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel=DEFAULT,
                                                                       fold=True, timed="step-after-copy")),
+    # The same with param_checks="on_request": no per-param reads after the first step (the host work that
+    # grows with the number of params).
+    "graphstep-scaled-folded-copied-on-request": (
+        "graphstep full step with loss scale, grads copied in, param_checks='on_request'", "scaled", FULL_BYTES,
+        lambda i: core.build_graphstep(i, loss_scale=core.LOSS_SCALE, kernel=DEFAULT, fold=True,
+                                       timed="step-after-copy", param_checks="on_request")),
     # What the fold costs backward, and backward + step together, with and without it.
     "backward": ("backward stand-in (zero_grad + every grad accumulated through autograd), unfolded", "backward",
                  core.BACKWARD_BYTES,
