@@ -409,3 +409,13 @@ def test_the_fp16_casts_are_torchs_over_every_exponent_and_every_half(native):
     assert ours.view(torch.float16)[~numbers].isnan().all()
     halves = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16)
     assert _equal(_native_cast("graphstep_from_f16", halves, torch.float32), halves.view(torch.float16).float())
+
+
+def test_a_piece_index_outside_the_scales_is_refused_before_the_loop_reads_it(native):
+    parts, index, scales, _ = _scaled_call(*SCALED["fp16 moments"])
+    (stored, grad), (first, second, split) = parts[0], index[0]
+    out = tuple(None if s is None else torch.zeros_like(s) for s in scales)
+    c = torch.ones(11)
+    with pytest.raises(ValueError, match="outside the 7 pieces"):
+        stored_loops.adam_scaled(1, ("f32", "f16", "f16"), stored, grad, (first, second + 7, split), scales, out,
+                                 compiled_stored._fp8_values(torch.device("cpu")), (0.0, 1.0, 1.0), c)

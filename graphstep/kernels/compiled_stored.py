@@ -308,8 +308,8 @@ def _stored_adam_op(written: list[torch.Tensor], read: list[torch.Tensor], spec:
 
 
 def _native_covers(segments: tuple, unpacked: list) -> bool:
-    """Whether the native loop (graphstep/native/update_loops.py) runs this call: every part's encodings and
-    tensors ones it takes, and the library built. Bitwise the same as the compiled passes."""
+    """Whether the native loops (graphstep/native/stored_loops.py) run this call: every part's encodings and
+    tensors ones they take, and their library built. Bitwise the same as the compiled passes."""
     def covered(segment, parts, scales) -> bool:
         if segment.scaled:
             return all(stored_loops.scaled_covers(segment.encodings(), stored, grad, index, scales)

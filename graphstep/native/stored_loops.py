@@ -89,6 +89,8 @@ def adam_scaled(pass_: int, encodings: tuple, stored: tuple, grad: torch.Tensor,
     infinities = (ctypes.c_float * 3)(*infinite)
     first, second, split = index
     pieces = max((s.numel() for s in scales if s is not None), default=0)
+    if first.numel() and (min(first.min(), second.min()) < 0 or max(first.max(), second.max()) >= pieces):
+        raise ValueError(f"a row's piece lies outside the {pieces} pieces the scales have")  # the loop indexes them
     failed = stored_library().graphstep_adam_scaled(
         pass_, pointers, main_low[0].data_ptr() if main_low else None, codes, scale_pointers, grad.data_ptr(),
         _GRADS[grad.dtype], grad.shape[0], grad.shape[1], first.data_ptr(), second.data_ptr(), split.data_ptr(),
