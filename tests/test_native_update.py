@@ -1,5 +1,6 @@
-"""The native Adam loop (graphstep/native/update_loops.py) against the ``torch.compile``d loop it stands in for, and
-the start it is for: a build and first step that import no compiler of torch's and trace nothing."""
+"""The native Adam loops (graphstep/native/update_loops.py, stored_loops.py) against the ``torch.compile``d loops and
+passes they stand in for, their casts against torch's, and the start they are for: a build and first step that
+import no compiler of torch's and trace nothing."""
 
 import json
 import os

@@ -46,8 +46,9 @@ def library_path(source: Path, name: str, flags: list[str], suffix: Optional[str
     lives."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     key = hashlib.sha256("\n".join([
-        source.read_text(), *(header.read_text() for header in includes), torch.__version__, str(torch.version.git_version), sys.version,
-        str(torch._C._GLIBCXX_USE_CXX11_ABI), " ".join(flags)]).encode()).hexdigest()[:16]
+        source.read_text(), *(header.read_text() for header in includes), torch.__version__,
+        str(torch.version.git_version), sys.version, str(torch._C._GLIBCXX_USE_CXX11_ABI),
+        " ".join(flags)]).encode()).hexdigest()[:16]
     return Path(cache_dir()) / FOLDER / f"{name}_{key}{suffix or '.so'}"
 
 

@@ -297,7 +297,8 @@ GRAPHSTEP_WIDTHS uint32_t largest_magnitude(const float* __restrict__ values, in
                                             uint32_t so_far) {
   for (int64_t i = 0; i < n; i++) {
     const uint32_t magnitude = to_bits(values[i]) & 0x7FFFFFFF;  // as fp32 bits: ordered as the values are
-    const uint32_t counted = pick(magnitude == 0x7F800000u, to_bits(infinite), pick(magnitude > 0x7F800000u, 0, magnitude));
+    const uint32_t counted =
+        pick(magnitude == 0x7F800000u, to_bits(infinite), pick(magnitude > 0x7F800000u, 0, magnitude));
     so_far = std::max(so_far, counted);
   }
   return so_far;
