@@ -303,3 +303,19 @@ def test_torchs_state_dict_hooks_run_around_the_fsdp2_format():
     opt.register_load_state_dict_pre_hook(lambda o, sd: seen.append(sd.pop("extra")))
     opt.load_state_dict(opt.state_dict())
     assert seen == [7]
+
+
+def test_on_request_fsdp2s_binding_check_reads_no_param_between_requests(monkeypatch):
+    from graphstep.native import param_checks
+    m = model()
+    opt = gs.get_optimizer(config(param_checks="on_request"), m)
+    train([(m, opt)], range(1))
+    reads = []
+    read = param_checks.first_unbound
+    monkeypatch.setattr(param_checks, "first_unbound", lambda tensors, **kw: (reads.append(len(tensors)),
+                                                                              read(tensors, **kw))[1])
+    train([(m, opt)], range(1, 3))
+    assert not any(reads)  # neither FSDP2's bindings nor the requires_grad watch read a param
+    opt.check_params()
+    train([(m, opt)], range(3, 4))
+    assert any(reads)
