@@ -334,9 +334,11 @@ def _weights(count: int, numel: int) -> torch.nn.Module:
 
 
 def _vector_norms(block) -> int:
+    """The row-norm ops ``block`` dispatches: torch's vector norm, or graphstep's native one on the CPU
+    (graphstep/kernels/row_norms.py)."""
     with DispatchedOps() as ops:
         block()
-    return sum(name.startswith("aten.linalg_vector_norm") for name in ops.names)
+    return sum(name.startswith(("aten.linalg_vector_norm", "graphstep.row_norms_")) for name in ops.names)
 
 
 @pytest.mark.parametrize("count, numel, in_backward", [(2000, ROW, 0), (6, 2**20 + 100, 6)],

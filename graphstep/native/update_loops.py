@@ -134,10 +134,28 @@ def check_row(coefficients: torch.Tensor) -> None:
         raise ValueError("coefficients must be one contiguous fp32 CPU row")
 
 
+def row_norms_cover(rows: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether ``row_norms`` takes these: (n, length) fp32 rows, length a multiple of 16, and (n,) fp32 norms,
+    both contiguous on the CPU, and the library built."""
+    return (rows.dim() == 2 and rows.dtype == torch.float32 and out.dtype == torch.float32
+            and rows.device.type == "cpu" and out.device.type == "cpu" and rows.is_contiguous()
+            and out.is_contiguous() and out.shape == rows.shape[:1] and rows.shape[1] % 16 == 0
+            and library() is not None)
+
+
+def row_norms(rows: torch.Tensor, out: torch.Tensor) -> None:
+    """The fp32 norm of each row of ``rows`` into ``out`` (``row_norms_cover`` holds), with torch's thread count."""
+    library().graphstep_row_norms(rows.data_ptr(), rows.shape[0], rows.shape[1], out.data_ptr(),
+                                  torch.get_num_threads())
+
+
 def _fp32_signatures(library: ctypes.CDLL) -> None:
     function = library.graphstep_adam_fp32
     function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     function.restype = None
+    norms = library.graphstep_row_norms
+    norms.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    norms.restype = None
 
 
 def _stored_signatures(library: ctypes.CDLL) -> None:

@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ...kernels.row_norms import row_norms as kernel_row_norms
 from .. import compiled_scalar_math
 from ..compiled_scalar_math import scalar
 from ..norm_prescale import FromScale, NormPrescale
@@ -71,8 +72,9 @@ class RowRescue:
 
 def row_norms(rows: torch.Tensor, out: torch.Tensor) -> None:
     """The fp32 norms of ``rows`` (n, ``ROW``) into ``out`` (n,): the one op every row's norm is computed by,
-    whole buffers or a range of rows at a time (the folded norm's units), so both give the same bits."""
-    torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32, out=out)
+    whole buffers or a range of rows at a time (the folded norm's units), so both give the same bits
+    (graphstep/kernels/row_norms.py: a native loop for fp32 rows on the CPU)."""
+    kernel_row_norms(rows, out)
 
 
 class SumOfSquares:
@@ -120,7 +122,9 @@ class SumOfSquares:
         rows = self.rows[first:end]
         if self._prescale is not None and self._divides and self._prescale.active():
             rows = rows / self._prescale.prescale  # the fused division's rounding: exact, or one rounding
-        return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32)
+        norms = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
+        row_norms(rows, norms)
+        return norms
 
     def total(self) -> torch.Tensor:
         """The sum of squares from the row norms as they stand (overflowed rows rescued) and the tail."""
