@@ -1,6 +1,7 @@
 // graphstep's compiled Adam loop over fp32 views (graphstep/kernels/compiled.py, ``adam_values``) as a plain
 // OpenMP loop: the same operations in the same order, each rounded once (no fused multiply-add, an exact square
-// root and division), so that it updates bitwise as the torch.compile'd loop and eager torch ops do.
+// root and division), so that it updates bitwise as the torch.compile'd loop and eager torch ops do. Also the
+// grad norm's rows (graphstep/kernels/row_norms.py), which every fp32 step on the CPU reads.
 // graphstep/native/update_loops.py calls it through ctypes; it needs no torch headers, so it compiles in under a
 // second, and a process that finds it built runs its first step without starting dynamo or inductor. The loops
 // over state stored below fp32 are stored_loops.cpp, a library of their own: only a step that stores state so

@@ -1,5 +1,6 @@
 """graphstep's native Adam loops on the CPU, as two libraries: update_loops.cpp over fp32 views (this module's
-``adam``), and stored_loops.cpp over main params and moments stored below fp32 (graphstep/native/stored_loops.py).
+``adam``, and the grad norm's ``row_norms``), and stored_loops.cpp over main params and moments stored below fp32
+(graphstep/native/stored_loops.py).
 
 Bitwise the same as the ``torch.compile``d loops (graphstep/kernels/compiled.py, compiled_stored.py) and as eager
 torch ops, which the tests check. Why: a process that finds the library in its cache (compile_cache.py; the first
