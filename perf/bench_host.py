@@ -44,9 +44,9 @@ def run(count: int, rounds: int) -> list[dict]:
         return all(b.bindings_intact() for b in buffers)
 
     pipelines = {"graphstep": graphstep,
-                 # The grads copied in, as torch's row refills them: no backward stand-in, whose ~10k freed
-                 # autograd objects glibc's malloc sorts at the next larger allocation, the step's (see the
-                 # README); then the same with the per-param reads off between requests.
+                 # The grads copied in, as torch's row refills them: no backward stand-in, whose freed autograd
+                 # objects glibc's malloc sorts at the next larger allocation, the step's (docs/performance.md,
+                 # host time per step); then the same with the per-param reads off between requests.
                  "graphstep-copied": core.build_graphstep(inputs, kernel=None, fold=True, timed="step-after-copy"),
                  "graphstep-on-request-copied": core.build_graphstep(inputs, kernel=None, fold=True,
                                                                      timed="step-after-copy",
