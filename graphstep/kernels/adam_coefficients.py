@@ -1,6 +1,6 @@
 """The compiled Adam loop's per-group scalars, computed on the device from the groups' hyperparameters: one row
 per group, read by the ``torch.compile``d loop (graphstep/kernels/compiled.py) and the native one
-(graphstep/native/update_loops.cpp, whose enum lists the same positions)."""
+(graphstep/native/adam_element.h, whose enum lists the same positions)."""
 
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ _SGD_LR, _SGD_WD, _SGD_MOMENTUM, _SGD_SCALE, _SGD_KEEP = range(5)
 def adam_values(param, grad, exp_avg, exp_avg_sq, c) -> tuple:
     """One Adam step's new (param, exp_avg, exp_avg_sq) from their values and a coefficient row ``c``, the skip
     selected: the arithmetic of every compiled Adam loop (this module's, and compiled_stored.py's over decoded
-    values; graphstep/native/update_loops.cpp repeats it op for op)."""
+    values; graphstep/native/adam_element.h repeats it op for op)."""
     # torch.optim's operation order (Adam: grad + wd * param; AdamW: param * (1 - lr * wd) first).
     g = grad.to(param.dtype) / c[SCALE] + param * c[WD]
     new_exp_avg = exp_avg * c[BETA1] + g * c[ONE_MINUS_BETA1]

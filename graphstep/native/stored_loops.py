@@ -13,7 +13,7 @@ import torch
 
 from .update_loops import check_row, stored_library
 
-# compiled_stored.py's encodings the native loop takes (update_loops.cpp's ``Encoding``), each with the dtypes of
+# compiled_stored.py's encodings the native loop takes (stored_loops.cpp's ``Encoding``), each with the dtypes of
 # its tensors: the main params' (f32, or bf16 params with remainders: two int16 tensors), the moments' (f32,
 # bf16), the grads' (fp32 or bf16).
 _STORED = {"f32": (0, (torch.float32,)), "bf16": (1, (torch.bfloat16,)), "rem": (2, (torch.int16, torch.int16))}
@@ -48,7 +48,7 @@ def adam_stored(encodings: tuple, stored: tuple, grad: torch.Tensor, coefficient
         raise ValueError(f"the native loop takes no encodings {encodings} with {grad.dtype} grads")
 
 
-# The scaled encodings (update_loops.cpp's ``ScaledEncoding``) and their dtypes, for ``graphstep_adam_scaled``.
+# The scaled encodings (stored_loops.cpp's ``ScaledEncoding``) and their dtypes, for ``graphstep_adam_scaled``.
 _SCALED = {**_STORED, "f16": (3, (torch.float16,)), "f8": (4, (torch.uint8,))}
 
 
