@@ -17,7 +17,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ...kernels.row_norms import row_norms as kernel_row_norms
+# The one op every row's norm is computed by, whole buffers or a range of rows at a time (the folded norm's
+# units), so both give the same bits.
+from ...kernels.row_norms import row_norms
 from .. import compiled_scalar_math
 from ..compiled_scalar_math import scalar
 from ..norm_prescale import FromScale, NormPrescale
@@ -70,13 +72,6 @@ class RowRescue:
         return norms.index_copy_(0, picked, rescued)
 
 
-def row_norms(rows: torch.Tensor, out: torch.Tensor) -> None:
-    """The fp32 norms of ``rows`` (n, ``ROW``) into ``out`` (n,): the one op every row's norm is computed by,
-    whole buffers or a range of rows at a time (the folded norm's units), so both give the same bits
-    (graphstep/kernels/row_norms.py: a native loop for fp32 rows on the CPU)."""
-    kernel_row_norms(rows, out)
-
-
 class SumOfSquares:
     """fp64 0-d sum of squares of one flat grad buffer: one read, no copy, accurate at any length. The folded
     norm (graphstep/step/folded_sums.py) fills ``row_norms`` a range of ``rows`` at a time (``norm_rows``, the
@@ -103,7 +98,7 @@ class SumOfSquares:
         self._spans.clear()
 
     def norm_rows(self, first: int, end: int) -> None:
-        """``row_norms[first:end]`` of ``rows[first:end]`` (``row_norms()``), prescaled where a loss scale is."""
+        """``row_norms[first:end]`` of ``rows[first:end]`` (``row_norms``), prescaled where a loss scale is."""
         span = self._spans.get((first, end))
         if span is None:  # views made once per span: a slice is an op
             rows = self.rows[first:end]
